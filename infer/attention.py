@@ -1,0 +1,63 @@
+"""Scaled dot-product attention over (possibly cached) keys, and the masks it needs.
+
+`attention_reference` is the plain formula, kept as the check for `attention`, the fast path
+(PyTorch's fused SDPA). Masks are boolean, True where a query may attend a key, built from
+absolute positions so the same code serves full sequences, chunks after a cache, and ring buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def attention_mask(
+    q_positions: torch.Tensor, k_positions: torch.Tensor, sliding_window: int | None = None
+) -> torch.Tensor:
+    """Boolean mask `[T, S]`: key at `k_positions[s]` is visible to the query at `q_positions[t]`.
+
+    Causal; with `sliding_window` W a query at p sees keys p-W+1 .. p (W keys, itself included),
+    as Hugging Face defines it. Negative key positions mark empty cache slots and are never visible.
+    """
+    q = q_positions[:, None]
+    k = k_positions[None, :]
+    visible = (k <= q) & (k >= 0)
+    if sliding_window is not None:
+        visible &= k > q - sliding_window
+    return visible
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention by the formula. q: [B, H, T, D]; k, v: [B, Hkv, S, D]; returns [B, H, T, D]."""
+    groups = q.shape[1] // k.shape[1]
+    # KV head j serves query heads j*groups .. j*groups+groups-1 (HF's repeat_kv).
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return probs @ v
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """The fast path: fused SDPA with grouped KV heads. Same contract as `attention_reference`."""
+    if softcap is not None:  # SDPA has no soft-capping
+        return attention_reference(q, k, v, mask, scale, softcap)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)

@@ -1,0 +1,71 @@
+"""The contiguous cache: two pre-allocated tensors `[L, B, Hkv, max_seq_len, D]` and a fill counter."""
+
+from __future__ import annotations
+
+import torch
+
+from infer.cache.base import check_kv_shape
+from infer.config import ModelConfig
+from infer.errors import CacheFullError
+
+
+class ContiguousCache:
+    """Every layer keeps every position, in order, up to `max_seq_len`."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        max_seq_len: int,
+        batch_size: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if max_seq_len < 1 or batch_size < 1:
+            raise ValueError(f"max_seq_len and batch_size must be >= 1, got {max_seq_len} and {batch_size}")
+        self.batch_size = batch_size
+        self.max_seq_len = max_seq_len
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        shape = (config.num_hidden_layers, batch_size, self.num_kv_heads, max_seq_len, self.head_dim)
+        # k_cache, v_cache: [L, B, Hkv, S, D]
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self._offset = 0
+
+    @property
+    def offset(self) -> int:
+        """Number of tokens cached."""
+        return self._offset
+
+    def key_positions(self, layer: int, q_len: int) -> torch.Tensor:
+        """Keys come back in order from position 0."""
+        return torch.arange(self._offset + q_len, device=self.k_cache.device)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write at `offset` and return views of every valid position of this layer."""
+        check_kv_shape(k, v, self.batch_size, self.num_kv_heads, self.head_dim)
+        end = self._offset + k.shape[2]
+        if end > self.max_seq_len:
+            raise CacheFullError(
+                f"{k.shape[2]} new tokens after {self._offset} cached exceed max_seq_len={self.max_seq_len}; "
+                "create the cache with a larger max_seq_len"
+            )
+        self.k_cache[layer, :, :, self._offset : end] = k
+        self.v_cache[layer, :, :, self._offset : end] = v
+        return self.k_cache[layer, :, :, :end], self.v_cache[layer, :, :, :end]
+
+    def advance(self, n: int) -> None:
+        """Count `n` more tokens as cached."""
+        if n < 0 or self._offset + n > self.max_seq_len:
+            raise CacheFullError(f"cannot advance by {n} from {self._offset} (max_seq_len={self.max_seq_len})")
+        self._offset += n
+
+    def reset(self) -> None:
+        """Empty the cache; stale values stay in memory but are never read (positions >= offset)."""
+        self._offset = 0
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes held by the two tensors."""
+        return self.k_cache.nbytes + self.v_cache.nbytes

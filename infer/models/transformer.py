@@ -1,0 +1,236 @@
+"""The decoder-only transformer for Llama 3, Qwen 3 and Gemma 3 (text), read top to bottom.
+
+The three differ in a handful of places, each switched by the config:
+- Qwen 3 and Gemma 3 RMS-normalise each query and key head before RoPE (`q_norm`, `k_norm`);
+- Gemma 3 scales embeddings by sqrt(hidden_size), uses `(1 + weight)` RMSNorm, four norms per
+  block (a post-norm after attention and after the MLP), GELU-tanh, queries scaled by
+  `query_pre_attn_scalar ** -0.5`, and sliding-window layers with their own RoPE base.
+Module names are Hugging Face's, so checkpoint keys load without renaming.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infer.attention import attention, attention_mask, attention_reference
+from infer.cache.base import KVCache
+from infer.config import SLIDING_ATTENTION, ModelConfig, RopeConfig
+from infer.rope import apply_rope, inverse_frequencies, rope_cos_sin
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in fp32. Llama/Qwen: `weight * x_norm.to(dtype)`; Gemma: `(x_norm * (1 + weight)).to(dtype)`."""
+
+    def __init__(self, dim: int, eps: float, *, gemma: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.gemma = gemma
+        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * h.to(x.dtype)
+
+
+class MLP(nn.Module):
+    """Gated MLP: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        bias = config.mlp_bias
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
+
+
+@dataclass
+class StepContext:
+    """Per-forward metadata shared by every layer (explicit, never global)."""
+
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer type -> (cos, sin) [T, D]
+    masks: dict[str, torch.Tensor | None]  # layer type -> [T, S] bool, or None when all keys are visible
+    kv_cache: KVCache | None
+    use_reference_attention: bool
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped KV heads, optional QK-norm, RoPE and a KV cache."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.layer_type = config.layer_types[layer_idx]
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.model_type in ("qwen3", "gemma3_text"):
+            gemma = config.model_type == "gemma3_text"
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, gemma=gemma)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, gemma=gemma)
+        scalar = config.query_pre_attn_scalar or self.head_dim
+        self.scale = scalar**-0.5
+        self.softcap = config.attn_logit_softcapping
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        B, T, _ = x.shape
+        # q: [B, H, T, D]; k, v: [B, Hkv, T, D]
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = ctx.rope[self.layer_type]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if ctx.kv_cache is not None:
+            k, v = ctx.kv_cache.update(self.layer_idx, k, v)  # k, v: [B, Hkv, S, D]
+        attend = attention_reference if ctx.use_reference_attention else attention
+        out = attend(q, k, v, ctx.masks[self.layer_type], self.scale, self.softcap)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block; Gemma 3 adds post-norms after attention and after the MLP."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        gemma = config.model_type == "gemma3_text"
+        eps = config.rms_norm_eps
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, gemma=gemma)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, gemma=gemma)
+        # Llama's "post_attention_layernorm" is the pre-MLP norm; Gemma names that one
+        # "pre_feedforward_layernorm" and uses "post_attention_layernorm" as a true post-norm.
+        self.sandwich = gemma
+        if gemma:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, gemma=True)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, gemma=True)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ctx))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """Embeddings, decoder layers, final norm and LM head. Call it on token ids `[B, T]`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        gemma = config.model_type == "gemma3_text"
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, gemma=gemma)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.embed_scale = config.hidden_size**0.5 if gemma else None
+        self.inv_freq: dict[str, torch.Tensor] = {
+            layer_type: inverse_frequencies(self._rope_of(layer_type), config.head_dim)
+            for layer_type in set(config.layer_types)
+        }
+        self.use_reference_attention = False  # the unoptimised path, for checking `attention`
+
+    def _rope_of(self, layer_type: str) -> RopeConfig:
+        if layer_type == SLIDING_ATTENTION and self.config.rope_local is not None:
+            return self.config.rope_local
+        return self.config.rope
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        kv_cache: KVCache | None = None,
+        *,
+        all_logits: bool | None = None,
+    ) -> torch.Tensor:
+        """Logits for `input_ids` `[B, T]`.
+
+        Without a cache: the full sequence, logits `[B, T, vocab]`. With a cache: the tokens follow
+        the `kv_cache.offset` already cached (prefill, chunk or single-token decode), the cache is
+        advanced, and the logits are the last position's `[B, 1, vocab]` unless `all_logits=True`.
+        """
+        self._check_input(input_ids, kv_cache)
+        B, T = input_ids.shape
+        offset = kv_cache.offset if kv_cache is not None else 0
+        device = input_ids.device
+        positions = torch.arange(offset, offset + T, device=device)
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            # HF rounds the scale to the model dtype before multiplying.
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        ctx = StepContext(
+            rope={lt: rope_cos_sin(self._inv_freq_on(lt, device), positions, x.dtype) for lt in self.inv_freq},
+            masks={lt: self._mask(lt, positions, kv_cache) for lt in self.inv_freq},
+            kv_cache=kv_cache,
+            use_reference_attention=self.use_reference_attention,
+        )
+        for layer in self.layers:
+            x = layer(x, ctx)
+        if kv_cache is not None:
+            kv_cache.advance(T)
+            if not all_logits:
+                x = x[:, -1:]
+        logits = self.lm_head(self.norm(x))
+        if self.config.final_logit_softcapping is not None:
+            cap = self.config.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _inv_freq_on(self, layer_type: str, device: torch.device) -> torch.Tensor:
+        # Kept out of the module's buffers so `model.to(dtype)` never rounds the frequencies.
+        freq = self.inv_freq[layer_type]
+        if freq.device != device:
+            freq = self.inv_freq[layer_type] = freq.to(device)
+        return freq
+
+    def _mask(self, layer_type: str, positions: torch.Tensor, kv_cache: KVCache | None) -> torch.Tensor | None:
+        window = self.config.sliding_window if layer_type == SLIDING_ATTENTION else None
+        T = positions.shape[0]
+        if kv_cache is None:
+            key_positions = positions
+        else:
+            layer = self.config.layer_types.index(layer_type)
+            key_positions = kv_cache.key_positions(layer, T)
+            if T == 1 and window is None:
+                return None  # one query at the newest position sees every cached key
+        return attention_mask(positions, key_positions, window)
+
+    def _check_input(self, input_ids: torch.Tensor, kv_cache: KVCache | None) -> None:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError("input_ids must be a 2-D tensor [batch, seq_len] of token ids")
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"input_ids must be int64 or int32 token ids, got {input_ids.dtype}")
+        if input_ids.shape[1] == 0:
+            raise ValueError("input_ids is empty: pass at least one token")
+        # Checked on the CPU only: on a GPU the check would synchronise every decode step.
+        if input_ids.device.type == "cpu":
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got min {lo} max {hi}")
+        if kv_cache is not None and kv_cache.batch_size != input_ids.shape[0]:
+            raise ValueError(
+                f"input batch {input_ids.shape[0]} does not match the cache's batch_size {kv_cache.batch_size}"
+            )
