@@ -1,0 +1,70 @@
+"""Shared test helpers: closeness with a useful message, random tiny models built in-process."""
+
+from __future__ import annotations
+
+import torch
+
+from infer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig
+from infer.models import Transformer
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, what: str = "tensors") -> None:
+    """Assert |actual - expected| <= atol everywhere; the message gives max and mean difference."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    diff = (actual.float() - expected.float()).abs()
+    worst = diff.max().item() if diff.numel() else 0.0
+    assert worst <= atol, (
+        f"{what}: max |diff| {worst:.3e} > {atol:.1e} (mean {diff.mean().item():.3e}, "
+        f"at index {tuple(int(i) for i in torch.nonzero(diff == worst)[0])})"
+    )
+
+
+def tiny_config(
+    model_type: str = "llama",
+    *,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 8,
+    hidden_size: int = 32,
+    vocab_size: int = 97,
+    sliding_window: int | None = None,
+    sliding_pattern: int = 2,
+) -> ModelConfig:
+    """A small config without a checkpoint; Gemma 3 alternates sliding and full layers."""
+    gemma = model_type == "gemma3_text"
+    layer_types = tuple(
+        SLIDING_ATTENTION if gemma and (i + 1) % sliding_pattern else FULL_ATTENTION for i in range(num_layers)
+    )
+    has_sliding = SLIDING_ATTENTION in layer_types
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=4096,
+        tie_word_embeddings=gemma,
+        hidden_act="gelu_pytorch_tanh" if gemma else "silu",
+        layer_types=layer_types,
+        sliding_window=(sliding_window or 4) if has_sliding else None,
+        rope=RopeConfig(theta=10000.0),
+        rope_local=RopeConfig(theta=1000.0) if gemma else None,
+        query_pre_attn_scalar=float(head_dim + 3) if gemma else None,
+    )
+
+
+def random_model(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> Transformer:
+    """A Transformer with seeded random weights, peaked enough that argmax ties do not occur."""
+    gen = torch.Generator().manual_seed(seed)
+    model = Transformer(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (0.0 if config.model_type == "gemma3_text" else 1.0))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return model.to(dtype).eval().requires_grad_(False)
