@@ -8,6 +8,7 @@ number of tokens.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -49,6 +50,14 @@ class KVCache(Protocol):
         """Bytes of the tensors the cache holds."""
         ...
 
+    def snapshot(self) -> CacheSnapshot:
+        """Copy the cached tokens' state out, so `restore` can bring it back later."""
+        ...
+
+    def restore(self, snapshot: CacheSnapshot) -> None:
+        """Replace the contents with a snapshot taken from a cache of the same kind and shape."""
+        ...
+
 
 def check_kv_shape(k: torch.Tensor, v: torch.Tensor, batch_size: int, num_kv_heads: int, head_dim: int) -> None:
     """Raise a ValueError naming the mismatch when `k`/`v` are not `[batch, kv_heads, T, head_dim]`."""
@@ -57,4 +66,29 @@ def check_kv_shape(k: torch.Tensor, v: torch.Tensor, batch_size: int, num_kv_hea
         raise ValueError(
             f"k/v must be [batch={batch_size}, kv_heads={num_kv_heads}, T, head_dim={head_dim}], "
             f"got k {tuple(k.shape)} and v {tuple(v.shape)}: was the cache built for this model and batch size?"
+        )
+
+
+@dataclass
+class CacheSnapshot:
+    """A copy of a cache's contents after some tokens, to restore later (prompt caching).
+
+    `tensors` are whatever the kind needs to rebuild its state (copies, never views of live
+    storage); `token_ids`, when known, let a caller check that a new prompt starts with them.
+    """
+
+    kind: str
+    offset: int
+    tensors: dict[str, torch.Tensor]
+    token_ids: list[int] | None = None
+    meta: dict[str, int | float | str] = field(default_factory=dict)
+
+
+def check_snapshot(snapshot: CacheSnapshot, kind: str, max_seq_len: int) -> None:
+    """Raise a ValueError when a snapshot cannot be restored into a `kind` cache of `max_seq_len`."""
+    if snapshot.kind != kind:
+        raise ValueError(f"cannot restore a '{snapshot.kind}' snapshot into a '{kind}' cache")
+    if snapshot.offset > max_seq_len:
+        raise ValueError(
+            f"the snapshot holds {snapshot.offset} tokens but the cache's max_seq_len is {max_seq_len}"
         )

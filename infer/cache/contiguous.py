@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from infer.cache.base import check_kv_shape
+from infer.cache.base import CacheSnapshot, check_kv_shape, check_snapshot
 from infer.config import ModelConfig
 from infer.errors import CacheFullError
 
@@ -69,3 +69,25 @@ class ContiguousCache:
     def memory_bytes(self) -> int:
         """Bytes held by the two tensors."""
         return self.k_cache.nbytes + self.v_cache.nbytes
+
+    def snapshot(self) -> CacheSnapshot:
+        """Copies of the filled part of both tensors."""
+        n = self._offset
+        return CacheSnapshot(
+            kind="contiguous",
+            offset=n,
+            tensors={"k": self.k_cache[:, :, :, :n].clone(), "v": self.v_cache[:, :, :, :n].clone()},
+        )
+
+    def restore(self, snapshot: CacheSnapshot) -> None:
+        """Load a snapshot of a contiguous cache with the same layers, batch, heads and head size."""
+        check_snapshot(snapshot, "contiguous", self.max_seq_len)
+        k, v = snapshot.tensors["k"], snapshot.tensors["v"]
+        if k.shape[:3] != self.k_cache.shape[:3] or k.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"snapshot tensors {tuple(k.shape)} do not fit this cache {tuple(self.k_cache.shape)}"
+            )
+        n = snapshot.offset
+        self.k_cache[:, :, :, :n] = k
+        self.v_cache[:, :, :, :n] = v
+        self._offset = n

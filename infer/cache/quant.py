@@ -1,0 +1,149 @@
+"""Symmetric per-row quantization of K/V rows: int8, int4 and FP4 (E2M1), as pure tensor functions.
+
+A row is one (token, head) vector over `head_dim`; each row gets one scale, `absmax / qmax`, stored
+in bfloat16 (fp32's exponent range, so tiny or huge rows keep a usable scale) and rounded *up* to
+it, so `|x| / scale <= qmax` and no value clips. An all-zero row gets scale 0 and decodes to zeros.
+
+Layouts (`x`: [..., D]):
+- int8: codes int8 [..., D] in -127..127 (symmetric: -128 is never written), scale [...].
+- int4: codes -7..7 (symmetric; -8 decodes but is never written), two per uint8 as two's-complement
+  nibbles, element 2i in the low nibble and 2i+1 in the high one: [..., D/2].
+- fp4: E2M1 codes (bit 3 sign, bits 2-1 exponent, bit 0 mantissa) for ±{0, 0.5, 1, 1.5, 2, 3, 4, 6},
+  scale = absmax / 6, round to nearest (ties to the smaller magnitude), packed like int4.
+
+Where a faster form exists the plain formula sits beside it (`*_reference`) as its check.
+This module knows nothing about caches or models.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCALE_DTYPE = torch.bfloat16
+INT8_MAX = 127
+INT4_MAX = 7
+FP4_MAX = 6.0
+# E2M1 magnitudes by 3-bit code, and the midpoints between neighbours that decide rounding.
+FP4_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def row_scale(x: torch.Tensor, qmax: float) -> torch.Tensor:
+    """One scale per row, `absmax / qmax` over the last dim, rounded up to `SCALE_DTYPE`: [..., D] -> [...]."""
+    exact = x.float().abs().amax(dim=-1) / qmax
+    scale = exact.to(SCALE_DTYPE)
+    # Rounding down would push |x| / scale past qmax and clip the row's largest value.
+    too_small = scale.float() < exact
+    return torch.where(too_small, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
+
+
+def _divide_by_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`x / scale` per row in fp32; a zero scale (all-zero row) divides by 1 so no NaN appears."""
+    s = scale.float().unsqueeze(-1)
+    return x.float() / torch.where(s == 0, torch.ones_like(s), s)
+
+
+def _times_scale(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (values.float() * scale.float().unsqueeze(-1)).to(dtype)
+
+
+def _check_even(x: torch.Tensor, what: str) -> None:
+    if x.shape[-1] % 2:
+        raise ValueError(
+            f"{what} packs two values per byte, so the last dim must be even, got {x.shape[-1]}; "
+            "use int8 for an odd head_dim"
+        )
+
+
+# --- nibble packing -------------------------------------------------------------------------------
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes uint8 [..., D] (each 0..15) -> bytes uint8 [..., D/2]; element 2i in the low nibble."""
+    _check_even(codes, "4-bit packing")
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Bytes uint8 [..., D/2] -> 4-bit codes uint8 [..., D], the inverse of `pack_nibbles`."""
+    low, high = packed & 0x0F, packed >> 4
+    return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+# --- int8 -----------------------------------------------------------------------------------------
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (codes int8 [..., D] in -127..127, scale [...]); x ≈ codes * scale."""
+    scale = row_scale(x, INT8_MAX)
+    codes = torch.round(_divide_by_scale(x, scale)).clamp(-INT8_MAX, INT8_MAX)
+    return codes.to(torch.int8), scale
+
+
+def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """codes int8 [..., D], scale [...] -> values [..., D] in `dtype`."""
+    return _times_scale(codes, scale, dtype)
+
+
+# --- int4 -----------------------------------------------------------------------------------------
+
+
+def quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] (D even) -> (packed uint8 [..., D/2] of codes -7..7, scale [...])."""
+    _check_even(x, "int4")
+    scale = row_scale(x, INT4_MAX)
+    codes = torch.round(_divide_by_scale(x, scale)).clamp(-INT4_MAX, INT4_MAX).to(torch.int16)
+    return pack_nibbles((codes & 0x0F).to(torch.uint8)), scale
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """packed uint8 [..., D/2], scale [...] -> values [..., D] in `dtype`."""
+    nibbles = unpack_nibbles(packed).to(torch.int16)
+    codes = (nibbles ^ 0x08) - 0x08  # sign-extend the 4-bit two's complement
+    return _times_scale(codes, scale, dtype)
+
+
+# --- fp4 (E2M1) -----------------------------------------------------------------------------------
+
+
+def e2m1_value(code: int) -> float:
+    """The value of one 4-bit E2M1 code by the format's definition (exponent bias 1, one mantissa bit)."""
+    sign = -1.0 if code & 0x8 else 1.0
+    exponent, mantissa = (code >> 1) & 0x3, code & 0x1
+    if exponent == 0:  # subnormal: 0 or 0.5
+        return sign * mantissa * 0.5
+    return sign * 2.0 ** (exponent - 1) * (1.0 + mantissa / 2)
+
+
+def fp4_code_table(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 16 code values as fp32 [16], indexed by code: what `dequantize_fp4` looks up."""
+    return torch.tensor([e2m1_value(c) for c in range(16)], dtype=torch.float32, device=device)
+
+
+def fp4_codes_reference(v: torch.Tensor) -> torch.Tensor:
+    """Scaled values [...] (|v| <= 6) -> E2M1 codes uint8 [...]: the nearest grid point by distance."""
+    grid = torch.tensor(FP4_GRID, device=v.device)
+    # argmin keeps the first of two equal distances: ties go to the smaller magnitude.
+    magnitude_code = (v.float().abs().unsqueeze(-1) - grid).abs().argmin(dim=-1)
+    return (magnitude_code | ((v < 0).long() << 3)).to(torch.uint8)
+
+
+def fp4_codes(v: torch.Tensor) -> torch.Tensor:
+    """Same as `fp4_codes_reference`, by binary search over the midpoints instead of 8 distances."""
+    midpoints = torch.tensor(FP4_MIDPOINTS, device=v.device)
+    # right=False: a value equal to a midpoint stays in the lower bucket, as argmin's tie-break does.
+    magnitude_code = torch.bucketize(v.float().abs(), midpoints, right=False)
+    return (magnitude_code | ((v < 0).long() << 3)).to(torch.uint8)
+
+
+def quantize_fp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] (D even) -> (packed uint8 [..., D/2] of E2M1 codes, scale [...]), scale = absmax / 6."""
+    _check_even(x, "fp4")
+    scale = row_scale(x, FP4_MAX)
+    return pack_nibbles(fp4_codes(_divide_by_scale(x, scale))), scale
+
+
+def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """packed uint8 [..., D/2], scale [...] -> values [..., D] in `dtype`."""
+    values = fp4_code_table(packed.device)[unpack_nibbles(packed).long()]
+    return _times_scale(values, scale, dtype)

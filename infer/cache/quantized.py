@@ -1,0 +1,225 @@
+"""The quantized cache: K/V stored as int8, int4 or FP4 rows with one scale per (token, head).
+
+Storage is pre-allocated like the contiguous cache, but packed: `[L, B, Hkv, S, D]` int8 or
+`[L, B, Hkv, S, D/2]` uint8 (two 4-bit codes per byte), plus bfloat16 scales `[L, B, Hkv, S]`.
+`update` returns the dequantized K/V in the model dtype, so attention is unchanged.
+
+With `residual_window=N` the newest tokens stay in full precision in a small ring buffer and are
+quantized a block at a time as they age: after `n` tokens the oldest
+`num_quantized(n) = block * floor((n - N) / block)` are quantized (0 while n <= N), so between N and
+N + block - 1 of the newest tokens are exact. `residual_window=0` quantizes every token on arrival.
+
+`update` ages tokens out of the ring as it writes, so call it once per layer per step, then
+`advance` (the model's calling pattern); a second `update` of a layer before `advance` is not
+supported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from infer.cache import quant
+from infer.cache.base import CacheSnapshot, check_kv_shape, check_snapshot
+from infer.config import ModelConfig
+from infer.errors import CacheFullError
+
+Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+Dequantize = Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
+
+# scheme -> (quantize, dequantize, values per stored element along head_dim, storage dtype)
+SCHEMES: dict[str, tuple[Quantize, Dequantize, int, torch.dtype]] = {
+    "int8": (quant.quantize_int8, quant.dequantize_int8, 1, torch.int8),
+    "int4": (quant.quantize_int4, quant.dequantize_int4, 2, torch.uint8),
+    "fp4": (quant.quantize_fp4, quant.dequantize_fp4, 2, torch.uint8),
+}
+DEFAULT_RESIDUAL_BLOCK = 32
+
+
+class QuantizedCache:
+    """Every layer keeps every position, quantized per (token, head) row; optionally the newest exact."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        max_seq_len: int,
+        batch_size: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        scheme: str = "int8",
+        residual_window: int = 0,
+        residual_block: int = DEFAULT_RESIDUAL_BLOCK,
+    ) -> None:
+        if scheme not in SCHEMES:
+            raise ValueError(f"unknown quantization scheme {scheme!r}; use one of {', '.join(map(repr, SCHEMES))}")
+        quantize, dequantize, per_element, storage_dtype = SCHEMES[scheme]
+        if max_seq_len < 1 or batch_size < 1:
+            raise ValueError(f"max_seq_len and batch_size must be >= 1, got {max_seq_len} and {batch_size}")
+        if config.head_dim % per_element:
+            raise ValueError(
+                f"scheme {scheme!r} packs two values per byte and needs an even head_dim, got {config.head_dim}; "
+                "use scheme='int8' (or the contiguous cache) for this model"
+            )
+        if residual_window < 0 or residual_block < 1:
+            raise ValueError(
+                f"residual_window must be >= 0 and residual_block >= 1, got {residual_window} and {residual_block}"
+            )
+        self.scheme = scheme
+        self.batch_size = batch_size
+        self.max_seq_len = max_seq_len
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.dtype = dtype
+        self.residual_window = residual_window
+        # Without a window every token is quantized at once: blocks of one.
+        self.residual_block = residual_block if residual_window else 1
+        self._quantize, self._dequantize = quantize, dequantize
+        self._offset = 0
+
+        lbh = (config.num_hidden_layers, batch_size, self.num_kv_heads)
+        num_slots = self.num_quantized(max_seq_len)
+        packed_shape = (*lbh, num_slots, self.head_dim // per_element)
+        # k_data, v_data: [L, B, Hkv, Sq, D or D/2]; k_scale, v_scale: [L, B, Hkv, Sq]
+        self.k_data = torch.zeros(packed_shape, dtype=storage_dtype, device=device)
+        self.v_data = torch.zeros(packed_shape, dtype=storage_dtype, device=device)
+        self.k_scale = torch.zeros((*lbh, num_slots), dtype=quant.SCALE_DTYPE, device=device)
+        self.v_scale = torch.zeros((*lbh, num_slots), dtype=quant.SCALE_DTYPE, device=device)
+        # The ring never holds more than N + block - 1 tokens (see num_quantized); position p is at slot p % R.
+        self.ring_size = min(residual_window + self.residual_block - 1, max_seq_len)
+        # k_recent, v_recent: [L, B, Hkv, R, D] in the model dtype
+        self.k_recent = torch.zeros((*lbh, self.ring_size, self.head_dim), dtype=dtype, device=device)
+        self.v_recent = torch.zeros((*lbh, self.ring_size, self.head_dim), dtype=dtype, device=device)
+
+    @property
+    def offset(self) -> int:
+        """Number of tokens cached."""
+        return self._offset
+
+    def num_quantized(self, num_tokens: int) -> int:
+        """How many of the oldest of `num_tokens` cached tokens are held quantized."""
+        if num_tokens <= self.residual_window:
+            return 0
+        block = self.residual_block
+        return (num_tokens - self.residual_window) // block * block
+
+    def key_positions(self, layer: int, q_len: int) -> torch.Tensor:
+        """Keys come back in order from position 0, as in the contiguous cache."""
+        return torch.arange(self._offset + q_len, device=self.k_data.device)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens (quantizing what ages out of the window); return every valid position
+        dequantized, `[B, Hkv, offset + T, D]` in the cache dtype."""
+        check_kv_shape(k, v, self.batch_size, self.num_kv_heads, self.head_dim)
+        start, end = self._offset, self._offset + k.shape[2]
+        if end > self.max_seq_len:
+            raise CacheFullError(
+                f"{k.shape[2]} new tokens after {start} cached exceed max_seq_len={self.max_seq_len}; "
+                "create the cache with a larger max_seq_len"
+            )
+        k_all = self._write(self.k_data[layer], self.k_scale[layer], self.k_recent[layer], k, start, end)
+        v_all = self._write(self.v_data[layer], self.v_scale[layer], self.v_recent[layer], v, start, end)
+        return k_all, v_all
+
+    def _ring_slots(self, first: int, stop: int) -> torch.Tensor:
+        return torch.arange(first, stop, device=self.k_data.device) % max(self.ring_size, 1)
+
+    def _write(
+        self,
+        data: torch.Tensor,
+        scale: torch.Tensor,
+        recent: torch.Tensor,
+        x: torch.Tensor,
+        start: int,
+        end: int,
+    ) -> torch.Tensor:
+        """One layer's K or V: data [B, Hkv, Sq, Dp], scale [B, Hkv, Sq], recent [B, Hkv, R, D],
+        new x [B, Hkv, T, D] for positions start..end-1."""
+        old_quantized, new_quantized = self.num_quantized(start), self.num_quantized(end)
+        if new_quantized > old_quantized:
+            # Positions old_quantized..new_quantized-1 age out: the older ones from the ring (read
+            # before the ring is written below), the rest straight from x.
+            from_ring = recent[:, :, self._ring_slots(old_quantized, min(new_quantized, start))]
+            from_x = x[:, :, : max(new_quantized - start, 0)]
+            codes, row_scales = self._quantize(torch.cat((from_ring, from_x.to(recent.dtype)), dim=2))
+            data[:, :, old_quantized:new_quantized] = codes
+            scale[:, :, old_quantized:new_quantized] = row_scales
+        first_kept = max(new_quantized, start)
+        if end > first_kept:
+            recent[:, :, self._ring_slots(first_kept, end)] = x[:, :, first_kept - start :].to(recent.dtype)
+        old = self._dequantize(data[:, :, :new_quantized], scale[:, :, :new_quantized], self.dtype)
+        return torch.cat((old, recent[:, :, self._ring_slots(new_quantized, end)]), dim=2)
+
+    def advance(self, n: int) -> None:
+        """Count `n` more tokens as cached."""
+        if n < 0 or self._offset + n > self.max_seq_len:
+            raise CacheFullError(f"cannot advance by {n} from {self._offset} (max_seq_len={self.max_seq_len})")
+        self._offset += n
+
+    def reset(self) -> None:
+        """Empty the cache; stale values stay in memory but are never read."""
+        self._offset = 0
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes held: packed codes, scales and the full-precision ring, for K and V."""
+        tensors = (self.k_data, self.v_data, self.k_scale, self.v_scale, self.k_recent, self.v_recent)
+        return sum(t.nbytes for t in tensors)
+
+    def snapshot(self) -> CacheSnapshot:
+        """Copies of the quantized rows and scales, and of the ring's tokens in position order."""
+        n = self._offset
+        q = self.num_quantized(n)
+        slots = self._ring_slots(q, n)
+        return CacheSnapshot(
+            kind=self.scheme,
+            offset=n,
+            tensors={
+                "k_data": self.k_data[:, :, :, :q].clone(),
+                "v_data": self.v_data[:, :, :, :q].clone(),
+                "k_scale": self.k_scale[:, :, :, :q].clone(),
+                "v_scale": self.v_scale[:, :, :, :q].clone(),
+                "k_recent": self.k_recent[:, :, :, slots].clone(),  # [L, B, Hkv, n - q, D]
+                "v_recent": self.v_recent[:, :, :, slots].clone(),
+            },
+            meta={"residual_window": self.residual_window, "residual_block": self.residual_block},
+        )
+
+    def restore(self, snapshot: CacheSnapshot) -> None:
+        """Load a snapshot of a cache with the same scheme, window, layers, batch, heads and head size."""
+        check_snapshot(snapshot, self.scheme, self.max_seq_len)
+        window = (snapshot.meta.get("residual_window"), snapshot.meta.get("residual_block"))
+        if window != (self.residual_window, self.residual_block):
+            raise ValueError(
+                f"the snapshot was taken with residual_window, residual_block = {window}, this cache has "
+                f"{(self.residual_window, self.residual_block)}; restore into a cache built the same way"
+            )
+        t = snapshot.tensors
+        n = snapshot.offset
+        q = self.num_quantized(n)
+        if t["k_data"].shape != (*self.k_data.shape[:3], q, self.k_data.shape[-1]) or t["k_recent"].shape != (
+            *self.k_recent.shape[:3],
+            n - q,
+            self.head_dim,
+        ):
+            raise ValueError(
+                f"snapshot tensors {tuple(t['k_data'].shape)} and {tuple(t['k_recent'].shape)} do not fit this "
+                f"cache {tuple(self.k_data.shape)}"
+            )
+        self.k_data[:, :, :, :q] = t["k_data"]
+        self.v_data[:, :, :, :q] = t["v_data"]
+        self.k_scale[:, :, :, :q] = t["k_scale"]
+        self.v_scale[:, :, :, :q] = t["v_scale"]
+        slots = self._ring_slots(q, n)
+        self.k_recent[:, :, :, slots] = t["k_recent"]
+        self.v_recent[:, :, :, slots] = t["v_recent"]
+        self._offset = n
+
+
+def quantized_cache_factory(scheme: str) -> Callable[..., QuantizedCache]:
+    """The registry's factory for one scheme: `QuantizedCache` with `scheme` fixed."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization scheme {scheme!r}; use one of {', '.join(map(repr, SCHEMES))}")
+    return partial(QuantizedCache, scheme=scheme)

@@ -1,0 +1,105 @@
+"""Sampling parameters and the logits-to-token step.
+
+Processing order follows Hugging Face: repetition penalty, temperature, top-k, top-p, min-p.
+Temperature 0 is greedy (argmax), which makes token-exact oracle tests possible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] | None = None  # None: the checkpoint's EOS ids
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(name: str, value: object, rule: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name}={value!r} is invalid: {rule}")
+
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+            raise TypeError(f"SamplingParams.max_new_tokens must be an int, got {self.max_new_tokens!r}")
+        if self.max_new_tokens < 0:
+            raise bad("max_new_tokens", self.max_new_tokens, "it must be >= 0")
+        if not self.temperature >= 0:
+            raise bad("temperature", self.temperature, "it must be >= 0 (0 means greedy)")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", self.top_k, "it must be an int >= 0 (0 turns it off)")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", self.top_p, "it must lie in (0, 1] (1 turns it off)")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", self.min_p, "it must lie in [0, 1] (0 turns it off)")
+        if not self.repetition_penalty > 0:
+            raise bad("repetition_penalty", self.repetition_penalty, "it must be > 0 (1 turns it off)")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise TypeError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
+        # Accept a single string or any iterable; store a tuple so the caller's list is never shared.
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise bad("stop", self.stop, "stop strings must be non-empty strings")
+        object.__setattr__(self, "stop", stop)
+        if self.stop_token_ids is not None:
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def is_greedy(self) -> bool:
+        """Whether the next token is the argmax."""
+        return self.temperature == 0
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penalty: float) -> torch.Tensor:
+    """HF's rule: logits of tokens already seen are divided by `penalty` if positive, multiplied if not."""
+    picked = logits.gather(-1, seen_ids)
+    picked = torch.where(picked < 0, picked * penalty, picked / penalty)
+    return logits.scatter(-1, seen_ids, picked)
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams, seen_ids: torch.Tensor | None) -> torch.Tensor:
+    """Turn last-position logits `[B, V]` into the (masked, tempered) logits to sample from, in fp32."""
+    logits = logits.float()
+    if params.repetition_penalty != 1.0 and seen_ids is not None and seen_ids.numel():
+        logits = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
+    if params.is_greedy:
+        return logits
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=False, dim=-1)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        remove_sorted = cumulative <= 1 - params.top_p
+        remove_sorted[..., -1] = False  # always keep the most likely token
+        logits = logits.masked_fill(remove_sorted.scatter(-1, order, remove_sorted), float("-inf"))
+    if params.min_p > 0.0:
+        probs = logits.softmax(-1)
+        threshold = params.min_p * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def sample_next(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    seen_ids: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """The next token ids `[B]` for last-position logits `[B, V]`."""
+    processed = process_logits(logits, params, seen_ids)
+    if params.is_greedy:
+        return processed.argmax(dim=-1)
+    probs = processed.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

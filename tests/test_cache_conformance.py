@@ -1,0 +1,142 @@
+"""One conformance suite for every registered cache kind, on all three architectures.
+
+A new kind registered with `infer.register_cache_kind` is picked up here automatically: exact kinds
+must reproduce full-sequence logits and the oracle's greedy tokens; lossy kinds must stay within the
+`ErrorBounds` they registered; every kind must snapshot and restore.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import infer
+from infer.cache import CACHE_KINDS
+from infer.cache.snapshot import load_snapshot, save_snapshot
+from infer.generate import generate
+from infer.sampling import SamplingParams
+from reference import Oracle, build_checkpoint
+from tests.helpers import assert_close
+from tests.property.strategies import splits
+
+ARCHS = ["llama", "qwen3", "gemma3"]
+ALL_KINDS = sorted(CACHE_KINDS)
+EXACT_KINDS = [k for k in ALL_KINDS if CACHE_KINDS[k].is_exact]
+LOSSY_KINDS = [k for k in ALL_KINDS if not CACHE_KINDS[k].is_exact]
+
+
+@functools.cache
+def model_of(arch: str) -> infer.Transformer:
+    return infer.load_model(build_checkpoint(arch))
+
+
+def ids_for(model: infer.Transformer, batch: int, length: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, (batch, length), generator=gen)
+
+
+def run_split(model: infer.Transformer, cache: infer.KVCache, ids: torch.Tensor, split: list[int]) -> torch.Tensor:
+    pieces, start = [], cache.offset
+    for n in split:
+        pieces.append(model(ids[:, start : start + n], cache, all_logits=True))
+        start += n
+    return torch.cat(pieces, dim=1)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kind", EXACT_KINDS)
+@settings(max_examples=8, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(split=splits(min_total=2, max_total=40), batch=st.integers(1, 2), seed=st.integers(0, 2**16))
+def test_exact_kind_equals_full_sequence(arch: str, kind: str, split: list[int], batch: int, seed: int) -> None:
+    model = model_of(arch)
+    ids = ids_for(model, batch, sum(split), seed)
+    cache = infer.create_cache(kind, model.config, max_seq_len=ids.shape[1], batch_size=batch)
+    with torch.no_grad():
+        full = model(ids)
+        cached = run_split(model, cache, ids, split)
+    assert_close(cached, full, 1e-5 * max(1.0, full.abs().max().item()), f"{kind}/{arch} split {split}")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kind", EXACT_KINDS)
+def test_exact_kind_greedy_equals_oracle(arch: str, kind: str) -> None:
+    model = model_of(arch)
+    window = model.config.sliding_window or 8
+    prompt = ids_for(model, 1, 2 * window + 1, seed=7)[0].tolist()
+    n = 3 * window  # prompt and generation both cross a Gemma sliding window
+    result = generate(model, None, prompt, SamplingParams(max_new_tokens=n, ignore_eos=True), cache=kind)
+    assert result.token_ids == Oracle(build_checkpoint(arch)).greedy(prompt, n)
+
+
+def teacher_forced_logits(model: infer.Transformer, kind: str, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Logits of each decode step [steps, vocab] after prefilling `prefill` tokens of `ids` [1, T]."""
+    cache = infer.create_cache(kind, model.config, max_seq_len=ids.shape[1])
+    with torch.no_grad():
+        steps = [model(ids[:, :prefill], cache)[0, -1]]
+        steps += [model(ids[:, t : t + 1], cache)[0, -1] for t in range(prefill, ids.shape[1] - 1)]
+    return torch.stack(steps)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kind", LOSSY_KINDS)
+def test_lossy_kind_within_its_stated_error(arch: str, kind: str) -> None:
+    bounds = CACHE_KINDS[kind].error_bounds
+    assert bounds is not None
+    model = model_of(arch)
+    prompt = ids_for(model, 1, 16, seed=11)[0].tolist()
+    # The exact cache's own greedy continuation is the sequence both caches are forced along.
+    exact_run = generate(model, None, prompt, SamplingParams(max_new_tokens=72, ignore_eos=True))
+    ids = torch.tensor([prompt + exact_run.token_ids])
+    exact = teacher_forced_logits(model, "contiguous", ids, len(prompt))
+    lossy = teacher_forced_logits(model, kind, ids, len(prompt))
+    max_error = (exact - lossy).abs().max().item()
+    top1 = (exact.argmax(-1) == lossy.argmax(-1)).float().mean().item()
+    kl = torch.nn.functional.kl_div(lossy.log_softmax(-1), exact.log_softmax(-1), log_target=True, reduction="none")
+    mean_kl = kl.sum(-1).mean().item()
+    report = f"{kind}/{arch}: max logit error {max_error:.4f}, top-1 agreement {top1:.3f}, mean KL {mean_kl:.2e}"
+    assert exact.shape[0] >= 64
+    assert max_error <= bounds.max_logit_error, report
+    assert top1 >= bounds.min_top1_agreement, report
+    assert mean_kl <= bounds.max_mean_kl, report
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_snapshot_restore_equals_uninterrupted(arch: str, kind: str, tmp_path: Path) -> None:
+    model = model_of(arch)
+    ids = ids_for(model, 1, 30, seed=3)
+    with torch.no_grad():
+        first = infer.create_cache(kind, model.config, max_seq_len=30)
+        run_split(model, first, ids, [13])
+        snapshot = first.snapshot()
+        uninterrupted = run_split(model, first, ids, [5, 1, 1, 10])
+        save_snapshot(snapshot, tmp_path / "prefix.safetensors")
+        for restored_snapshot in (snapshot, load_snapshot(tmp_path / "prefix.safetensors")):
+            second = infer.create_cache(kind, model.config, max_seq_len=30)
+            second.restore(restored_snapshot)
+            assert second.offset == 13
+            resumed = run_split(model, second, ids, [5, 1, 1, 10])
+            assert_close(resumed, uninterrupted, 1e-6, f"{kind}/{arch} restored")
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_write_past_capacity_is_clear_and_keeps_state(kind: str) -> None:
+    model = model_of("gemma3")
+    ids = ids_for(model, 1, 12, seed=5)
+    cache = infer.create_cache(kind, model.config, max_seq_len=10)
+    with torch.no_grad():
+        model(ids[:, :8], cache)
+        before = model(ids[:, 8:9], cache, all_logits=True)
+        with pytest.raises(infer.CacheFullError):
+            model(ids[:, 9:12], cache)
+        assert cache.offset == 9
+        # The failed write changed nothing: the next token's logits match a fresh run.
+        fresh = infer.create_cache(kind, model.config, max_seq_len=10)
+        model(ids[:, :9], fresh)
+        assert_close(model(ids[:, 9:10], cache), model(ids[:, 9:10], fresh), 1e-6, f"{kind} after failed write")
+    assert before.shape[1] == 1

@@ -1,0 +1,143 @@
+"""Generation: cached == uncached == the oracle, step logits equal full-sequence logits, params checked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import infer
+from infer.generate import generate, stream_generate
+from infer.sampling import SamplingParams
+from infer.tokenizer import Tokenizer
+from reference import Oracle, build_checkpoint
+from tests.helpers import assert_close
+
+ARCHS = ["llama", "qwen3", "gemma3"]
+
+
+def prompt_ids(model: infer.Transformer, length: int, seed: int = 0) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, (length,), generator=gen).tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_cached_equals_uncached_equals_oracle(arch: str) -> None:
+    path = build_checkpoint(arch)
+    model = infer.load_model(path)
+    prompt = prompt_ids(model, 11)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    cached = generate(model, None, prompt, params)
+    uncached = generate(model, None, prompt, params, use_kv_cache=False)
+    assert cached.token_ids == uncached.token_ids
+    assert cached.token_ids == Oracle(path).greedy(prompt, 24)
+    assert len(set(cached.token_ids)) > 1, "degenerate model: the comparison would prove little"
+
+
+def test_gemma_prompt_and_generation_cross_the_window() -> None:
+    path = build_checkpoint("gemma3")
+    model = infer.load_model(path)
+    window = model.config.sliding_window
+    assert window is not None
+    prompt = prompt_ids(model, 2 * window + 1, seed=5)
+    params = SamplingParams(max_new_tokens=3 * window, ignore_eos=True)
+    cached = generate(model, None, prompt, params)
+    assert cached.token_ids == generate(model, None, prompt, params, use_kv_cache=False).token_ids
+    assert cached.token_ids == Oracle(path).greedy(prompt, 3 * window)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_seeded_sampling_same_tokens_cached_and_uncached(arch: str) -> None:
+    model = infer.load_model(build_checkpoint(arch))
+    prompt = prompt_ids(model, 7, seed=1)
+    params = SamplingParams(max_new_tokens=20, temperature=0.9, top_k=50, top_p=0.95, seed=1234, ignore_eos=True)
+    first = generate(model, None, prompt, params)
+    assert first.token_ids == generate(model, None, prompt, params).token_ids
+    assert first.token_ids == generate(model, None, prompt, params, use_kv_cache=False).token_ids
+    other_seed = SamplingParams(**{**params.__dict__, "seed": 99})
+    assert first.token_ids != generate(model, None, prompt, other_seed).token_ids
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_decode_step_logits_equal_full_sequence(arch: str) -> None:
+    model = infer.load_model(build_checkpoint(arch))
+    ids = torch.tensor([prompt_ids(model, 40, seed=2)])
+    with torch.no_grad():
+        full = model(ids)
+        cache = infer.create_cache("contiguous", model.config, max_seq_len=40)
+        step_logits = [model(ids[:, :9], cache)]
+        step_logits += [model(ids[:, t : t + 1], cache) for t in range(9, 40)]
+    for t, logits in enumerate(step_logits[1:], start=9):
+        assert_close(logits[0, 0], full[0, t], 1e-5 * max(1.0, full[0, t].abs().max().item()), f"step {t}")
+
+
+def test_text_prompt_stop_string_and_streaming() -> None:
+    path = build_checkpoint("llama")
+    model, tokenizer = infer.load_model(path), Tokenizer(path)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    free = generate(model, tokenizer, "the quick brown fox", params)
+    assert free.finish_reason == "length" and len(free.token_ids) == 30
+    assert free.text == tokenizer.decode(free.token_ids)
+    stop = free.text[len(free.text) // 2 :][:3]
+    assert stop.strip(), "need a visible stop string"
+    stopped = generate(model, tokenizer, "the quick brown fox", SamplingParams(max_new_tokens=30, ignore_eos=True, stop=(stop,)))
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free.text[: free.text.index(stop)]
+    pieces = [p for p in stream_generate(model, tokenizer, "the quick brown fox", params) if isinstance(p, str)]
+    assert "".join(pieces) == free.text
+    assert all(pieces)
+
+
+def test_eos_stops_generation() -> None:
+    path = build_checkpoint("qwen3")
+    model = infer.load_model(path)
+    prompt = prompt_ids(model, 6)
+    free = generate(model, None, prompt, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    target = free.token_ids[4]
+    stopped = generate(model, None, prompt, SamplingParams(max_new_tokens=10, stop_token_ids=(target,)))
+    assert stopped.finish_reason == "eos"
+    assert stopped.token_ids == free.token_ids[: free.token_ids.index(target) + 1]
+
+
+def test_result_reports_timing_and_memory() -> None:
+    model = infer.load_model(build_checkpoint("llama"))
+    result = generate(model, None, prompt_ids(model, 5), SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert result.prefill_time_s > 0 and len(result.decode_times_s) == 5
+    assert result.decode_tokens_per_s > 0
+    c = model.config
+    assert result.cache_memory_bytes == 2 * c.num_hidden_layers * c.num_key_value_heads * 11 * c.head_dim * 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ],
+)
+def test_bad_params_are_clear_errors(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_prompt_longer_than_context_is_an_error() -> None:
+    model = infer.load_model(build_checkpoint("llama"))
+    too_long = [1] * model.config.max_position_embeddings
+    with pytest.raises(ValueError, match="context"):
+        generate(model, None, too_long, SamplingParams(max_new_tokens=1))
+
+
+def test_out_of_vocab_prompt_is_an_error() -> None:
+    model = infer.load_model(build_checkpoint("llama"))
+    with pytest.raises(ValueError, match="token ids must lie"):
+        generate(model, None, [model.config.vocab_size], SamplingParams(max_new_tokens=1))
+
+
+def test_stop_list_is_not_mutated() -> None:
+    stops = ["a", "b"]
+    params = SamplingParams(stop=stops)  # type: ignore[arg-type]
+    assert params.stop == ("a", "b") and stops == ["a", "b"]

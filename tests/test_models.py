@@ -1,0 +1,92 @@
+"""Logits of the engine equal the Hugging Face oracle's on the same checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import infer
+from reference import Oracle, build_checkpoint
+from tests.helpers import assert_close
+
+# (arch, config format, config overrides): every architecture in both formats, odd head sizes,
+# MQA, GQA and MHA, tied and untied heads.
+CASES = [
+    ("llama", "v5", {}),
+    ("llama", "legacy", {}),
+    ("qwen3", "v5", {}),
+    ("qwen3", "legacy", {}),
+    ("gemma3", "v5", {}),
+    ("gemma3", "legacy", {}),
+    ("llama", "v5", {"num_key_value_heads": 1}),
+    ("llama", "v5", {"num_key_value_heads": 4, "head_dim": 80}),
+    ("qwen3", "v5", {"head_dim": 40, "num_key_value_heads": 1}),
+    ("gemma3", "v5", {"head_dim": 48, "num_key_value_heads": 4}),
+    ("llama", "legacy", {"tie_word_embeddings": True}),
+    ("qwen3", "v5", {"tie_word_embeddings": False}),
+]
+
+
+def fp32_tolerance(reference: torch.Tensor) -> float:
+    return 1e-5 * max(1.0, reference.abs().max().item())
+
+
+@pytest.mark.parametrize(("arch", "config_format", "overrides"), CASES)
+def test_logits_equal_oracle_fp32(arch: str, config_format: str, overrides: dict) -> None:
+    path = build_checkpoint(arch, config_format=config_format, **overrides)
+    model = infer.load_model(path)
+    oracle = Oracle(path)
+    ids = torch.randint(0, model.config.vocab_size, (2, 37), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(ids)
+    expected = oracle.logits(ids)
+    assert_close(ours, expected, fp32_tolerance(expected), f"{arch}/{config_format}/{overrides}")
+
+
+def test_reference_attention_path_equals_fast_path() -> None:
+    model = infer.load_model(build_checkpoint("gemma3"))
+    ids = torch.randint(0, model.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        fast = model(ids)
+        model.use_reference_attention = True
+        slow = model(ids)
+    assert_close(fast, slow, fp32_tolerance(slow), "reference attention vs SDPA")
+
+
+def test_gemma_prompt_longer_than_window_matches() -> None:
+    path = build_checkpoint("gemma3")
+    model = infer.load_model(path)
+    window = model.config.sliding_window
+    assert window is not None and model.config.has_sliding_layers
+    ids = torch.randint(0, model.config.vocab_size, (1, 5 * window + 3), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = model(ids)
+    expected = Oracle(path).logits(ids)
+    assert_close(ours, expected, fp32_tolerance(expected), "gemma3 beyond the sliding window")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_half_precision_within_stated_bound(arch: str, dtype: torch.dtype) -> None:
+    """bf16/fp16 follow HF's rounding points; the bound is 2% of the largest logit (fp32 is 1e-5)."""
+    path = build_checkpoint(arch)
+    model = infer.load_model(path, dtype=dtype)
+    ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ours = model(ids)
+    expected = Oracle(path, dtype=dtype).logits(ids)
+    assert ours.dtype == dtype
+    assert_close(ours, expected, 0.02 * max(1.0, expected.abs().max().item()), f"{arch} {dtype}")
+
+
+def test_configs_of_both_formats_are_identical() -> None:
+    for arch in ("llama", "qwen3", "gemma3"):
+        v5 = infer.ModelConfig.from_file(build_checkpoint(arch, config_format="v5"))
+        legacy = infer.ModelConfig.from_file(build_checkpoint(arch, config_format="legacy"))
+        assert v5 == legacy, arch
+
+
+def test_gemma_layer_types_from_legacy_pattern() -> None:
+    config = infer.ModelConfig.from_file(build_checkpoint("gemma3", config_format="legacy"))
+    assert "full_attention" in config.layer_types and "sliding_attention" in config.layer_types
+    assert config.rope_local is not None and config.rope_local.theta != config.rope.theta
