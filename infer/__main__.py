@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from infer.bench import add_bench_parser
 from infer.cache import CACHE_KINDS
 
 
@@ -75,12 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step")
     gen.add_argument("--threads", type=int, default=0, help="CPU threads (0: PyTorch's default)")
     gen.set_defaults(run=_generate)
-    try:
-        from infer.bench import add_bench_parser
-    except ImportError:  # the bench module is optional until it exists
-        pass
-    else:
-        add_bench_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

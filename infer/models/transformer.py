@@ -22,6 +22,22 @@ from infer.config import SLIDING_ATTENTION, ModelConfig, RopeConfig
 from infer.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
 
+class Linear(nn.Linear):
+    """nn.Linear with an optional wider dtype for multi-token matmuls (`upcast`).
+
+    CPUs without bf16 matrix units run a bf16 GEMM several times slower than an fp32 one, so prefill
+    can upcast; a one-token decode GEMV is bandwidth-bound and stays in the weights' dtype.
+    """
+
+    upcast: torch.dtype | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.upcast is None or x.shape[-2] == 1 or x.dtype == self.upcast:
+            return F.linear(x, self.weight, self.bias)
+        bias = None if self.bias is None else self.bias.to(self.upcast)
+        return F.linear(x.to(self.upcast), self.weight.to(self.upcast), bias).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm in fp32. Llama/Qwen: `weight * x_norm.to(dtype)`; Gemma: `(x_norm * (1 + weight)).to(dtype)`."""
 
@@ -45,9 +61,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         bias = config.mlp_bias
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,10 +93,10 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.model_type in ("qwen3", "gemma3_text"):
@@ -144,7 +160,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, gemma=gemma)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.embed_scale = config.hidden_size**0.5 if gemma else None
@@ -153,6 +169,17 @@ class Transformer(nn.Module):
             for layer_type in set(config.layer_types)
         }
         self.use_reference_attention = False  # the unoptimised path, for checking `attention`
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """Dtype of multi-token (prefill) matmuls; None = the weights' own dtype (exact to HF)."""
+        return self.lm_head.upcast
+
+    @compute_dtype.setter
+    def compute_dtype(self, dtype: torch.dtype | None) -> None:
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.upcast = dtype
 
     def _rope_of(self, layer_type: str) -> RopeConfig:
         if layer_type == SLIDING_ATTENTION and self.config.rope_local is not None:

@@ -1,0 +1,303 @@
+"""`python -m infer bench`: time generation, optionally against Hugging Face on the same weights.
+
+Reports time to first token, prompt and decode tokens/s, per-step latency statistics, cache and peak
+memory, and the roofline: bytes a decode step must read (weights + KV) against the machine's
+measured copy bandwidth. Contenders run in alternating trials after a warm-up, so drift in machine
+speed spreads evenly over them. The engine needs no `transformers`; `--against-hf` imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from infer.config import ModelConfig
+
+
+@dataclass
+class Trial:
+    """One timed generation: prefill (to the first token) and each decode step."""
+
+    ttft_s: float
+    prompt_tokens: int
+    step_times_s: list[float]
+    cache_bytes: int = 0
+    peak_bytes: int = 0
+
+
+@dataclass
+class Contender:
+    """A named way to generate, run as `run()` once per trial."""
+
+    name: str
+    run: Callable[[], Trial]
+    trials: list[Trial] = field(default_factory=list)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = (len(ordered) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Best observed bytes/s of a large tensor copy (bytes read + bytes written)."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
+
+
+def decode_bytes_per_step(model: torch.nn.Module, config: ModelConfig, context: int, kv_bytes_per_elem: int) -> int:
+    """Bytes one decode step reads: every weight once (the embedding only as the tied LM head), plus
+    K and V of `context` positions in every layer (sliding layers at most their window)."""
+    weights = sum(p.nbytes for name, p in model.named_parameters() if not name.startswith("embed_tokens"))
+    if config.tie_word_embeddings:
+        weights += model.get_parameter("embed_tokens.weight").nbytes
+    kv = 0
+    for layer in range(config.num_hidden_layers):
+        seen = min(context, config.sliding_window or context) if config.is_sliding(layer) else context
+        kv += 2 * config.num_key_value_heads * seen * config.head_dim * kv_bytes_per_elem
+    return weights + kv
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated device memory on CUDA; the process's peak resident set on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def engine_contender(
+    name: str, model: torch.nn.Module, prompt_ids: list[int], new_tokens: int, cache: str, use_kv_cache: bool
+) -> Contender:
+    """The engine's own `generate`, greedy, never stopping early."""
+    from infer.generate import generate
+    from infer.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    device = next(model.parameters()).device
+
+    def run() -> Trial:
+        result = generate(model, None, prompt_ids, params, cache=cache, use_kv_cache=use_kv_cache)  # type: ignore[arg-type]
+        return Trial(
+            ttft_s=result.time_to_first_token_s,
+            prompt_tokens=len(prompt_ids),
+            step_times_s=result.decode_times_s,
+            cache_bytes=result.cache_memory_bytes,
+            peak_bytes=peak_memory_bytes(device),
+        )
+
+    return Contender(name, run)
+
+
+def summarize(c: Contender, bytes_per_step: int | None, bandwidth: float | None) -> dict[str, float | str]:
+    """Medians over trials for rates, pooled statistics over every step for latency."""
+    steps = [s for t in c.trials for s in t.step_times_s]
+    decode_rates = [len(t.step_times_s) / sum(t.step_times_s) for t in c.trials if t.step_times_s]
+    ttft = statistics.median(t.ttft_s for t in c.trials)
+    row: dict[str, float | str] = {
+        "name": c.name,
+        "ttft_ms": ttft * 1e3,
+        "prompt_tok_s": c.trials[0].prompt_tokens / ttft,
+        "decode_tok_s": statistics.median(decode_rates) if decode_rates else float("nan"),
+        "step_mean_ms": statistics.fmean(steps) * 1e3 if steps else float("nan"),
+        "step_p50_ms": percentile(steps, 50) * 1e3,
+        "step_p95_ms": percentile(steps, 95) * 1e3,
+        "step_p99_ms": percentile(steps, 99) * 1e3,
+        "step_min_ms": min(steps) * 1e3 if steps else float("nan"),
+        "step_max_ms": max(steps) * 1e3 if steps else float("nan"),
+        "cache_mib": c.trials[-1].cache_bytes / 2**20,
+        "peak_mib": max(t.peak_bytes for t in c.trials) / 2**20,
+    }
+    if bytes_per_step and bandwidth and steps:
+        row["roofline_fraction"] = bytes_per_step / percentile(steps, 50) / bandwidth
+    return row
+
+
+def step_latency_at(c: Contender, positions: list[int]) -> dict[int, float]:
+    """Median latency (ms) of decode step number p (1 = the first step after prefill)."""
+    out = {}
+    for p in positions:
+        times = [t.step_times_s[p - 1] for t in c.trials if len(t.step_times_s) >= p]
+        out[p] = statistics.median(times) * 1e3 if times else float("nan")
+    return out
+
+
+def format_table(rows: list[dict[str, float | str]], columns: list[str]) -> str:
+    """A plain aligned text table."""
+    cells = [[str(col) for col in columns]]
+    for row in rows:
+        cells.append([f"{row.get(col, float('nan')):.2f}" if isinstance(row.get(col), float) else str(row.get(col, ""))
+                      for col in columns])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def plot_steps(contenders: list[Contender], prompt_len: int, path: Path) -> bool:
+    """PNG of per-step latency against position for each contender; False if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for c in contenders:
+        n = min(len(t.step_times_s) for t in c.trials)
+        med = [statistics.median(t.step_times_s[i] for t in c.trials) * 1e3 for i in range(n)]
+        ax.plot(range(prompt_len + 1, prompt_len + 1 + n), med, label=c.name)
+    ax.set_xlabel("position (tokens in context)")
+    ax.set_ylabel("decode step latency (ms, median of trials)")
+    ax.set_title("Per-step decode latency")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """The `bench` subcommand."""
+    from tqdm import tqdm
+
+    from infer.loader import load_model, resolve_dtype
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = Path(args.model) if args.model else _bench_checkpoint(args.arch)
+    dtype = resolve_dtype(args.dtype)
+    device = torch.device(args.device)
+    model = load_model(path, dtype=dtype, device=device)
+    if args.compute_dtype:
+        model.compute_dtype = resolve_dtype(args.compute_dtype)
+    config = model.config
+    gen = torch.Generator().manual_seed(args.seed)
+    prompt_ids = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=gen).tolist()
+
+    contenders = [engine_contender(f"infer[{args.cache}]", model, prompt_ids, args.new_tokens, args.cache, True)]
+    if args.compare:
+        contenders.append(engine_contender("infer[no cache]", model, prompt_ids, args.new_tokens, args.cache, False))
+    if args.against_hf:
+        from reference.hf_bench import hf_contenders
+
+        contenders += hf_contenders(path, dtype, device, prompt_ids, args.new_tokens)
+
+    total = (args.warmup + args.trials) * len(contenders)
+    with tqdm(total=total, desc="bench", unit="run", file=sys.stderr) as bar:
+        for _ in range(args.warmup):
+            for c in contenders:
+                bar.set_postfix_str(f"warm-up {c.name}")
+                c.run()
+                bar.update()
+        for _ in range(args.trials):  # alternate, so slow drift hits every contender alike
+            for c in contenders:
+                bar.set_postfix_str(c.name)
+                c.trials.append(c.run())
+                bar.update()
+
+    bandwidth = measure_copy_bandwidth(device)
+    mid_context = args.prompt_len + args.new_tokens // 2
+    kv_elem = torch.tensor([], dtype=dtype).element_size()
+    bytes_per_step = decode_bytes_per_step(model, config, mid_context, kv_elem)
+    rows = [summarize(c, bytes_per_step, bandwidth) for c in contenders]
+    positions = [p for p in args.positions if p <= args.new_tokens - 1]
+    for row, c in zip(rows, contenders, strict=True):
+        row.update({f"step@{p}_ms": v for p, v in step_latency_at(c, positions).items()})
+
+    print(f"\nmodel {path} ({config.model_type}), {dtype}, {device}, prompt {args.prompt_len}, "
+          f"{args.new_tokens} new tokens, {args.trials} trials")
+    print(format_table(rows, ["name", "ttft_ms", "prompt_tok_s", "decode_tok_s", "step_p50_ms", "step_p95_ms",
+                              "step_p99_ms", "step_min_ms", "step_max_ms", *[f"step@{p}_ms" for p in positions],
+                              "cache_mib", "peak_mib", "roofline_fraction"]))
+    print(f"roofline: {bytes_per_step / 1e6:.1f} MB read per decode step at context {mid_context}; "
+          f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; floor {bytes_per_step / bandwidth * 1e3:.1f} ms/step")
+    ratios = _ratios(rows)
+    for line in ratios:
+        print(line)
+    report = {
+        "model": str(path), "dtype": str(dtype), "device": str(device), "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens, "trials": args.trials, "bandwidth_bytes_s": bandwidth,
+        "bytes_per_decode_step": bytes_per_step, "results": rows, "ratios": ratios,
+        "contenders": {c.name: [asdict(t) for t in c.trials] for c in contenders},
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+    if args.plot:
+        print(f"wrote {args.plot}" if plot_steps(contenders, args.prompt_len, Path(args.plot))
+              else "matplotlib is not installed: no plot (pip install matplotlib)")
+    return 0
+
+
+def _ratios(rows: list[dict[str, float | str]]) -> list[str]:
+    engine = rows[0]
+    lines = []
+    for row in rows[1:]:
+        decode = float(engine["decode_tok_s"]) / float(row["decode_tok_s"])
+        ttft = float(row["ttft_ms"]) / float(engine["ttft_ms"])
+        lines.append(f"{engine['name']} vs {row['name']}: decode {decode:.2f}x, time to first token {ttft:.2f}x faster")
+    return lines
+
+
+def _bench_checkpoint(arch: str) -> Path:
+    try:
+        from reference.checkpoints import build_bench_checkpoint
+    except ImportError as e:
+        raise ValueError("building a bench checkpoint needs transformers: pip install -e '.[bench]', or pass --model") from e
+    return build_bench_checkpoint(arch)
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    """Register the `bench` subcommand."""
+    from infer.cache import CACHE_KINDS
+
+    p = sub.add_parser("bench", help="benchmark generation (optionally against Hugging Face)")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the bench-sized --arch)")
+    p.add_argument("--arch", default="llama", choices=["llama", "qwen3", "gemma3"],
+                   help="which bench-sized random checkpoint to build and use when --model is not given")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--compute-dtype", default=None, help="e.g. float32: run prefill matmuls in this dtype")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--cache", default="contiguous", choices=sorted(CACHE_KINDS))
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--positions", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64, 128],
+                   help="decode steps whose latency to report (comma-separated)")
+    p.add_argument("--compare", action="store_true", help="also run without the KV cache")
+    p.add_argument("--against-hf", action="store_true", help="also run transformers (dynamic and static cache)")
+    p.add_argument("--json", default=None, help="write the full report here")
+    p.add_argument("--plot", default=None, help="write a PNG of per-step latency against position")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=run_bench)

@@ -1,0 +1,63 @@
+"""Hugging Face `transformers` as benchmark contenders, on the same checkpoint and in the same process.
+
+Each contender is a hand-written greedy loop (no `generate()` bookkeeping), with `logits_to_keep=1`
+as `generate()` itself uses: the fastest way a user can drive HF, so the engine's ratios are not
+flattered. Two caches: the default `DynamicCache` (grows by `torch.cat`) and `StaticCache`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
+
+from infer.bench import Contender, Trial, peak_memory_bytes
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def hf_greedy_trial(model: torch.nn.Module, cache_kind: str, prompt_ids: list[int], new_tokens: int) -> Trial:
+    """One timed greedy generation with HF's model and the named cache."""
+    device = next(model.parameters()).device
+    n = len(prompt_ids)
+    ids = torch.tensor([prompt_ids], device=device)
+    with torch.inference_mode():
+        if cache_kind == "static":
+            cache = StaticCache(config=model.config, max_cache_len=n + new_tokens)
+        else:
+            cache = DynamicCache(config=model.config)
+        _sync(device)
+        start = time.perf_counter()
+        out = model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(n, device=device),
+                    logits_to_keep=1, use_cache=True)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        token.item()
+        ttft = time.perf_counter() - start
+        steps = []
+        for i in range(new_tokens - 1):
+            start = time.perf_counter()
+            position = torch.tensor([n + i], device=device)
+            out = model(input_ids=token, past_key_values=cache, cache_position=position, use_cache=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            token.item()
+            steps.append(time.perf_counter() - start)
+    cache_bytes = sum(
+        t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor)
+    )
+    return Trial(ttft, n, steps, cache_bytes, peak_memory_bytes(device))
+
+
+def hf_contenders(
+    path: Path, dtype: torch.dtype, device: torch.device, prompt_ids: list[int], new_tokens: int
+) -> list[Contender]:
+    """HF with its dynamic cache and with its static cache, sharing one loaded model."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    return [
+        Contender(f"hf[{kind}]", lambda kind=kind: hf_greedy_trial(model, kind, prompt_ids, new_tokens))  # type: ignore[misc]
+        for kind in ("dynamic", "static")
+    ]
