@@ -48,7 +48,7 @@ def _generate(args: argparse.Namespace) -> int:
         use_kv_cache=not args.no_kv_cache,
         on_text=lambda piece: print(piece, end="", flush=True),
     )
-    print()
+    print(flush=True)
     print(
         f"[{len(result.prompt_ids)} prompt tokens, {len(result.token_ids)} generated ({result.finish_reason}), "
         f"time to first token {result.time_to_first_token_s * 1000:.1f} ms, "

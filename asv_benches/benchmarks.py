@@ -1,0 +1,139 @@
+"""asv benchmarks: decode-step latency by context x cache kind x architecture, prefill latency,
+peak memory of a generation, decode tokens/s and cache bytes.
+
+Models are built in-process from a seeded `ModelConfig` (no checkpoint, no transformers): mid-sized
+so one commit's full run stays under 20 minutes on 2 CPU cores. Every decode sample starts from the
+same prefilled cache (restored from a snapshot in `setup`, outside the timing), so a sample measures
+exactly one step at exactly `context` tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import infer
+from infer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig
+from infer.generate import generate
+from infer.sampling import SamplingParams
+
+ARCHS = ["llama", "qwen3", "gemma3_text"]
+KINDS = ["contiguous", "sliding", "paged", "int8", "int4"]
+CONTEXTS = [128, 1024, 4096]
+torch.set_num_threads(2)
+
+
+def bench_config(model_type: str) -> ModelConfig:
+    """A ~20M-parameter model of the architecture: big enough that the matmuls dominate Python."""
+    gemma = model_type == "gemma3_text"
+    layers = 6
+    layer_types = tuple(SLIDING_ATTENTION if gemma and (i + 1) % 3 else FULL_ATTENTION for i in range(layers))
+    return ModelConfig(
+        model_type=model_type, vocab_size=8192, hidden_size=512, intermediate_size=1536,
+        num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+        max_position_embeddings=8192, tie_word_embeddings=model_type != "llama",
+        hidden_act="gelu_pytorch_tanh" if gemma else "silu", layer_types=layer_types,
+        sliding_window=256 if gemma else None, rope=RopeConfig(theta=500000.0),
+        rope_local=RopeConfig(theta=10000.0) if gemma else None,
+        query_pre_attn_scalar=64.0 if gemma else None,
+    )
+
+
+@functools.cache
+def bench_model(model_type: str) -> infer.Transformer:
+    gen = torch.Generator().manual_seed(0)
+    model = infer.Transformer(bench_config(model_type))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return model.eval().requires_grad_(False)
+
+
+def prompt(n: int) -> torch.Tensor:
+    return torch.randint(0, 8192, (1, n), generator=torch.Generator().manual_seed(n))
+
+
+@functools.cache
+def prefilled(arch: str, kind: str, context: int) -> tuple[infer.KVCache, infer.cache.CacheSnapshot]:
+    """A cache of `kind` with `context` tokens prefilled, and a snapshot to reset it to."""
+    model = bench_model(arch)
+    cache = infer.create_cache(kind, model.config, max_seq_len=context + 1)
+    with torch.inference_mode():
+        model(prompt(context), cache)
+    return cache, cache.snapshot()
+
+
+class DecodeStep:
+    """One decode step at a fixed context length."""
+
+    params = (ARCHS, KINDS, CONTEXTS)
+    param_names = ["arch", "cache", "context"]
+    number = 1
+    repeat = (5, 20, 10.0)
+    timeout = 300
+
+    def setup(self, arch: str, kind: str, context: int) -> None:
+        self.model = bench_model(arch)
+        self.cache, snapshot = prefilled(arch, kind, context)
+        self.cache.restore(snapshot)
+        self.token = torch.tensor([[7]])
+
+    def time_decode_step(self, arch: str, kind: str, context: int) -> None:
+        with torch.inference_mode():
+            self.model(self.token, self.cache)
+
+
+class Prefill:
+    """Prefill of a prompt into an empty contiguous cache."""
+
+    params = (ARCHS, [128, 1024])
+    param_names = ["arch", "prompt_len"]
+    number = 1
+    repeat = (3, 10, 20.0)
+    timeout = 300
+
+    def setup(self, arch: str, prompt_len: int) -> None:
+        self.model = bench_model(arch)
+        self.ids = prompt(prompt_len)
+        self.cache = infer.create_cache("contiguous", self.model.config, max_seq_len=prompt_len)
+
+    def time_prefill(self, arch: str, prompt_len: int) -> None:
+        self.cache.reset()
+        with torch.inference_mode():
+            self.model(self.ids, self.cache)
+
+
+class Generation:
+    """A whole generation: its peak memory, and its decode rate as a tracked figure."""
+
+    params = (ARCHS, KINDS)
+    param_names = ["arch", "cache"]
+    timeout = 300
+
+    def setup(self, arch: str, kind: str) -> None:
+        self.model = bench_model(arch)
+        self.params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+        self.prompt = prompt(256)[0].tolist()
+
+    def peakmem_generate(self, arch: str, kind: str) -> None:
+        generate(self.model, None, self.prompt, self.params, cache=kind)
+
+    def track_decode_tokens_per_s(self, arch: str, kind: str) -> float:
+        generate(self.model, None, self.prompt, self.params, cache=kind)  # warm-up
+        return generate(self.model, None, self.prompt, self.params, cache=kind).decode_tokens_per_s
+
+    track_decode_tokens_per_s.unit = "tokens/s"  # type: ignore[attr-defined]
+
+
+class CacheMemory:
+    """Bytes the cache holds for a context, per kind (deterministic: a regression is a real change)."""
+
+    params = (["llama", "gemma3_text"], KINDS, CONTEXTS)
+    param_names = ["arch", "cache", "context"]
+
+    def track_cache_bytes(self, arch: str, kind: str, context: int) -> int:
+        cache = infer.create_cache(kind, bench_config(arch), max_seq_len=context, dtype=torch.bfloat16)
+        return cache.memory_bytes
+
+    track_cache_bytes.unit = "bytes"  # type: ignore[attr-defined]
