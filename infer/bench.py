@@ -272,7 +272,9 @@ def _bench_checkpoint(arch: str) -> Path:
     try:
         from reference.checkpoints import build_bench_checkpoint
     except ImportError as e:
-        raise ValueError("building a bench checkpoint needs transformers: pip install -e '.[bench]', or pass --model") from e
+        raise ValueError(
+            "building a bench checkpoint needs transformers: pip install -e '.[bench]', or pass --model"
+        ) from e
     return build_bench_checkpoint(arch)
 
 

@@ -180,7 +180,7 @@ def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
     # RoPE: `rope_parameters` (transformers 5; per layer type for Gemma 3) or the legacy keys.
     rope_params = raw.get("rope_parameters")
     default_theta = 1_000_000.0 if is_gemma else 10000.0
-    if _is_per_layer_type(rope_params):
+    if isinstance(rope_params, dict) and _is_per_layer_type(rope_params):
         rope = _rope_from_params(rope_params.get(FULL_ATTENTION), default_theta)
         rope_local = _rope_from_params(rope_params.get(SLIDING_ATTENTION), 10000.0)
     elif rope_params is not None:

@@ -8,7 +8,7 @@ tokens can only come from the cache.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -59,9 +59,11 @@ def encode_prompt(tokenizer: Tokenizer | None, prompt: Prompt) -> list[int]:
     if all(isinstance(m, dict) for m in items):
         if tokenizer is None:
             raise ValueError("chat messages need a tokenizer with a chat template")
-        return list(tokenizer.apply_chat_template(items, add_generation_prompt=True))
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-        return [int(t) for t in items]
+        messages = [m for m in items if isinstance(m, dict)]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    ids = [t for t in items if isinstance(t, int) and not isinstance(t, bool)]
+    if len(ids) == len(items):
+        return ids
     raise TypeError("prompt must be a string, a list of token ids, or a list of chat messages (dicts)")
 
 
@@ -86,7 +88,7 @@ def _token_steps(
     cache_options: dict[str, Any],
     prefix: CacheSnapshot | None,
     stats: dict[str, int],
-) -> Iterator[_Step]:
+) -> Generator[_Step, None, None]:
     """Yield each new token with the time its forward took (prefill for the first)."""
     device = model.embed_tokens.weight.device
     generator = None
@@ -108,10 +110,8 @@ def _token_steps(
             seen = all_ids[:, :length]
             _sync(device)
             start = time.perf_counter()
-            if kv_cache is not None:
-                logits = model(next_input, kv_cache)[:, -1]
-            else:
-                logits = model(seen)[:, -1]
+            # The unoptimised path re-runs the whole sequence; the cached one only the new tokens.
+            logits = model(next_input, kv_cache)[:, -1] if kv_cache is not None else model(seen)[:, -1]
             token = sample_next(logits, params, seen, generator)
             token_id = int(token.item())  # the sync point: the host needs the id to decide to stop
             elapsed = time.perf_counter() - start

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
+from transformers import AutoModelForCausalLM, Cache, DynamicCache, PreTrainedModel, StaticCache
 
 from infer.bench import Contender, Trial, peak_memory_bytes
 
@@ -21,12 +21,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def hf_greedy_trial(model: torch.nn.Module, cache_kind: str, prompt_ids: list[int], new_tokens: int) -> Trial:
+def hf_greedy_trial(model: PreTrainedModel, cache_kind: str, prompt_ids: list[int], new_tokens: int) -> Trial:
     """One timed greedy generation with HF's model and the named cache."""
     device = next(model.parameters()).device
     n = len(prompt_ids)
     ids = torch.tensor([prompt_ids], device=device)
     with torch.inference_mode():
+        cache: Cache
         if cache_kind == "static":
             cache = StaticCache(config=model.config, max_cache_len=n + new_tokens)
         else:
@@ -46,9 +47,10 @@ def hf_greedy_trial(model: torch.nn.Module, cache_kind: str, prompt_ids: list[in
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             token.item()
             steps.append(time.perf_counter() - start)
-    cache_bytes = sum(
-        t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor)
-    )
+    cache_bytes = 0
+    for layer in cache.layers:
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            cache_bytes += t.nbytes if isinstance(t, torch.Tensor) else 0
     return Trial(ttft, n, steps, cache_bytes, peak_memory_bytes(device))
 
 
@@ -56,7 +58,8 @@ def hf_contenders(
     path: Path, dtype: torch.dtype, device: torch.device, prompt_ids: list[int], new_tokens: int
 ) -> list[Contender]:
     """HF with its dynamic cache and with its static cache, sharing one loaded model."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = model.to(device).eval()  # type: ignore[arg-type]
     return [
         Contender(f"hf[{kind}]", lambda kind=kind: hf_greedy_trial(model, kind, prompt_ids, new_tokens))  # type: ignore[misc]
         for kind in ("dynamic", "static")

@@ -64,7 +64,8 @@ def random_model(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (0.0 if config.model_type == "gemma3_text" else 1.0))
+                base = 0.0 if config.model_type == "gemma3_text" else 1.0
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + base)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
     return model.to(dtype).eval().requires_grad_(False)

@@ -79,7 +79,8 @@ def test_text_prompt_stop_string_and_streaming() -> None:
     assert free.text == tokenizer.decode(free.token_ids)
     stop = free.text[len(free.text) // 2 :][:3]
     assert stop.strip(), "need a visible stop string"
-    stopped = generate(model, tokenizer, "the quick brown fox", SamplingParams(max_new_tokens=30, ignore_eos=True, stop=(stop,)))
+    stop_params = SamplingParams(max_new_tokens=30, ignore_eos=True, stop=(stop,))
+    stopped = generate(model, tokenizer, "the quick brown fox", stop_params)
     assert stopped.finish_reason == "stop"
     assert stopped.text == free.text[: free.text.index(stop)]
     pieces = [p for p in stream_generate(model, tokenizer, "the quick brown fox", params) if isinstance(p, str)]

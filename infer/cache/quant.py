@@ -29,7 +29,7 @@ FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 def row_scale(x: torch.Tensor, qmax: float) -> torch.Tensor:
-    """One scale per row, `absmax / qmax` over the last dim, rounded up to `SCALE_DTYPE`: [..., D] -> [...]."""
+    """One scale per row, `absmax / qmax` over the last dim rounded up to `SCALE_DTYPE`: [..., D] -> [...]."""
     exact = x.float().abs().amax(dim=-1) / qmax
     scale = exact.to(SCALE_DTYPE)
     # Rounding down would push |x| / scale past qmax and clip the row's largest value.
@@ -80,7 +80,9 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.to(torch.int8), scale
 
 
-def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_int8(
+    codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """codes int8 [..., D], scale [...] -> values [..., D] in `dtype`."""
     return _times_scale(codes, scale, dtype)
 
@@ -96,7 +98,9 @@ def quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pack_nibbles((codes & 0x0F).to(torch.uint8)), scale
 
 
-def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_int4(
+    packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """packed uint8 [..., D/2], scale [...] -> values [..., D] in `dtype`."""
     nibbles = unpack_nibbles(packed).to(torch.int16)
     codes = (nibbles ^ 0x08) - 0x08  # sign-extend the 4-bit two's complement
@@ -143,7 +147,9 @@ def quantize_fp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pack_nibbles(fp4_codes(_divide_by_scale(x, scale))), scale
 
 
-def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_fp4(
+    packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """packed uint8 [..., D/2], scale [...] -> values [..., D] in `dtype`."""
     values = fp4_code_table(packed.device)[unpack_nibbles(packed).long()]
     return _times_scale(values, scale, dtype)

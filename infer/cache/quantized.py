@@ -54,18 +54,21 @@ class QuantizedCache:
         residual_block: int = DEFAULT_RESIDUAL_BLOCK,
     ) -> None:
         if scheme not in SCHEMES:
-            raise ValueError(f"unknown quantization scheme {scheme!r}; use one of {', '.join(map(repr, SCHEMES))}")
+            raise ValueError(
+                f"unknown quantization scheme {scheme!r}; use one of {', '.join(map(repr, SCHEMES))}"
+            )
         quantize, dequantize, per_element, storage_dtype = SCHEMES[scheme]
         if max_seq_len < 1 or batch_size < 1:
             raise ValueError(f"max_seq_len and batch_size must be >= 1, got {max_seq_len} and {batch_size}")
         if config.head_dim % per_element:
             raise ValueError(
-                f"scheme {scheme!r} packs two values per byte and needs an even head_dim, got {config.head_dim}; "
-                "use scheme='int8' (or the contiguous cache) for this model"
+                f"scheme {scheme!r} packs two values per byte and needs an even head_dim, "
+                f"got {config.head_dim}; use scheme='int8' (or the contiguous cache) for this model"
             )
         if residual_window < 0 or residual_block < 1:
             raise ValueError(
-                f"residual_window must be >= 0 and residual_block >= 1, got {residual_window} and {residual_block}"
+                "residual_window must be >= 0 and residual_block >= 1, "
+                f"got {residual_window} and {residual_block}"
             )
         self.scheme = scheme
         self.batch_size = batch_size
@@ -87,7 +90,8 @@ class QuantizedCache:
         self.v_data = torch.zeros(packed_shape, dtype=storage_dtype, device=device)
         self.k_scale = torch.zeros((*lbh, num_slots), dtype=quant.SCALE_DTYPE, device=device)
         self.v_scale = torch.zeros((*lbh, num_slots), dtype=quant.SCALE_DTYPE, device=device)
-        # The ring never holds more than N + block - 1 tokens (see num_quantized); position p is at slot p % R.
+        # The ring never holds more than N + block - 1 tokens (see num_quantized); position p sits
+        # at slot p % R.
         self.ring_size = min(residual_window + self.residual_block - 1, max_seq_len)
         # k_recent, v_recent: [L, B, Hkv, R, D] in the model dtype
         self.k_recent = torch.zeros((*lbh, self.ring_size, self.head_dim), dtype=dtype, device=device)
@@ -155,7 +159,9 @@ class QuantizedCache:
     def advance(self, n: int) -> None:
         """Count `n` more tokens as cached."""
         if n < 0 or self._offset + n > self.max_seq_len:
-            raise CacheFullError(f"cannot advance by {n} from {self._offset} (max_seq_len={self.max_seq_len})")
+            raise CacheFullError(
+                f"cannot advance by {n} from {self._offset} (max_seq_len={self.max_seq_len})"
+            )
         self._offset += n
 
     def reset(self) -> None:
@@ -199,15 +205,14 @@ class QuantizedCache:
         t = snapshot.tensors
         n = snapshot.offset
         q = self.num_quantized(n)
-        if t["k_data"].shape != (*self.k_data.shape[:3], q, self.k_data.shape[-1]) or t["k_recent"].shape != (
-            *self.k_recent.shape[:3],
-            n - q,
-            self.head_dim,
-        ):
-            raise ValueError(
-                f"snapshot tensors {tuple(t['k_data'].shape)} and {tuple(t['k_recent'].shape)} do not fit this "
-                f"cache {tuple(self.k_data.shape)}"
-            )
+        lbh = tuple(self.k_data.shape[:3])
+        expected = {"k_data": (*lbh, q, self.k_data.shape[-1]), "k_recent": (*lbh, n - q, self.head_dim)}
+        for name, shape in expected.items():
+            if tuple(t[name].shape) != shape:
+                raise ValueError(
+                    f"snapshot tensor {name} is {tuple(t[name].shape)}, this cache needs {shape}: "
+                    "was it taken from a cache for another model or batch size?"
+                )
         self.k_data[:, :, :, :q] = t["k_data"]
         self.v_data[:, :, :, :q] = t["v_data"]
         self.k_scale[:, :, :, :q] = t["k_scale"]
@@ -221,5 +226,7 @@ class QuantizedCache:
 def quantized_cache_factory(scheme: str) -> Callable[..., QuantizedCache]:
     """The registry's factory for one scheme: `QuantizedCache` with `scheme` fixed."""
     if scheme not in SCHEMES:
-        raise ValueError(f"unknown quantization scheme {scheme!r}; use one of {', '.join(map(repr, SCHEMES))}")
+        raise ValueError(
+            f"unknown quantization scheme {scheme!r}; use one of {', '.join(map(repr, SCHEMES))}"
+        )
     return partial(QuantizedCache, scheme=scheme)
