@@ -70,7 +70,7 @@ def test_gemma_prompt_longer_than_window_matches() -> None:
 def test_half_precision(arch: str, dtype: torch.dtype) -> None:
     """The reference attention path rounds where HF's eager attention rounds: identical logits.
     The SDPA fast path rounds differently inside attention; stated bound: its error against fp32
-    is at most 1.5x Hugging Face's own half-precision error, and within 3% of the largest logit of HF."""
+    is at most 1.5x Hugging Face's own half-precision error, and within 5% of the largest logit of HF."""
     path = build_checkpoint(arch)
     model = infer.load_model(path, dtype=dtype)
     ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(4))
@@ -85,7 +85,7 @@ def test_half_precision(arch: str, dtype: torch.dtype) -> None:
     hf_error = (hf_half.float() - fp32).abs().max().item()
     our_error = (fast.float() - fp32).abs().max().item()
     assert our_error <= 1.5 * hf_error, f"{arch} {dtype}: error vs fp32 {our_error:.3f}, HF's {hf_error:.3f}"
-    assert_close(fast, hf_half, 0.03 * max(1.0, hf_half.abs().max().item()), f"{arch} {dtype} SDPA vs HF")
+    assert_close(fast, hf_half, 0.05 * max(1.0, hf_half.abs().max().item()), f"{arch} {dtype} SDPA vs HF")
 
 
 def test_configs_of_both_formats_are_identical() -> None:

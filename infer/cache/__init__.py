@@ -22,8 +22,8 @@ from infer.config import ModelConfig
 
 @dataclass(frozen=True)
 class ErrorBounds:
-    """The error a lossy kind promises against the exact cache, teacher-forced over 64+ decode steps
-    of the test checkpoints (fp32): the conformance suite asserts each one."""
+    """The error a lossy kind promises against the exact cache, teacher-forced along 128 decode
+    steps (fp32); `tests/test_cache_conformance.py` asserts each figure."""
 
     max_logit_error: float
     min_top1_agreement: float
@@ -38,7 +38,8 @@ class CacheKind:
     factory: Callable[..., KVCache]
     is_exact: bool
     description: str
-    error_bounds: ErrorBounds | None = None
+    error_bounds: ErrorBounds | None = None  # on the trained default checkpoint
+    stress_bounds: ErrorBounds | None = None  # on the random-weight checkpoints of every architecture
 
 
 CACHE_KINDS: dict[str, CacheKind] = {}
@@ -51,14 +52,17 @@ def register_cache_kind(
     is_exact: bool,
     description: str,
     error_bounds: ErrorBounds | None = None,
+    stress_bounds: ErrorBounds | None = None,
 ) -> None:
     """Make `factory(config, *, max_seq_len, batch_size, dtype, device, **options)` available by `name`.
 
-    A lossy kind (`is_exact=False`) must state its `error_bounds`.
+    A lossy kind (`is_exact=False`) states its error twice: `error_bounds` on the trained default
+    checkpoint (realistic activations), `stress_bounds` on the random-weight test checkpoints, whose
+    large weights and sharpened QK-norms amplify any K/V perturbation several times over.
     """
-    if not is_exact and error_bounds is None:
-        raise ValueError(f"cache kind {name!r} is lossy: register it with the error_bounds it guarantees")
-    CACHE_KINDS[name] = CacheKind(name, factory, is_exact, description, error_bounds)
+    if not is_exact and (error_bounds is None or stress_bounds is None):
+        raise ValueError(f"cache kind {name!r} is lossy: register it with error_bounds and stress_bounds")
+    CACHE_KINDS[name] = CacheKind(name, factory, is_exact, description, error_bounds, stress_bounds)
 
 
 def create_cache(
@@ -102,29 +106,33 @@ register_cache_kind(
     is_exact=True,
     description="fixed-size blocks in a shared pool: ref-counted, full prompt blocks shared, copy-on-write",
 )
-# Quantized K/V (infer/cache/quantized.py). Bounds: teacher-forced on the conformance checkpoints,
-# measured worst of llama/qwen3/gemma3 with margin (int8 0.47 / 0.986 / 1.5e-3, int4 8.2 / 0.64 / 0.45,
-# fp4 8.5 / 0.56 / 0.61); int8's one miss is a near-tie (exact top-2 margin 0.005).
+# Quantized K/V (infer/cache/quantized.py). Bounds: measured teacher-forced over 2 x 64 steps, with
+# margin. Trained default model: int8 0.15 / 1.000 / 1.6e-5, int4 1.55 / 0.930 / 3.8e-3,
+# fp4 1.91 / 0.898 / 5.7e-3. Worst random-weight checkpoint (Gemma 3 for top-1 and KL): int8
+# 1.19 / 0.922 / 5.3e-3, int4 11.4 / 0.383 / 0.98, fp4 11.3 / 0.359 / 1.13.
 register_cache_kind(
     "int8",
     quantized_cache_factory("int8"),
     is_exact=False,
     description="int8 rows, a bf16 scale per (token, head): 0.52x the bf16 contiguous cache",
-    error_bounds=ErrorBounds(max_logit_error=1.0, min_top1_agreement=0.97, max_mean_kl=5e-3),
+    error_bounds=ErrorBounds(max_logit_error=0.3, min_top1_agreement=0.99, max_mean_kl=1e-4),
+    stress_bounds=ErrorBounds(max_logit_error=2.0, min_top1_agreement=0.88, max_mean_kl=0.01),
 )
 register_cache_kind(
     "int4",
     quantized_cache_factory("int4"),
     is_exact=False,
     description="int4 rows (-7..7, two per byte), a bf16 scale per (token, head): 0.27x",
-    error_bounds=ErrorBounds(max_logit_error=12.0, min_top1_agreement=0.5, max_mean_kl=1.0),
+    error_bounds=ErrorBounds(max_logit_error=3.0, min_top1_agreement=0.85, max_mean_kl=0.01),
+    stress_bounds=ErrorBounds(max_logit_error=16.0, min_top1_agreement=0.3, max_mean_kl=1.5),
 )
 register_cache_kind(
     "fp4",
     quantized_cache_factory("fp4"),
     is_exact=False,
     description="FP4 E2M1 rows (two per byte), a bf16 scale per (token, head): 0.27x",
-    error_bounds=ErrorBounds(max_logit_error=12.0, min_top1_agreement=0.45, max_mean_kl=1.2),
+    error_bounds=ErrorBounds(max_logit_error=3.5, min_top1_agreement=0.82, max_mean_kl=0.015),
+    stress_bounds=ErrorBounds(max_logit_error=16.0, min_top1_agreement=0.3, max_mean_kl=1.7),
 )
 
 __all__ = [
