@@ -13,6 +13,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped small model)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--compute-dtype", default="auto",
+                   help="dtype of prefill matmuls: auto (float32 for half weights on CPU), exact, or a dtype")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -26,7 +28,7 @@ def _generate(args: argparse.Namespace) -> int:
     path = args.model or DEFAULT_MODEL_DIR
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = load_model(path, dtype=args.dtype, device=args.device)
+    model = load_model(path, dtype=args.dtype, device=args.device, compute_dtype=args.compute_dtype)
     tokenizer = Tokenizer(path)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,

@@ -193,12 +193,10 @@ def run_bench(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = Path(args.model) if args.model else _bench_checkpoint(args.arch)
+    path = Path(args.model) if args.model else _bench_checkpoint(args.arch, args.size)
     dtype = resolve_dtype(args.dtype)
     device = torch.device(args.device)
-    model = load_model(path, dtype=dtype, device=device)
-    if args.compute_dtype:
-        model.compute_dtype = resolve_dtype(args.compute_dtype)
+    model = load_model(path, dtype=dtype, device=device, compute_dtype=args.compute_dtype)
     config = model.config
     gen = torch.Generator().manual_seed(args.seed)
     prompt_ids = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=gen).tolist()
@@ -268,14 +266,14 @@ def _ratios(rows: list[dict[str, float | str]]) -> list[str]:
     return lines
 
 
-def _bench_checkpoint(arch: str) -> Path:
+def _bench_checkpoint(arch: str, size: str) -> Path:
     try:
         from reference.checkpoints import build_bench_checkpoint
     except ImportError as e:
         raise ValueError(
             "building a bench checkpoint needs transformers: pip install -e '.[bench]', or pass --model"
         ) from e
-    return build_bench_checkpoint(arch)
+    return build_bench_checkpoint(arch, size=size)
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -286,8 +284,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the bench-sized --arch)")
     p.add_argument("--arch", default="llama", choices=["llama", "qwen3", "gemma3"],
                    help="which bench-sized random checkpoint to build and use when --model is not given")
+    p.add_argument("--size", default="1b", choices=["1b", "150m"], help="bench checkpoint size (150m: llama only)")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--compute-dtype", default=None, help="e.g. float32: run prefill matmuls in this dtype")
+    p.add_argument("--compute-dtype", default="auto",
+                   help="dtype of prefill matmuls: auto (float32 for half weights on CPU), exact, or a dtype")
     p.add_argument("--device", default="cpu")
     p.add_argument("--cache", default="contiguous", choices=sorted(CACHE_KINDS))
     p.add_argument("--prompt-len", type=int, default=128)

@@ -78,10 +78,13 @@ def load_model(
     *,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str = "cpu",
+    compute_dtype: torch.dtype | str | None = None,
 ) -> Transformer:
     """Load the checkpoint in directory `path` (the shipped default model when None), in eval mode.
 
-    `dtype` defaults to float32; the weights are cast to it.
+    `dtype` defaults to float32; the weights are cast to it. `compute_dtype` sets the dtype of
+    multi-token matmuls (prefill): None or "exact" keeps the weights' dtype (bit-exact to HF's eager
+    path), "auto" picks float32 for half-precision weights on a CPU, where bf16 GEMMs are slow.
     """
     path = DEFAULT_MODEL_DIR if path is None else Path(path)
     torch_dtype = resolve_dtype(dtype)
@@ -113,4 +116,16 @@ def load_model(
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    model.compute_dtype = _resolve_compute_dtype(compute_dtype, torch_dtype, torch.device(device))
     return model.eval().requires_grad_(False)
+
+
+def _resolve_compute_dtype(
+    compute_dtype: torch.dtype | str | None, dtype: torch.dtype, device: torch.device
+) -> torch.dtype | None:
+    if compute_dtype is None or compute_dtype == "exact":
+        return None
+    if compute_dtype == "auto":
+        return torch.float32 if device.type == "cpu" and dtype != torch.float32 else None
+    resolved = resolve_dtype(compute_dtype)
+    return None if resolved == dtype else resolved

@@ -221,23 +221,37 @@ def build_checkpoint(
     return _cached_build(root or default_root(), name, write)
 
 
+# A ~150M-parameter Llama (the size the issue's Hugging Face baseline figures were taken at): the shape of
+# Llama-3.2-1B scaled down, for benchmarks at long contexts that a 2-core CPU can finish.
+BENCH_SMALL_OVERRIDES: dict[str, dict[str, Any]] = {
+    "llama": {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+              "num_key_value_heads": 4, "vocab_size": 32768},
+}
+
+
 def build_bench_checkpoint(
     arch: str,
     *,
     root: Path | None = None,
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
+    size: str = "1b",
 ) -> Path:
-    """Path to a random checkpoint with the real 1B-class shapes of `arch` (legacy config, like the hub).
+    """Path to a random checkpoint with the real 1B-class shapes of `arch` (legacy config, like the hub),
+    or with `size="150m"` a scaled-down Llama (see BENCH_SMALL_OVERRIDES).
 
     For speed measurements only: the weights are noise. Takes a minute or so and a few GB the first time.
     """
     _check_arch(arch)
+    if size not in ("1b", "150m") or (size == "150m" and arch not in BENCH_SMALL_OVERRIDES):
+        raise ValueError(f"unknown bench size {size!r} for {arch}: '1b', or '150m' for {list(BENCH_SMALL_OVERRIDES)}")
+    overrides = BENCH_SMALL_OVERRIDES[arch] if size == "150m" else {}
     dtype_name = str(dtype).removeprefix("torch.")
-    name = f"bench-{arch}-{dtype_name}-seed{seed}-{_short_hash({'bench': True})}"
+    suffix = "" if size == "1b" else f"-{size}"
+    name = f"bench-{arch}{suffix}-{dtype_name}-seed{seed}-{_short_hash({'bench': True, **overrides})}"
 
     def write(directory: Path) -> None:
-        _write_bench(directory, arch, dtype, seed)
+        _write_bench(directory, arch, dtype, seed, overrides)
 
     return _cached_build(root or default_root(), name, write)
 
@@ -409,9 +423,9 @@ def _pattern_of(layer_types: list[str]) -> int:
     raise ValueError(f"layer_types {layer_types} follow no sliding_window_pattern; use config_format='v5'")
 
 
-def _write_bench(directory: Path, arch: str, dtype: torch.dtype, seed: int) -> None:
+def _write_bench(directory: Path, arch: str, dtype: torch.dtype, seed: int, overrides: dict[str, Any]) -> None:
     ids = save_tokenizer(arch, directory, model_max_length=BENCH_CONFIGS[arch]["max_position_embeddings"])
-    config = CONFIG_CLASSES[arch](**_config_kwargs(arch, BENCH_CONFIGS[arch], ids, {}))
+    config = CONFIG_CLASSES[arch](**_config_kwargs(arch, BENCH_CONFIGS[arch], ids, overrides))
     # Build on the meta device so HF's per-module init never runs on a billion parameters; fill in place.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -99,3 +99,21 @@ def test_gemma_layer_types_from_legacy_pattern() -> None:
     config = infer.ModelConfig.from_file(build_checkpoint("gemma3", config_format="legacy"))
     assert "full_attention" in config.layer_types and "sliding_attention" in config.layer_types
     assert config.rope_local is not None and config.rope_local.theta != config.rope.theta
+
+
+def test_prefill_upcast_switch_matches_exact_path() -> None:
+    """compute_dtype=float32 (the CPU prefill speed switch) against the exact bf16 path and fp32 truth."""
+    path = build_checkpoint("llama")
+    exact = infer.load_model(path, dtype="bfloat16")
+    upcast = infer.load_model(path, dtype="bfloat16", compute_dtype="float32")
+    assert exact.compute_dtype is None and upcast.compute_dtype == torch.float32
+    assert infer.load_model(path, dtype="bfloat16", compute_dtype="auto").compute_dtype == torch.float32
+    assert infer.load_model(path, compute_dtype="auto").compute_dtype is None  # fp32 weights: nothing to do
+    truth = infer.load_model(path)
+    ids = torch.randint(0, exact.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        a, b, t = exact(ids), upcast(ids), truth(ids)
+    assert not torch.equal(a, b), "the switch changed nothing: is it wired to the matmuls?"
+    bound = 0.05 * max(1.0, t.abs().max().item())
+    assert_close(b, a, bound, "upcast vs exact bf16")
+    assert (b.float() - t).abs().max() <= 1.5 * (a.float() - t).abs().max()
