@@ -21,7 +21,6 @@ from infer.sampling import SamplingParams
 ARCHS = ["llama", "qwen3", "gemma3_text"]
 KINDS = ["contiguous", "sliding", "paged", "int8", "int4"]
 CONTEXTS = [128, 1024, 4096]
-torch.set_num_threads(2)
 
 
 def bench_config(model_type: str) -> ModelConfig:

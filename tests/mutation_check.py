@@ -1,0 +1,97 @@
+"""Plant the KV-cache bugs people actually hit, one at a time, and check the suite catches each.
+
+Run from the repository root: `python tests/mutation_check.py` (a few minutes on 2 cores). Each
+mutant is applied to a temporary copy of the repository; the relevant tests run there and must fail.
+Prints a table; exits non-zero if any mutant survives. Not collected by pytest (no `test_` prefix).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str
+    before: str
+    after: str
+    tests: tuple[str, ...]
+
+
+MUTANTS = [
+    Mutant("sliding window off by one (W+1 keys)", "infer/attention.py",
+           "visible &= k > q - sliding_window", "visible &= k >= q - sliding_window",
+           ("tests/property", "tests/test_models.py")),
+    Mutant("RoPE position not offset by the cache length", "infer/models/transformer.py",
+           "positions = torch.arange(offset, offset + T, device=device)", "positions = torch.arange(T, device=device)",
+           ("tests/property", "tests/test_generate.py")),
+    Mutant("chunk mask ignores the cached length", "infer/models/transformer.py",
+           "return attention_mask(positions, key_positions, window)",
+           "return attention_mask(positions - offset, key_positions - offset, window)",
+           ("tests/property", "tests/test_cache_conformance.py")),
+    Mutant("wrong GQA head mapping (tiled instead of grouped)", "infer/attention.py",
+           "return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)",
+           "groups = q.shape[1] // k.shape[1]\n    k, v = k.repeat(1, groups, 1, 1), v.repeat(1, groups, 1, 1)\n"
+           "    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)",
+           ("tests/property", "tests/test_models.py")),
+    Mutant("freed block still read by another sequence (ref count ignored)", "infer/cache/block_manager.py",
+           "            if block.ref_count == 0:\n                self._free.append(block_id)",
+           "            if block.ref_count >= 0:\n                self._free.append(block_id)",
+           ("tests/test_paged.py",)),
+    Mutant("newest key read before it is written (stale slot)", "infer/cache/contiguous.py",
+           "self.k_cache[layer, :, :, self._offset : end] = k",
+           "self.k_cache[layer, :, :, self._offset : end - 1] = k[:, :, :-1]",
+           ("tests/property", "tests/test_generate.py")),
+    Mutant("ring buffer decode reads a stale slot", "infer/cache/sliding.py",
+           "            slot = self._offset % W\n", "            slot = (self._offset + 1) % W\n",
+           ("tests/test_sliding.py", "tests/test_cache_conformance.py")),
+    Mutant("RoPE frequencies without llama3 scaling", "infer/rope.py",
+           "        return _llama3_scaling(inv_freq, rope)", "        return inv_freq",
+           ("tests/test_models.py",)),
+]
+
+
+def run(mutant: Mutant, checkpoints: str) -> tuple[bool, float, str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / "repo"
+        shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", ".venv", ".asv", "*.egg-info"))
+        target = copy / mutant.path
+        text = target.read_text()
+        if mutant.before not in text:
+            return False, 0.0, f"mutation site not found in {mutant.path}"
+        target.write_text(text.replace(mutant.before, mutant.after, 1))
+        env = {**os.environ, "INFER_CHECKPOINT_DIR": checkpoints, "PYTHONPATH": str(copy)}
+        start = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-x", "-q", "-n", "2", "-p", "no:cacheprovider", *mutant.tests],
+            cwd=copy, env=env, capture_output=True, text=True,
+        )
+        failed = [line for line in proc.stdout.splitlines() if line.startswith("FAILED")]
+        return proc.returncode == 1, time.perf_counter() - start, failed[0][7:90] if failed else proc.stdout[-200:]
+
+
+def main() -> int:
+    from reference.checkpoints import default_root
+
+    checkpoints = os.environ.get("INFER_CHECKPOINT_DIR", str(default_root()))
+    print(f"{'mutant':58} {'caught':7} {'secs':>5}  first failing test")
+    survivors = 0
+    for mutant in MUTANTS:
+        caught, secs, detail = run(mutant, checkpoints)
+        survivors += not caught
+        print(f"{mutant.name:58} {'yes' if caught else 'NO':7} {secs:5.0f}  {detail}", flush=True)
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
