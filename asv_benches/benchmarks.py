@@ -15,7 +15,7 @@ import torch
 
 import infer
 from infer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig
-from infer.generate import generate
+from infer.generation import generate
 from infer.sampling import SamplingParams
 
 ARCHS = ["llama", "qwen3", "gemma3_text"]

@@ -20,7 +20,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
-    from infer.generate import generate
+    from infer.generation import generate
     from infer.loader import DEFAULT_MODEL_DIR, load_model
     from infer.sampling import SamplingParams
     from infer.tokenizer import Tokenizer

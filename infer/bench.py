@@ -96,7 +96,7 @@ def engine_contender(
     name: str, model: torch.nn.Module, prompt_ids: list[int], new_tokens: int, cache: str, use_kv_cache: bool
 ) -> Contender:
     """The engine's own `generate`, greedy, never stopping early."""
-    from infer.generate import generate
+    from infer.generation import generate
     from infer.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)

@@ -217,7 +217,7 @@ def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         sliding_window=int(sliding_window) if sliding_window else None,
         rope=rope,
         rope_local=rope_local,
-        query_pre_attn_scalar=float(raw["query_pre_attn_scalar"]) if is_gemma else None,
+        query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)) if is_gemma else None,
         final_logit_softcapping=raw.get("final_logit_softcapping"),
         attn_logit_softcapping=raw.get("attn_logit_softcapping"),
         bos_token_id=raw.get("bos_token_id"),

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import infer
 from infer.cache import CACHE_KINDS, ErrorBounds
 from infer.cache.snapshot import load_snapshot, save_snapshot
-from infer.generate import generate
+from infer.generation import generate
 from infer.sampling import SamplingParams
 from reference import Oracle, build_checkpoint
 from tests.helpers import assert_close

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import infer
-from infer.generate import generate, stream_generate
+from infer.generation import generate, stream_generate
 from infer.sampling import SamplingParams
 from infer.tokenizer import Tokenizer
 from reference import Oracle, build_checkpoint

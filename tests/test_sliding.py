@@ -6,7 +6,7 @@ import torch
 
 import infer
 from infer.cache import SlidingWindowCache
-from infer.generate import generate
+from infer.generation import generate
 from infer.sampling import SamplingParams
 from tests.helpers import assert_close, random_model, tiny_config
 
