@@ -77,7 +77,8 @@ def run(mutant: Mutant, checkpoints: str) -> tuple[bool, float, str]:
             cwd=copy, env=env, capture_output=True, text=True,
         )
         failed = [line for line in proc.stdout.splitlines() if line.startswith("FAILED")]
-        return proc.returncode == 1, time.perf_counter() - start, failed[0][7:90] if failed else proc.stdout[-200:]
+        caught = proc.returncode != 0 and bool(failed)  # xdist reports -x stops as "interrupted" (exit 2)
+        return caught, time.perf_counter() - start, failed[0][7:90] if failed else proc.stdout[-200:]
 
 
 def main() -> int:
