@@ -142,3 +142,37 @@ def test_stop_list_is_not_mutated() -> None:
     stops = ["a", "b"]
     params = SamplingParams(stop=stops)  # type: ignore[arg-type]
     assert params.stop == ("a", "b") and stops == ["a", "b"]
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "sliding", "paged", "int8"])
+def test_prefix_snapshot_skips_prefill_and_gives_the_same_tokens(kind: str) -> None:
+    model = infer.load_model(build_checkpoint("gemma3"))
+    system = prompt_ids(model, 12, seed=8)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    snapshot = infer.snapshot_prefix(model, None, system, cache=kind, max_seq_len=64)
+    assert snapshot.offset == 12 and snapshot.token_ids == system
+    for question in (prompt_ids(model, 5, seed=9), prompt_ids(model, 3, seed=10)):
+        full = generate(model, None, system + question, params, cache=kind)
+        reused = generate(model, None, system + question, params, prefix=snapshot)
+        assert reused.token_ids == full.token_ids
+    with pytest.raises(ValueError, match="does not start with"):
+        generate(model, None, prompt_ids(model, 14, seed=11), params, prefix=snapshot)
+    with pytest.raises(ValueError, match="at least one token"):
+        generate(model, None, system, params, prefix=snapshot)
+
+
+def test_generate_into_a_paged_sequence_with_a_shared_prefix() -> None:
+    from infer.cache.paged import PagedKVPool
+
+    model = infer.load_model(build_checkpoint("llama"))
+    pool = PagedKVPool(model.config, num_blocks=16, block_size=4)
+    shared = prompt_ids(model, 9, seed=12)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    first_prompt, second_prompt = shared + [5, 6], shared + [7]
+    first = pool.new_sequence(first_prompt, max_seq_len=32)
+    assert generate(model, None, first_prompt, params, cache=first).token_ids == generate(
+        model, None, first_prompt, params).token_ids
+    second = pool.new_sequence(second_prompt, max_seq_len=32)
+    assert second.offset == 8  # two full blocks of the shared prompt come from the first sequence
+    assert generate(model, None, second_prompt, params, cache=second).token_ids == generate(
+        model, None, second_prompt, params).token_ids
