@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from infer.config import ModelConfig
+from infer.models import Transformer
 
 
 @dataclass
@@ -198,6 +199,15 @@ def run_bench(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     model = load_model(path, dtype=dtype, device=device, compute_dtype=args.compute_dtype)
     config = model.config
+    if args.cache_table:
+        kinds = args.cache_table.split(",")
+        contexts = [int(c) for c in args.contexts.split(",")]
+        table = cache_kind_table(model, kinds, contexts, args.new_tokens, args.seed)
+        print(f"\nmodel {path} ({config.model_type}), {dtype}, {device}, {args.new_tokens} decode steps per row")
+        print(format_table(table, ["cache", "context", "cache_mib", "decode_tok_s", "step_p50_ms"]))
+        if args.json:
+            Path(args.json).write_text(json.dumps(table, indent=1))
+        return 0
     gen = torch.Generator().manual_seed(args.seed)
     prompt_ids = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=gen).tolist()
 
@@ -256,6 +266,45 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cache_kind_table(
+    model: Transformer, kinds: list[str], contexts: list[int], new_tokens: int, seed: int = 0
+) -> list[dict[str, float | str]]:
+    """Per cache kind and context: bytes held and decode tokens/s over `new_tokens` greedy steps.
+
+    The prompt is prefilled once per context into a contiguous cache; every kind is then filled with
+    the same K/V through its own `update` (what a prefill would write), so a 4k context costs one
+    prefill, not one per kind.
+    """
+    from infer.cache import create_cache
+
+    config = model.config
+    weight = model.embed_tokens.weight
+    rows: list[dict[str, float | str]] = []
+    for context in contexts:
+        ids = torch.randint(0, config.vocab_size, (1, context), generator=torch.Generator().manual_seed(seed))
+        source = create_cache("contiguous", config, max_seq_len=context, dtype=weight.dtype, device=weight.device)
+        with torch.inference_mode():
+            first = model(ids.to(weight.device), source).argmax(-1)
+        k_all, v_all = source.k_cache, source.v_cache  # type: ignore[attr-defined]
+        for kind in kinds:
+            cache = create_cache(kind, config, max_seq_len=context + new_tokens, dtype=weight.dtype,
+                                 device=weight.device)
+            with torch.inference_mode():
+                for layer in range(config.num_hidden_layers):
+                    cache.update(layer, k_all[layer], v_all[layer])
+                cache.advance(context)
+                token, times = first.view(1, 1), []
+                for _ in range(new_tokens):
+                    _sync(weight.device)
+                    start = time.perf_counter()
+                    token = model(token, cache)[:, -1].argmax(-1, keepdim=True)
+                    token.item()
+                    times.append(time.perf_counter() - start)
+            rows.append({"cache": kind, "context": context, "cache_mib": cache.memory_bytes / 2**20,
+                         "decode_tok_s": len(times) / sum(times), "step_p50_ms": percentile(times, 50) * 1e3})
+    return rows
+
+
 def _ratios(rows: list[dict[str, float | str]]) -> list[str]:
     engine = rows[0]
     lines = []
@@ -298,6 +347,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="decode steps whose latency to report (comma-separated)")
     p.add_argument("--compare", action="store_true", help="also run without the KV cache")
     p.add_argument("--against-hf", action="store_true", help="also run transformers (dynamic and static cache)")
+    p.add_argument("--cache-table", default=None, metavar="KINDS",
+                   help="instead: a table of cache bytes and decode tok/s for these comma-separated kinds")
+    p.add_argument("--contexts", default="512,4096", help="contexts of --cache-table (comma-separated)")
     p.add_argument("--json", default=None, help="write the full report here")
     p.add_argument("--plot", default=None, help="write a PNG of per-step latency against position")
     p.add_argument("--threads", type=int, default=0)

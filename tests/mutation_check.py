@@ -64,7 +64,7 @@ MUTANTS = [
 def run(mutant: Mutant, checkpoints: str) -> tuple[bool, float, str]:
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / "repo"
-        shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", ".venv", ".asv", "*.egg-info"))
+        shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", ".venv", ".asv", "*.egg-info", ".mypy_cache", ".hypothesis"))
         target = copy / mutant.path
         text = target.read_text()
         if mutant.before not in text:
