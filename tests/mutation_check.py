@@ -64,7 +64,8 @@ MUTANTS = [
 def run(mutant: Mutant, checkpoints: str) -> tuple[bool, float, str]:
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / "repo"
-        shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", ".venv", ".asv", "*.egg-info", ".mypy_cache", ".hypothesis"))
+        skip = shutil.ignore_patterns(".git", ".venv", ".asv", "*.egg-info", ".*_cache", ".hypothesis", "bench_results")
+        shutil.copytree(ROOT, copy, ignore=skip)
         target = copy / mutant.path
         text = target.read_text()
         if mutant.before not in text:

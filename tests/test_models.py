@@ -117,3 +117,11 @@ def test_prefill_upcast_switch_matches_exact_path() -> None:
     bound = 0.05 * max(1.0, t.abs().max().item())
     assert_close(b, a, bound, "upcast vs exact bf16")
     assert (b.float() - t).abs().max() <= 1.5 * (a.float() - t).abs().max()
+    # Decode steps (one-token GEMVs narrow, attention wide) stay as close.
+    steps = {}
+    for name, model in (("exact", exact), ("upcast", upcast)):
+        cache = infer.create_cache("contiguous", model.config, max_seq_len=24, dtype=torch.bfloat16)
+        with torch.no_grad():
+            model(ids[:, :16], cache)
+            steps[name] = torch.cat([model(ids[:, i : i + 1], cache) for i in range(16, 24)], 1)
+    assert_close(steps["upcast"], steps["exact"], bound, "upcast vs exact bf16 decode steps")

@@ -80,6 +80,7 @@ class StepContext:
     masks: dict[str, torch.Tensor | None]  # layer type -> [T, S] bool, or None when all keys are visible
     kv_cache: KVCache | None
     use_reference_attention: bool
+    compute_dtype: torch.dtype | None  # attention runs in this dtype when set (see Transformer.compute_dtype)
 
 
 class Attention(nn.Module):
@@ -120,7 +121,13 @@ class Attention(nn.Module):
         if ctx.kv_cache is not None:
             k, v = ctx.kv_cache.update(self.layer_idx, k, v)  # k, v: [B, Hkv, S, D]
         attend = attention_reference if ctx.use_reference_attention else attention
-        out = attend(q, k, v, ctx.masks[self.layer_type], self.scale, self.softcap)
+        wide = ctx.compute_dtype
+        if wide is not None and q.dtype != wide:
+            # Half-precision attention has no fast kernel on CPUs without bf16 units; the cache stays narrow.
+            out = attend(q.to(wide), k.to(wide), v.to(wide), ctx.masks[self.layer_type], self.scale, self.softcap)
+            out = out.to(q.dtype)
+        else:
+            out = attend(q, k, v, ctx.masks[self.layer_type], self.scale, self.softcap)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 
@@ -172,7 +179,8 @@ class Transformer(nn.Module):
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
-        """Dtype of multi-token (prefill) matmuls; None = the weights' own dtype (exact to HF)."""
+        """Dtype of multi-token (prefill) matmuls and of attention; None = the weights' own dtype
+        (exact to HF). One-token linear layers always run in the weights' dtype."""
         return self.lm_head.upcast
 
     @compute_dtype.setter
@@ -213,6 +221,7 @@ class Transformer(nn.Module):
             masks={lt: self._mask(lt, positions, kv_cache) for lt in self.inv_freq},
             kv_cache=kv_cache,
             use_reference_attention=self.use_reference_attention,
+            compute_dtype=self.compute_dtype,
         )
         for layer in self.layers:
             x = layer(x, ctx)

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from infer.attention import attention, attention_mask, attention_reference
+from infer.attention import attention, attention_mask, attention_reference, decode_attention
 from tests.helpers import assert_close
 
 
@@ -71,3 +71,17 @@ def test_sliding_window_sees_exactly_window_keys() -> None:
 def test_empty_slots_are_never_visible() -> None:
     mask = attention_mask(torch.tensor([5]), torch.tensor([3, -1, 4, 5]))
     assert mask.tolist() == [[True, False, True, True]]
+
+
+@given(qkv(), st.data(), st.one_of(st.none(), st.integers(1, 8)))
+def test_decode_attention_equals_formula(tensors, data, window) -> None:
+    q, k, v = tensors
+    seq = k.shape[2]
+    position = torch.tensor([seq - 1])
+    mask = attention_mask(position, torch.arange(seq), window) if data.draw(st.booleans()) or window else None
+    scale = q.shape[-1] ** -0.5
+    one = q[:, :, -1:]
+    assert_close(decode_attention(one, k, v, mask, scale), attention_reference(one, k, v, mask, scale), 1e-5,
+                 "grouped decode attention vs formula")
+    assert_close(decode_attention(one, k, v, mask, scale), per_head_attention(one, k, v, mask if mask is not None
+                 else torch.ones(1, seq, dtype=torch.bool)), 1e-5, "grouped decode vs per-head")
