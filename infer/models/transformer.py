@@ -80,7 +80,7 @@ class StepContext:
     masks: dict[str, torch.Tensor | None]  # layer type -> [T, S] bool, or None when all keys are visible
     kv_cache: KVCache | None
     use_reference_attention: bool
-    compute_dtype: torch.dtype | None  # attention runs in this dtype when set (see Transformer.compute_dtype)
+    compute_dtype: torch.dtype | None  # prefill attention runs in this dtype when set (Transformer.compute_dtype)
 
 
 class Attention(nn.Module):
@@ -122,8 +122,8 @@ class Attention(nn.Module):
             k, v = ctx.kv_cache.update(self.layer_idx, k, v)  # k, v: [B, Hkv, S, D]
         attend = attention_reference if ctx.use_reference_attention else attention
         wide = ctx.compute_dtype
-        if wide is not None and q.dtype != wide:
-            # Half-precision attention has no fast kernel on CPUs without bf16 units; the cache stays narrow.
+        if wide is not None and q.dtype != wide and T > 1:
+            # Half-precision prefill attention is slow on CPUs without bf16 units; the cache stays narrow.
             out = attend(q.to(wide), k.to(wide), v.to(wide), ctx.masks[self.layer_type], self.scale, self.softcap)
             out = out.to(q.dtype)
         else:
@@ -179,8 +179,8 @@ class Transformer(nn.Module):
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
-        """Dtype of multi-token (prefill) matmuls and of attention; None = the weights' own dtype
-        (exact to HF). One-token linear layers always run in the weights' dtype."""
+        """Dtype of multi-token (prefill) matmuls and attention; None = the weights' own dtype (exact
+        to HF). One-token (decode) steps always run in the weights' dtype."""
         return self.lm_head.upcast
 
     @compute_dtype.setter
