@@ -36,3 +36,16 @@ def test_benchmark_body_runs(cls: type, method: str, params: tuple) -> None:
     result = getattr(bench, method)(*params)
     if method.startswith("track_"):
         assert result > 0
+
+
+def test_offline_dashboard_points_every_cdn_tag_at_its_local_copy() -> None:
+    from asv_benches.publish_offline import VENDORED, point_at_local
+
+    url = "https://cdnjs.cloudflare.com/ajax/libs/flot/0.8.3/jquery.flot.min.js"
+    other = "https://code.jquery.com/jquery-3.3.1.min.js"
+    html = (f'<script src="{other}" integrity="sha256-A" crossorigin="anonymous"></script>\n'
+            f'<script src="{url}" integrity="sha512-B" onerror="js_load_failure()"></script>')
+    out = point_at_local(html, url, "vendor/jquery.flot.min.js")
+    assert '<script src="vendor/jquery.flot.min.js" onerror="js_load_failure()"></script>' in out
+    assert f'<script src="{other}" integrity="sha256-A"' in out  # other tags untouched
+    assert url in VENDORED and other in VENDORED
