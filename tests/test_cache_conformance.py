@@ -145,6 +145,14 @@ def test_snapshot_restore_equals_uninterrupted(arch: str, kind: str, tmp_path: P
 
 
 @pytest.mark.parametrize("kind", ALL_KINDS)
+@pytest.mark.parametrize(("max_seq_len", "batch_size"), [(0, 1), (8, 0)])
+def test_empty_cache_size_is_a_clear_error(kind: str, max_seq_len: int, batch_size: int) -> None:
+    config = model_of("llama").config
+    with pytest.raises(ValueError, match="max_seq_len and batch_size must be >= 1"):
+        infer.create_cache(kind, config, max_seq_len=max_seq_len, batch_size=batch_size)
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_write_past_capacity_is_clear_and_keeps_state(kind: str) -> None:
     model = model_of("gemma3")
     ids = ids_for(model, 1, 12, seed=5)

@@ -59,6 +59,12 @@ class KVCache(Protocol):
         ...
 
 
+def check_cache_size(max_seq_len: int, batch_size: int) -> None:
+    """Raise a ValueError unless a cache is asked for at least one position and one sequence."""
+    if max_seq_len < 1 or batch_size < 1:
+        raise ValueError(f"max_seq_len and batch_size must be >= 1, got {max_seq_len} and {batch_size}")
+
+
 def check_kv_shape(k: torch.Tensor, v: torch.Tensor, batch_size: int, num_kv_heads: int, head_dim: int) -> None:
     """Raise a ValueError naming the mismatch when `k`/`v` are not `[batch, kv_heads, T, head_dim]`."""
     expected = (batch_size, num_kv_heads, k.shape[2] if k.dim() == 4 else -1, head_dim)

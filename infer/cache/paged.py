@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from infer.cache.base import CacheSnapshot, check_kv_shape, check_snapshot
+from infer.cache.base import CacheSnapshot, check_cache_size, check_kv_shape, check_snapshot
 from infer.cache.block_manager import BlockManager, BlockStats, CopyOnWrite, PoolExhaustedError
 from infer.config import ModelConfig
 from infer.errors import CacheFullError
@@ -96,8 +96,7 @@ class PagedKVPool:
 
     def new_batch(self, batch_size: int, *, max_seq_len: int) -> PagedCache:
         """An empty cache for `batch_size` new sequences that advance together (no prefix sharing)."""
-        if max_seq_len < 1 or batch_size < 1:
-            raise ValueError(f"max_seq_len and batch_size must be >= 1, got {max_seq_len} and {batch_size}")
+        check_cache_size(max_seq_len, batch_size)
         seq_ids = [self._new_seq_id() for _ in range(batch_size)]
         for seq_id in seq_ids:
             self.manager.new_sequence(seq_id)
@@ -379,8 +378,7 @@ def create_paged_cache(
 ) -> PagedCache:
     """The `create_cache("paged", ...)` factory: a batch in `pool`, or in a pool of its own with
     `block_size` (16 by default) and `num_blocks` (default: enough for every row to reach max_seq_len)."""
-    if max_seq_len < 1 or batch_size < 1:
-        raise ValueError(f"max_seq_len and batch_size must be >= 1, got {max_seq_len} and {batch_size}")
+    check_cache_size(max_seq_len, batch_size)
     if pool is None:
         block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
         if block_size < 1:

@@ -22,7 +22,7 @@ from functools import partial
 import torch
 
 from infer.cache import quant
-from infer.cache.base import CacheSnapshot, check_kv_shape, check_snapshot
+from infer.cache.base import CacheSnapshot, check_cache_size, check_kv_shape, check_snapshot
 from infer.config import ModelConfig
 from infer.errors import CacheFullError
 
@@ -58,8 +58,7 @@ class QuantizedCache:
                 f"unknown quantization scheme {scheme!r}; use one of {', '.join(map(repr, SCHEMES))}"
             )
         quantize, dequantize, per_element, storage_dtype = SCHEMES[scheme]
-        if max_seq_len < 1 or batch_size < 1:
-            raise ValueError(f"max_seq_len and batch_size must be >= 1, got {max_seq_len} and {batch_size}")
+        check_cache_size(max_seq_len, batch_size)
         if config.head_dim % per_element:
             raise ValueError(
                 f"scheme {scheme!r} packs two values per byte and needs an even head_dim, "

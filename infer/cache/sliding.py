@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from infer.cache.base import CacheSnapshot, check_kv_shape, check_snapshot
+from infer.cache.base import CacheSnapshot, check_cache_size, check_kv_shape, check_snapshot
 from infer.config import ModelConfig
 from infer.errors import CacheFullError
 
@@ -28,8 +28,7 @@ class SlidingWindowCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        if max_seq_len < 1 or batch_size < 1:
-            raise ValueError(f"max_seq_len and batch_size must be >= 1, got {max_seq_len} and {batch_size}")
+        check_cache_size(max_seq_len, batch_size)
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
         self.num_kv_heads = config.num_key_value_heads
