@@ -58,6 +58,29 @@ MUTANTS = [
     Mutant("RoPE frequencies without llama3 scaling", "infer/rope.py",
            "        return _llama3_scaling(inv_freq, rope)", "        return inv_freq",
            ("tests/test_models.py",)),
+    Mutant("top-p keeps the token that crosses the threshold out", "infer/sampling.py",
+           "remove_sorted = cumulative <= 1 - params.top_p", "remove_sorted = cumulative < 1 - params.top_p",
+           ("tests/test_sampling_oracle.py",)),
+    Mutant("temperature applied after top-p and min-p", "infer/sampling.py",
+           "    logits = logits / params.temperature\n    if params.top_k",
+           "    if params.top_k",
+           ("tests/test_sampling_oracle.py",)),
+    Mutant("repetition penalty divides negative logits (raises them)", "infer/sampling.py",
+           "picked = torch.where(picked < 0, picked * penalty, picked / penalty)",
+           "picked = picked / penalty",
+           ("tests/test_sampling_oracle.py",)),
+    Mutant("min-p threshold on logits instead of probabilities", "infer/sampling.py",
+           "logits = logits.masked_fill(probs < threshold, float(\"-inf\"))",
+           "logits = logits.masked_fill(logits < threshold, float(\"-inf\"))",
+           ("tests/test_sampling_oracle.py",)),
+    Mutant("top-k keeps k+1 tokens", "infer/sampling.py",
+           "kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]",
+           "kth = torch.topk(logits, min(params.top_k + 1, logits.shape[-1]), dim=-1).values[..., -1:]",
+           ("tests/test_sampling_oracle.py",)),
+    Mutant("repetition penalty skipped in greedy decoding", "infer/sampling.py",
+           "if params.repetition_penalty != 1.0 and seen_ids is not None",
+           "if params.repetition_penalty != 1.0 and params.temperature and seen_ids is not None",
+           ("tests/test_sampling_oracle.py",)),
 ]
 
 
@@ -88,7 +111,9 @@ def main() -> int:
     checkpoints = os.environ.get("INFER_CHECKPOINT_DIR", str(default_root()))
     print(f"{'mutant':58} {'caught':7} {'secs':>5}  first failing test")
     survivors = 0
-    for mutant in MUTANTS:
+    # Optional arguments pick mutants by a substring of their name: `python tests/mutation_check.py top-p`.
+    chosen = [m for m in MUTANTS if not sys.argv[1:] or any(word in m.name for word in sys.argv[1:])]
+    for mutant in chosen:
         caught, secs, detail = run(mutant, checkpoints)
         survivors += not caught
         print(f"{mutant.name:58} {'yes' if caught else 'NO':7} {secs:5.0f}  {detail}", flush=True)

@@ -1,0 +1,201 @@
+"""Sampling against the oracle: the engine's processed distribution equals HF's logits-processor chain.
+
+The oracle is `reference.sampling`, which builds HF's own processors (repetition penalty, temperature,
+top-k, top-p, min-p) in the order `generate` applies them. Random logits carry ties, `-inf` entries and
+large and tiny magnitudes; every parameter combination is drawn, greedy included.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import infer
+from infer.generation import generate
+from infer.sampling import SamplingParams, process_logits, sample_next
+from reference import build_checkpoint
+from reference.sampling import hf_next_token_distribution, hf_process_logits
+
+
+def engine_distribution(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None) -> torch.Tensor:
+    processed = process_logits(logits, params, seen)
+    if params.is_greedy:
+        return torch.nn.functional.one_hot(processed.argmax(-1), processed.shape[-1]).float()
+    return processed.softmax(-1)
+
+
+def assert_same_distribution(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None) -> None:
+    ours, theirs = process_logits(logits, params, seen), hf_process_logits(logits, params, seen)
+    kept, hf_kept = torch.isfinite(ours), torch.isfinite(theirs)
+    assert torch.equal(kept, hf_kept), (
+        f"kept sets differ for {params}: engine keeps {kept.sum(-1).tolist()}, HF keeps {hf_kept.sum(-1).tolist()}, "
+        f"first difference at {torch.nonzero(kept != hf_kept)[0].tolist()}"
+    )
+    p, q = engine_distribution(logits, params, seen), hf_next_token_distribution(logits, params, seen)
+    worst = (p - q).abs().max().item()
+    assert worst <= 1e-6, f"probabilities differ by {worst:.2e} for {params}"
+
+
+@st.composite
+def logits_rows(draw: st.DrawFn) -> torch.Tensor:
+    """`[B, V]` fp32 logits: V in 2..5000, a magnitude from 1e-6 to 1e4, maybe ties, maybe `-inf` entries."""
+    vocab = draw(st.one_of(st.integers(2, 12), st.integers(2, 5000)))
+    batch = draw(st.integers(1, 3))
+    scale = draw(st.sampled_from([1e-6, 1e-2, 1.0, 5.0, 30.0, 1e4]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    logits = torch.randn(batch, vocab, generator=gen) * scale
+    if draw(st.booleans()):  # ties: only a few distinct values
+        levels = draw(st.integers(1, 4))
+        logits = (torch.randint(0, levels, (batch, vocab), generator=gen).float() - 1) * scale
+    if draw(st.booleans()):  # some tokens already masked (e.g. by a grammar), never all of them
+        masked = torch.rand(batch, vocab, generator=gen) < draw(st.sampled_from([0.1, 0.5, 0.9]))
+        masked[:, 0] = False
+        logits = logits.masked_fill(masked, float("-inf"))
+    return logits
+
+
+@st.composite
+def sampling_params(draw: st.DrawFn, vocab: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=draw(st.one_of(st.just(0.0), st.just(1.0), st.floats(0.05, 5.0))),
+        top_k=draw(st.one_of(st.just(0), st.just(1), st.integers(1, vocab + 3))),
+        top_p=draw(st.one_of(st.just(1.0), st.floats(0.01, 1.0))),
+        min_p=draw(st.one_of(st.just(0.0), st.floats(0.0, 1.0))),
+        repetition_penalty=draw(st.one_of(st.just(1.0), st.floats(0.5, 3.0))),
+    )
+
+
+@given(data=st.data(), logits=logits_rows())
+def test_processed_distribution_equals_hf(data: st.DataObject, logits: torch.Tensor) -> None:
+    batch, vocab = logits.shape
+    params = data.draw(sampling_params(vocab), label="params")
+    history = data.draw(st.integers(0, 20), label="history length")
+    seen = torch.randint(0, vocab, (batch, history), generator=torch.Generator().manual_seed(history))
+    before = logits.clone()
+    assert_same_distribution(logits, params, seen)
+    assert torch.equal(logits, before), "the caller's logits were changed"
+
+
+# The edges, pinned: each is compared with HF and with what the rule means.
+
+LOGITS = torch.tensor([[3.0, -2.0, 1.0, 0.5, 2.9, -7.0, 0.0, 1.5]])
+
+
+def test_top_k_1_is_greedy() -> None:
+    params = SamplingParams(temperature=0.7, top_k=1)
+    assert_same_distribution(LOGITS, params, None)
+    probs = engine_distribution(LOGITS, params, None)
+    assert probs[0, 0] == 1.0 and probs.sum() == 1.0
+    gen = torch.Generator().manual_seed(0)
+    draws = sample_next(LOGITS.expand(200, -1), params, None, gen)
+    assert (draws == 0).all()
+
+
+def test_top_k_1_generation_equals_greedy() -> None:
+    model = infer.load_model(build_checkpoint("llama"))
+    prompt = [3, 14, 15, 9, 26, 5]
+    greedy = generate(model, None, prompt, SamplingParams(max_new_tokens=16, ignore_eos=True))
+    top1 = generate(model, None, prompt, SamplingParams(max_new_tokens=16, temperature=1.3, top_k=1, seed=7,
+                                                        ignore_eos=True))
+    assert top1.token_ids == greedy.token_ids
+
+
+@pytest.mark.parametrize("top_k", [8, 9, 1000])
+def test_top_k_at_or_above_vocab_keeps_everything(top_k: int) -> None:
+    params = SamplingParams(temperature=1.0, top_k=top_k)
+    assert_same_distribution(LOGITS, params, None)
+    assert torch.allclose(engine_distribution(LOGITS, params, None), LOGITS.softmax(-1), atol=1e-7)
+
+
+def test_top_p_1_keeps_everything() -> None:
+    params = SamplingParams(temperature=0.5, top_p=1.0)
+    assert_same_distribution(LOGITS, params, None)
+    assert torch.allclose(engine_distribution(LOGITS, params, None), (LOGITS / 0.5).softmax(-1), atol=1e-7)
+
+
+def test_min_p_with_one_dominant_token_keeps_only_it() -> None:
+    logits = torch.tensor([[12.0, 0.0, 0.1, -0.3, 0.2]])
+    params = SamplingParams(temperature=1.0, min_p=0.05)
+    assert_same_distribution(logits, params, None)
+    assert torch.equal(torch.isfinite(process_logits(logits, params, None)), torch.tensor([[True] + [False] * 4]))
+
+
+def test_repetition_penalty_lowers_seen_tokens_of_either_sign() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, -1.0]])
+    seen = torch.tensor([[0, 1, 1]])  # repeated ids are penalised once, not twice
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, repetition_penalty=2.0)
+        assert_same_distribution(logits, params, seen)
+    processed = process_logits(logits, SamplingParams(repetition_penalty=2.0), seen)
+    assert processed.tolist() == [[1.0, -4.0, 1.0, -1.0]]
+
+
+def test_temperature_applies_before_top_p() -> None:
+    """At T=0.25 the top token holds 87% of the mass (top-p 0.8 keeps one token); at T=1 only 42% (keeps more).
+    Applying top-p before the temperature would keep the wrong set."""
+    logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, -1.0]])
+    params = SamplingParams(temperature=0.25, top_p=0.8)
+    assert_same_distribution(logits, params, None)
+    assert torch.isfinite(process_logits(logits, params, None)).sum().item() == 1
+    assert torch.isfinite(process_logits(logits, SamplingParams(temperature=1.0, top_p=0.8), None)).sum() > 1
+
+
+def test_temperature_applies_before_min_p() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    params = SamplingParams(temperature=0.3, min_p=0.1)  # at T=0.3 token 1 holds 3.6% of token 0's mass
+    assert_same_distribution(logits, params, None)
+    assert torch.isfinite(process_logits(logits, params, None)).tolist() == [[True, False, False]]
+
+
+def chi_square_critical(df: int, z: float = 3.719) -> float:
+    """Upper critical value of chi-square at p = 1e-4 (z = 3.719), by the Wilson-Hilferty approximation."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.9),
+        SamplingParams(temperature=1.4, min_p=0.05, repetition_penalty=1.3),
+    ],
+    ids=["plain", "top-k-top-p", "min-p-penalty"],
+)
+def test_sampler_draws_from_the_oracle_distribution(params: SamplingParams) -> None:
+    """10^4 seeded draws; chi-square against HF's distribution below the p = 1e-4 critical value (a correct
+    sampler fails one seed in 10^4; a wrong distribution at these sizes gives statistics in the hundreds)."""
+    logits = torch.tensor([[2.0, 1.6, 1.5, 1.0, 0.6, 0.3, 0.0, -0.4, -1.0, -2.0, -3.0, -8.0]])
+    seen = torch.tensor([[1, 4, 7]])
+    expected = hf_next_token_distribution(logits, params, seen)[0]
+    n = 10_000
+    draws = sample_next(logits.expand(n, -1), params, seen.expand(n, -1), torch.Generator().manual_seed(1234))
+    counts = torch.bincount(draws, minlength=logits.shape[-1]).double()
+    kept = expected > 0
+    assert counts[~kept].sum() == 0, f"drew tokens HF never would: {torch.nonzero(counts * ~kept).flatten()}"
+    want = expected[kept].double() * n
+    stat = float(((counts[kept] - want) ** 2 / want).sum())
+    df = int(kept.sum()) - 1
+    assert df >= 1
+    assert stat < chi_square_critical(df), f"chi-square {stat:.1f} >= {chi_square_critical(df):.1f} (df {df})"
+
+
+def test_top_p_boundary_token_is_removed_as_hf_does() -> None:
+    """A token whose ascending cumulative mass equals 1 - top_p exactly is removed (HF's `<=`): top_p is
+    chosen from the fp32 cumulative sums themselves so the tie is exact, which random draws almost never hit."""
+    logits = torch.tensor([[0.3, -1.2, 2.0, 0.9, -0.4, 1.1]])
+    ascending = torch.sort(logits, descending=False).values.softmax(-1).cumsum(-1)
+    for j in range(logits.shape[-1] - 1):
+        c = ascending[0, j]
+        top_p = 1.0 - float(c)
+        if torch.tensor(1 - top_p, dtype=torch.float32) != c:
+            continue  # this cumulative sum cannot be hit exactly through a Python float
+        params = SamplingParams(temperature=1.0, top_p=top_p)
+        assert_same_distribution(logits, params, None)
+        assert torch.isfinite(process_logits(logits, params, None)).sum().item() == logits.shape[-1] - (j + 1)
+        break
+    else:
+        pytest.fail("no exact boundary found for these logits")
