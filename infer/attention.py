@@ -59,8 +59,9 @@ def decode_attention(
     q: [B, H, 1, D]; k, v: [B, Hkv, S, D]; mask: [1, S] or None.
     """
     B, H, _, D = q.shape
-    packed = q.view(B, k.shape[1], H // k.shape[1], D)  # head h reads KV head h // g, as in repeat_kv
-    return F.scaled_dot_product_attention(packed, k, v, attn_mask=mask, scale=scale).view(B, H, 1, D)
+    # reshape, not view: CUDA's fused kernels return non-contiguous outputs (a no-op copy-free view on CPU).
+    packed = q.reshape(B, k.shape[1], H // k.shape[1], D)  # head h reads KV head h // g, as in repeat_kv
+    return F.scaled_dot_product_attention(packed, k, v, attn_mask=mask, scale=scale).reshape(B, H, 1, D)
 
 
 def attention(
