@@ -236,10 +236,8 @@ def stream_generate(
     if not params.ignore_eos:
         if params.stop_token_ids is not None:
             stop_ids = set(params.stop_token_ids)
-        elif tokenizer is not None:
-            stop_ids = set(tokenizer.eos_token_ids)
-        else:
-            stop_ids = set(model.config.eos_token_ids)
+        else:  # the checkpoint's (config.json and generation_config.json) and the tokenizer's EOS ids
+            stop_ids = set(model.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer is not None else ())
     decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
     matcher = _StopMatcher(params.stop)
     stats: dict[str, int] = {}

@@ -117,7 +117,27 @@ def load_model(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.compute_dtype = _resolve_compute_dtype(compute_dtype, torch_dtype, torch.device(device))
+    model.eos_token_ids = _generation_eos_ids(path, config.eos_token_ids)
     return model.eval().requires_grad_(False)
+
+
+def _generation_eos_ids(path: Path, config_eos: tuple[int, ...]) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id (an int or a list; what HF's `generate` stops on) followed by
+    config.json's, without repeats. Qwen 3 names only <|im_end|> in config.json, both ids in the other."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return config_eos
+    try:
+        value = json.loads(file.read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise CheckpointError(f"{file} is not a readable JSON object ({e}); fix or remove it") from e
+    values = [value] if not isinstance(value, list) else value
+    if value is not None and any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+        raise CheckpointError(
+            f"{file}: eos_token_id={value!r} is invalid; expected a non-negative int or a list of them"
+        )
+    ids = [] if value is None else values
+    return tuple(dict.fromkeys([*ids, *config_eos]))
 
 
 def _resolve_compute_dtype(

@@ -81,6 +81,16 @@ MUTANTS = [
            "if params.repetition_penalty != 1.0 and seen_ids is not None",
            "if params.repetition_penalty != 1.0 and params.temperature and seen_ids is not None",
            ("tests/test_sampling_oracle.py",)),
+    Mutant("generation_config.json's EOS ids ignored without a tokenizer", "infer/generation.py",
+           "stop_ids = set(model.eos_token_ids)", "stop_ids = set(model.config.eos_token_ids)",
+           ("tests/test_stopping.py",)),
+    Mutant("only the first id of a list eos_token_id stops", "infer/config.py",
+           "    return tuple(int(v) for v in value)", "    return tuple(int(v) for v in value[:1])",
+           ("tests/test_stopping.py",)),
+    Mutant("tokenizer reads only the first id of a list eos_token_id", "infer/tokenizer.py",
+           "ids.extend([value] if isinstance(value, int) else value or [])",
+           "ids.extend([value] if isinstance(value, int) else value[:1] or [])",
+           ("tests/test_stopping.py",)),
 ]
 
 

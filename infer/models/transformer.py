@@ -176,6 +176,8 @@ class Transformer(nn.Module):
             for layer_type in set(config.layer_types)
         }
         self.use_reference_attention = False  # the unoptimised path, for checking `attention`
+        # Ids that end generation: config.json's, widened by the loader with generation_config.json's.
+        self.eos_token_ids: tuple[int, ...] = config.eos_token_ids
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
