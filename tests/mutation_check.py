@@ -91,6 +91,13 @@ MUTANTS = [
            "ids.extend([value] if isinstance(value, int) else value or [])",
            "ids.extend([value] if isinstance(value, int) else value[:1] or [])",
            ("tests/test_stopping.py",)),
+    Mutant("of two stop strings, the later match wins", "infer/generation.py",
+           "self.text = self.text[: min(hits)]", "self.text = self.text[: max(hits)]",
+           ("tests/test_stopping.py",)),
+    Mutant("stop matcher holds back one character too few", "infer/generation.py",
+           "self.holdback = max((len(s) for s in stops), default=1) - 1",
+           "self.holdback = max((len(s) for s in stops), default=1) - 2",
+           ("tests/test_stopping.py",)),
 ]
 
 

@@ -3,15 +3,19 @@ generation_config.json, ends generation where Hugging Face's generation config s
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
 
 import infer
-from infer.generation import generate
+from infer.generation import GenerationResult, generate, stream_generate
 from infer.sampling import SamplingParams
 from infer.tokenizer import Tokenizer
 from reference import Oracle, build_checkpoint
@@ -91,3 +95,60 @@ def test_malformed_generation_config_eos_is_a_named_error(tmp_path: Path) -> Non
     (path / "generation_config.json").write_text(json.dumps(generation))
     with pytest.raises(infer.CheckpointError, match=r"generation_config\.json.*eos_token_id"):
         infer.load_model(path)
+
+
+@functools.cache
+def reference_continuation(arch: str, seed: int) -> tuple[list[int], list[int], str, tuple[int, ...]]:
+    """HF's greedy continuation of a text prompt, its text by HF's tokenizer (special tokens kept, as the
+    engine's result text keeps them), and the character offsets
+    where token boundaries fall in that text."""
+    path = build_checkpoint(arch)
+    hf_tokenizer = AutoTokenizer.from_pretrained(path)
+    prompt = hf_tokenizer.encode(f"The keeper wrote {seed} lines: naïve 世界 ", add_special_tokens=False)
+    ids = Oracle(path).greedy(prompt, 40)
+    text = hf_tokenizer.decode(ids, skip_special_tokens=False)
+    boundaries = {len(hf_tokenizer.decode(ids[:j], skip_special_tokens=False)) for j in range(1, len(ids))}
+    return prompt, ids, text, tuple(sorted(b for b in boundaries if 0 < b < len(text)))
+
+
+@given(data=st.data())
+@pytest.mark.parametrize("arch", ARCHS)
+def test_stop_string_at_any_offset(arch: str, data: st.DataObject) -> None:
+    """One or two stop strings cut from the reference text anywhere (across token boundaries, inside multi-byte
+    characters' tokens): the text ends right before the first occurrence of any, finish_reason is "stop", and
+    the streamed pieces concatenate to the result's text."""
+    prompt, ids, text, boundaries = reference_continuation(arch, data.draw(st.integers(0, 2), label="prompt"))
+    where = data.draw(st.sampled_from(["anywhere", "across a token boundary", "at a non-ASCII character"]))
+    if where == "across a token boundary" and boundaries:
+        start = data.draw(st.sampled_from(boundaries)) - 1
+        length = data.draw(st.integers(2, 6))
+    elif where == "at a non-ASCII character" and any(ord(c) > 127 for c in text):
+        start = data.draw(st.sampled_from([i for i, c in enumerate(text) if ord(c) > 127]))
+        length = data.draw(st.integers(1, 4))
+    else:
+        start = data.draw(st.integers(0, len(text) - 1))
+        length = data.draw(st.integers(1, 8))
+    stop = text[start : start + length]
+    assume(stop)
+    stops = [stop]
+    second = data.draw(st.sampled_from(["none", "its own suffix", "anywhere"]), label="a second stop string")
+    if second == "its own suffix" and len(stop) > 1:  # both complete on the same token: the earlier start wins
+        stops.append(stop[1:])
+    elif second == "anywhere":
+        other = data.draw(st.integers(0, len(text) - 1), label="its offset")
+        stops.append(text[other : other + data.draw(st.integers(1, 5))])
+    model = load_cached(arch)
+    tokenizer = Tokenizer(build_checkpoint(arch))
+    pieces = list(stream_generate(model, tokenizer, prompt, SamplingParams(max_new_tokens=40, stop=tuple(stops),
+                                                                           ignore_eos=True)))
+    result = pieces.pop()
+    assert isinstance(result, GenerationResult)
+    assert result.text == text[: min(text.find(s) for s in stops)], f"stop {stops!r}: text ends wrongly"
+    assert result.finish_reason == "stop"
+    assert "".join(str(p) for p in pieces) == result.text, "streamed pieces do not add up to the text"
+    assert result.token_ids == ids[: len(result.token_ids)], "tokens differ from the oracle's"
+
+
+@functools.cache
+def load_cached(arch: str) -> infer.Transformer:
+    return infer.load_model(build_checkpoint(arch))
