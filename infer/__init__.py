@@ -6,7 +6,7 @@ The engine works on token ids; `Tokenizer` turns text into ids and back. Nothing
 
 from infer.cache import CACHE_KINDS, KVCache, create_cache, register_cache_kind
 from infer.config import ModelConfig
-from infer.errors import CacheFullError, CheckpointError, InferError
+from infer.errors import CacheFullError, ChatTemplateError, CheckpointError, InferError
 from infer.generation import GenerationResult, generate, snapshot_prefix, stream_generate
 from infer.loader import load_model
 from infer.models import Transformer
@@ -16,6 +16,7 @@ from infer.tokenizer import Tokenizer
 __all__ = [
     "CACHE_KINDS",
     "CacheFullError",
+    "ChatTemplateError",
     "CheckpointError",
     "GenerationResult",
     "InferError",

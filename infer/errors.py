@@ -11,3 +11,7 @@ class CheckpointError(InferError, ValueError):
 
 class CacheFullError(InferError, ValueError):
     """A write would go past the cache's capacity; nothing already in the cache was changed."""
+
+
+class ChatTemplateError(InferError, ValueError):
+    """A chat template failed to compile or render (including its own `raise_exception`)."""

@@ -7,8 +7,9 @@ transformers renders it. The engine itself only ever sees token ids.
 
 from __future__ import annotations
 
+import inspect
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, overload
@@ -19,6 +20,9 @@ import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _BackendTokenizer
+
+from infer.chat_tools import tool_schema
+from infer.errors import ChatTemplateError
 
 # The named special tokens transformers passes to a chat template (its SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = (
@@ -90,10 +94,11 @@ class Tokenizer:
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
-        add_generation_prompt: bool = ...,
+        add_generation_prompt: bool | None = ...,
         tokenize: Literal[True] = ...,
         *,
-        tools: Sequence[Mapping[str, Any]] | None = ...,
+        tools: Sequence[Mapping[str, Any] | Callable[..., Any]] | None = ...,
+        continue_final_message: bool | str = ...,
         documents: Sequence[Mapping[str, Any]] | None = ...,
         **template_kwargs: Any,
     ) -> list[int]: ...
@@ -102,10 +107,11 @@ class Tokenizer:
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
-        add_generation_prompt: bool,
+        add_generation_prompt: bool | None,
         tokenize: Literal[False],
         *,
-        tools: Sequence[Mapping[str, Any]] | None = ...,
+        tools: Sequence[Mapping[str, Any] | Callable[..., Any]] | None = ...,
+        continue_final_message: bool | str = ...,
         documents: Sequence[Mapping[str, Any]] | None = ...,
         **template_kwargs: Any,
     ) -> str: ...
@@ -114,10 +120,11 @@ class Tokenizer:
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
-        add_generation_prompt: bool = ...,
+        add_generation_prompt: bool | None = ...,
         *,
         tokenize: Literal[False],
-        tools: Sequence[Mapping[str, Any]] | None = ...,
+        tools: Sequence[Mapping[str, Any] | Callable[..., Any]] | None = ...,
+        continue_final_message: bool | str = ...,
         documents: Sequence[Mapping[str, Any]] | None = ...,
         **template_kwargs: Any,
     ) -> str: ...
@@ -125,17 +132,22 @@ class Tokenizer:
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool | None = None,
         tokenize: bool = True,
         *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, Any] | Callable[..., Any]] | None = None,
         documents: Sequence[Mapping[str, Any]] | None = None,
+        continue_final_message: bool | str = False,
         **template_kwargs: Any,
     ) -> list[int] | str:
         """Render `messages` with the checkpoint's chat template, as transformers does; token ids by default.
 
         Extra keyword arguments reach the template as variables (e.g. enable_thinking=False for Qwen 3).
         The rendered text already holds its special tokens, so it is encoded without adding any.
+        `add_generation_prompt` defaults to True, or to False with `continue_final_message` (which leaves the
+        last message open, to be continued: True for its "content", or the name of another field). `tools`
+        are JSON-schema dicts or functions with type hints and a Google-style docstring (see
+        `infer.chat_tools`). Template errors, its own `raise_exception` included, raise `ChatTemplateError`.
         """
         if self.chat_template is None:
             raise ValueError(
@@ -144,18 +156,32 @@ class Tokenizer:
             )
         if not messages:
             raise ValueError("cannot apply a chat template to an empty conversation")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message continues the last message; add_generation_prompt starts a new one: "
+                "pass only one of them"
+            )
         if self._compiled_template is None:
             self._compiled_template = _compile_template(self.chat_template)
         # transformers drops None-valued keys: templates test for a key's presence, not for None.
-        chat = [{k: v for k, v in message.items() if v is not None} for message in messages]
+        chat = [_alias_reasoning({k: v for k, v in message.items() if v is not None}) for message in messages]
+        field = ""
+        if continue_final_message:
+            field, final = _mark_final_message(chat, continue_final_message, self.chat_template)
         variables = {**self.special_tokens, **template_kwargs}
-        text = self._compiled_template.render(
-            messages=chat,
-            tools=list(tools) if tools is not None else None,
-            documents=list(documents) if documents is not None else None,
-            add_generation_prompt=add_generation_prompt,
-            **variables,
-        )
+        try:
+            text = self._compiled_template.render(
+                messages=chat,
+                tools=[_tool_dict(t) for t in tools] if tools is not None else None,
+                documents=_documents(documents),
+                add_generation_prompt=bool(add_generation_prompt if add_generation_prompt is not None
+                                           else not continue_final_message),
+                **variables,
+            )
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"the chat template of {self.path} failed: {e}") from e
+        if field:
+            text = _cut_at_continue_tag(text, final)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def _special_id(self, name: str) -> int | None:
@@ -253,7 +279,7 @@ def _compile_template(source: str) -> jinja2.Template:
     """A Jinja environment configured like transformers' chat template renderer."""
 
     def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
+        raise jinja2.exceptions.TemplateError(message)  # surfaces as ChatTemplateError from the render
 
     def tojson(
         value: Any,
@@ -275,6 +301,70 @@ def _compile_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     return env.from_string(source)
+
+
+# Names a message's reasoning comes under; templates read the first (transformers 5 fills it from the others,
+# and fills "thinking" for templates that read that).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+def _mark_final_message(chat: list[dict[str, Any]], which: bool | str, template: str) -> tuple[str, str]:
+    """Append transformers' continue tag to the last message's field (or its last text block), in place on
+    `chat` (a copy of the caller's messages); the render is cut at the tag. Returns (field, its text)."""
+    if not chat:
+        raise ValueError("continue_final_message is set but the conversation is empty")
+    field = which if isinstance(which, str) else "content"
+    final = chat[-1].get(field)
+    if final is None:
+        raise ValueError(f"continue_final_message: the final message has no {field!r} to continue")
+    fields = [f for f in _REASONING_FIELDS if chat[-1].get(f) == final] if field in _REASONING_FIELDS else [field]
+    if not any(f in template for f in fields):
+        raise ValueError(f"continue_final_message={field!r}, but the chat template never reads that field")
+    if isinstance(final, (list, tuple)):
+        blocks = [dict(b) for b in final]
+        for block in reversed(blocks):
+            if "text" in block:
+                final, block["text"] = block["text"], block["text"] + _CONTINUE_TAG
+                break
+        else:
+            raise ValueError("continue_final_message: the final message has no text block to continue")
+        chat[-1] = {**chat[-1], field: blocks}
+    else:
+        chat[-1] = {**chat[-1], **{f: chat[-1][f] + _CONTINUE_TAG for f in fields}}
+    return field, str(final)
+
+
+def _cut_at_continue_tag(text: str, final: str) -> str:
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in text or tag not in text:
+        raise ValueError("continue_final_message: the chat template dropped part of the final message")
+    at = text.rindex(tag)
+    # Where the template trimmed the message's trailing spaces, the cut trims them too (as transformers does).
+    return text[:at] if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
+
+
+def _tool_dict(tool: Mapping[str, Any] | Callable[..., Any]) -> Mapping[str, Any]:
+    if isinstance(tool, Mapping):
+        return tool
+    if inspect.isfunction(tool) or inspect.ismethod(tool):
+        return tool_schema(tool)
+    raise TypeError(f"a tool must be a JSON-schema dict or a function with type hints, got {type(tool).__name__}")
+
+
+def _documents(documents: Sequence[Mapping[str, Any]] | None) -> list[Mapping[str, Any]] | None:
+    if documents is None:
+        return None
+    if any(not isinstance(d, Mapping) for d in documents):
+        raise TypeError("documents must be a list of dicts (with 'title' and 'text' keys)")
+    return list(documents)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -98,6 +98,23 @@ MUTANTS = [
            "self.holdback = max((len(s) for s in stops), default=1) - 1",
            "self.holdback = max((len(s) for s in stops), default=1) - 2",
            ("tests/test_stopping.py",)),
+    Mutant("chat prompt built without the generation header", "infer/generation.py",
+           "tokenizer.apply_chat_template(messages, add_generation_prompt=True)",
+           "tokenizer.apply_chat_template(messages, add_generation_prompt=False)",
+           ("tests/test_chat.py",)),
+    Mutant("continue_final_message leaves the template's end-of-turn", "infer/tokenizer.py",
+           "            text = _cut_at_continue_tag(text, final)", "            text = text.replace(_CONTINUE_TAG, '')",
+           ("tests/test_chat.py",)),
+    Mutant("reasoning / thinking not aliased to reasoning_content", "infer/tokenizer.py",
+           "chat = [_alias_reasoning({k: v", "chat = [({k: v",
+           ("tests/test_chat.py",)),
+    Mutant("tool schema: Optional argument not marked nullable", "infer/chat_tools.py",
+           '            out["nullable"] = True', "            pass",
+           ("tests/test_chat.py",)),
+    Mutant("tool docstring: continuation lines of an argument dropped", "infer/chat_tools.py",
+           'args = {name: re.sub(r"\\s*\\n+\\s*", " ", text.strip())',
+           'args = {name: text.strip().split("\\n")[0]',
+           ("tests/test_chat.py",)),
 ]
 
 

@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from infer.errors import ChatTemplateError
 from infer.tokenizer import StreamDecoder, Tokenizer
 from reference import build_checkpoint
 from reference.checkpoints import ARCHS
@@ -126,7 +127,7 @@ def test_template_variables_and_tools_match_transformers() -> None:
 
 def test_template_errors_raise_like_transformers() -> None:
     not_alternating = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
-    with pytest.raises(jinja2.TemplateError, match="alternate"):
+    with pytest.raises(ChatTemplateError, match="alternate"):  # a ValueError naming the template's own message
         ours("gemma3").apply_chat_template(not_alternating)
     with pytest.raises(jinja2.TemplateError, match="alternate"):
         hf_chat_ids("gemma3", not_alternating)
