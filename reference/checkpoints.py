@@ -417,7 +417,8 @@ def to_legacy_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _pattern_of(layer_types: list[str]) -> int:
-    for pattern in range(1, len(layer_types) + 1):
+    # Up to len + 1: a pattern longer than the stack (every layer slides) is a valid legacy config.
+    for pattern in range(1, len(layer_types) + 2):
         if _layer_types(len(layer_types), pattern) == layer_types:
             return pattern
     raise ValueError(f"layer_types {layer_types} follow no sliding_window_pattern; use config_format='v5'")

@@ -22,12 +22,17 @@ from transformers.generation.logits_process import (
 
 
 class Oracle:
-    """A checkpoint loaded by transformers with eager attention, in eval mode, used without gradients."""
+    """A checkpoint loaded by transformers, in eval mode, used without gradients.
 
-    def __init__(self, path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+    Eager attention by default (it rounds where the engine's reference attention rounds); `attention="sdpa"`
+    gives HF's SDPA path, the one the engine's fast path matches on ill-conditioned shapes.
+    """
+
+    def __init__(self, path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 attention: str = "eager") -> None:
         self.path = Path(path)
         self.device = torch.device(device)
-        model = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype, attn_implementation="eager")
+        model = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype, attn_implementation=attention)
         # functools.wraps on PreTrainedModel.to hides the bound self from mypy.
         self.model = model.to(self.device).eval().requires_grad_(False)  # type: ignore[arg-type]
 

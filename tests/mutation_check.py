@@ -1,8 +1,15 @@
-"""Plant the KV-cache bugs people actually hit, one at a time, and check the suite catches each.
+"""Plant realistic bugs, one at a time, and check the test suite catches each: the suite's own measure.
 
-Run from the repository root: `python tests/mutation_check.py` (a few minutes on 2 cores). Each
-mutant is applied to a temporary copy of the repository; the relevant tests run there and must fail.
-Prints a table; exits non-zero if any mutant survives. Not collected by pytest (no `test_` prefix).
+Run from the repository root: `python tests/mutation_check.py` (about 15 minutes on 2 cores). First the
+whole suite runs unmutated (`pytest -n auto`; it must pass, and its time is printed); then each mutant is
+applied to a temporary copy of the repository and the tests that own that code run there and must fail.
+Prints a table and the kill rate; exits non-zero if any mutant survives.
+
+  python tests/mutation_check.py top-p chat   # only mutants whose name contains a word
+  python tests/mutation_check.py --full       # run the whole suite against every mutant (slow)
+  python tests/mutation_check.py --no-baseline
+
+Not collected by pytest (no `test_` prefix). Every new feature adds its own planted bugs here.
 """
 
 from __future__ import annotations
@@ -115,10 +122,110 @@ MUTANTS = [
            'args = {name: re.sub(r"\\s*\\n+\\s*", " ", text.strip())',
            'args = {name: text.strip().split("\\n")[0]',
            ("tests/test_chat.py",)),
+    # --- config parsing and model math -----------------------------------------------------------
+    Mutant("legacy rope_local_base_freq ignored", "infer/config.py",
+           'rope_local = RopeConfig(theta=float(raw.get("rope_local_base_freq", 10000.0)))',
+           "rope_local = RopeConfig(theta=10000.0)",
+           ("tests/test_config_oracle.py",)),
+    Mutant("rope_parameters: sliding layers take the full layers' RoPE", "infer/config.py",
+           "rope_local = _rope_from_params(rope_params.get(SLIDING_ATTENTION), 10000.0)",
+           "rope_local = _rope_from_params(rope_params.get(FULL_ATTENTION), 10000.0)",
+           ("tests/test_config_oracle.py", "tests/test_models.py")),
+    Mutant("sliding_window_pattern counted from layer 0", "infer/config.py",
+           "SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION",
+           "SLIDING_ATTENTION if i % pattern else FULL_ATTENTION",
+           ("tests/test_config_oracle.py",)),
+    Mutant("explicit head_dim ignored (hidden / heads)", "infer/config.py",
+           'head_dim = int(raw.get("head_dim") or hidden // num_heads)', "head_dim = int(hidden // num_heads)",
+           ("tests/test_config_oracle.py",)),
+    Mutant("rms_norm_eps read as the default", "infer/config.py",
+           'rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6))', "rms_norm_eps=1e-6",
+           ("tests/test_config_oracle.py",)),
+    Mutant("query_pre_attn_scalar ignored (head_dim scales)", "infer/models/transformer.py",
+           "scalar = config.query_pre_attn_scalar or self.head_dim", "scalar = self.head_dim",
+           ("tests/test_config_oracle.py",)),
+    Mutant("final logit softcap without the division", "infer/models/transformer.py",
+           "logits = torch.tanh(logits / cap) * cap", "logits = torch.tanh(logits) * cap",
+           ("tests/test_config_oracle.py",)),
+    Mutant("attention softcap applied after the mask", "infer/attention.py",
+           "    if softcap is not None:\n        scores = torch.tanh(scores / softcap) * softcap\n"
+           "    if mask is not None:\n        scores = scores.masked_fill(~mask, float(\"-inf\"))\n",
+           "    if mask is not None:\n        scores = scores.masked_fill(~mask, float(\"-inf\"))\n"
+           "    if softcap is not None:\n        scores = torch.tanh(scores / softcap) * softcap\n",
+           ("tests/test_config_oracle.py",)),
+    Mutant("Gemma embedding scale not rounded to the weights' dtype", "infer/models/transformer.py",
+           "x = x * torch.tensor(self.embed_scale, dtype=x.dtype)", "x = x * self.embed_scale",
+           ("tests/test_config_oracle.py",)),
+    Mutant("llama3 RoPE: band edges from the wrong factors", "infer/rope.py",
+           "low_freq_wavelen = old_context / rope.low_freq_factor",
+           "low_freq_wavelen = old_context / rope.high_freq_factor",
+           ("tests/test_config_oracle.py",)),
+    # --- caches ------------------------------------------------------------------------------------
+    Mutant("contiguous snapshot is a view of the cache", "infer/cache/contiguous.py",
+           'tensors={"k": self.k_cache[:, :, :, :n].clone(), "v": self.v_cache[:, :, :, :n].clone()}',
+           'tensors={"k": self.k_cache[:, :, :, :n], "v": self.v_cache[:, :, :, :n]}',
+           ("tests/test_cache_conformance.py",)),
+    Mutant("sliding snapshot shares the ring buffer", "infer/cache/sliding.py",
+           '"ring_k": self.ring_k.clone(),', '"ring_k": self.ring_k,',
+           ("tests/test_cache_conformance.py",)),
+    Mutant("quantized snapshot is a view of the codes", "infer/cache/quantized.py",
+           '"k_data": self.k_data[:, :, :, :q].clone(),', '"k_data": self.k_data[:, :, :, :q],',
+           ("tests/test_cache_conformance.py",)),
+    Mutant("prefix match trusts the hash (tokens not compared)", "infer/cache/block_manager.py",
+           "if block.token_ids != tokens or block.parent != parent:", "if False:",
+           ("tests/test_paged.py",)),
+    Mutant("prefix match ignores the block's parent", "infer/cache/block_manager.py",
+           "if block.token_ids != tokens or block.parent != parent:", "if block.token_ids != tokens:",
+           ("tests/test_paged.py",)),
+    Mutant("copy-on-write copies the wrong way", "infer/cache/paged.py",
+           "self.k_blocks[:, dst] = self.k_blocks[:, src]", "self.k_blocks[:, src] = self.k_blocks[:, dst]",
+           ("tests/test_paged.py",)),
+    # --- quantization ------------------------------------------------------------------------------
+    Mutant("int4 nibbles packed high-first, unpacked low-first", "infer/cache/quant.py",
+           "return codes[..., 0::2] | (codes[..., 1::2] << 4)", "return codes[..., 1::2] | (codes[..., 0::2] << 4)",
+           ("tests/test_quantized.py",)),
+    Mutant("int4 codes not sign-extended", "infer/cache/quant.py",
+           "codes = (nibbles ^ 0x08) - 0x08", "codes = nibbles",
+           ("tests/test_quantized.py",)),
+    Mutant("row scale rounded to nearest (clips the row maximum)", "infer/cache/quant.py",
+           "    return torch.where(too_small, torch.nextafter(scale, torch.full_like(scale, float(\"inf\"))), scale)",
+           "    return scale",
+           ("tests/test_quantized.py",)),
+    Mutant("fp4 ties round up", "infer/cache/quant.py",
+           "magnitude_code = torch.bucketize(v.float().abs(), midpoints, right=False)",
+           "magnitude_code = torch.bucketize(v.float().abs(), midpoints, right=True)",
+           ("tests/test_quantized.py",)),
+    # --- tokenizer, loader, generation -------------------------------------------------------------
+    Mutant("decode skips special tokens by default", "infer/tokenizer.py",
+           "def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:",
+           "def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:",
+           ("tests/test_tokenizer.py",)),
+    Mutant("stream decoder emits half a UTF-8 character", "infer/tokenizer.py",
+           "if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):",
+           "if len(full_text) <= len(prefix_text):",
+           ("tests/test_tokenizer.py",)),
+    Mutant("only the first shard of an index is read", "infer/loader.py",
+           "            return files\n", "            return files[:1]\n",
+           ("tests/test_loader.py",)),
+    Mutant("lm_head tied although config.json unties it", "infer/loader.py",
+           "    if config.tie_word_embeddings:\n        model.lm_head.weight = model.embed_tokens.weight",
+           "    if True:\n        model.lm_head.weight = model.embed_tokens.weight",
+           ("tests/test_models.py", "tests/test_config_oracle.py")),
+    Mutant("generation_config.json's eos replaces config.json's", "infer/loader.py",
+           "return tuple(dict.fromkeys([*ids, *config_eos]))", "return tuple(ids) or config_eos",
+           ("tests/test_stopping.py",)),
+    Mutant("sampling seed ignored", "infer/generation.py",
+           "generator = torch.Generator(device=device).manual_seed(params.seed)",
+           "generator = torch.Generator(device=device)",
+           ("tests/test_generate.py", "tests/test_sampling_oracle.py")),
+    Mutant("cached prefix prefilled again", "infer/generation.py",
+           "next_input = all_ids[:, kv_cache.offset if kv_cache is not None else 0 : length]",
+           "next_input = all_ids[:, 0:length]",
+           ("tests/test_generate.py",)),
 ]
 
 
-def run(mutant: Mutant, checkpoints: str) -> tuple[bool, float, str]:
+def run(mutant: Mutant, checkpoints: str, full: bool) -> tuple[bool, float, str]:
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / "repo"
         skip = shutil.ignore_patterns(".git", ".venv", ".asv", "*.egg-info", ".*_cache", ".hypothesis", "bench_results")
@@ -130,8 +237,9 @@ def run(mutant: Mutant, checkpoints: str) -> tuple[bool, float, str]:
         target.write_text(text.replace(mutant.before, mutant.after, 1))
         env = {**os.environ, "INFER_CHECKPOINT_DIR": checkpoints, "PYTHONPATH": str(copy)}
         start = time.perf_counter()
+        tests = () if full else mutant.tests
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-x", "-q", "-n", "2", "-p", "no:cacheprovider", *mutant.tests],
+            [sys.executable, "-m", "pytest", "-x", "-q", "-n", "auto", "-p", "no:cacheprovider", *tests],
             cwd=copy, env=env, capture_output=True, text=True,
         )
         failed = [line for line in proc.stdout.splitlines() if line.startswith("FAILED")]
@@ -139,18 +247,44 @@ def run(mutant: Mutant, checkpoints: str) -> tuple[bool, float, str]:
         return caught, time.perf_counter() - start, failed[0][7:90] if failed else proc.stdout[-200:]
 
 
+def baseline(checkpoints: str) -> float:
+    """The whole suite, unmutated: it must pass for a caught mutant to mean anything. Returns seconds."""
+    env = {**os.environ, "INFER_CHECKPOINT_DIR": checkpoints}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "auto", "-p", "no:cacheprovider"],
+                          cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(proc.stdout[-3000:])
+        raise SystemExit("the unmutated suite fails; fix it before measuring mutants")
+    return time.perf_counter() - start
+
+
 def main() -> int:
     from reference.checkpoints import default_root
 
     checkpoints = os.environ.get("INFER_CHECKPOINT_DIR", str(default_root()))
+    flags = {a for a in sys.argv[1:] if a.startswith("--")}
+    words = [a for a in sys.argv[1:] if not a.startswith("--")]
+    if flags - {"--full", "--no-baseline"}:
+        raise SystemExit(f"unknown option {sorted(flags - {'--full', '--no-baseline'})}; see the docstring")
+    suite_secs = None if "--no-baseline" in flags else baseline(checkpoints)
+    if suite_secs is not None:
+        print(f"unmutated suite (pytest -n auto): passed in {suite_secs:.0f} s on {os.cpu_count()} cores\n")
+    # Optional words pick mutants by a substring of their name: `python tests/mutation_check.py top-p`.
+    chosen = [m for m in MUTANTS if not words or any(word in m.name for word in words)]
     print(f"{'mutant':58} {'caught':7} {'secs':>5}  first failing test")
-    survivors = 0
-    # Optional arguments pick mutants by a substring of their name: `python tests/mutation_check.py top-p`.
-    chosen = [m for m in MUTANTS if not sys.argv[1:] or any(word in m.name for word in sys.argv[1:])]
+    survivors = []
+    start = time.perf_counter()
     for mutant in chosen:
-        caught, secs, detail = run(mutant, checkpoints)
-        survivors += not caught
+        caught, secs, detail = run(mutant, checkpoints, full="--full" in flags)
+        if not caught:
+            survivors.append(mutant.name)
         print(f"{mutant.name:58} {'yes' if caught else 'NO':7} {secs:5.0f}  {detail}", flush=True)
+    killed = len(chosen) - len(survivors)
+    print(f"\nkill rate: {killed}/{len(chosen)} ({100 * killed / max(len(chosen), 1):.0f}%) "
+          f"in {time.perf_counter() - start:.0f} s" + (f"; suite time {suite_secs:.0f} s" if suite_secs else ""))
+    for name in survivors:
+        print(f"SURVIVED: {name}")
     return 1 if survivors else 0
 
 

@@ -144,6 +144,32 @@ def test_snapshot_restore_equals_uninterrupted(arch: str, kind: str, tmp_path: P
             assert_close(resumed, uninterrupted, 1e-6, f"{kind}/{arch} restored")
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_snapshot_is_a_copy(arch: str, kind: str) -> None:
+    """Whatever happens to the source cache after a snapshot (more tokens, reset and refill with other
+    tokens) or to a cache restored from it, the snapshot's tensors and what a restore gives stay the same."""
+    model = model_of(arch)
+    ids, other = ids_for(model, 1, 30, seed=4), ids_for(model, 1, 30, seed=5)
+    with torch.no_grad():
+        source = infer.create_cache(kind, model.config, max_seq_len=30)
+        run_split(model, source, ids, [11])
+        snapshot = source.snapshot()
+        kept = {name: t.clone() for name, t in snapshot.tensors.items()}
+        fresh = infer.create_cache(kind, model.config, max_seq_len=30)
+        fresh.restore(snapshot)
+        expected = run_split(model, fresh, ids, [3, 1, 7])  # also writes into the restored cache
+        run_split(model, source, ids, [10])  # more tokens: a ring wraps, a quantized residue flushes
+        source.reset()
+        run_split(model, source, other, [12, 1])  # refilled with other tokens over the same slots
+        for name, t in snapshot.tensors.items():
+            assert torch.equal(t, kept[name]), f"{kind}/{arch}: snapshot tensor {name!r} changed with its source"
+        again = infer.create_cache(kind, model.config, max_seq_len=30)
+        again.restore(snapshot)
+        assert again.offset == 11
+        assert torch.equal(run_split(model, again, ids, [3, 1, 7]), expected), f"{kind}/{arch}: restore changed"
+
+
 @pytest.mark.parametrize("kind", ALL_KINDS)
 @pytest.mark.parametrize(("max_seq_len", "batch_size"), [(0, 1), (8, 0)])
 def test_empty_cache_size_is_a_clear_error(kind: str, max_seq_len: int, batch_size: int) -> None:

@@ -1,0 +1,181 @@
+"""Config coverage against the oracle: random non-default values for every config field the engine reads,
+in both config formats; the parsed `ModelConfig` equals what transformers parsed, field by field, and the
+logits equal HF's in fp32 (1e-5) and bf16 (bit-identical on the reference attention path).
+
+Gemma 3's `attn_logit_softcapping` is a field HF's Gemma 3 ignores: it is checked against HF's own eager
+formula with the softcap switched on (softcap before the mask), and by causality.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoConfig
+from transformers.models.gemma3 import modeling_gemma3
+
+import infer
+from infer.config import FULL_ATTENTION, ModelConfig, RopeConfig
+from reference import Oracle, build_checkpoint
+from tests.helpers import assert_close
+
+
+def _rope_of(params: dict[str, Any]) -> RopeConfig:
+    defaults = RopeConfig()
+    return RopeConfig(
+        theta=float(params["rope_theta"]),
+        rope_type=params.get("rope_type", "default"),
+        factor=float(params.get("factor", defaults.factor)),
+        low_freq_factor=float(params.get("low_freq_factor", defaults.low_freq_factor)),
+        high_freq_factor=float(params.get("high_freq_factor", defaults.high_freq_factor)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", defaults.original_max_position_embeddings)
+        ),
+    )
+
+
+def hf_model_config(path: Any) -> ModelConfig:
+    """The engine's config as transformers parsed the checkpoint: every value read off HF's config object."""
+    hf = AutoConfig.from_pretrained(path)
+    gemma = hf.model_type == "gemma3_text"
+    rope = hf.rope_parameters
+    eos = hf.eos_token_id
+    return ModelConfig(
+        model_type=hf.model_type,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_hidden_layers=hf.num_hidden_layers,
+        num_attention_heads=hf.num_attention_heads,
+        num_key_value_heads=hf.num_key_value_heads,
+        head_dim=hf.head_dim,
+        rms_norm_eps=hf.rms_norm_eps,
+        max_position_embeddings=hf.max_position_embeddings,
+        tie_word_embeddings=hf.tie_word_embeddings,
+        attention_bias=hf.attention_bias,
+        mlp_bias=getattr(hf, "mlp_bias", False),
+        hidden_act=hf.hidden_activation if gemma else hf.hidden_act,
+        layer_types=tuple(getattr(hf, "layer_types", None) or [FULL_ATTENTION] * hf.num_hidden_layers),
+        sliding_window=hf.sliding_window if "sliding_attention" in (getattr(hf, "layer_types", None) or []) else None,
+        rope=_rope_of(rope["full_attention"] if gemma else rope),
+        rope_local=_rope_of(rope["sliding_attention"]) if gemma else None,
+        query_pre_attn_scalar=float(hf.query_pre_attn_scalar) if gemma else None,
+        final_logit_softcapping=getattr(hf, "final_logit_softcapping", None),
+        attn_logit_softcapping=getattr(hf, "attn_logit_softcapping", None),
+        bos_token_id=hf.bos_token_id,
+        eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+    )
+
+
+@st.composite
+def drawn_overrides(draw: st.DrawFn, arch: str) -> dict[str, Any]:
+    """Non-default values for every config field the engine reads, for one architecture."""
+    kv = draw(st.sampled_from([1, 2]))
+    heads = kv * draw(st.sampled_from([1, 2, 3]))
+    o: dict[str, Any] = {
+        "num_key_value_heads": kv,
+        "num_attention_heads": heads,
+        "head_dim": draw(st.sampled_from([8, 16, 24, 40])),
+        # 48, 72, 80, 96: square roots inexact in bf16 (Gemma scales embeddings by it). transformers
+        # rejects a hidden size that is not a multiple of the head count, whatever head_dim says.
+        "hidden_size": draw(st.sampled_from([h for h in (48, 64, 72, 80, 96) if h % heads == 0])),
+        "intermediate_size": draw(st.sampled_from([64, 96])),
+        "num_hidden_layers": draw(st.integers(1, 5)),
+        "rms_norm_eps": draw(st.sampled_from([1e-6, 1e-5, 1e-3])),
+        "rope_theta": draw(st.sampled_from([100.0, 10000.0, 123456.0, 1e6])),
+        "tie_word_embeddings": draw(st.booleans()),
+        "eos_token_id": draw(st.one_of(st.integers(1, 500), st.lists(st.integers(1, 500), min_size=1, max_size=3,
+                                                                     unique=True))),
+    }
+    if arch != "gemma3":
+        o["attention_bias"] = draw(st.booleans())
+    if arch == "llama":
+        low = draw(st.sampled_from([0.5, 1.0, 2.0]))
+        o["rope_scaling"] = draw(st.sampled_from([
+            None,
+            {"rope_type": "linear", "factor": 4.0},
+            {"rope_type": "llama3", "factor": draw(st.sampled_from([2.0, 8.0, 32.0])), "low_freq_factor": low,
+             "high_freq_factor": low * draw(st.sampled_from([2.0, 4.0])),
+             "original_max_position_embeddings": draw(st.sampled_from([16, 64]))},
+        ]))
+    elif arch == "qwen3":
+        o["rope_scaling"] = draw(st.sampled_from([None, {"rope_type": "linear", "factor": 2.0}]))
+    else:
+        o["rope_local_base_freq"] = draw(st.sampled_from([500.0, 10000.0, 77777.0]))
+        o["rope_scaling"] = draw(st.sampled_from([None, {"rope_type": "linear", "factor": 8.0}]))
+        o["sliding_window"] = draw(st.integers(2, 12))
+        o["sliding_window_pattern"] = draw(st.integers(1, 4))
+        o["query_pre_attn_scalar"] = draw(st.sampled_from([8, 24, 100]))  # != head_dim mostly
+        o["final_logit_softcapping"] = draw(st.sampled_from([None, 3.0, 30.0]))
+    return o
+
+
+# Every architecture in both formats gets its own examples: legacy-only keys (sliding_window_pattern,
+# rope_local_base_freq) are read only from legacy files.
+@pytest.mark.parametrize("config_format", ["v5", "legacy"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+@settings(max_examples=10)
+@given(data=st.data())
+def test_parsed_config_and_logits_equal_the_oracle(arch: str, config_format: str, data: st.DataObject) -> None:
+    overrides = data.draw(drawn_overrides(arch), label="overrides")
+    path = build_checkpoint(arch, config_format=config_format, **overrides)
+    ours = ModelConfig.from_file(path)
+    theirs = hf_model_config(path)
+    differ = {f: (getattr(ours, f), getattr(theirs, f)) for f in ours.__dataclass_fields__
+              if getattr(ours, f) != getattr(theirs, f)}
+    assert not differ, f"parsed fields differ from transformers' (ours, HF's): {differ}"
+
+    ids = torch.randint(0, ours.vocab_size, (1, 29), generator=torch.Generator().manual_seed(len(overrides)))
+    # Random tiny configs can be ill-conditioned (HF's own eager and SDPA paths then differ by 1e-4), so
+    # each of the engine's attention paths is held to the HF path that computes the same way.
+    model = infer.load_model(path)
+    for reference_attention, hf_attention in ((False, "sdpa"), (True, "eager")):
+        model.use_reference_attention = reference_attention
+        with torch.no_grad():
+            logits = model(ids)
+        expected = Oracle(path, attention=hf_attention).logits(ids)
+        assert_close(logits, expected, 1e-5 * max(1.0, expected.abs().max().item()),
+                     f"{arch} fp32 ({hf_attention}) {overrides}")
+
+    half = infer.load_model(path, dtype=torch.bfloat16)
+    half.use_reference_attention = True  # rounds where HF's eager attention rounds
+    with torch.no_grad():
+        ours_bf16 = half(ids)
+    assert torch.equal(ours_bf16, Oracle(path, dtype=torch.bfloat16).logits(ids).to(torch.bfloat16)), (
+        f"{arch} bf16 logits differ from HF's eager path for {overrides}"
+    )
+
+
+SOFTCAP_OVERRIDES: dict[str, Any] = {"attn_logit_softcapping": 0.5, "query_pre_attn_scalar": 4}
+
+
+def test_gemma_attn_softcapping_follows_hfs_eager_formula(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF's Gemma 3 never passes its `attn_logit_softcapping` to attention; its eager kernel takes a
+    `softcap` (applied before the mask). With that switched on, HF is the oracle for the field."""
+    path = build_checkpoint("gemma3", **SOFTCAP_OVERRIDES)
+    model = infer.load_model(path)
+    assert model.config.attn_logit_softcapping == 0.5
+    ids = torch.randint(0, model.config.vocab_size, (1, 21), generator=torch.Generator().manual_seed(8))
+    plain = Oracle(path).logits(ids)
+    monkeypatch.setattr(modeling_gemma3, "eager_attention_forward",
+                        functools.partial(modeling_gemma3.eager_attention_forward, softcap=0.5))
+    capped = Oracle(path).logits(ids)
+    assert (capped - plain).abs().max() > 1e-3, "the softcap must matter at this size, or the test proves nothing"
+    with torch.no_grad():
+        ours = model(ids)
+    assert_close(ours, capped, 1e-5 * max(1.0, capped.abs().max().item()), "gemma3 with attention softcap")
+
+
+def test_gemma_attn_softcapping_is_causal() -> None:
+    model = infer.load_model(build_checkpoint("gemma3", **SOFTCAP_OVERRIDES))
+    ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(9))
+    changed = ids.clone()
+    changed[0, 15:] = (changed[0, 15:] + 7) % model.config.vocab_size
+    with torch.no_grad():
+        before, after = model(ids), model(changed)
+    assert torch.equal(before[:, :15], after[:, :15]), "a later token changed an earlier logit"
+    assert not torch.equal(before[:, 15:], after[:, 15:])
