@@ -122,8 +122,10 @@ def load_model(
 
 
 def _generation_eos_ids(path: Path, config_eos: tuple[int, ...]) -> tuple[int, ...]:
-    """generation_config.json's eos_token_id (an int or a list; what HF's `generate` stops on) followed by
-    config.json's, without repeats. Qwen 3 names only <|im_end|> in config.json, both ids in the other."""
+    """The ids HF's `generate` stops on: generation_config.json's eos_token_id (an int or a list) when
+    it names one, replacing config.json's (Qwen 3 names only <|im_end|> in config.json, both ids in
+    the other); config.json's otherwise. (HF stops on none when generation_config.json exists without
+    the field; falling back to config.json's is the one deliberate difference.)"""
     file = path / "generation_config.json"
     if not file.is_file():
         return config_eos
@@ -136,8 +138,9 @@ def _generation_eos_ids(path: Path, config_eos: tuple[int, ...]) -> tuple[int, .
         raise CheckpointError(
             f"{file}: eos_token_id={value!r} is invalid; expected a non-negative int or a list of them"
         )
-    ids = [] if value is None else values
-    return tuple(dict.fromkeys([*ids, *config_eos]))
+    if value is None:
+        return config_eos
+    return tuple(dict.fromkeys(values))
 
 
 def _resolve_compute_dtype(

@@ -172,10 +172,12 @@ MUTANTS = [
            '"k_data": self.k_data[:, :, :, :q].clone(),', '"k_data": self.k_data[:, :, :, :q],',
            ("tests/test_cache_conformance.py",)),
     Mutant("prefix match trusts the hash (tokens not compared)", "infer/cache/block_manager.py",
-           "if block.token_ids != tokens or block.parent != parent:", "if False:",
+           "            if block.token_ids != tokens or block.parent != parent:\n                break",
+           "            if False:\n                break",
            ("tests/test_paged.py",)),
     Mutant("prefix match ignores the block's parent", "infer/cache/block_manager.py",
-           "if block.token_ids != tokens or block.parent != parent:", "if block.token_ids != tokens:",
+           "            if block.token_ids != tokens or block.parent != parent:\n                break",
+           "            if block.token_ids != tokens:\n                break",
            ("tests/test_paged.py",)),
     Mutant("copy-on-write copies the wrong way", "infer/cache/paged.py",
            "self.k_blocks[:, dst] = self.k_blocks[:, src]", "self.k_blocks[:, src] = self.k_blocks[:, dst]",
@@ -205,14 +207,14 @@ MUTANTS = [
            "if len(full_text) <= len(prefix_text):",
            ("tests/test_tokenizer.py",)),
     Mutant("only the first shard of an index is read", "infer/loader.py",
-           "            return files\n", "            return files[:1]\n",
+           "        return files\n", "        return files[:1]\n",
            ("tests/test_loader.py",)),
     Mutant("lm_head tied although config.json unties it", "infer/loader.py",
            "    if config.tie_word_embeddings:\n        model.lm_head.weight = model.embed_tokens.weight",
            "    if True:\n        model.lm_head.weight = model.embed_tokens.weight",
            ("tests/test_models.py", "tests/test_config_oracle.py")),
-    Mutant("generation_config.json's eos replaces config.json's", "infer/loader.py",
-           "return tuple(dict.fromkeys([*ids, *config_eos]))", "return tuple(ids) or config_eos",
+    Mutant("config.json's eos stops although generation_config.json replaces it", "infer/loader.py",
+           "    return tuple(dict.fromkeys(values))", "    return tuple(dict.fromkeys([*values, *config_eos]))",
            ("tests/test_stopping.py",)),
     Mutant("sampling seed ignored", "infer/generation.py",
            "generator = torch.Generator(device=device).manual_seed(params.seed)",
@@ -232,8 +234,9 @@ def run(mutant: Mutant, checkpoints: str, full: bool) -> tuple[bool, float, str]
         shutil.copytree(ROOT, copy, ignore=skip)
         target = copy / mutant.path
         text = target.read_text()
-        if mutant.before not in text:
-            return False, 0.0, f"mutation site not found in {mutant.path}"
+        if text.count(mutant.before) != 1:
+            # An ambiguous site would plant the bug somewhere other than the name says.
+            return False, 0.0, f"mutation site found {text.count(mutant.before)} times in {mutant.path}, not once"
         target.write_text(text.replace(mutant.before, mutant.after, 1))
         env = {**os.environ, "INFER_CHECKPOINT_DIR": checkpoints, "PYTHONPATH": str(copy)}
         start = time.perf_counter()

@@ -88,6 +88,26 @@ def test_ignore_eos_and_explicit_stop_ids(arch: str, tmp_path: Path) -> None:
     assert (explicit.token_ids, explicit.finish_reason) == (free_run[: first + 1], "eos")
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_generation_config_eos_replaces_config_json_eos_as_in_hf(arch: str, tmp_path: Path) -> None:
+    """config.json names a token the greedy run produces; generation_config.json names another id:
+    HF's generate stops only on generation_config.json's, and so does the engine."""
+    base = build_checkpoint(arch)
+    prompt = [7, 8, 9, 10, 11]
+    free_run = Oracle(base).greedy(prompt, N)
+    unused = next(t for t in range(5, 500) if t not in free_run)
+    path = with_eos_list(arch, tmp_path, "generation_config", [unused])
+    config = json.loads((path / "config.json").read_text())
+    config["eos_token_id"] = free_run[3]
+    (path / "config.json").write_text(json.dumps(config))
+    oracle = Oracle(path)
+    hf_eos = oracle.model.generation_config.eos_token_id
+    expected = oracle.greedy(prompt, N, eos_token_ids=hf_eos if isinstance(hf_eos, list) else [hf_eos])
+    assert expected == free_run, "HF stopped on config.json's eos: the premise changed"
+    ours = generate(infer.load_model(path), None, prompt, SamplingParams(max_new_tokens=N))
+    assert (ours.token_ids, ours.finish_reason) == (expected, "length")
+
+
 def test_malformed_generation_config_eos_is_a_named_error(tmp_path: Path) -> None:
     path = with_eos_list("llama", tmp_path, "generation_config", [3])
     generation = json.loads((path / "generation_config.json").read_text())
