@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from infer.sampling import SamplingParams
 from infer.tokenizer import Tokenizer
 from reference import Oracle, build_checkpoint
 
+REPLACEMENT_CHAR = "\ufffd"  # what a decoder gives for an incomplete UTF-8 sequence
 ARCHS = ["llama", "qwen3", "gemma3"]
 N = 24
 
@@ -131,12 +133,27 @@ def reference_continuation(arch: str, seed: int) -> tuple[list[int], list[int], 
     return prompt, ids, text, tuple(sorted(b for b in boundaries if 0 < b < len(text)))
 
 
+def text_at_stop(ids: list[int], stops: list[str], decode: Callable[[list[int]], str]) -> str | None:
+    """Where generation must stop, by HF's decoding alone: after each token, the final text so far (the
+    decoded text, unless it ends in an incomplete character, U+FFFD, which a later token may complete) is
+    searched; the first time any stop string is in it, the text is cut at the earliest occurrence."""
+    for k in range(1, len(ids) + 1):
+        text = decode(ids[:k])
+        if text.endswith(REPLACEMENT_CHAR) and k < len(ids):
+            continue
+        hits = [i for s in stops if (i := text.find(s)) >= 0]
+        if hits:
+            return text[: min(hits)]
+    return None
+
+
 @given(data=st.data())
 @pytest.mark.parametrize("arch", ARCHS)
 def test_stop_string_at_any_offset(arch: str, data: st.DataObject) -> None:
     """One or two stop strings cut from the reference text anywhere (across token boundaries, inside multi-byte
-    characters' tokens): the text ends right before the first occurrence of any, finish_reason is "stop", and
-    the streamed pieces concatenate to the result's text."""
+    characters' tokens): generation stops on the first token that completes one (a longer stop string starting
+    earlier but not yet complete does not hold it up), the text ends right before the earliest occurrence,
+    finish_reason is "stop", and the streamed pieces concatenate to the result's text."""
     prompt, ids, text, boundaries = reference_continuation(arch, data.draw(st.integers(0, 2), label="prompt"))
     where = data.draw(st.sampled_from(["anywhere", "across a token boundary", "at a non-ASCII character"]))
     if where == "across a token boundary" and boundaries:
@@ -151,9 +168,12 @@ def test_stop_string_at_any_offset(arch: str, data: st.DataObject) -> None:
     stop = text[start : start + length]
     assume(stop)
     stops = [stop]
-    second = data.draw(st.sampled_from(["none", "its own suffix", "anywhere"]), label="a second stop string")
+    second = data.draw(st.sampled_from(["none", "its own suffix", "inside it", "anywhere"]),
+                       label="a second stop string")
     if second == "its own suffix" and len(stop) > 1:  # both complete on the same token: the earlier start wins
         stops.append(stop[1:])
+    elif second == "inside it" and len(stop) > 2:  # completes first unless in the same token as the end
+        stops.append(stop[1:-1])
     elif second == "anywhere":
         other = data.draw(st.integers(0, len(text) - 1), label="its offset")
         stops.append(text[other : other + data.draw(st.integers(1, 5))])
@@ -163,7 +183,9 @@ def test_stop_string_at_any_offset(arch: str, data: st.DataObject) -> None:
                                                                            ignore_eos=True)))
     result = pieces.pop()
     assert isinstance(result, GenerationResult)
-    assert result.text == text[: min(text.find(s) for s in stops)], f"stop {stops!r}: text ends wrongly"
+    hf_tokenizer = AutoTokenizer.from_pretrained(build_checkpoint(arch))
+    expected = text_at_stop(ids, stops, functools.partial(hf_tokenizer.decode, skip_special_tokens=False))
+    assert result.text == expected, f"stop {stops!r}: text ends wrongly"
     assert result.finish_reason == "stop"
     assert "".join(str(p) for p in pieces) == result.text, "streamed pieces do not add up to the text"
     assert result.token_ids == ids[: len(result.token_ids)], "tokens differ from the oracle's"
