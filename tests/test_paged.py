@@ -125,6 +125,23 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
+    def truncate(self, data: st.DataObject) -> None:
+        """Give back slots a stopped step reserved: any length from the registered blocks to the end."""
+        manager, seq_id = self.manager, self._pick(data)
+        low = manager.num_registered_blocks(seq_id) * manager.block_size
+        n = data.draw(st.integers(low, manager.num_tokens(seq_id)), label="truncate to")
+        table = manager.block_table(seq_id)
+        keep = manager.blocks_for(n)
+        free_before = manager.free_block_ids()
+        released = manager.truncate(seq_id, n)
+        assert manager.num_tokens(seq_id) == n and manager.block_table(seq_id) == table[:keep]
+        assert [b for b in table[keep:] if manager.ref_count(b) == 0] == sorted(released, key=table.index)
+        assert manager.free_block_ids() == (*sorted(released, key=table.index), *free_before)
+        with pytest.raises(ValueError, match="truncated"):
+            manager.truncate(seq_id, n + 1)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
     def fork(self, data: st.DataObject) -> None:
         seq_id, new_id = self._pick(data), self.next_id
         self.next_id += 1

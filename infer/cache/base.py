@@ -2,7 +2,8 @@
 
 A cache stores, per layer, the keys and values of the tokens seen so far (post QK-norm, post RoPE).
 The model calls `update(layer, k, v)` once per layer per forward, then `advance(n)` once: the new
-tokens sit at absolute positions `offset .. offset + n - 1`. Every row of a batch holds the same
+tokens sit at absolute positions `offset .. offset + n - 1`. A forward that stops part-way calls
+`discard_step()` instead, and the cache is as it was before the forward. Every row of a batch holds the same
 number of tokens.
 """
 
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
+
+from infer.errors import CacheFullError
 
 
 @runtime_checkable
@@ -41,6 +44,11 @@ class KVCache(Protocol):
         """Mark `n` more tokens as cached, after every layer has been updated."""
         ...
 
+    def discard_step(self) -> None:
+        """Undo the writes of a step that will not be advanced (a forward stopped between layers by an
+        exception or Ctrl-C), leaving the cache as it was before the step. A no-op between steps."""
+        ...
+
     def reset(self) -> None:
         """Forget every cached token (the memory stays allocated)."""
         ...
@@ -66,13 +74,75 @@ def check_cache_size(max_seq_len: int, batch_size: int) -> None:
 
 
 def check_kv_shape(k: torch.Tensor, v: torch.Tensor, batch_size: int, num_kv_heads: int, head_dim: int) -> None:
-    """Raise a ValueError naming the mismatch when `k`/`v` are not `[batch, kv_heads, T, head_dim]`."""
+    """Raise a TypeError/ValueError naming the mismatch unless `k`/`v` are real floating-point tensors
+    `[batch, kv_heads, T, head_dim]` of one dtype and device."""
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.dtype.is_floating_point:  # complex, integer and bool K/V would be cast silently
+            raise TypeError(f"{name} must be a real floating-point tensor, got {t.dtype}")
+    if k.dtype != v.dtype or k.device != v.device:
+        raise TypeError(f"k and v must share dtype and device, got {k.dtype}/{k.device} and {v.dtype}/{v.device}")
     expected = (batch_size, num_kv_heads, k.shape[2] if k.dim() == 4 else -1, head_dim)
     if k.dim() != 4 or tuple(k.shape) != expected or k.shape != v.shape:
         raise ValueError(
             f"k/v must be [batch={batch_size}, kv_heads={num_kv_heads}, T, head_dim={head_dim}], "
             f"got k {tuple(k.shape)} and v {tuple(v.shape)}: was the cache built for this model and batch size?"
         )
+
+
+def check_layer(layer: object, num_layers: int) -> int:
+    """The layer index, or a TypeError/ValueError: an int in `0 .. num_layers-1` (no negative indexing)."""
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        raise TypeError(f"layer must be an int, got {type(layer).__name__}")
+    if not 0 <= layer < num_layers:
+        raise ValueError(f"layer must lie in [0, {num_layers}) for this {num_layers}-layer cache, got {layer}")
+    return layer
+
+
+def check_advance(n: object, offset: int, max_seq_len: int) -> int:
+    """The count for `advance`, or an error: an int >= 0 that keeps the offset within max_seq_len."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"advance takes an int number of tokens, got {type(n).__name__} {n!r}")
+    if n < 0 or offset + n > max_seq_len:
+        raise CacheFullError(f"cannot advance by {n} from {offset} (max_seq_len={max_seq_len})")
+    return n
+
+
+class PendingWrites:
+    """The in-place writes of the forward in progress, with what they overwrote.
+
+    A ring buffer overwrites slots that still hold live tokens, so a forward stopped between layers (an
+    exception, Ctrl-C) would leave the offset saying N while slots say N + T. A cache logs such writes
+    here: `commit` (from `advance`) keeps them; a layer written a second time without an `advance` in
+    between means the last forward stopped part-way, and its writes are undone first.
+    """
+
+    def __init__(self) -> None:
+        self._undo: list[tuple[torch.Tensor, int | torch.Tensor, torch.Tensor]] = []
+        self._layers: set[int] = set()
+
+    def start_layer(self, layer: int) -> None:
+        """Note that `layer` is written by the current forward, undoing a stopped one first."""
+        if layer in self._layers:
+            self.undo()
+        self._layers.add(layer)
+
+    def write(self, target: torch.Tensor, index: int | torch.Tensor, values: torch.Tensor) -> None:
+        """`target[:, :, index] = values`, remembering the old contents."""
+        self._undo.append((target, index, target[:, :, index].clone()))
+        target[:, :, index] = values
+
+    def undo(self) -> None:
+        """Put back everything written since the last commit."""
+        for target, index, old in reversed(self._undo):
+            target[:, :, index] = old
+        self.commit()
+
+    def commit(self) -> None:
+        """Keep the writes (the forward finished)."""
+        self._undo.clear()
+        self._layers.clear()
 
 
 @dataclass
@@ -91,10 +161,45 @@ class CacheSnapshot:
 
 
 def check_snapshot(snapshot: CacheSnapshot, kind: str, max_seq_len: int) -> None:
-    """Raise a ValueError when a snapshot cannot be restored into a `kind` cache of `max_seq_len`."""
+    """Raise a TypeError/ValueError when a snapshot cannot be restored into a `kind` cache of `max_seq_len`."""
+    if not isinstance(snapshot, CacheSnapshot):
+        raise TypeError(f"restore takes a CacheSnapshot, got {type(snapshot).__name__}")
     if snapshot.kind != kind:
         raise ValueError(f"cannot restore a '{snapshot.kind}' snapshot into a '{kind}' cache")
+    if isinstance(snapshot.offset, bool) or not isinstance(snapshot.offset, int) or snapshot.offset < 0:
+        raise ValueError(f"snapshot offset must be an int >= 0, got {snapshot.offset!r}")
     if snapshot.offset > max_seq_len:
         raise ValueError(
             f"the snapshot holds {snapshot.offset} tokens but the cache's max_seq_len is {max_seq_len}"
         )
+
+
+FLOAT = None  # in `check_snapshot_tensors`: any real floating dtype (it is cast to the cache's dtype)
+
+
+def check_snapshot_tensors(
+    snapshot: CacheSnapshot, expected: dict[str, tuple[tuple[int, ...], torch.dtype | None]]
+) -> None:
+    """Raise a ValueError unless the snapshot holds exactly the named tensors with exactly these shapes
+    and dtypes (`FLOAT`: any real floating dtype). Checked before a restore writes anything."""
+    names = set(snapshot.tensors)
+    if names != set(expected):
+        raise ValueError(
+            f"a '{snapshot.kind}' snapshot must hold tensors {sorted(expected)}, got {sorted(names)}: "
+            "was it written for another cache kind, or edited?"
+        )
+    for name, (shape, dtype) in expected.items():
+        t = snapshot.tensors[name]
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"snapshot tensor {name!r} must be a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(
+                f"snapshot tensor {name!r} is {tuple(t.shape)}, this cache needs {tuple(shape)}: "
+                "was it taken from a cache for another model, batch size or window?"
+            )
+        ok = t.dtype.is_floating_point if dtype is FLOAT else t.dtype == dtype
+        if not ok:
+            raise ValueError(
+                f"snapshot tensor {name!r} has dtype {t.dtype}, expected "
+                f"{'a floating-point dtype' if dtype is FLOAT else dtype}: the file is corrupt or edited"
+            )

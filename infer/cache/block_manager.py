@@ -299,6 +299,28 @@ class BlockManager:
                 released.append(block_id)
         return released
 
+    def truncate(self, seq_id: int, num_tokens: int) -> list[int]:
+        """Shrink a sequence to its first `num_tokens` tokens (at least its registered ones): give back
+        the slots a step reserved but never finished. Returns the blocks that no sequence holds any more."""
+        seq = self._seq(seq_id)
+        registered = seq.num_registered_blocks * self.block_size
+        if not registered <= num_tokens <= seq.num_tokens:
+            raise ValueError(
+                f"sequence {seq_id} can be truncated to {registered}..{seq.num_tokens} tokens, not {num_tokens}"
+            )
+        keep = self.blocks_for(num_tokens)
+        released: list[int] = []
+        for block_id in reversed(seq.block_table[keep:]):
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                released.append(block_id)
+        # First in line again, in the order they were taken: as if the step had never run.
+        self._free.extendleft(released)
+        del seq.block_table[keep:]
+        seq.num_tokens = num_tokens
+        return released
+
     # ---- internals --------------------------------------------------------------------------
 
     def _seq(self, seq_id: int) -> _Sequence:

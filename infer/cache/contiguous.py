@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from infer.cache.base import CacheSnapshot, check_cache_size, check_kv_shape, check_snapshot
+from infer.cache.base import (
+    FLOAT,
+    CacheSnapshot,
+    check_advance,
+    check_cache_size,
+    check_kv_shape,
+    check_layer,
+    check_snapshot,
+    check_snapshot_tensors,
+)
 from infer.config import ModelConfig
 from infer.errors import CacheFullError
 
@@ -43,6 +52,7 @@ class ContiguousCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write at `offset` and return views of every valid position of this layer."""
+        check_layer(layer, self.k_cache.shape[0])
         check_kv_shape(k, v, self.batch_size, self.num_kv_heads, self.head_dim)
         end = self._offset + k.shape[2]
         if end > self.max_seq_len:
@@ -56,9 +66,10 @@ class ContiguousCache:
 
     def advance(self, n: int) -> None:
         """Count `n` more tokens as cached."""
-        if n < 0 or self._offset + n > self.max_seq_len:
-            raise CacheFullError(f"cannot advance by {n} from {self._offset} (max_seq_len={self.max_seq_len})")
-        self._offset += n
+        self._offset += check_advance(n, self._offset, self.max_seq_len)
+
+    def discard_step(self) -> None:
+        """Nothing to undo: a step writes only past the offset, which nothing reads."""
 
     def reset(self) -> None:
         """Empty the cache; stale values stay in memory but are never read (positions >= offset)."""
@@ -81,11 +92,9 @@ class ContiguousCache:
     def restore(self, snapshot: CacheSnapshot) -> None:
         """Load a snapshot of a contiguous cache with the same layers, batch, heads and head size."""
         check_snapshot(snapshot, "contiguous", self.max_seq_len)
+        shape = (*self.k_cache.shape[:3], snapshot.offset, self.head_dim)
+        check_snapshot_tensors(snapshot, {"k": (shape, FLOAT), "v": (shape, FLOAT)})
         k, v = snapshot.tensors["k"], snapshot.tensors["v"]
-        if k.shape[:3] != self.k_cache.shape[:3] or k.shape[-1] != self.head_dim:
-            raise ValueError(
-                f"snapshot tensors {tuple(k.shape)} do not fit this cache {tuple(self.k_cache.shape)}"
-            )
         n = snapshot.offset
         self.k_cache[:, :, :, :n] = k
         self.v_cache[:, :, :, :n] = v

@@ -13,7 +13,16 @@ from collections.abc import Sequence
 
 import torch
 
-from infer.cache.base import CacheSnapshot, check_cache_size, check_kv_shape, check_snapshot
+from infer.cache.base import (
+    FLOAT,
+    CacheSnapshot,
+    check_advance,
+    check_cache_size,
+    check_kv_shape,
+    check_layer,
+    check_snapshot,
+    check_snapshot_tensors,
+)
 from infer.cache.block_manager import BlockManager, BlockStats, CopyOnWrite, PoolExhaustedError
 from infer.config import ModelConfig
 from infer.errors import CacheFullError
@@ -146,6 +155,7 @@ class PagedCache:
         self._released = False
         self._table: torch.Tensor | None = None  # [B, num_blocks_held], rebuilt when the tables change
         self._write_index: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
+        self._pending_layers: set[int] = set()  # layers written by the step in progress
 
     @property
     def offset(self) -> int:
@@ -159,9 +169,13 @@ class PagedCache:
 
     def extend_token_ids(self, token_ids: Sequence[int]) -> None:
         """Tell the cache the next token ids of its (single) sequence, so its full blocks can be shared."""
+        self._check_live()
         if self._token_ids is None:
             raise ValueError("token ids are tracked for batch-1 caches only")
-        self._token_ids.extend(int(t) for t in token_ids)
+        new = list(token_ids)
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in new):
+            raise TypeError(f"token_ids must be non-negative ints, got {new[:8]}")
+        self._token_ids.extend(new)
         self._register()
 
     def key_positions(self, layer: int, q_len: int) -> torch.Tensor:
@@ -172,7 +186,11 @@ class PagedCache:
         """Write at `offset` through the block tables; return every valid position of this layer,
         gathered from this batch's own blocks."""
         self._check_live()
+        check_layer(layer, self.pool.num_layers)
         check_kv_shape(k, v, self.batch_size, self.pool.num_kv_heads, self.pool.head_dim)
+        if layer in self._pending_layers:  # the last step stopped part-way: give back what it reserved
+            self.discard_step()
+        self._pending_layers.add(layer)
         end = self._offset + k.shape[2]
         if end > self.max_seq_len:
             raise CacheFullError(
@@ -190,10 +208,10 @@ class PagedCache:
     def advance(self, n: int) -> None:
         """Count `n` more tokens as cached; register the blocks they filled when token ids are known."""
         self._check_live()
-        if n < 0 or self._offset + n > self.max_seq_len:
-            raise CacheFullError(f"cannot advance by {n} from {self._offset} (max_seq_len={self.max_seq_len})")
+        check_advance(n, self._offset, self.max_seq_len)
         self._reserve(self._offset + n)
         self._offset += n
+        self._pending_layers.clear()
         self._register()
 
     def reset(self) -> None:
@@ -222,7 +240,7 @@ class PagedCache:
         """A new cache holding the same tokens and sharing all blocks; either one's writes copy first."""
         self._check_live()
         if self._num_reserved != self._offset:
-            raise ValueError("cannot fork in the middle of a step: call advance() first")
+            raise ValueError("cannot fork in the middle of a step: call advance() or discard_step() first")
         seq_ids = [self.pool._new_seq_id() for _ in self.seq_ids]
         for seq_id, new_id in zip(self.seq_ids, seq_ids, strict=True):
             self.pool.manager.fork(seq_id, new_id)
@@ -252,13 +270,15 @@ class PagedCache:
         `PoolExhaustedError`, changing nothing, when the pool cannot hold them."""
         check_snapshot(snapshot, "paged", self.max_seq_len)
         pool, manager = self.pool, self.pool.manager
-        k, v = snapshot.tensors["k"], snapshot.tensors["v"]
         n = snapshot.offset
         expected = (pool.num_layers, self.batch_size, pool.num_kv_heads, n, pool.head_dim)
-        if tuple(k.shape) != expected or tuple(v.shape) != expected:
-            raise ValueError(
-                f"snapshot tensors {tuple(k.shape)} and {tuple(v.shape)} do not fit this cache, which needs {expected}"
-            )
+        check_snapshot_tensors(snapshot, {"k": (expected, FLOAT), "v": (expected, FLOAT)})
+        k, v = snapshot.tensors["k"], snapshot.tensors["v"]
+        known = snapshot.token_ids
+        if known is not None and (
+            len(known) != n or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in known)
+        ):
+            raise ValueError(f"snapshot token_ids must be {n} non-negative ints, one per cached token")
         needed = self.batch_size * manager.blocks_for(n)
         reclaimable = 0 if self._released else manager.num_reclaimable(self.seq_ids)
         if needed > manager.num_free + reclaimable:
@@ -295,6 +315,19 @@ class PagedCache:
                 self.pool.manager.free(seq_id)
         self._released = True
 
+    def discard_step(self) -> None:
+        """Give back the slots of a step that stopped before `advance` (its writes past the offset are
+        never read). Copy-on-write copies it made stay: they hold the same tokens."""
+        if self._released:
+            return
+        if self._num_reserved > self._offset:
+            for seq_id in self.seq_ids:
+                self.pool.manager.truncate(seq_id, self._offset)
+            self._num_reserved = self._offset
+            self._table = None
+            self._write_index = None
+        self._pending_layers.clear()
+
     def _set_empty_state(self, offset: int, token_ids: list[int] | None) -> None:
         self._released = False
         self._offset = self._num_reserved = offset
@@ -302,6 +335,7 @@ class PagedCache:
         self.num_prefix_hit_tokens = 0
         self._table = None
         self._write_index = None
+        self._pending_layers = set()
 
     def _reserve(self, end: int) -> None:
         """Take slots up to position `end` for every row, all or nothing, doing copy-on-write copies."""

@@ -22,7 +22,17 @@ from functools import partial
 import torch
 
 from infer.cache import quant
-from infer.cache.base import CacheSnapshot, check_cache_size, check_kv_shape, check_snapshot
+from infer.cache.base import (
+    FLOAT,
+    CacheSnapshot,
+    PendingWrites,
+    check_advance,
+    check_cache_size,
+    check_kv_shape,
+    check_layer,
+    check_snapshot,
+    check_snapshot_tensors,
+)
 from infer.config import ModelConfig
 from infer.errors import CacheFullError
 
@@ -80,6 +90,7 @@ class QuantizedCache:
         self.residual_block = residual_block if residual_window else 1
         self._quantize, self._dequantize = quantize, dequantize
         self._offset = 0
+        self._pending = PendingWrites()  # residual-ring writes of the forward in progress
 
         lbh = (config.num_hidden_layers, batch_size, self.num_kv_heads)
         num_slots = self.num_quantized(max_seq_len)
@@ -115,6 +126,7 @@ class QuantizedCache:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new tokens (quantizing what ages out of the window); return every valid position
         dequantized, `[B, Hkv, offset + T, D]` in the cache dtype."""
+        check_layer(layer, self.k_data.shape[0])
         check_kv_shape(k, v, self.batch_size, self.num_kv_heads, self.head_dim)
         start, end = self._offset, self._offset + k.shape[2]
         if end > self.max_seq_len:
@@ -122,6 +134,7 @@ class QuantizedCache:
                 f"{k.shape[2]} new tokens after {start} cached exceed max_seq_len={self.max_seq_len}; "
                 "create the cache with a larger max_seq_len"
             )
+        self._pending.start_layer(layer)
         k_all = self._write(self.k_data[layer], self.k_scale[layer], self.k_recent[layer], k, start, end)
         v_all = self._write(self.v_data[layer], self.v_scale[layer], self.v_recent[layer], v, start, end)
         return k_all, v_all
@@ -151,20 +164,24 @@ class QuantizedCache:
             scale[:, :, old_quantized:new_quantized] = row_scales
         first_kept = max(new_quantized, start)
         if end > first_kept:
-            recent[:, :, self._ring_slots(first_kept, end)] = x[:, :, first_kept - start :].to(recent.dtype)
+            # Codes and scales past the committed count are never read, but ring slots may hold live tokens.
+            kept = x[:, :, first_kept - start :].to(recent.dtype)
+            self._pending.write(recent, self._ring_slots(first_kept, end), kept)
         old = self._dequantize(data[:, :, :new_quantized], scale[:, :, :new_quantized], self.dtype)
         return torch.cat((old, recent[:, :, self._ring_slots(new_quantized, end)]), dim=2)
 
     def advance(self, n: int) -> None:
-        """Count `n` more tokens as cached."""
-        if n < 0 or self._offset + n > self.max_seq_len:
-            raise CacheFullError(
-                f"cannot advance by {n} from {self._offset} (max_seq_len={self.max_seq_len})"
-            )
-        self._offset += n
+        """Count `n` more tokens as cached (the forward's ring writes are kept)."""
+        self._offset += check_advance(n, self._offset, self.max_seq_len)
+        self._pending.commit()
+
+    def discard_step(self) -> None:
+        """Put back the ring slots a stopped forward overwrote."""
+        self._pending.undo()
 
     def reset(self) -> None:
         """Empty the cache; stale values stay in memory but are never read."""
+        self._pending.commit()
         self._offset = 0
 
     @property
@@ -175,6 +192,7 @@ class QuantizedCache:
 
     def snapshot(self) -> CacheSnapshot:
         """Copies of the quantized rows and scales, and of the ring's tokens in position order."""
+        self._pending.undo()  # a forward that stopped part-way is not part of the state
         n = self._offset
         q = self.num_quantized(n)
         slots = self._ring_slots(q, n)
@@ -205,13 +223,12 @@ class QuantizedCache:
         n = snapshot.offset
         q = self.num_quantized(n)
         lbh = tuple(self.k_data.shape[:3])
-        expected = {"k_data": (*lbh, q, self.k_data.shape[-1]), "k_recent": (*lbh, n - q, self.head_dim)}
-        for name, shape in expected.items():
-            if tuple(t[name].shape) != shape:
-                raise ValueError(
-                    f"snapshot tensor {name} is {tuple(t[name].shape)}, this cache needs {shape}: "
-                    "was it taken from a cache for another model or batch size?"
-                )
+        data = ((*lbh, q, self.k_data.shape[-1]), self.k_data.dtype)
+        scale = ((*lbh, q), self.k_scale.dtype)
+        recent = ((*lbh, n - q, self.head_dim), FLOAT)
+        check_snapshot_tensors(snapshot, {"k_data": data, "v_data": data, "k_scale": scale, "v_scale": scale,
+                                          "k_recent": recent, "v_recent": recent})
+        self._pending.commit()
         self.k_data[:, :, :, :q] = t["k_data"]
         self.v_data[:, :, :, :q] = t["v_data"]
         self.k_scale[:, :, :, :q] = t["k_scale"]

@@ -11,7 +11,17 @@ from __future__ import annotations
 
 import torch
 
-from infer.cache.base import CacheSnapshot, check_cache_size, check_kv_shape, check_snapshot
+from infer.cache.base import (
+    FLOAT,
+    CacheSnapshot,
+    PendingWrites,
+    check_advance,
+    check_cache_size,
+    check_kv_shape,
+    check_layer,
+    check_snapshot,
+    check_snapshot_tensors,
+)
 from infer.config import ModelConfig
 from infer.errors import CacheFullError
 
@@ -48,6 +58,7 @@ class SlidingWindowCache:
         self.full_k = torch.zeros(full_shape, dtype=dtype, device=device)
         self.full_v = torch.zeros(full_shape, dtype=dtype, device=device)
         self._offset = 0
+        self._pending = PendingWrites()  # ring writes of the forward in progress
 
     @property
     def offset(self) -> int:
@@ -75,6 +86,7 @@ class SlidingWindowCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k/v `[B, Hkv, T, D]`; return what the new queries attend to."""
+        check_layer(layer, len(self.is_sliding))
         check_kv_shape(k, v, self.batch_size, self.num_kv_heads, self.head_dim)
         T = k.shape[2]
         end = self._offset + T
@@ -83,6 +95,7 @@ class SlidingWindowCache:
                 f"{T} new tokens after {self._offset} cached exceed max_seq_len={self.max_seq_len}; "
                 "create the cache with a larger max_seq_len"
             )
+        self._pending.start_layer(layer)
         i = self.slot_of[layer]
         if not self.is_sliding[layer]:
             self.full_k[i, :, :, self._offset : end] = k
@@ -91,8 +104,8 @@ class SlidingWindowCache:
         ring_k, ring_v, W = self.ring_k[i], self.ring_v[i], self.ring_size
         if T == 1:
             slot = self._offset % W
-            ring_k[:, :, slot] = k[:, :, 0]
-            ring_v[:, :, slot] = v[:, :, 0]
+            self._pending.write(ring_k, slot, k[:, :, 0])
+            self._pending.write(ring_v, slot, v[:, :, 0])
             return ring_k[:, :, : min(end, W)], ring_v[:, :, : min(end, W)]
         # A chunk: the previous W-1 positions in order, then the chunk itself.
         start = max(0, self._offset - (W - 1))
@@ -101,18 +114,22 @@ class SlidingWindowCache:
         values = torch.cat([ring_v[:, :, order], v], dim=2)
         keep = min(T, W)
         slots = torch.arange(end - keep, end, device=k.device) % W
-        ring_k[:, :, slots] = k[:, :, T - keep :]
-        ring_v[:, :, slots] = v[:, :, T - keep :]
+        self._pending.write(ring_k, slots, k[:, :, T - keep :])
+        self._pending.write(ring_v, slots, v[:, :, T - keep :])
         return keys, values
 
     def advance(self, n: int) -> None:
-        """Count `n` more tokens as seen."""
-        if n < 0 or self._offset + n > self.max_seq_len:
-            raise CacheFullError(f"cannot advance by {n} from {self._offset} (max_seq_len={self.max_seq_len})")
-        self._offset += n
+        """Count `n` more tokens as seen (the forward's ring writes are kept)."""
+        self._offset += check_advance(n, self._offset, self.max_seq_len)
+        self._pending.commit()
+
+    def discard_step(self) -> None:
+        """Put back the ring slots a stopped forward overwrote."""
+        self._pending.undo()
 
     def reset(self) -> None:
         """Empty the cache (stale slots are never read: positions are recomputed from the offset)."""
+        self._pending.commit()
         self._offset = 0
 
     @property
@@ -122,6 +139,7 @@ class SlidingWindowCache:
 
     def snapshot(self) -> CacheSnapshot:
         """Copies of the rings and of the filled part of the full buffers."""
+        self._pending.undo()  # a forward that stopped part-way is not part of the state
         n = self._offset
         tensors = {
             "ring_k": self.ring_k.clone(),
@@ -134,11 +152,11 @@ class SlidingWindowCache:
     def restore(self, snapshot: CacheSnapshot) -> None:
         """Load a snapshot taken from a sliding cache of the same model and batch size."""
         check_snapshot(snapshot, "sliding", self.max_seq_len)
-        if snapshot.tensors["ring_k"].shape != self.ring_k.shape:
-            raise ValueError(
-                f"snapshot ring {tuple(snapshot.tensors['ring_k'].shape)} does not fit this cache's "
-                f"{tuple(self.ring_k.shape)} (different model, batch size or window)"
-            )
+        full = (*self.full_k.shape[:3], snapshot.offset, self.head_dim)
+        ring = tuple(self.ring_k.shape)
+        check_snapshot_tensors(snapshot, {"ring_k": (ring, FLOAT), "ring_v": (ring, FLOAT),
+                                          "full_k": (full, FLOAT), "full_v": (full, FLOAT)})
+        self._pending.commit()
         n = snapshot.offset
         self.ring_k.copy_(snapshot.tensors["ring_k"])
         self.ring_v.copy_(snapshot.tensors["ring_v"])

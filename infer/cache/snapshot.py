@@ -33,10 +33,21 @@ def load_snapshot(path: str | Path, device: str = "cpu") -> CacheSnapshot:
         raise CheckpointError(f"cannot read cache snapshot {path}: {e}") from e
     if "kind" not in header or "offset" not in header:
         raise CheckpointError(f"{path} is a safetensors file but not a cache snapshot (no kind/offset metadata)")
-    return CacheSnapshot(
-        kind=header["kind"],
-        offset=int(header["offset"]),
-        tensors=tensors,
-        token_ids=json.loads(header.get("token_ids", "null")),
-        meta=json.loads(header.get("meta", "{}")),
-    )
+    fields: dict[str, object] = {}
+    for name, default, parse in (("offset", None, int), ("token_ids", "null", json.loads), ("meta", "{}", json.loads)):
+        try:
+            fields[name] = parse(header[name] if default is None else header.get(name, default))
+        except (ValueError, TypeError) as e:
+            raise CheckpointError(f"{path}: snapshot metadata {name}={header.get(name)!r} is unreadable ({e}); "
+                                  "the file is corrupt or edited") from e
+    offset, token_ids, meta = int(str(fields["offset"])), fields["token_ids"], fields["meta"]
+    if offset < 0:
+        raise CheckpointError(f"{path}: snapshot metadata offset={offset} must be >= 0")
+    if token_ids is not None and (
+        not isinstance(token_ids, list)
+        or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in token_ids)
+    ):
+        raise CheckpointError(f"{path}: snapshot metadata token_ids must be a list of non-negative ints or null")
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: snapshot metadata meta must be a JSON object, got {type(meta).__name__}")
+    return CacheSnapshot(kind=header["kind"], offset=offset, tensors=tensors, token_ids=token_ids, meta=meta)

@@ -225,8 +225,13 @@ class Transformer(nn.Module):
             use_reference_attention=self.use_reference_attention,
             compute_dtype=self.compute_dtype,
         )
-        for layer in self.layers:
-            x = layer(x, ctx)
+        try:
+            for layer in self.layers:
+                x = layer(x, ctx)
+        except BaseException:  # Ctrl-C too: the cache must not keep half a step
+            if kv_cache is not None:
+                kv_cache.discard_step()
+            raise
         if kv_cache is not None:
             kv_cache.advance(T)
             if not all_logits:
@@ -263,6 +268,11 @@ class Transformer(nn.Module):
             raise TypeError(f"input_ids must be int64 or int32 token ids, got {input_ids.dtype}")
         if input_ids.shape[1] == 0:
             raise ValueError("input_ids is empty: pass at least one token")
+        weights = self.embed_tokens.weight.device
+        if input_ids.device != weights:
+            # Checked first: a forward on another device would also move the cached RoPE tables there.
+            raise ValueError(f"input_ids are on {input_ids.device} but the model is on {weights}; "
+                             f"move them with input_ids.to('{weights}')")
         # Checked on the CPU only: on a GPU the check would synchronise every decode step.
         if input_ids.device.type == "cpu":
             lo, hi = int(input_ids.min()), int(input_ids.max())
