@@ -2,10 +2,29 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+from packaging.version import Version
 
 from infer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig
 from infer.models import Transformer
+
+# Chat rendering is pinned to the transformers this suite was checked against: older releases differ
+# (5.17 maps a Literal tool argument to "object", does not alias `thinking`, keeps a None `name`).
+CHAT_ORACLE_VERSION = "5.23"
+
+
+def chat_oracle_version_ok() -> bool:
+    """Whether the installed transformers renders chat templates as the version the engine matches."""
+    import transformers
+
+    return Version(transformers.__version__) >= Version(CHAT_ORACLE_VERSION)
+
+
+needs_chat_oracle = pytest.mark.skipif(
+    not chat_oracle_version_ok(),
+    reason=f"chat rendering is compared with transformers>={CHAT_ORACLE_VERSION} (pyproject's test extra)",
+)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, what: str = "tensors") -> None:

@@ -24,6 +24,7 @@ from infer.sampling import SamplingParams
 from infer.tokenizer import Tokenizer
 from reference import build_checkpoint
 from reference.real_tokenizers import RealTokenizerUnavailable, real_tokenizer_dir
+from tests.helpers import needs_chat_oracle
 
 FAMILIES = ["llama", "qwen3", "gemma3"]
 DATE = {"date_string": "26 Jul 2024"}  # Llama's templates read today's date otherwise
@@ -159,6 +160,7 @@ class Toolbox:
         return word if isinstance(word, str) else str(word)
 
 
+@needs_chat_oracle
 @pytest.mark.parametrize("tool", [get_weather, search, Toolbox().lookup], ids=["weather", "search", "method"])
 def test_tool_schema_equals_transformers(tool: Any) -> None:
     assert tool_schema(tool) == get_json_schema(tool)
@@ -222,6 +224,7 @@ def feature_checkpoint(tmp_path: Path, template: str) -> Path:
     return target
 
 
+@needs_chat_oracle
 def test_documents_tools_aliases_and_variables_like_transformers(tmp_path: Path) -> None:
     path = feature_checkpoint(tmp_path, FEATURE_TEMPLATE)
     tok, hf = Tokenizer(path), AutoTokenizer.from_pretrained(path)

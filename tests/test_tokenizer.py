@@ -18,6 +18,7 @@ from infer.errors import ChatTemplateError
 from infer.tokenizer import StreamDecoder, Tokenizer
 from reference import build_checkpoint
 from reference.checkpoints import ARCHS
+from tests.helpers import needs_chat_oracle
 
 TEXTS = [
     "Hello world",
@@ -152,6 +153,7 @@ PLAIN_TEMPLATE = """\
 """
 
 
+@needs_chat_oracle
 def test_chat_template_jinja_file_wins_and_renders_like_transformers(tmp_path: Path) -> None:
     target = tmp_path / "ckpt"
     shutil.copytree(build_checkpoint("qwen3"), target)
