@@ -7,6 +7,8 @@ Every tensor the model needs must be present with the right shape; the error nam
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from infer.config import ModelConfig
 from infer.errors import CheckpointError
+from infer.memory import check_fits, resolve_device
 from infer.models import Transformer
 
 DTYPES = {
@@ -61,16 +64,63 @@ def _weight_files(path: Path) -> list[Path]:
     )
 
 
-def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
+# safetensors' dtype names; anything else (integers, bool) cannot be a weight of this engine's models.
+FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+@dataclass(frozen=True)
+class _Header:
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def _read_headers(files: list[Path]) -> dict[str, _Header]:
+    """Every tensor's file, shape and dtype from the safetensors headers (no tensor data is read)."""
+    headers: dict[str, _Header] = {}
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                    tensors[name] = f.get_tensor(name)
+                    piece = f.get_slice(name)
+                    key = name.removeprefix("model.")  # some exports prefix the decoder with "model."
+                    headers[key] = _Header(file, tuple(piece.get_shape()), str(piece.get_dtype()))
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"cannot read {file}: corrupt or truncated safetensors file ({e})") from e
-    return tensors
+    return headers
+
+
+def _check_layer_count(path: Path, config: ModelConfig, headers: dict[str, _Header]) -> None:
+    """config.json's num_hidden_layers must match the layers the weights hold: checked before the model is
+    built, so an absurd count fails at once instead of building for minutes, and none is dropped silently."""
+    present = {int(m.group(1)) for name in headers if (m := re.match(r"layers\.(\d+)\.", name))}
+    n = config.num_hidden_layers
+    if present != set(range(len(present))) or len(present) != n:
+        held = f"layers 0..{max(present)}" if present else "no layers"
+        raise CheckpointError(
+            f"{path / 'config.json'}: num_hidden_layers={n}, but the weights hold {held} "
+            f"({len(present)} distinct); make the two agree"
+        )
+
+
+def _check_dtypes(path: Path, declared: object, headers: dict[str, _Header], needed: list[str]) -> None:
+    if declared is not None and declared not in DTYPES and declared != "auto":
+        raise CheckpointError(
+            f"{path / 'config.json'}: torch_dtype={declared!r} (or dtype) is invalid; expected one of "
+            f"{', '.join(DTYPES)}"
+        )
+    for name in needed:
+        dtype = headers[name].dtype
+        if dtype not in FLOAT_DTYPES:
+            raise CheckpointError(
+                f"tensor {name} in {headers[name].file} has dtype {dtype}; weights must be floating point "
+                "(F32, BF16, F16 or F64)"
+            )
+        if declared in DTYPES and dtype != "F32" and FLOAT_DTYPES[dtype] != DTYPES[str(declared)]:
+            raise CheckpointError(
+                f"tensor {name} in {headers[name].file} is {dtype}, but config.json declares "
+                f"torch_dtype={declared!r}; re-export the checkpoint or fix the field"
+            )
 
 
 def load_model(
@@ -79,46 +129,87 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     device: torch.device | str = "cpu",
     compute_dtype: torch.dtype | str | None = None,
+    check_finite: bool = True,
 ) -> Transformer:
     """Load the checkpoint in directory `path` (the shipped default model when None), in eval mode.
 
     `dtype` defaults to float32; the weights are cast to it. `compute_dtype` sets the dtype of
     multi-token matmuls (prefill): None or "exact" keeps the weights' dtype (bit-exact to HF's eager
     path), "auto" picks float32 for half-precision weights on a CPU, where bf16 GEMMs are slow.
+    Everything is validated before any weight is read: config.json's fields, the layer count against the
+    tensors present, shapes, dtypes, and the memory the weights need. `check_finite` refuses weights with
+    NaN or infinity (after the cast to `dtype`); pass False to skip that scan.
     """
+    if path is not None and not isinstance(path, (str, Path)):
+        raise TypeError(f"path must be a checkpoint directory (str or Path), got {type(path).__name__}")
     path = DEFAULT_MODEL_DIR if path is None else Path(path)
     torch_dtype = resolve_dtype(dtype)
+    target = resolve_device(device)
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory {path} does not exist")
+        hint = " (only local directories are read; download hub checkpoints first)" if "/" in str(path) and \
+            not Path(str(path).split("/")[0]).exists() else ""
+        kind = "is a file, not a checkpoint directory" if path.exists() else "does not exist"
+        raise CheckpointError(f"checkpoint directory {path} {kind}{hint}")
     config = ModelConfig.from_file(path)
-    files = _weight_files(path)
-    tensors = _read_tensors(files)
-    # Some exports prefix the decoder with "model."; the engine's modules sit at the top level.
-    tensors = {name.removeprefix("model."): t for name, t in tensors.items()}
+    headers = _read_headers(_weight_files(path))
+    _check_layer_count(path, config, headers)
 
     with torch.device("meta"):
         model = Transformer(config)
     expected = dict(model.state_dict())
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight")
-        tensors.pop("lm_head.weight", None)
-    missing = sorted(set(expected) - set(tensors))
+    missing = sorted(set(expected) - set(headers))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"checkpoint {path} lacks tensors the model needs: {shown}")
     for name, param in expected.items():
-        if tuple(tensors[name].shape) != tuple(param.shape):
+        if headers[name].shape != tuple(param.shape):
             raise CheckpointError(
-                f"tensor {name} in {path} has shape {tuple(tensors[name].shape)}, "
+                f"tensor {name} in {path} has shape {headers[name].shape}, "
                 f"but config.json implies {tuple(param.shape)}"
             )
-    state = {name: tensors[name].to(device=device, dtype=torch_dtype) for name in expected}
+    _check_dtypes(path, _declared_dtype(path), headers, list(expected))
+    nbytes = sum(p.numel() for p in expected.values()) * torch_dtype.itemsize
+    check_fits(nbytes, target, f"loading {path} in {torch_dtype}")
+
+    state = {name: t.to(device=target, dtype=torch_dtype) for name, t in _read_tensors(headers, expected).items()}
+    if check_finite:
+        for name, tensor in state.items():
+            if not torch.isfinite(tensor).all():
+                raise CheckpointError(
+                    f"tensor {name} in {headers[name].file} holds NaN or infinite values (in {torch_dtype}); "
+                    "the checkpoint is corrupt or overflows this dtype (load_model(..., check_finite=False) skips "
+                    "this check)"
+                )
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.compute_dtype = _resolve_compute_dtype(compute_dtype, torch_dtype, torch.device(device))
+    model.compute_dtype = _resolve_compute_dtype(compute_dtype, torch_dtype, target)
     model.eos_token_ids = _generation_eos_ids(path, config.eos_token_ids)
     return model.eval().requires_grad_(False)
+
+
+def _read_tensors(headers: dict[str, _Header], names: dict[str, object]) -> dict[str, torch.Tensor]:
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(headers[name].file, []).append(name)
+    tensors: dict[str, torch.Tensor] = {}
+    for file, wanted in by_file.items():
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                stored = {n.removeprefix("model."): n for n in f.keys()}  # noqa: SIM118
+                for name in wanted:
+                    tensors[name] = f.get_tensor(stored[name])
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read {file}: corrupt or truncated safetensors file ({e})") from e
+    return tensors
+
+
+def _declared_dtype(path: Path) -> object:
+    """config.json's dtype (transformers 5's name) or torch_dtype (the legacy one)."""
+    raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    return raw["dtype"] if raw.get("dtype") is not None else raw.get("torch_dtype")
 
 
 def _generation_eos_ids(path: Path, config_eos: tuple[int, ...]) -> tuple[int, ...]:
