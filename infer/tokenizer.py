@@ -7,8 +7,11 @@ transformers renders it. The engine itself only ever sees token ids.
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import json
+import math
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -22,7 +25,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _BackendTokenizer
 
 from infer.chat_tools import tool_schema
-from infer.errors import ChatTemplateError
+from infer.errors import ChatTemplateError, CheckpointError
 
 # The named special tokens transformers passes to a chat template (its SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = (
@@ -49,7 +52,10 @@ class Tokenizer:
                 "Pass the model directory itself; if it only has a slow tokenizer, convert it once with "
                 "transformers: AutoTokenizer.from_pretrained(dir).save_pretrained(dir)."
             )
-        self._backend = _BackendTokenizer.from_file(str(tokenizer_file))
+        try:
+            self._backend = _BackendTokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # the tokenizers library raises a bare Exception for malformed files
+            raise CheckpointError(f"{tokenizer_file} cannot be read as a tokenizer: {e}") from e
         self._config = _read_json(self.path / "tokenizer_config.json")
         self.special_tokens: dict[str, str] = {}
         for name in SPECIAL_TOKEN_NAMES:
@@ -58,7 +64,9 @@ class Tokenizer:
                 self._require_in_vocab(token, name)
                 self.special_tokens[name] = token
         self.chat_template = self._find_chat_template()
-        self._compiled_template: jinja2.Template | None = None
+        # Compiled now, so a template with a syntax error fails at load rather than at first use.
+        self._compiled_template = None if self.chat_template is None else _compile_template(
+            self.chat_template, self.path)
         self._eos_token_ids = self._collect_eos_ids()
 
     @property
@@ -85,10 +93,17 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `add_special_tokens` applies tokenizer.json's post-processor (e.g. BOS)."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode takes a str, got {type(text).__name__} (decode bytes to text first)")
         return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        """Text of `ids`; every id must be one the tokenizer knows (the backend would drop others silently)."""
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+            raise TypeError(f"decode takes an iterable of token ids, got {type(ids).__name__}")
+        ids = list(ids)
+        _check_ids(ids, self.vocab_size)
+        return str(self._backend.decode(ids, skip_special_tokens=skip_special_tokens))
 
     @overload
     def apply_chat_template(
@@ -149,11 +164,21 @@ class Tokenizer:
         are JSON-schema dicts or functions with type hints and a Google-style docstring (see
         `infer.chat_tools`). Template errors, its own `raise_exception` included, raise `ChatTemplateError`.
         """
-        if self.chat_template is None:
+        if self._compiled_template is None:
             raise ValueError(
                 f"the checkpoint at {self.path} has no chat_template (looked in tokenizer_config.json and "
                 "chat_template.jinja); encode plain text with encode() instead"
             )
+        if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or any(
+                not isinstance(m, Mapping) for m in messages):
+            raise TypeError("messages must be a list of dicts with 'role' and 'content' keys")
+        if add_generation_prompt is not None and not isinstance(add_generation_prompt, bool):
+            raise TypeError(f"add_generation_prompt must be True, False or None, got {add_generation_prompt!r}")
+        if not isinstance(continue_final_message, (bool, str)):
+            raise TypeError(f"continue_final_message must be a bool or a field name, got {continue_final_message!r}")
+        for name, value in (("tools", tools), ("documents", documents)):
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise TypeError(f"{name} must be a list or None, got {type(value).__name__}")
         if not messages:
             raise ValueError("cannot apply a chat template to an empty conversation")
         if continue_final_message and add_generation_prompt:
@@ -161,25 +186,30 @@ class Tokenizer:
                 "continue_final_message continues the last message; add_generation_prompt starts a new one: "
                 "pass only one of them"
             )
-        if self._compiled_template is None:
-            self._compiled_template = _compile_template(self.chat_template)
         # transformers drops None-valued keys: templates test for a key's presence, not for None.
         chat = [_alias_reasoning({k: v for k, v in message.items() if v is not None}) for message in messages]
         field = ""
         if continue_final_message:
-            field, final = _mark_final_message(chat, continue_final_message, self.chat_template)
-        variables = {**self.special_tokens, **template_kwargs}
+            field, final = _mark_final_message(chat, continue_final_message, self.chat_template or "")
+        variables = {
+            **self.special_tokens,
+            **template_kwargs,
+            "tools": [_tool_dict(t) for t in tools] if tools is not None else None,
+            "documents": _documents(documents),
+            "add_generation_prompt": bool(
+                add_generation_prompt if add_generation_prompt is not None else not continue_final_message
+            ),
+        }
         try:
-            text = self._compiled_template.render(
-                messages=chat,
-                tools=[_tool_dict(t) for t in tools] if tools is not None else None,
-                documents=_documents(documents),
-                add_generation_prompt=bool(add_generation_prompt if add_generation_prompt is not None
-                                           else not continue_final_message),
-                **variables,
-            )
-        except jinja2.TemplateError as e:
+            text = _render_bounded(self._compiled_template, messages=chat, **variables)
+        except (jinja2.TemplateError, RecursionError) as e:
             raise ChatTemplateError(f"the chat template of {self.path} failed: {e}") from e
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as e:
+            # A message field of a type the template cannot handle (e.g. a role that is not a string).
+            raise ChatTemplateError(
+                f"the chat template of {self.path} failed on these messages ({type(e).__name__}: {e}); check "
+                "that every message has a string 'role' and string or list 'content'"
+            ) from e
         if field:
             text = _cut_at_continue_tag(text, final)
         return self.encode(text, add_special_tokens=False) if tokenize else text
@@ -198,11 +228,22 @@ class Tokenizer:
         # transformers 5 saves the template as its own file, which wins over tokenizer_config.json.
         template_file = self.path / "chat_template.jinja"
         if template_file.is_file():
-            return template_file.read_text(encoding="utf-8")
+            try:
+                return template_file.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise CheckpointError(f"{template_file} is not UTF-8 text ({e})") from e
         template = self._config.get("chat_template")
         if template is None or isinstance(template, str):
             return template
         # An older form: a list of named templates, of which "default" is the one used for chat.
+        if not isinstance(template, list) or any(
+            not isinstance(e, dict) or not isinstance(e.get("name"), str) or not isinstance(e.get("template"), str)
+            for e in template
+        ):
+            raise CheckpointError(
+                f"{self.path / 'tokenizer_config.json'}: chat_template must be a string or a list of "
+                "{'name': str, 'template': str} entries"
+            )
         named = {entry["name"]: entry["template"] for entry in template}
         if "default" not in named:
             raise ValueError(
@@ -217,7 +258,12 @@ class Tokenizer:
             ids.append(eos_id)
         for name in ("generation_config.json", "config.json"):
             value = _read_json(self.path / name).get("eos_token_id")
-            ids.extend([value] if isinstance(value, int) else value or [])
+            values = [] if value is None else value if isinstance(value, list) else [value]
+            if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+                raise CheckpointError(
+                    f"{self.path / name}: eos_token_id={value!r} is invalid; expected a token id or a list of them"
+                )
+            ids.extend(values)
         return list(dict.fromkeys(ids))
 
 
@@ -238,17 +284,35 @@ class StreamDecoder:
         self._prefix_offset = 0
         self._read_offset = 0
 
+    # A UTF-8 character is at most 4 bytes: past this many held-back ids, all but the last few are final.
+    MAX_HELD_BACK = 16
+
     def push(self, token_id: int) -> str:
         """Add one token; return the text that is now final (possibly empty)."""
+        _check_ids([token_id], self.tokenizer.vocab_size)  # before it joins the stream
         self._ids.append(token_id)
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full_text = self._decode(self._ids[self._prefix_offset :])
         if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
+            if len(self._ids) - self._read_offset > self.MAX_HELD_BACK:
+                return self._release_final(prefix_text, full_text)
             return ""
         # Keep only the ids that will be re-decoded, so a long stream costs the same per token.
         self._ids = self._ids[self._read_offset :]
         self._prefix_offset, self._read_offset = 0, len(self._ids)
         return full_text[len(prefix_text) :]
+
+    def _release_final(self, prefix_text: str, full_text: str) -> str:
+        """A long run of ids that never completes a character (invalid UTF-8): emit the text of all but the
+        last few ids, at a cut whose text is a prefix of the whole (so no character is split), so each push
+        costs the same however long the run. Without this, every push re-decodes the whole run."""
+        for cut in range(len(self._ids) - 4, self._read_offset, -1):
+            text = self._decode(self._ids[self._prefix_offset : cut])
+            if len(text) > len(prefix_text) and full_text.startswith(text):
+                self._ids = self._ids[cut - 1 :]  # one id of context for decoders that look at neighbours
+                self._prefix_offset, self._read_offset = 0, 1
+                return text[len(prefix_text) :]
+        return ""
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character decodes to U+FFFD here), then reset."""
@@ -275,7 +339,55 @@ class _GenerationTag(jinja2.ext.Extension):
         return str(caller())
 
 
-def _compile_template(source: str) -> jinja2.Template:
+# A chat template is code from the checkpoint: it renders in jinja2's sandbox, within these bounds.
+TEMPLATE_TIME_LIMIT_S = 5.0
+TEMPLATE_MAX_CHARS = 10_000_000
+_deadline: contextvars.ContextVar[float] = contextvars.ContextVar("template_deadline", default=math.inf)
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, plus a clock checked at every call (every loop over range() makes one) and string or list
+    repetition capped, so a hostile template can neither loop forever nor build a huge value."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call(self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807 (jinja's name)
+        _check_deadline()
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        _check_deadline()
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > TEMPLATE_MAX_CHARS:
+                    raise jinja2.exceptions.SecurityError("the chat template builds a value over the size limit")
+        if operator == "**" and isinstance(right, (int, float)) and abs(right) > 1000:
+            raise jinja2.exceptions.SecurityError("the chat template raises to a power over the limit")
+        return super().call_binop(context, operator, left, right)
+
+
+def _check_deadline() -> None:
+    if time.monotonic() > _deadline.get():
+        raise jinja2.exceptions.SecurityError(f"the chat template ran over {TEMPLATE_TIME_LIMIT_S:g} s")
+
+
+def _render_bounded(template: jinja2.Template, **variables: Any) -> str:
+    """Render within TEMPLATE_TIME_LIMIT_S and TEMPLATE_MAX_CHARS (a ChatTemplateError past either)."""
+    token = _deadline.set(time.monotonic() + TEMPLATE_TIME_LIMIT_S)
+    try:
+        pieces, size = [], 0
+        for piece in template.generate(**variables):
+            size += len(piece)
+            if size > TEMPLATE_MAX_CHARS:
+                raise jinja2.exceptions.SecurityError(f"the chat template rendered over {TEMPLATE_MAX_CHARS} chars")
+            _check_deadline()
+            pieces.append(piece)
+        return "".join(pieces)
+    finally:
+        _deadline.reset(token)
+
+
+def _compile_template(source: str, path: Path) -> jinja2.Template:
     """A Jinja environment configured like transformers' chat template renderer."""
 
     def raise_exception(message: str) -> None:
@@ -294,13 +406,14 @@ def _compile_template(source: str) -> jinja2.Template:
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
-    return env.from_string(source)
+    try:
+        return env.from_string(source)
+    except (jinja2.TemplateSyntaxError, RecursionError) as e:
+        raise ChatTemplateError(f"the chat template of {path} does not compile: {e}") from e
 
 
 # Names a message's reasoning comes under; templates read the first (transformers 5 fills it from the others,
@@ -367,15 +480,23 @@ def _documents(documents: Sequence[Mapping[str, Any]] | None) -> list[Mapping[st
     return list(documents)
 
 
+def _check_ids(ids: list[Any], vocab: int) -> None:
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise TypeError(f"token ids must be ints, got {i!r} ({type(i).__name__})")
+        if not 0 <= i < vocab:
+            raise ValueError(f"token id {i} is not in the tokenizer's vocabulary (ids 0..{vocab - 1})")
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
     if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(data).__name__}")
     return data
 
 
@@ -385,4 +506,4 @@ def _token_content(value: Any) -> str | None:
         return value
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return str(value["content"])
-    raise ValueError(f"unrecognised special token entry in tokenizer_config.json: {value!r}")
+    raise CheckpointError(f"unrecognised special token entry in tokenizer_config.json: {value!r}")

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from infer.errors import ChatTemplateError
+from infer.errors import ChatTemplateError, CheckpointError
 from infer.tokenizer import StreamDecoder, Tokenizer
 from reference import build_checkpoint
 from reference.checkpoints import ARCHS
@@ -234,3 +234,119 @@ def test_special_token_missing_from_vocab_is_an_error(tmp_path: Path) -> None:
     config_path.write_text(json.dumps(config))
     with pytest.raises(ValueError, match="bos_token='<s>'"):
         Tokenizer(target)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@given(data=st.data())
+def test_stream_decoder_on_long_runs_of_broken_utf8(arch: str, data: st.DataObject) -> None:
+    """Long runs of byte tokens (mostly invalid UTF-8, with whole characters split across tokens in between):
+    past MAX_HELD_BACK ids the decoder releases text early, and the pieces still concatenate to decode()."""
+    tok = ours(arch)
+    lone_bytes = [i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd"]
+    split_chars = st.text(alphabet="ïé€😀ß", min_size=1, max_size=3).map(
+        lambda t: tok.encode(t, add_special_tokens=False))
+    pieces = st.one_of(st.sampled_from(lone_bytes).map(lambda i: [i]), split_chars)
+    ids = [i for piece in data.draw(st.lists(pieces, min_size=20, max_size=80), label="pieces") for i in piece]
+    assert "".join(stream(tok, ids)) == tok.decode(ids)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_stream_decoder_early_release_never_splits_a_character(arch: str) -> None:
+    """A long invalid run in which one character is completed by a token that itself ends in half of the next:
+    the early release must not cut between the two halves (the cut is tried at every offset that can hold it)."""
+    tok = ours(arch)
+    text = {i: tok.decode([i]) for i in range(tok.vocab_size)}
+    lone = [i for i, t in text.items() if t == "\ufffd"]
+    ends_split = [i for i, t in text.items() if t.endswith("\ufffd") and t != "\ufffd"]
+    pairs = [(a, b) for b in ends_split for a in lone
+             if tok.decode([a, b]).count("\ufffd") < text[a].count("\ufffd") + text[b].count("\ufffd")]
+    assert pairs, "the test vocabulary has no token that completes one character and starts another"
+    for a, b in pairs[:3]:
+        for k in range(8, 16):  # puts the pair at every offset of the first early release
+            ids = [lone[0]] * k + [a, b] + [lone[0]] * 8
+            assert "".join(stream(tok, ids)) == tok.decode(ids), ids
+
+
+def test_stream_decoder_is_linear_on_a_run_that_never_completes() -> None:
+    """Each push re-decodes a bounded window: 3000 ids of invalid UTF-8 cost O(n) decoded ids, not O(n^2)."""
+    tok = ours("llama")
+    invalid = next(i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd")
+    decoded = 0
+    real_decode = tok.decode
+
+    class Counting:
+        vocab_size = tok.vocab_size
+
+        def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+            nonlocal decoded
+            decoded += len(ids)
+            return real_decode(ids, skip_special_tokens=skip_special_tokens)
+
+    pieces = stream(Counting(), [invalid] * 3000)  # type: ignore[arg-type]
+    assert "".join(pieces) == tok.decode([invalid] * 3000)
+    assert decoded < 100 * 3000, decoded
+
+
+def test_decode_refuses_unknown_ids_and_non_ints() -> None:
+    tok = ours("llama")
+    with pytest.raises(ValueError, match=f"token id {tok.vocab_size} is not in the tokenizer's vocabulary"):
+        tok.decode([5, tok.vocab_size])
+    with pytest.raises(ValueError, match="token id -1"):
+        tok.decode([-1])
+    with pytest.raises(TypeError, match="token ids must be ints"):
+        tok.decode([1.0])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="iterable of token ids"):
+        tok.decode("12")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="encode takes a str"):
+        tok.encode(b"bytes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not in the tokenizer's vocabulary"):
+        StreamDecoder(tok).push(10**6)
+
+
+def with_template(tmp_path: Path, template: str) -> Path:
+    target = tmp_path / "ckpt"
+    shutil.copytree(build_checkpoint("qwen3"), target)
+    (target / "chat_template.jinja").write_text(template)
+    return target
+
+
+def test_template_syntax_error_fails_at_load(tmp_path: Path) -> None:
+    with pytest.raises(ChatTemplateError, match=r"does not compile.*chat_template|does not compile"):
+        Tokenizer(with_template(tmp_path, "{% for m in messages %}{{ m.content }}"))
+
+
+@pytest.mark.parametrize(("template", "match"), [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "ran over"),
+    ("{{ 'x' * 10**9 }}", "over the size limit|power over the limit"),
+    ("{% for i in range(100000) %}{{ 'xxxxxxxxxx' * 1000 }}{% endfor %}", "rendered over"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "failed"),
+], ids=["nested loops", "huge string", "huge output", "unbounded recursion"])
+def test_hostile_templates_stop_with_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   template: str, match: str) -> None:
+    import infer.tokenizer
+
+    monkeypatch.setattr(infer.tokenizer, "TEMPLATE_TIME_LIMIT_S", 0.5)
+    tok = Tokenizer(with_template(tmp_path, template))
+    with pytest.raises(ChatTemplateError, match=match):
+        tok.apply_chat_template(CHAT, tokenize=False)
+    # the tokenizer is still usable afterwards
+    assert tok.decode(tok.encode("still fine")) == "still fine"
+
+
+@pytest.mark.parametrize(("file", "content", "match"), [
+    ("tokenizer.json", "{broken", "cannot be read as a tokenizer"),
+    ("tokenizer_config.json", "[1]", "must hold a JSON object"),
+    ("tokenizer_config.json", b"\xff\xfe", "not valid JSON"),
+    ("generation_config.json", '{"eos_token_id": "</s>"}', "eos_token_id='</s>' is invalid"),
+    ("config.json", '{"eos_token_id": [1, true]}', "eos_token_id=.* is invalid"),
+])
+def test_broken_tokenizer_files_are_named(tmp_path: Path, file: str, content: str | bytes, match: str) -> None:
+    target = tmp_path / "ckpt"
+    shutil.copytree(build_checkpoint("llama"), target)
+    if isinstance(content, bytes):
+        (target / file).write_bytes(content)
+    else:
+        (target / file).write_text(content)
+    with pytest.raises(CheckpointError, match=match) as info:
+        Tokenizer(target)
+    assert file in str(info.value)
