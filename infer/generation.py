@@ -7,7 +7,9 @@ tokens can only come from the cache.
 
 from __future__ import annotations
 
+import hashlib
 import time
+import weakref
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -47,8 +49,14 @@ class GenerationResult:
         return len(self.decode_times_s) / total if total > 0 else float("nan")
 
 
-def encode_prompt(tokenizer: Tokenizer | None, prompt: Prompt) -> list[int]:
-    """Token ids of a prompt given as text, chat messages or ids."""
+def encode_prompt(tokenizer: Tokenizer | None, prompt: Prompt, *, add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a prompt given as text, chat messages (rendered with the generation header unless
+    `add_generation_prompt` is False) or ids."""
+    if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
+        raise TypeError(
+            f"prompt must be a str, a list of token ids or a list of chat messages, got {type(prompt).__name__}"
+            + (" (decode bytes to str first)" if isinstance(prompt, (bytes, bytearray)) else "")
+        )
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("a text prompt needs a tokenizer; pass token ids or a Tokenizer")
@@ -60,11 +68,47 @@ def encode_prompt(tokenizer: Tokenizer | None, prompt: Prompt) -> list[int]:
         if tokenizer is None:
             raise ValueError("chat messages need a tokenizer with a chat template")
         messages = [m for m in items if isinstance(m, dict)]
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
     ids = [t for t in items if isinstance(t, int) and not isinstance(t, bool)]
     if len(ids) == len(items):
         return ids
     raise TypeError("prompt must be a string, a list of token ids, or a list of chat messages (dicts)")
+
+
+def _check_model(model: Transformer, tokenizer: Tokenizer | None) -> None:
+    if not isinstance(model, Transformer):
+        raise TypeError(f"model must be an infer model (infer.load_model), got {type(model).__name__}")
+    if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+        raise TypeError(f"tokenizer must be an infer.Tokenizer or None, got {type(tokenizer).__name__}")
+
+
+def _check_generate_args(model: Transformer, tokenizer: Tokenizer | None, params: SamplingParams | None,
+                         cache: object, use_kv_cache: object, cache_options: object, prefix: object) -> None:
+    _check_model(model, tokenizer)
+    if params is not None and not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if cache is not None and not isinstance(cache, (str, KVCache)):
+        raise TypeError(f"cache must be a cache kind name or a KVCache, got {type(cache).__name__}")
+    if not isinstance(use_kv_cache, bool):
+        raise TypeError(f"use_kv_cache must be True or False, got {use_kv_cache!r}")
+    if cache_options is not None and not isinstance(cache_options, dict):
+        raise TypeError(f"cache_options must be a dict of keyword arguments, got {type(cache_options).__name__}")
+    if prefix is not None and not isinstance(prefix, CacheSnapshot):
+        raise TypeError(f"prefix must be a CacheSnapshot from snapshot_prefix, got {type(prefix).__name__}")
+    if not use_kv_cache and (prefix is not None or not (cache is None or isinstance(cache, str))):
+        raise ValueError("use_kv_cache=False recomputes everything: it takes no prefix and no cache")
+
+
+def _check_prompt_ids(model: Transformer, prompt_ids: list[int]) -> None:
+    context = model.config.max_position_embeddings
+    if len(prompt_ids) >= context:
+        raise ValueError(
+            f"the prompt has {len(prompt_ids)} tokens but the model's context is {context}; shorten the prompt"
+        )
+    vocab = model.config.vocab_size
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+        bad = next(t for t in prompt_ids if not 0 <= t < vocab)
+        raise ValueError(f"prompt token id {bad} is outside the model's vocabulary [0, {vocab})")
 
 
 def _sync(device: torch.device) -> None:
@@ -83,7 +127,7 @@ def _token_steps(
     prompt_ids: list[int],
     params: SamplingParams,
     *,
-    cache: str | KVCache,
+    cache: str | KVCache | None,
     use_kv_cache: bool,
     cache_options: dict[str, Any],
     prefix: CacheSnapshot | None,
@@ -125,13 +169,15 @@ def _prepare_cache(
     model: Transformer,
     prompt_ids: list[int],
     max_len: int,
-    cache: str | KVCache,
+    cache: str | KVCache | None,
     cache_options: dict[str, Any],
     prefix: CacheSnapshot | None,
 ) -> KVCache:
     """The cache to generate into: a new one of the named kind, or the caller's, or a restored prefix."""
-    if isinstance(cache, str):
-        kind = prefix.kind if prefix is not None else cache
+    if prefix is not None:
+        check_prefix_snapshot(model, prefix, prompt_ids, cache)
+    if cache is None or isinstance(cache, str):
+        kind = cache if cache is not None else prefix.kind if prefix is not None else "contiguous"
         weight = model.embed_tokens.weight
         kv_cache = create_cache(
             kind, model.config, max_seq_len=max_len, batch_size=1, dtype=weight.dtype, device=weight.device,
@@ -144,9 +190,14 @@ def _prepare_cache(
                 f"the given cache (batch {kv_cache.batch_size}, max_seq_len {kv_cache.max_seq_len}) cannot hold "
                 f"{max_len} tokens of one sequence; make it larger or lower max_new_tokens"
             )
+        held = getattr(kv_cache, "token_ids", None)  # the paged cache knows the tokens it holds
+        n = kv_cache.offset
+        if held is not None and list(held[:n]) != prompt_ids[: min(n, len(held))]:
+            raise ValueError(
+                "the given cache holds other tokens than the prompt's first ones; its K/V cannot be reused for "
+                "this prompt (release it and pass a fresh cache, or a cache kind name)"
+            )
     if prefix is not None:
-        if prefix.token_ids is None or prompt_ids[: len(prefix.token_ids)] != prefix.token_ids:
-            raise ValueError("the prompt does not start with the snapshot's tokens; it cannot reuse that prefix")
         kv_cache.restore(prefix)
     if kv_cache.offset >= len(prompt_ids):
         raise ValueError(
@@ -154,6 +205,47 @@ def _prepare_cache(
             "must extend what is cached by at least one token"
         )
     return kv_cache
+
+
+_FINGERPRINTS: weakref.WeakKeyDictionary[Transformer, str] = weakref.WeakKeyDictionary()
+
+
+def model_fingerprint(model: Transformer) -> str:
+    """A short hash of the model's config and a strided sample of every weight: tells two models apart even
+    when their configs are equal (computed once per model; weights changed in place afterwards go unseen)."""
+    cached = _FINGERPRINTS.get(model)
+    if cached is not None:
+        return cached
+    digest = hashlib.sha256(repr(model.config).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 1024)][:1024].float().cpu()
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        digest.update(sample.numpy().tobytes())
+    _FINGERPRINTS[model] = digest.hexdigest()[:16]
+    return _FINGERPRINTS[model]
+
+
+def check_prefix_snapshot(model: Transformer, prefix: CacheSnapshot, prompt_ids: list[int],
+                          cache: str | KVCache | None) -> None:
+    """Refuse a prefix snapshot that does not belong to this model, this prompt or the asked cache kind."""
+    if not isinstance(prefix, CacheSnapshot):
+        raise TypeError(f"prefix must be a CacheSnapshot from snapshot_prefix, got {type(prefix).__name__}")
+    taken_on = prefix.meta.get("model")
+    if taken_on is None:
+        raise ValueError("the prefix snapshot does not say which model it came from; make it with snapshot_prefix")
+    if taken_on != model_fingerprint(model):
+        raise ValueError(
+            f"the prefix snapshot was taken on another model (fingerprint {taken_on}, this model's is "
+            f"{model_fingerprint(model)}); its K/V would give wrong logits here: snapshot the prefix on this model"
+        )
+    if prefix.token_ids is None or prompt_ids[: len(prefix.token_ids)] != prefix.token_ids:
+        raise ValueError("the prompt does not start with the snapshot's tokens; it cannot reuse that prefix")
+    if isinstance(cache, str) and cache != prefix.kind:
+        raise ValueError(
+            f"cache={cache!r} was asked for, but the prefix snapshot is of a {prefix.kind!r} cache; snapshot the "
+            f"prefix with cache={cache!r}, or leave cache unset to use the snapshot's kind"
+        )
 
 
 def snapshot_prefix(
@@ -165,8 +257,16 @@ def snapshot_prefix(
     max_seq_len: int | None = None,
 ) -> CacheSnapshot:
     """Prefill `prefix` once and return a snapshot of the cache; pass it as `generate(prefix=...)` to
-    every later prompt that starts with those tokens, which then skips their prefill."""
-    ids = encode_prompt(tokenizer, prefix)
+    every later prompt that starts with those tokens, which then skips their prefill. Chat messages are
+    rendered without the generation header (a prefix is the start of longer conversations). The snapshot
+    records the model's fingerprint and is refused on any other model."""
+    _check_model(model, tokenizer)
+    if not isinstance(cache, str):
+        raise TypeError(f"cache must be a cache kind name, got {type(cache).__name__}")
+    if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int)):
+        raise TypeError(f"max_seq_len must be an int or None, got {max_seq_len!r}")
+    ids = encode_prompt(tokenizer, prefix, add_generation_prompt=False)
+    _check_prompt_ids(model, ids)
     weight = model.embed_tokens.weight
     kv_cache = create_cache(
         cache, model.config, max_seq_len=max_seq_len or len(ids), dtype=weight.dtype, device=weight.device
@@ -175,6 +275,7 @@ def snapshot_prefix(
         model(torch.tensor([ids], device=weight.device), kv_cache)
     snapshot = kv_cache.snapshot()
     snapshot.token_ids = ids
+    snapshot.meta["model"] = model_fingerprint(model)
     return snapshot
 
 
@@ -213,22 +314,17 @@ def stream_generate(
     prompt: Prompt,
     params: SamplingParams | None = None,
     *,
-    cache: str | KVCache = "contiguous",
+    cache: str | KVCache | None = None,
     use_kv_cache: bool = True,
     cache_options: dict[str, Any] | None = None,
     prefix: CacheSnapshot | None = None,
 ) -> Iterator[str | GenerationResult]:
     """Yield text pieces as they are generated, then the `GenerationResult` as the last item."""
+    _check_generate_args(model, tokenizer, params, cache, use_kv_cache, cache_options, prefix)
     params = params or SamplingParams()
     prompt_ids = encode_prompt(tokenizer, prompt)
+    _check_prompt_ids(model, prompt_ids)
     context = model.config.max_position_embeddings
-    if len(prompt_ids) >= context:
-        raise ValueError(
-            f"the prompt has {len(prompt_ids)} tokens but the model's context is {context}; shorten the prompt"
-        )
-    vocab = model.config.vocab_size
-    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-        raise ValueError(f"prompt token ids must lie in [0, {vocab})")
     budget = min(params.max_new_tokens, context - len(prompt_ids))
     if budget != params.max_new_tokens:
         params = replace(params, max_new_tokens=budget)
@@ -285,7 +381,7 @@ def generate(
     prompt: Prompt,
     params: SamplingParams | None = None,
     *,
-    cache: str | KVCache = "contiguous",
+    cache: str | KVCache | None = None,
     use_kv_cache: bool = True,
     cache_options: dict[str, Any] | None = None,
     prefix: CacheSnapshot | None = None,
@@ -293,9 +389,10 @@ def generate(
 ) -> GenerationResult:
     """Generate a continuation of `prompt` (text, chat messages or token ids).
 
-    `cache` names the KV-cache kind (see `infer.CACHE_KINDS`) or is a cache to fill (its first
-    `offset` tokens must be the prompt's); `prefix` is a snapshot from `snapshot_prefix` whose tokens
-    the prompt starts with. `use_kv_cache=False` recomputes the whole sequence every step.
+    `cache` names the KV-cache kind (see `infer.CACHE_KINDS`; default "contiguous", or the prefix's kind)
+    or is a cache to fill (its first `offset` tokens must be the prompt's; a paged cache's are checked);
+    `prefix` is a snapshot from `snapshot_prefix` of this model whose tokens the prompt starts with.
+    `use_kv_cache=False` recomputes the whole sequence every step.
     `on_text` receives text pieces as they are generated.
     """
     for item in stream_generate(

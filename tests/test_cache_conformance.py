@@ -174,7 +174,8 @@ def test_snapshot_is_a_copy(arch: str, kind: str) -> None:
 @pytest.mark.parametrize(("max_seq_len", "batch_size"), [(0, 1), (8, 0)])
 def test_empty_cache_size_is_a_clear_error(kind: str, max_seq_len: int, batch_size: int) -> None:
     config = model_of("llama").config
-    with pytest.raises(ValueError, match="max_seq_len and batch_size must be >= 1"):
+    culprit = "max_seq_len" if max_seq_len < 1 else "batch_size"
+    with pytest.raises(ValueError, match=f"{culprit} must be >= 1, got 0"):
         infer.create_cache(kind, config, max_seq_len=max_seq_len, batch_size=batch_size)
 
 

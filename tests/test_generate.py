@@ -134,7 +134,7 @@ def test_prompt_longer_than_context_is_an_error() -> None:
 
 def test_out_of_vocab_prompt_is_an_error() -> None:
     model = infer.load_model(build_checkpoint("llama"))
-    with pytest.raises(ValueError, match="token ids must lie"):
+    with pytest.raises(ValueError, match=f"prompt token id {model.config.vocab_size} is outside the model.s vocab"):
         generate(model, None, [model.config.vocab_size], SamplingParams(max_new_tokens=1))
 
 

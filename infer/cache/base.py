@@ -9,12 +9,14 @@ number of tokens.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from infer.errors import CacheFullError
+from infer.memory import check_fits, resolve_device
 
 
 @runtime_checkable
@@ -67,10 +69,28 @@ class KVCache(Protocol):
         ...
 
 
-def check_cache_size(max_seq_len: int, batch_size: int) -> None:
-    """Raise a ValueError unless a cache is asked for at least one position and one sequence."""
-    if max_seq_len < 1 or batch_size < 1:
-        raise ValueError(f"max_seq_len and batch_size must be >= 1, got {max_seq_len} and {batch_size}")
+def check_cache_size(max_seq_len: int, batch_size: int, *dtype: torch.dtype) -> None:
+    """Raise a TypeError/ValueError unless a cache is asked for at least one position and one sequence of ints
+    (and, when given, in a floating-point dtype)."""
+    for name, value in (("max_seq_len", max_seq_len), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    for d in dtype:
+        if not isinstance(d, torch.dtype) or not d.is_floating_point:
+            raise TypeError(f"the cache dtype must be a floating-point torch.dtype, got {d!r}")
+
+
+def allocate_zeros(
+    what: str, device: torch.device | str, *specs: tuple[tuple[int, ...], torch.dtype], extra_bytes: int = 0
+) -> list[torch.Tensor]:
+    """Zeroed tensors of the given (shape, dtype)s on `device`, refused with a ValueError before anything is
+    allocated if together (plus `extra_bytes` of bookkeeping) they would not fit in its free memory."""
+    target = resolve_device(device, allow_meta=True)
+    nbytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in specs) + extra_bytes
+    check_fits(nbytes, target, what)
+    return [torch.zeros(shape, dtype=dtype, device=target) for shape, dtype in specs]
 
 
 def check_kv_shape(k: torch.Tensor, v: torch.Tensor, batch_size: int, num_kv_heads: int, head_dim: int) -> None:

@@ -7,6 +7,7 @@ import torch
 from infer.cache.base import (
     FLOAT,
     CacheSnapshot,
+    allocate_zeros,
     check_advance,
     check_cache_size,
     check_kv_shape,
@@ -30,15 +31,14 @@ class ContiguousCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        check_cache_size(max_seq_len, batch_size)
+        check_cache_size(max_seq_len, batch_size, dtype)
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         shape = (config.num_hidden_layers, batch_size, self.num_kv_heads, max_seq_len, self.head_dim)
         # k_cache, v_cache: [L, B, Hkv, S, D]
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_cache, self.v_cache = allocate_zeros("a contiguous cache", device, (shape, dtype), (shape, dtype))
         self._offset = 0
 
     @property

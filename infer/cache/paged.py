@@ -16,6 +16,7 @@ import torch
 from infer.cache.base import (
     FLOAT,
     CacheSnapshot,
+    allocate_zeros,
     check_advance,
     check_cache_size,
     check_kv_shape,
@@ -42,16 +43,20 @@ class PagedKVPool:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
+        _check_pool_sizes(num_blocks=num_blocks, block_size=block_size)
+        check_cache_size(1, 1, dtype)
+        shape = (config.num_hidden_layers, num_blocks, config.num_key_value_heads, block_size, config.head_dim)
+        # k_blocks, v_blocks: [L, N, Hkv, block_size, D]. Checked against free memory (with the block
+        # manager's per-block bookkeeping) before either the tensors or the per-block objects exist.
+        self.k_blocks, self.v_blocks = allocate_zeros(
+            "a paged pool", device, (shape, dtype), (shape, dtype), extra_bytes=num_blocks * BLOCK_BOOKKEEPING_BYTES
+        )
         self.manager = BlockManager(num_blocks, block_size)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        shape = (self.num_layers, num_blocks, self.num_kv_heads, block_size, self.head_dim)
-        # k_blocks, v_blocks: [L, N, Hkv, block_size, D]
-        self.k_blocks = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_blocks = torch.zeros(shape, dtype=dtype, device=device)
         self._next_seq_id = 0
 
     @property
@@ -94,9 +99,8 @@ class PagedKVPool:
         prompt starts with are shared and `offset` starts past them: prefill `prompt[offset:]`."""
         capacity = self.num_blocks * self.block_size
         max_seq_len = capacity if max_seq_len is None else max_seq_len
-        prompt = [int(t) for t in prompt_token_ids] if prompt_token_ids is not None else []
-        if max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+        check_cache_size(max_seq_len, 1)
+        prompt = _token_id_list(prompt_token_ids, "prompt_token_ids") if prompt_token_ids is not None else []
         if len(prompt) > max_seq_len:
             raise CacheFullError(f"the prompt has {len(prompt)} tokens but max_seq_len is {max_seq_len}")
         seq_id = self._new_seq_id()
@@ -172,10 +176,7 @@ class PagedCache:
         self._check_live()
         if self._token_ids is None:
             raise ValueError("token ids are tracked for batch-1 caches only")
-        new = list(token_ids)
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in new):
-            raise TypeError(f"token_ids must be non-negative ints, got {new[:8]}")
-        self._token_ids.extend(new)
+        self._token_ids.extend(_token_id_list(token_ids, "token_ids"))
         self._register()
 
     def key_positions(self, layer: int, q_len: int) -> torch.Tensor:
@@ -399,6 +400,25 @@ class PagedCache:
         self.pool.manager.register_full_blocks(self.seq_ids[0], tokens)
 
 
+# Python-side bytes per block in the block manager (free list entry, ref count, hash maps), for the memory check.
+BLOCK_BOOKKEEPING_BYTES = 200
+
+
+def _token_id_list(token_ids: object, name: str) -> list[int]:
+    if not isinstance(token_ids, (list, tuple, range)):
+        raise TypeError(f"{name} must be a list of token ids, got {type(token_ids).__name__}")
+    ids = list(token_ids)
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+        raise TypeError(f"{name} must be non-negative ints, got {ids[:8]}")
+    return ids
+
+
+def _check_pool_sizes(**sizes: object) -> None:
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
 def create_paged_cache(
     config: ModelConfig,
     *,
@@ -415,8 +435,7 @@ def create_paged_cache(
     check_cache_size(max_seq_len, batch_size)
     if pool is None:
         block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        _check_pool_sizes(block_size=block_size)
         if num_blocks is None:
             num_blocks = batch_size * -(-max_seq_len // block_size)
         pool = PagedKVPool(config, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device)

@@ -26,6 +26,7 @@ from infer.cache.base import (
     FLOAT,
     CacheSnapshot,
     PendingWrites,
+    allocate_zeros,
     check_advance,
     check_cache_size,
     check_kv_shape,
@@ -68,7 +69,7 @@ class QuantizedCache:
                 f"unknown quantization scheme {scheme!r}; use one of {', '.join(map(repr, SCHEMES))}"
             )
         quantize, dequantize, per_element, storage_dtype = SCHEMES[scheme]
-        check_cache_size(max_seq_len, batch_size)
+        check_cache_size(max_seq_len, batch_size, dtype)
         if config.head_dim % per_element:
             raise ValueError(
                 f"scheme {scheme!r} packs two values per byte and needs an even head_dim, "
@@ -96,16 +97,17 @@ class QuantizedCache:
         num_slots = self.num_quantized(max_seq_len)
         packed_shape = (*lbh, num_slots, self.head_dim // per_element)
         # k_data, v_data: [L, B, Hkv, Sq, D or D/2]; k_scale, v_scale: [L, B, Hkv, Sq]
-        self.k_data = torch.zeros(packed_shape, dtype=storage_dtype, device=device)
-        self.v_data = torch.zeros(packed_shape, dtype=storage_dtype, device=device)
-        self.k_scale = torch.zeros((*lbh, num_slots), dtype=quant.SCALE_DTYPE, device=device)
-        self.v_scale = torch.zeros((*lbh, num_slots), dtype=quant.SCALE_DTYPE, device=device)
         # The ring never holds more than N + block - 1 tokens (see num_quantized); position p sits
         # at slot p % R.
         self.ring_size = min(residual_window + self.residual_block - 1, max_seq_len)
+        scale_shape, recent_shape = (*lbh, num_slots), (*lbh, self.ring_size, self.head_dim)
+        # k_data, v_data: [L, B, Hkv, Sq, D or D/2]; k_scale, v_scale: [L, B, Hkv, Sq];
         # k_recent, v_recent: [L, B, Hkv, R, D] in the model dtype
-        self.k_recent = torch.zeros((*lbh, self.ring_size, self.head_dim), dtype=dtype, device=device)
-        self.v_recent = torch.zeros((*lbh, self.ring_size, self.head_dim), dtype=dtype, device=device)
+        (self.k_data, self.v_data, self.k_scale, self.v_scale, self.k_recent, self.v_recent) = allocate_zeros(
+            f"an {scheme} cache", device, (packed_shape, storage_dtype), (packed_shape, storage_dtype),
+            (scale_shape, quant.SCALE_DTYPE), (scale_shape, quant.SCALE_DTYPE), (recent_shape, dtype),
+            (recent_shape, dtype),
+        )
 
     @property
     def offset(self) -> int:

@@ -15,6 +15,7 @@ from infer.cache.base import (
     FLOAT,
     CacheSnapshot,
     PendingWrites,
+    allocate_zeros,
     check_advance,
     check_cache_size,
     check_kv_shape,
@@ -38,7 +39,7 @@ class SlidingWindowCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        check_cache_size(max_seq_len, batch_size)
+        check_cache_size(max_seq_len, batch_size, dtype)
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
         self.num_kv_heads = config.num_key_value_heads
@@ -53,10 +54,10 @@ class SlidingWindowCache:
         # ring_k: [Ls, B, Hkv, W, D]; full_k: [Lg, B, Hkv, max_seq_len, D]
         ring_shape = (num_sliding, *kv, min(self.window, max_seq_len), self.head_dim)
         full_shape = (len(self.is_sliding) - num_sliding, *kv, max_seq_len, self.head_dim)
-        self.ring_k = torch.zeros(ring_shape, dtype=dtype, device=device)
-        self.ring_v = torch.zeros(ring_shape, dtype=dtype, device=device)
-        self.full_k = torch.zeros(full_shape, dtype=dtype, device=device)
-        self.full_v = torch.zeros(full_shape, dtype=dtype, device=device)
+        self.ring_k, self.ring_v, self.full_k, self.full_v = allocate_zeros(
+            "a sliding cache", device, (ring_shape, dtype), (ring_shape, dtype), (full_shape, dtype),
+            (full_shape, dtype),
+        )
         self._offset = 0
         self._pending = PendingWrites()  # ring writes of the forward in progress
 
@@ -138,28 +139,36 @@ class SlidingWindowCache:
         return sum(t.nbytes for t in (self.ring_k, self.ring_v, self.full_k, self.full_v))
 
     def snapshot(self) -> CacheSnapshot:
-        """Copies of the rings and of the filled part of the full buffers."""
+        """Copies of the filled part of the full buffers and of the rings' last min(offset, window) positions
+        in position order, so the snapshot restores into a sliding cache of any max_seq_len."""
         self._pending.undo()  # a forward that stopped part-way is not part of the state
         n = self._offset
+        slots = self._ring_slots(n, min(n, self.ring_size))
         tensors = {
-            "ring_k": self.ring_k.clone(),
-            "ring_v": self.ring_v.clone(),
+            "ring_k": self.ring_k[:, :, :, slots].clone(),  # [Ls, B, Hkv, min(n, W), D]
+            "ring_v": self.ring_v[:, :, :, slots].clone(),
             "full_k": self.full_k[:, :, :, :n].clone(),
             "full_v": self.full_v[:, :, :, :n].clone(),
         }
-        return CacheSnapshot(kind="sliding", offset=n, tensors=tensors, meta={"window": self.ring_size})
+        return CacheSnapshot(kind="sliding", offset=n, tensors=tensors, meta={"window": self.window})
+
+    def _ring_slots(self, n: int, m: int) -> torch.Tensor:
+        """Ring slots of positions n - m .. n - 1, in position order."""
+        return torch.arange(n - m, n, device=self.ring_k.device) % self.ring_size
 
     def restore(self, snapshot: CacheSnapshot) -> None:
         """Load a snapshot taken from a sliding cache of the same model and batch size."""
         check_snapshot(snapshot, "sliding", self.max_seq_len)
-        full = (*self.full_k.shape[:3], snapshot.offset, self.head_dim)
-        ring = tuple(self.ring_k.shape)
+        n = snapshot.offset
+        full = (*self.full_k.shape[:3], n, self.head_dim)
+        ring = (*self.ring_k.shape[:3], min(n, self.window), self.head_dim)
         check_snapshot_tensors(snapshot, {"ring_k": (ring, FLOAT), "ring_v": (ring, FLOAT),
                                           "full_k": (full, FLOAT), "full_v": (full, FLOAT)})
         self._pending.commit()
-        n = snapshot.offset
-        self.ring_k.copy_(snapshot.tensors["ring_k"])
-        self.ring_v.copy_(snapshot.tensors["ring_v"])
+        m = min(n, self.ring_size)  # this ring may be shorter than the snapshot's (a smaller max_seq_len)
+        slots = self._ring_slots(n, m)
+        self.ring_k[:, :, :, slots] = snapshot.tensors["ring_k"][:, :, :, ring[3] - m :]
+        self.ring_v[:, :, :, slots] = snapshot.tensors["ring_v"][:, :, :, ring[3] - m :]
         self.full_k[:, :, :, :n] = snapshot.tensors["full_k"]
         self.full_v[:, :, :, :n] = snapshot.tensors["full_v"]
         self._offset = n
