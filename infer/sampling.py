@@ -6,9 +6,12 @@ Temperature 0 is greedy (argmax), which makes token-exact oracle tests possible.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -16,7 +19,7 @@ class SamplingParams:
     """How to pick each next token and when to stop."""
 
     max_new_tokens: int = 128
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (or below GREEDY_BELOW) = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
@@ -34,6 +37,12 @@ class SamplingParams:
             raise TypeError(f"SamplingParams.max_new_tokens must be an int, got {self.max_new_tokens!r}")
         if self.max_new_tokens < 0:
             raise bad("max_new_tokens", self.max_new_tokens, "it must be >= 0")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"SamplingParams.{name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise bad(name, value, "it must be finite")
         if not self.temperature >= 0:
             raise bad("temperature", self.temperature, "it must be >= 0 (0 means greedy)")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
@@ -47,17 +56,29 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise TypeError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
         # Accept a single string or any iterable; store a tuple so the caller's list is never shared.
+        if not isinstance(self.stop, (str, list, tuple)):
+            raise TypeError(f"SamplingParams.stop must be a string or a list of strings, got {self.stop!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise bad("stop", self.stop, "stop strings must be non-empty strings")
         object.__setattr__(self, "stop", stop)
         if self.stop_token_ids is not None:
-            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+            if not isinstance(self.stop_token_ids, (int, list, tuple)):
+                raise TypeError(
+                    f"SamplingParams.stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}"
+                )
+            ids = (self.stop_token_ids,) if isinstance(self.stop_token_ids, int) else tuple(self.stop_token_ids)
+            if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+                raise bad("stop_token_ids", self.stop_token_ids, "token ids must be ints >= 0")
+            object.__setattr__(self, "stop_token_ids", ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"SamplingParams.ignore_eos must be True or False, got {self.ignore_eos!r}")
 
     @property
     def is_greedy(self) -> bool:
-        """Whether the next token is the argmax."""
-        return self.temperature == 0
+        """Whether the next token is the argmax: temperature 0, or below GREEDY_BELOW, where dividing the
+        logits would overflow to inf and NaN probabilities (vLLM draws the same line)."""
+        return self.temperature < GREEDY_BELOW
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penalty: float) -> torch.Tensor:
