@@ -190,11 +190,16 @@ def run_bench(args: argparse.Namespace) -> int:
     """The `bench` subcommand."""
     from tqdm import tqdm
 
+    from infer.__main__ import check_model_args
     from infer.loader import load_model, resolve_dtype
 
+    given = check_model_args(args)
+    for name in ("prompt_len", "new_tokens", "trials"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = Path(args.model) if args.model else _bench_checkpoint(args.arch, args.size)
+    path = given if given is not None else _bench_checkpoint(args.arch, args.size)
     dtype = resolve_dtype(args.dtype)
     device = torch.device(args.device)
     model = load_model(path, dtype=dtype, device=device, compute_dtype=args.compute_dtype)

@@ -293,6 +293,12 @@ MUTANTS = [
            "    ids = encode_prompt(tokenizer, prefix, add_generation_prompt=False)",
            "    ids = encode_prompt(tokenizer, prefix)",
            ("tests/test_prompt_cache.py",)),
+    Mutant("CLI: Ctrl-C ends in a traceback", "infer/__main__.py",
+           "    except KeyboardInterrupt:\n", "    except ZeroDivisionError:\n",
+           ("tests/test_cli.py",)),
+    Mutant("CLI: device checked only when the model loads", "infer/__main__.py",
+           "    resolve_device(args.device)\n", "",
+           ("tests/test_cli.py",)),
 ]
 
 
