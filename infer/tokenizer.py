@@ -44,6 +44,8 @@ class Tokenizer:
     """A checkpoint's tokenizer: encode, decode, chat template, special token ids."""
 
     def __init__(self, path: str | Path) -> None:
+        if not isinstance(path, (str, Path)):
+            raise TypeError(f"Tokenizer takes a checkpoint directory (str or Path), got {type(path).__name__}")
         self.path = Path(path)
         tokenizer_file = self.path / "tokenizer.json"
         if not tokenizer_file.is_file():
@@ -75,8 +77,8 @@ class Tokenizer:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        """Every id that ends generation: tokenizer_config's eos_token, then generation_config.json's and
-        config.json's eos_token_id (an int or a list), without repeats."""
+        """Every id that ends generation: tokenizer_config's eos_token, then generation_config.json's
+        eos_token_id (an int or a list), or config.json's where generation_config.json names none."""
         return list(self._eos_token_ids)
 
     @property
@@ -256,6 +258,8 @@ class Tokenizer:
         eos_id = self._special_id("eos_token")
         if eos_id is not None:
             ids.append(eos_id)
+        # generation_config.json's eos_token_id replaces config.json's, as in HF's generate (and the loader).
+        found = []
         for name in ("generation_config.json", "config.json"):
             value = _read_json(self.path / name).get("eos_token_id")
             values = [] if value is None else value if isinstance(value, list) else [value]
@@ -263,7 +267,8 @@ class Tokenizer:
                 raise CheckpointError(
                     f"{self.path / name}: eos_token_id={value!r} is invalid; expected a token id or a list of them"
                 )
-            ids.extend(values)
+            found.append(values)
+        ids.extend(found[0] or found[1])
         return list(dict.fromkeys(ids))
 
 

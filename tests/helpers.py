@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 from packaging.version import Version
@@ -25,6 +29,26 @@ needs_chat_oracle = pytest.mark.skipif(
     not chat_oracle_version_ok(),
     reason=f"chat rendering is compared with transformers>={CHAT_ORACLE_VERSION} (pyproject's test extra)",
 )
+
+
+@contextmanager
+def time_limit(seconds: float, what: str) -> Iterator[None]:
+    """Fail with TimeoutError if the body runs longer than `seconds` (a hang must fail fast, not stall CI).
+    Uses SIGALRM: on platforms without it the body simply runs unbounded."""
+    if not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum: int, frame: object) -> None:
+        raise TimeoutError(f"{what} ran over {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, what: str = "tensors") -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+MUTANT_TIMEOUT_S = 600
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,8 @@ MUTANTS = [
            "    return tuple(dict.fromkeys(values[:1]))\n\n\ndef _from_hf_dict",
            ("tests/test_stopping.py",)),
     Mutant("tokenizer reads only the first id of a list eos_token_id", "infer/tokenizer.py",
-           "            ids.extend(values)\n",
-           "            ids.extend(values[:1])\n",
+           "        ids.extend(found[0] or found[1])\n",
+           "        ids.extend(found[0][:1] or found[1][:1])\n",
            ("tests/test_stopping.py",)),
     Mutant("of two stop strings, the later match wins", "infer/generation.py",
            "self.text = self.text[: min(hits)]", "self.text = self.text[: max(hits)]",
@@ -316,10 +317,15 @@ def run(mutant: Mutant, checkpoints: str, full: bool) -> tuple[bool, float, str]
         env = {**os.environ, "INFER_CHECKPOINT_DIR": checkpoints, "PYTHONPATH": str(copy)}
         start = time.perf_counter()
         tests = () if full else mutant.tests
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-x", "-q", "-n", "auto", "-p", "no:cacheprovider", *tests],
-            cwd=copy, env=env, capture_output=True, text=True,
-        )
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "pytest", "-x", "-q", "-n", "auto", "-p", "no:cacheprovider", *tests],
+                cwd=copy, env=env, capture_output=True, text=True, timeout=MUTANT_TIMEOUT_S,
+            )
+        except subprocess.TimeoutExpired:
+            # A planted bug that makes the tests hang would stall CI until its limit: caught, but the tests
+            # should have failed fast (see tests.helpers.time_limit); the table says so.
+            return True, time.perf_counter() - start, f"tests hung past {MUTANT_TIMEOUT_S} s (should fail fast)"
         failed = [line for line in proc.stdout.splitlines() if line.startswith("FAILED")]
         caught = proc.returncode != 0 and bool(failed)  # xdist reports -x stops as "interrupted" (exit 2)
         return caught, time.perf_counter() - start, failed[0][7:90] if failed else proc.stdout[-200:]

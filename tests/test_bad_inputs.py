@@ -318,3 +318,49 @@ def test_paged_pool_operations_with_junk(prompt: Any, max_seq_len: Any, extend: 
         cache.extend_token_ids([1])
     with pytest.raises(CLEAN_ERRORS, match="released"):
         cache.fork()
+
+
+# --- the model call, create_cache's kind and config, snapshot files, Tokenizer paths ----------------------
+
+@FUZZ
+@given(input_ids=st.one_of(JUNK, st.lists(st.lists(st.integers(-5, 600), max_size=3), max_size=2).map(
+    lambda rows: torch.tensor(rows) if rows and len({len(r) for r in rows}) == 1 else rows)), cache=JUNK)
+def test_model_call(input_ids: Any, cache: Any) -> None:
+    model, _, before = model_and_tokenizer()
+    kind, logits = outcome(lambda: model(input_ids, cache), ("input_ids", "kv_cache", "token ids", "batch"))
+    if kind == "ok":
+        assert logits.shape[-1] == model.config.vocab_size and torch.isfinite(logits).all()
+    assert same_weights(model, before)
+
+
+@FUZZ
+@given(kind=JUNK, config=JUNK)
+def test_create_cache_kind_and_config(kind: Any, config: Any) -> None:
+    model, _, _ = model_and_tokenizer()
+    for k, c, culprits in ((kind, model.config, ("kind",)), ("contiguous", config, ("config",))):
+        assert outcome(lambda k=k, c=c: create_cache(k, c, max_seq_len=8), culprits)[0] == "error"
+
+
+@FUZZ
+@given(path=JUNK, snapshot=JUNK)
+def test_snapshot_file_api(tmp_path_factory: pytest.TempPathFactory, path: Any, snapshot: Any) -> None:
+    from infer.cache.snapshot import load_snapshot, save_snapshot
+
+    model, _, _ = model_and_tokenizer()
+    good = infer.snapshot_prefix(model, None, [1, 2, 3])
+    target = tmp_path_factory.mktemp("snap") / "s.safetensors"
+    assert outcome(lambda: save_snapshot(snapshot, target), ("CacheSnapshot",))[0] == "error"
+    assert not target.exists(), "a refused save wrote a file"
+    if isinstance(path, str):  # never write outside the temporary directory
+        path = str(target.parent / path)
+    outcome(lambda: save_snapshot(good, path), ("path", "cache snapshot"))
+    kind, loaded = outcome(lambda: load_snapshot(path), ("path", "cache snapshot"))
+    if kind == "ok":
+        assert loaded.offset == good.offset
+
+
+@FUZZ
+@given(path=JUNK)
+def test_tokenizer_path(path: Any) -> None:
+    kind, _ = outcome(lambda: Tokenizer(path), ("Tokenizer takes", "tokenizer.json", "not found"))
+    assert kind == "error"

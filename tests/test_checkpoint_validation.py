@@ -21,6 +21,7 @@ import infer.memory
 from infer.config import ModelConfig
 from infer.errors import CheckpointError
 from reference import build_checkpoint
+from tests.helpers import time_limit
 
 
 def copy_of(tmp_path: Path, arch: str, config_format: str = "v5") -> Path:
@@ -126,7 +127,8 @@ def test_layer_count_must_match_the_tensors(tmp_path: Path, layers: int) -> None
     edit_config(path, num_hidden_layers=layers, layer_types=["full_attention"] * min(layers, 4))
     if layers == 1_000_000:
         edit_config(path, layer_types=None)
-    with pytest.raises(CheckpointError, match=rf"num_hidden_layers={layers}, but the weights hold layers 0\.\.1"):
+    with time_limit(60, "loading a checkpoint whose config.json claims a million layers"), \
+            pytest.raises(CheckpointError, match=rf"num_hidden_layers={layers}, but the weights hold layers 0\.\.1"):
         infer.load_model(path)
 
 

@@ -68,6 +68,9 @@ def test_every_eos_id_of_a_list_stops_as_hf_does(arch: str, source: str, positio
     ours = generate(model, None, prompt, SamplingParams(max_new_tokens=N))
     assert (ours.token_ids, ours.finish_reason) == (expected, "eos"), f"{arch}: stopped wrongly without a tokenizer"
     tokenizer = Tokenizer(path)
+    assert set(eos) <= set(tokenizer.eos_token_ids), "the tokenizer lost ids of the list"
+    if source == "generation_config":  # which replaces config.json's, as in HF
+        assert max(eos) + 1 not in tokenizer.eos_token_ids
     # With a tokenizer, its own eos_token stops too (it is in the HF list of every real checkpoint).
     with_tok = generate(model, tokenizer, prompt, SamplingParams(max_new_tokens=N))
     extra = set(tokenizer.eos_token_ids) - set(eos)

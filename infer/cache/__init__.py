@@ -76,6 +76,10 @@ def create_cache(
     **options: Any,
 ) -> KVCache:
     """Build an empty cache of the named kind for a model with `config`."""
+    if not isinstance(kind, str):
+        raise TypeError(f"kind must be a cache kind name (str), got {type(kind).__name__}")
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a ModelConfig (model.config), got {type(config).__name__}")
     if kind not in CACHE_KINDS:
         raise ValueError(f"unknown cache kind {kind!r}; available: {', '.join(sorted(CACHE_KINDS))}")
     return CACHE_KINDS[kind].factory(

@@ -14,17 +14,31 @@ from infer.errors import CheckpointError
 
 def save_snapshot(snapshot: CacheSnapshot, path: str | Path) -> None:
     """Write the snapshot's tensors, with its kind, offset, token ids and meta as file metadata."""
+    if not isinstance(snapshot, CacheSnapshot):
+        raise TypeError(f"save_snapshot takes a CacheSnapshot, got {type(snapshot).__name__}")
+    _check_path(path)
     header = {
         "kind": snapshot.kind,
         "offset": str(snapshot.offset),
         "token_ids": json.dumps(snapshot.token_ids),
         "meta": json.dumps(snapshot.meta),
     }
-    save_file({name: t.contiguous() for name, t in snapshot.tensors.items()}, str(path), metadata=header)
+    try:
+        save_file({name: t.contiguous() for name, t in snapshot.tensors.items()}, str(path), metadata=header)
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"cannot write cache snapshot {path}: {e}") from e
+
+
+def _check_path(path: object) -> None:
+    if not isinstance(path, (str, Path)):
+        raise TypeError(f"path must be a str or Path, got {type(path).__name__}")
 
 
 def load_snapshot(path: str | Path, device: str = "cpu") -> CacheSnapshot:
     """Read a snapshot written by `save_snapshot`."""
+    _check_path(path)
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no cache snapshot file at {path}")
     try:
         with safe_open(str(path), framework="pt", device=device) as f:
             header = f.metadata() or {}

@@ -278,6 +278,8 @@ class Transformer(nn.Module):
             lo, hi = int(input_ids.min()), int(input_ids.max())
             if lo < 0 or hi >= self.config.vocab_size:
                 raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got min {lo} max {hi}")
+        if kv_cache is not None and not isinstance(kv_cache, KVCache):
+            raise TypeError(f"kv_cache must be a KVCache (infer.create_cache), got {type(kv_cache).__name__}")
         if kv_cache is not None and kv_cache.batch_size != input_ids.shape[0]:
             raise ValueError(
                 f"input batch {input_ids.shape[0]} does not match the cache's batch_size {kv_cache.batch_size}"
