@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import infer.loader
 from infer.__main__ import main
 from reference import build_checkpoint
 
@@ -58,7 +59,12 @@ BAD_ARGS = [
 
 @pytest.mark.parametrize(("argv", "message"), BAD_ARGS, ids=[" ".join(a) or "nothing" for a, _ in BAD_ARGS])
 def test_bad_arguments_are_one_line_before_anything_runs(argv: list[str], message: str,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
+                                                         capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_loading(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(infer.loader, "load_model", no_loading)
     code, out, err = run_main(argv, capsys)
     assert code == 2
     assert out == "", "nothing may be echoed before the arguments are checked"
