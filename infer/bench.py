@@ -9,6 +9,7 @@ speed spreads evenly over them. The engine needs no `transformers`; `--against-h
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import resource
 import statistics
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -194,6 +196,8 @@ def run_bench(args: argparse.Namespace) -> int:
     from infer.loader import load_model, resolve_dtype
 
     given = check_model_args(args)
+    # Contender plugins are looked up before anything loads, so a missing one fails at once.
+    others = [plugin(CONTENDER_PLUGINS, name) for name in dict.fromkeys([*args.against, *["hf"] * args.against_hf])]
     for name in ("prompt_len", "new_tokens", "trials"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -219,10 +223,8 @@ def run_bench(args: argparse.Namespace) -> int:
     contenders = [engine_contender(f"infer[{args.cache}]", model, prompt_ids, args.new_tokens, args.cache, True)]
     if args.compare:
         contenders.append(engine_contender("infer[no cache]", model, prompt_ids, args.new_tokens, args.cache, False))
-    if args.against_hf:
-        from reference.hf_bench import hf_contenders
-
-        contenders += hf_contenders(path, dtype, device, prompt_ids, args.new_tokens)
+    for make in others:
+        contenders += make(path, dtype, device, prompt_ids, args.new_tokens)
 
     total = (args.warmup + args.trials) * len(contenders)
     with tqdm(total=total, desc="bench", unit="run", file=sys.stderr) as bar:
@@ -320,14 +322,30 @@ def _ratios(rows: list[dict[str, float | str]]) -> list[str]:
     return lines
 
 
-def _bench_checkpoint(arch: str, size: str) -> Path:
-    try:
-        from reference.checkpoints import build_bench_checkpoint
-    except ImportError as e:
+# Contenders and bench checkpoints come from other packages through entry points (the Hugging Face
+# contender and the random-checkpoint builder from `reference`, see pyproject.toml), so the engine never
+# imports them by name and runs without them.
+CONTENDER_PLUGINS = "infer.bench.contenders"
+CHECKPOINT_PLUGINS = "infer.bench.checkpoints"
+
+
+def plugin(group: str, name: str) -> Callable[..., Any]:
+    """The callable an installed package registers as entry point `name` of `group`."""
+    found = {ep.name: ep for ep in importlib.metadata.entry_points(group=group)}
+    if name not in found:
         raise ValueError(
-            "building a bench checkpoint needs transformers: pip install -e '.[bench]', or pass --model"
-        ) from e
-    return build_bench_checkpoint(arch, size=size)
+            f"no bench plugin {name!r} is installed (in {group}: {', '.join(sorted(found)) or 'none'}); "
+            "pip install -e '.[bench]' registers the Hugging Face one"
+        )
+    try:
+        return cast(Callable[..., Any], found[name].load())
+    except ImportError as e:
+        raise ValueError(f"the bench plugin {name!r} cannot load ({e}); pip install -e '.[bench]'") from e
+
+
+def _bench_checkpoint(arch: str, size: str) -> Path:
+    build = plugin(CHECKPOINT_PLUGINS, "random")
+    return Path(build(arch, size=size))
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -352,6 +370,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="decode steps whose latency to report (comma-separated)")
     p.add_argument("--compare", action="store_true", help="also run without the KV cache")
     p.add_argument("--against-hf", action="store_true", help="also run transformers (dynamic and static cache)")
+    p.add_argument("--against", action="append", default=[], metavar="NAME",
+                   help="also run the installed contender plugin NAME (repeatable; 'hf' is --against-hf)")
     p.add_argument("--cache-table", default=None, metavar="KINDS",
                    help="instead: a table of cache bytes and decode tok/s for these comma-separated kinds")
     p.add_argument("--contexts", default="512,4096", help="contexts of --cache-table (comma-separated)")
