@@ -1,0 +1,28 @@
+# Set-up in two commands: `make generate` and `make test` each create the virtualenv when it is missing
+# (or older than pyproject.toml), with the CPU build of torch: the local wheel where the machine has one,
+# else the PyTorch CPU index (an unpinned `pip install torch` would pull a multi-GB CUDA build).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= 2.13.0
+PROMPT ?= Once upon a time
+
+.PHONY: setup generate test
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	if $(PY) -m pip download -q --no-index --no-deps "torch==$(TORCH)" -d $(VENV)/.torch-probe 2>/dev/null; \
+	then $(PY) -m pip install -q "torch==$(TORCH)"; \
+	else $(PY) -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu \
+	        --extra-index-url https://pypi.org/simple; fi
+	rm -rf $(VENV)/.torch-probe
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+generate: setup
+	$(PY) -m infer generate "$(PROMPT)"
+
+test: setup
+	$(PY) -m pytest -n auto
