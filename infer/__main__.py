@@ -15,14 +15,51 @@ from typing import NoReturn
 
 from infer.bench import add_bench_parser
 from infer.cache import CACHE_KINDS
+from infer.sampling import SamplingParams
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
+    """The options `generate` and `bench` share, under the same names."""
     p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped small model)")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--dtype", default=dtype, help="float32 | bfloat16 | float16")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--compute-dtype", default="auto",
                    help="dtype of prefill matmuls: auto (float32 for half weights on CPU), exact, or a dtype")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: PyTorch's default)")
+    p.add_argument("--seed", type=int, default=None, help="random seed")
+
+
+FROM_CHECKPOINT = "the checkpoint's generation_config.json, else transformers' default"
+
+
+def _sampling_params(args: argparse.Namespace, path: Path) -> SamplingParams:
+    """Flags given on the command line win; the rest come from generation_config.json as transformers reads
+    it (greedy unless it sets do_sample), then from SamplingParams' defaults."""
+    from infer.loader import generation_defaults
+
+    values = generation_defaults(path)
+    values.setdefault("max_new_tokens", 64)
+    sampling_flag_given = False
+    for name in ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+            sampling_flag_given |= name in ("top_k", "top_p", "min_p")
+    if sampling_flag_given and args.temperature is None and values.get("temperature", 0.0) == 0.0:
+        values["temperature"] = 1.0  # a sampling filter asked for on a greedy checkpoint: sample, as HF would warn
+    return SamplingParams(**values, seed=args.seed, stop=tuple(args.stop))
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt_file is not None:
+        if args.prompt is not None:
+            raise ValueError("give the prompt either as an argument or with --prompt-file, not both")
+        try:
+            return Path(args.prompt_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--prompt-file {args.prompt_file}: cannot read it as UTF-8 text ({e})") from e
+    if args.prompt is None:
+        raise ValueError("no prompt: pass it as an argument, '-' to read standard input, or --prompt-file PATH")
+    return sys.stdin.read() if args.prompt == "-" else str(args.prompt)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -30,25 +67,20 @@ def _generate(args: argparse.Namespace) -> int:
 
     from infer.generation import generate
     from infer.loader import DEFAULT_MODEL_DIR, load_model
-    from infer.sampling import SamplingParams
     from infer.tokenizer import Tokenizer
 
-    params = SamplingParams(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        stop=tuple(args.stop),
-    )
     path = check_model_args(args) or DEFAULT_MODEL_DIR
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    params = _sampling_params(args, path)
+    text = _read_prompt(args)
+    chat = args.chat or args.system is not None
+    if threads := args.threads:
+        torch.set_num_threads(threads)
     model = load_model(path, dtype=args.dtype, device=args.device, compute_dtype=args.compute_dtype)
     tokenizer = Tokenizer(path)
-    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
-    if not args.chat:
-        _print_piece(args.prompt)
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    prompt = [*system, {"role": "user", "content": text}] if chat else text
+    if not chat:
+        _print_piece(text)
     result = generate(
         model,
         tokenizer,
@@ -106,21 +138,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m infer", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    gen = sub.add_parser("generate", help="generate text from a prompt, streaming it")
-    gen.add_argument("prompt", help="the prompt text (a user message with --chat)")
-    _add_model_args(gen)
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    gen.add_argument("--top-k", type=int, default=40)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen = sub.add_parser("generate", help="generate text from a prompt, streaming it",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    gen.add_argument("prompt", nargs="?", default=None, help="the prompt text ('-' reads standard input)")
+    gen.add_argument("--prompt-file", default=None, metavar="PATH", help="read the prompt from this file")
+    _add_model_args(gen, dtype="float32")
+    gen.add_argument("--max-new-tokens", type=int, default=None, help=f"64, or {FROM_CHECKPOINT}")
+    gen.add_argument("--temperature", type=float, default=None, help=f"0 = greedy; {FROM_CHECKPOINT}")
+    gen.add_argument("--top-k", type=int, default=None, help=f"0 = off; {FROM_CHECKPOINT}")
+    gen.add_argument("--top-p", type=float, default=None, help=f"1 = off; {FROM_CHECKPOINT}")
+    gen.add_argument("--min-p", type=float, default=None, help=f"0 = off; {FROM_CHECKPOINT}")
+    gen.add_argument("--repetition-penalty", type=float, default=None, help=f"1 = off; {FROM_CHECKPOINT}")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--system", default=None, help="a system message (implies --chat)")
     gen.add_argument("--cache", default="contiguous", choices=sorted(CACHE_KINDS), help="KV-cache kind")
     gen.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step")
-    gen.add_argument("--threads", type=int, default=0, help="CPU threads (0: PyTorch's default)")
     gen.set_defaults(run=_generate)
-    add_bench_parser(sub)
+    add_bench_parser(sub, _add_model_args)
     return parser
 
 

@@ -348,24 +348,22 @@ def _bench_checkpoint(arch: str, size: str) -> Path:
     return Path(build(arch, size=size))
 
 
-def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    """Register the `bench` subcommand."""
+def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable[..., None]) -> None:
+    """Register the `bench` subcommand; `add_model_args` adds the options it shares with `generate`."""
     from infer.cache import CACHE_KINDS
 
-    p = sub.add_parser("bench", help="benchmark generation (optionally against Hugging Face)")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the bench-sized --arch)")
+    p = sub.add_parser("bench", help="benchmark generation (optionally against Hugging Face)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_model_args(p, dtype="bfloat16")  # --model: default the bench-sized --arch checkpoint
     p.add_argument("--arch", default="llama", choices=["llama", "qwen3", "gemma3"],
                    help="which bench-sized random checkpoint to build and use when --model is not given")
     p.add_argument("--size", default="1b", choices=["1b", "150m"], help="bench checkpoint size (150m: llama only)")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--compute-dtype", default="auto",
-                   help="dtype of prefill matmuls: auto (float32 for half weights on CPU), exact, or a dtype")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--cache", default="contiguous", choices=sorted(CACHE_KINDS))
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--cache", default="contiguous", choices=sorted(CACHE_KINDS), help="KV-cache kind")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens")
+    p.add_argument("--max-new-tokens", "--new-tokens", dest="new_tokens", type=int, default=128,
+                   help="decode steps per trial (--new-tokens is the old name)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs per contender")
+    p.add_argument("--trials", type=int, default=3, help="timed runs per contender, alternating")
     p.add_argument("--positions", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64, 128],
                    help="decode steps whose latency to report (comma-separated)")
     p.add_argument("--compare", action="store_true", help="also run without the KV cache")
@@ -377,6 +375,5 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--contexts", default="512,4096", help="contexts of --cache-table (comma-separated)")
     p.add_argument("--json", default=None, help="write the full report here")
     p.add_argument("--plot", default=None, help="write a PNG of per-step latency against position")
-    p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(seed=0)
     p.set_defaults(run=run_bench)

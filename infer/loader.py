@@ -7,9 +7,11 @@ Every tensor the model needs must be present with the right shape; the error nam
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -232,6 +234,41 @@ def _generation_eos_ids(path: Path, config_eos: tuple[int, ...]) -> tuple[int, .
     if value is None:
         return config_eos
     return tuple(dict.fromkeys(values))
+
+
+# transformers' own defaults for the sampling fields a generation_config.json may leave out.
+HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def generation_defaults(path: str | Path) -> dict[str, Any]:
+    """SamplingParams keyword arguments from the checkpoint's generation_config.json, read as transformers'
+    generate reads it: greedy (temperature 0) unless `do_sample` is true, then its temperature, top_k,
+    top_p, min_p and repetition_penalty (transformers' defaults for those it leaves out); `max_new_tokens`
+    when it names one. Empty without the file."""
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{file} is not a readable JSON object ({e}); fix or remove it") from e
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file} must hold a JSON object, got {type(raw).__name__}")
+    do_sample = raw.get("do_sample", False)
+    if not isinstance(do_sample, bool):
+        raise CheckpointError(f"{file}: do_sample={do_sample!r} is invalid; expected true or false")
+    out: dict[str, Any] = {}
+    for name, default in HF_SAMPLING_DEFAULTS.items():
+        value = raw.get(name)
+        value = default if value is None else value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise CheckpointError(f"{file}: {name}={value!r} is invalid; expected a finite number >= 0")
+        out[name] = value
+    if not do_sample:
+        out = {"repetition_penalty": out["repetition_penalty"], "temperature": 0.0}
+    if raw.get("max_new_tokens") is not None:
+        out["max_new_tokens"] = raw["max_new_tokens"]
+    return out
 
 
 def _resolve_compute_dtype(

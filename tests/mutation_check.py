@@ -300,6 +300,13 @@ MUTANTS = [
     Mutant("CLI: device checked only when the model loads", "infer/__main__.py",
            "    resolve_device(args.device)\n", "",
            ("tests/test_cli.py",)),
+    Mutant("generation_config's do_sample ignored (always samples)", "infer/loader.py",
+           "    if not do_sample:\n", "    if False:\n",
+           ("tests/test_cli.py",)),
+    Mutant("the engine imports the oracle package", "infer/bench.py",
+           "import torch\n\nfrom infer.config import ModelConfig\n",
+           "import torch\n\nimport reference  # noqa: F401\nfrom infer.config import ModelConfig\n",
+           ("tests/test_layering.py",)),
 ]
 
 

@@ -18,6 +18,7 @@ import torch
 
 import infer.loader
 from infer.__main__ import main
+from infer.sampling import SamplingParams
 from reference import build_checkpoint
 
 
@@ -119,3 +120,111 @@ def test_a_closed_pipe_exits_141_without_a_traceback() -> None:
     assert proc.returncode == 141
     assert b"Traceback" not in err and b"Exception ignored" not in err
     assert err.decode().strip().splitlines() == ["error: stdout was closed; stopped"]
+
+
+GENERATION_CONFIGS = [
+    {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95},
+    {"do_sample": False, "temperature": 0.7, "top_k": 5},
+    {"do_sample": True},
+    {"do_sample": True, "min_p": 0.1, "repetition_penalty": 1.3, "max_new_tokens": 7},
+    {"repetition_penalty": 1.1},
+    None,
+]
+
+
+@pytest.mark.parametrize("generation", GENERATION_CONFIGS, ids=lambda g: "no file" if g is None else str(g))
+def test_generation_defaults_read_generation_config_as_transformers(tmp_path: Path, generation: dict | None) -> None:
+    from transformers import GenerationConfig
+
+    from infer.loader import generation_defaults
+
+    target = tmp_path / "ckpt"
+    shutil.copytree(build_checkpoint("llama"), target)
+    (target / "generation_config.json").unlink()
+    if generation is not None:
+        (target / "generation_config.json").write_text(json.dumps(generation))
+    ours = SamplingParams(**generation_defaults(target))
+    config = GenerationConfig.from_pretrained(target) if generation is not None else GenerationConfig()
+    # What generate() uses: the file's values, transformers' global defaults for the fields it leaves unset.
+    defaults = config._get_default_generation_params()
+    hf = {k: getattr(config, k) if getattr(config, k) is not None else defaults.get(k)
+          for k in ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens")}
+    assert ours.repetition_penalty == hf["repetition_penalty"]
+    if not hf["do_sample"]:
+        assert ours.is_greedy
+    else:
+        assert (ours.temperature, ours.top_k, ours.top_p, ours.min_p) == (
+            hf["temperature"], hf["top_k"], hf["top_p"], hf["min_p"] or 0.0)
+    if generation is not None and "max_new_tokens" in generation:
+        assert ours.max_new_tokens == hf["max_new_tokens"]
+
+
+@pytest.mark.parametrize(("field", "value"), [("do_sample", "yes"), ("temperature", "hot"), ("top_k", -1),
+                                              ("top_p", float("nan"))])
+def test_bad_generation_config_fields_are_named(tmp_path: Path, field: str, value: object,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "ckpt"
+    shutil.copytree(build_checkpoint("llama"), target)
+    (target / "generation_config.json").write_text(json.dumps({"do_sample": True, field: value}))
+    code, out, err = run_main(["generate", "Hi", "--model", str(target)], capsys)
+    assert (code, out) == (2, "") and "generation_config.json" in err and field in err
+
+
+def test_cli_defaults_come_from_the_checkpoint_and_flags_win(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    import infer.generation
+
+    seen: list[SamplingParams] = []
+    real = infer.generation.generate
+
+    def spy(model: object, tokenizer: object, prompt: object, params: SamplingParams, **kw: object) -> object:
+        seen.append(params)
+        return real(model, tokenizer, prompt, params, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(infer.generation, "generate", spy)
+    path = str(build_checkpoint("qwen3"))  # generation_config.json: do_sample, temperature 0.6, top_k 20, top_p 0.95
+    assert run_main(["generate", "Hi", "--model", path, "--max-new-tokens", "2"], capsys)[0] == 0
+    assert (seen[-1].temperature, seen[-1].top_k, seen[-1].top_p) == (0.6, 20, 0.95)
+    argv = ["generate", "Hi", "--model", path, "--max-new-tokens", "2", "--temperature", "0.9", "--top-k", "3",
+            "--min-p", "0.05", "--repetition-penalty", "1.2", "--seed", "4"]
+    assert run_main(argv, capsys)[0] == 0
+    p = seen[-1]
+    assert (p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.seed) == (0.9, 3, 0.95, 0.05, 1.2, 4)
+
+
+def test_system_message_stdin_and_prompt_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    import io
+
+    from infer.tokenizer import Tokenizer
+
+    path = build_checkpoint("llama")
+    tok = Tokenizer(path)
+    base = ["generate", "--model", str(path), "--max-new-tokens", "1", "--temperature", "0"]
+    code, _, err = run_main([*base, "Hello there", "--system", "Be brief."], capsys)
+    expected = tok.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                        {"role": "user", "content": "Hello there"}])
+    assert code == 0 and f"[{len(expected)} prompt tokens" in err
+    monkeypatch.setattr("sys.stdin", io.StringIO("from stdin"))
+    code, out, _ = run_main([*base, "-"], capsys)
+    assert code == 0 and out.startswith("from stdin")
+    (tmp_path / "prompt.txt").write_text("from a file", encoding="utf-8")
+    code, out, _ = run_main([*base, "--prompt-file", str(tmp_path / "prompt.txt")], capsys)
+    assert code == 0 and out.startswith("from a file")
+    code, out, err = run_main([*base, "--prompt-file", str(tmp_path / "missing.txt")], capsys)
+    assert (code, out) == (2, "") and "--prompt-file" in err
+    code, out, err = run_main(base, capsys)
+    assert (code, out) == (2, "") and "no prompt" in err
+
+
+def test_help_shows_defaults_and_shared_names(capsys: pytest.CaptureFixture[str]) -> None:
+    helps = {}
+    for command in ("generate", "bench"):
+        code, out, _ = run_main([command, "--help"], capsys)
+        assert code == 0
+        helps[command] = out
+    assert "(default: contiguous)" in helps["generate"] and "(default: bfloat16)" in helps["bench"]
+    for shared in ("--model", "--dtype", "--device", "--compute-dtype", "--threads", "--seed", "--cache",
+                   "--max-new-tokens"):
+        assert shared in helps["generate"] and shared in helps["bench"], shared
