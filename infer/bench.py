@@ -24,6 +24,7 @@ import torch
 
 from infer.config import ModelConfig
 from infer.models import Transformer
+from infer.tuning import CHOICES
 
 
 @dataclass
@@ -258,7 +259,11 @@ def run_bench(args: argparse.Namespace) -> int:
     ratios = _ratios(rows)
     for line in ratios:
         print(line)
+    print(f"choices (threads {torch.get_num_threads()}):")
+    for choice in CHOICES.values():
+        print(f"  {choice.name}: {choice.value} ({choice.reason})")
     report = {
+        "choices": [asdict(c) for c in CHOICES.values()], "threads": torch.get_num_threads(),
         "model": str(path), "dtype": str(dtype), "device": str(device), "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "trials": args.trials, "bandwidth_bytes_s": bandwidth,
         "bytes_per_decode_step": bytes_per_step, "results": rows, "ratios": ratios,

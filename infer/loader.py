@@ -20,6 +20,7 @@ from infer.config import ModelConfig
 from infer.errors import CheckpointError
 from infer.memory import check_fits, resolve_device
 from infer.models import Transformer
+from infer.tuning import choose_prefill_dtype
 
 DTYPES = {
     "float32": torch.float32,
@@ -130,14 +131,15 @@ def load_model(
     *,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str = "cpu",
-    compute_dtype: torch.dtype | str | None = None,
+    compute_dtype: torch.dtype | str | None = "auto",
     check_finite: bool = True,
 ) -> Transformer:
     """Load the checkpoint in directory `path` (the shipped default model when None), in eval mode.
 
     `dtype` defaults to float32; the weights are cast to it. `compute_dtype` sets the dtype of
-    multi-token matmuls (prefill): None or "exact" keeps the weights' dtype (bit-exact to HF's eager
-    path), "auto" picks float32 for half-precision weights on a CPU, where bf16 GEMMs are slow.
+    multi-token matmuls (prefill): "auto" (the default, also the CLI's) keeps the weights' dtype unless
+    they are half precision on a CPU without units for it, where fp32 is faster (`infer.tuning` says
+    why); None or "exact" always keeps it (bit-exact to HF's eager path); or a dtype.
     Everything is validated before any weight is read: config.json's fields, the layer count against the
     tensors present, shapes, dtypes, and the memory the weights need. `check_finite` refuses weights with
     NaN or infinity (after the cast to `dtype`); pass False to skip that scan.
@@ -276,7 +278,7 @@ def _resolve_compute_dtype(
 ) -> torch.dtype | None:
     if compute_dtype is None or compute_dtype == "exact":
         return None
-    if compute_dtype == "auto":
-        return torch.float32 if device.type == "cpu" and dtype != torch.float32 else None
+    if compute_dtype == "auto":  # by what this machine's CPU has (infer.tuning), printed by the bench
+        return torch.float32 if choose_prefill_dtype(dtype, device).value == "float32" else None
     resolved = resolve_dtype(compute_dtype)
     return None if resolved == dtype else resolved

@@ -307,6 +307,9 @@ MUTANTS = [
            "import torch\n\nfrom infer.config import ModelConfig\n",
            "import torch\n\nimport reference  # noqa: F401\nfrom infer.config import ModelConfig\n",
            ("tests/test_layering.py",)),
+    Mutant("auto prefill dtype ignores the CPU's bf16 units", "infer/tuning.py",
+           "    if units:\n", "    if False:\n",
+           ("tests/test_tuning.py",)),
 ]
 
 

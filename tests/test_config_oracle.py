@@ -141,7 +141,7 @@ def test_parsed_config_and_logits_equal_the_oracle(arch: str, config_format: str
         assert_close(logits, expected, 1e-5 * max(1.0, expected.abs().max().item()),
                      f"{arch} fp32 ({hf_attention}) {overrides}")
 
-    half = infer.load_model(path, dtype=torch.bfloat16)
+    half = infer.load_model(path, dtype=torch.bfloat16, compute_dtype="exact")
     half.use_reference_attention = True  # rounds where HF's eager attention rounds
     with torch.no_grad():
         ours_bf16 = half(ids)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import infer
+from infer.tuning import choose_prefill_dtype
 from reference import Oracle, build_checkpoint
 from tests.helpers import assert_close
 
@@ -72,7 +73,7 @@ def test_half_precision(arch: str, dtype: torch.dtype) -> None:
     The SDPA fast path rounds differently inside attention; stated bound: its error against fp32
     is at most 1.5x Hugging Face's own half-precision error, and within 5% of the largest logit of HF."""
     path = build_checkpoint(arch)
-    model = infer.load_model(path, dtype=dtype)
+    model = infer.load_model(path, dtype=dtype, compute_dtype="exact")  # bit-exactness needs the exact path
     ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(4))
     hf_half = Oracle(path, dtype=dtype).logits(ids)
     fp32 = Oracle(path).logits(ids)
@@ -104,11 +105,14 @@ def test_gemma_layer_types_from_legacy_pattern() -> None:
 def test_prefill_upcast_switch_matches_exact_path() -> None:
     """compute_dtype=float32 (the CPU prefill speed switch) against the exact bf16 path and fp32 truth."""
     path = build_checkpoint("llama")
-    exact = infer.load_model(path, dtype="bfloat16")
+    exact = infer.load_model(path, dtype="bfloat16", compute_dtype="exact")
     upcast = infer.load_model(path, dtype="bfloat16", compute_dtype="float32")
     assert exact.compute_dtype is None and upcast.compute_dtype == torch.float32
-    assert infer.load_model(path, dtype="bfloat16", compute_dtype="auto").compute_dtype == torch.float32
-    assert infer.load_model(path, compute_dtype="auto").compute_dtype is None  # fp32 weights: nothing to do
+    # The default ("auto") follows what this CPU has; forcing either way always works (above).
+    auto = infer.load_model(path, dtype="bfloat16").compute_dtype
+    chosen = choose_prefill_dtype(torch.bfloat16, torch.device("cpu"))
+    assert auto == (torch.float32 if chosen.value == "float32" else None), chosen
+    assert infer.load_model(path).compute_dtype is None  # fp32 weights: nothing to do
     truth = infer.load_model(path)
     ids = torch.randint(0, exact.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():

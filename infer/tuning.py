@@ -1,0 +1,103 @@
+"""Speed choices made for the machine at hand, by capability where it is unambiguous, else by a short
+measurement, each cached per process and recorded with its reason so `python -m infer bench` can print
+what was chosen and why. Every choice can be forced by the caller.
+
+The 2-core machines this engine runs on range from an AMD EPYC with AVX2 and no bf16 units (bf16 GEMMs are
+emulated there and run several times slower than fp32) to an Intel Xeon with AMX-BF16 (bf16 GEMMs fastest):
+one fixed dtype is wrong on one of them.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One speed decision: what was chosen and why."""
+
+    name: str
+    value: str
+    reason: str
+
+
+# Every choice made in this process, by name (the latest wins), for reports.
+CHOICES: dict[str, Choice] = {}
+
+# CPU flags meaning the half-precision type has matrix or vector units (so its GEMMs are native).
+HALF_UNITS = {torch.bfloat16: ("amx_bf16", "avx512_bf16"), torch.float16: ("amx_fp16", "avx512_fp16")}
+
+
+@functools.cache
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str] | None:
+    """The CPU's feature flags (Linux), or None where they cannot be read."""
+    try:
+        for line in Path(cpuinfo).read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        return None
+    return None
+
+
+def record(choice: Choice) -> Choice:
+    """Remember `choice` for reports and return it."""
+    CHOICES[choice.name] = choice
+    return choice
+
+
+def choose_prefill_dtype(weight_dtype: torch.dtype, device: torch.device,
+                         flags: frozenset[str] | None = None) -> Choice:
+    """The dtype multi-token (prefill) matmuls run in: the weights' own unless they are half precision on a
+    CPU without units for it, where fp32 is faster (one-token decode stays in the weights' dtype: it is
+    bandwidth-bound). Without readable flags the two are timed on a prefill-sized matmul."""
+    name = "prefill matmul dtype"
+    if device.type != "cpu" or weight_dtype == torch.float32:
+        return record(Choice(name, "exact", f"{_short(weight_dtype)} weights on {device.type}: nothing to choose"))
+    flags = cpu_flags() if flags is None else flags
+    units = [f for f in HALF_UNITS.get(weight_dtype, ()) if flags is not None and f in flags]
+    if units:
+        return record(Choice(name, "exact", f"{_short(weight_dtype)} GEMMs are native here ({', '.join(units)})"))
+    if flags is not None:
+        wanted = " or ".join(HALF_UNITS.get(weight_dtype, ("half-precision units",)))
+        return record(Choice(name, "float32", f"no {wanted} on this CPU: {_short(weight_dtype)} GEMMs are emulated"))
+    half_s, wide_s = _time_prefill_matmul(weight_dtype)
+    value = "float32" if wide_s < half_s else "exact"
+    return record(Choice(name, value, f"CPU flags unreadable; measured {_short(weight_dtype)} {half_s * 1e3:.2f} ms "
+                                      f"vs fp32 (with casts) {wide_s * 1e3:.2f} ms per 128x1024x1024 matmul"))
+
+
+@functools.cache
+def _time_prefill_matmul(dtype: torch.dtype, tokens: int = 128, size: int = 1024) -> tuple[float, float]:
+    """Median seconds of a prefill-shaped matmul in `dtype`, and in fp32 including the casts."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, size, generator=gen).to(dtype)
+    w = torch.randn(size, size, generator=gen).to(dtype)
+
+    def half() -> object:
+        return x @ w.T
+
+    def wide() -> object:
+        return (x.float() @ w.float().T).to(dtype)
+
+    return _median_time(half), _median_time(wide)
+
+
+def _median_time(fn: Callable[[], object], repeats: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
