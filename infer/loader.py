@@ -20,7 +20,8 @@ from infer.config import ModelConfig
 from infer.errors import CheckpointError
 from infer.memory import check_fits, resolve_device
 from infer.models import Transformer
-from infer.tuning import choose_prefill_dtype
+from infer.models.transformer import Linear
+from infer.tuning import choose_decode_gemv, choose_prefill_dtype
 
 DTYPES = {
     "float32": torch.float32,
@@ -133,6 +134,7 @@ def load_model(
     device: torch.device | str = "cpu",
     compute_dtype: torch.dtype | str | None = "auto",
     check_finite: bool = True,
+    decode_gemv: str = "auto",
 ) -> Transformer:
     """Load the checkpoint in directory `path` (the shipped default model when None), in eval mode.
 
@@ -142,7 +144,8 @@ def load_model(
     why); None or "exact" always keeps it (bit-exact to HF's eager path); or a dtype.
     Everything is validated before any weight is read: config.json's fields, the layer count against the
     tensors present, shapes, dtypes, and the memory the weights need. `check_finite` refuses weights with
-    NaN or infinity (after the cast to `dtype`); pass False to skip that scan.
+    NaN or infinity (after the cast to `dtype`); pass False to skip that scan. `decode_gemv` picks the kernel
+    of one-token products ("linear" or "mv"); "auto" times both on this model's shapes (infer.tuning).
     """
     if path is not None and not isinstance(path, (str, Path)):
         raise TypeError(f"path must be a checkpoint directory (str or Path), got {type(path).__name__}")
@@ -190,6 +193,8 @@ def load_model(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.compute_dtype = _resolve_compute_dtype(compute_dtype, torch_dtype, target)
+    model.decode_gemv = choose_decode_gemv(
+        [m.weight for m in model.modules() if isinstance(m, Linear)], decode_gemv).value
     model.eos_token_ids = _generation_eos_ids(path, config.eos_token_ids)
     return model.eval().requires_grad_(False)
 

@@ -89,6 +89,49 @@ def _time_prefill_matmul(dtype: torch.dtype, tokens: int = 128, size: int = 1024
     return _median_time(half), _median_time(wide)
 
 
+GEMV_FORMS = ("linear", "mv")
+
+
+def choose_decode_gemv(weights: list[torch.Tensor], forced: str = "auto") -> Choice:
+    """The kernel of one-token decode products: `F.linear` or `torch.mv`, whichever streams this model's
+    weight shapes faster here (timed alternately, medians over the distinct shapes); `forced` skips that."""
+    name = "decode GEMV form"
+    if forced != "auto":
+        if forced not in GEMV_FORMS:
+            raise ValueError(f"decode_gemv must be 'auto', 'linear' or 'mv', got {forced!r}")
+        return record(Choice(name, forced, "forced by the caller"))
+    shapes = {(tuple(w.shape), w.dtype, w.device): w for w in weights}
+    linear_s = mv_s = 0.0
+    for w in shapes.values():
+        a, b = _time_gemv(w)
+        linear_s, mv_s = linear_s + a, mv_s + b
+    value = "mv" if mv_s < 0.97 * linear_s else "linear"  # a clear win only: the two are close on many CPUs
+    return record(Choice(name, value, f"one product of each of {len(shapes)} weight shapes: F.linear "
+                                      f"{linear_s * 1e3:.2f} ms, torch.mv {mv_s * 1e3:.2f} ms (medians)"))
+
+
+def _time_gemv(w: torch.Tensor, repeats: int = 5) -> tuple[float, float]:
+    """Median seconds of one-row F.linear and torch.mv on weight `w`, the two timed alternately."""
+    x = torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device)
+    forms = {"linear": lambda: torch.nn.functional.linear(x, w), "mv": lambda: torch.mv(w, x[0])}
+    times: dict[str, list[float]] = {k: [] for k in forms}
+    with torch.inference_mode():
+        for fn in forms.values():
+            fn()
+        for _ in range(repeats):
+            for key, fn in forms.items():
+                start = time.perf_counter()
+                fn()
+                if w.device.type == "cuda":
+                    torch.cuda.synchronize(w.device)
+                times[key].append(time.perf_counter() - start)
+    return _median(times["linear"]), _median(times["mv"])
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
 def _median_time(fn: Callable[[], object], repeats: int = 7) -> float:
     fn()
     times = []

@@ -310,6 +310,13 @@ MUTANTS = [
     Mutant("auto prefill dtype ignores the CPU's bf16 units", "infer/tuning.py",
            "    if units:\n", "    if False:\n",
            ("tests/test_tuning.py",)),
+    Mutant("mv decode form drops the bias", "infer/models/transformer.py",
+           "            return (out if self.bias is None else out + self.bias)", "            return (out)",
+           ("tests/test_tuning.py",)),
+    Mutant("mv decode form taken for a batch of one-token rows", "infer/models/transformer.py",
+           "if self.gemv == \"mv\" and x.numel() == self.in_features:",
+           "if self.gemv == \"mv\" and x.shape[-2] == 1:",
+           ("tests/test_tuning.py",)),
 ]
 
 

@@ -49,3 +49,56 @@ def test_cpu_flags_parse_proc_cpuinfo(tmp_path: object) -> None:
     path.write_text("processor\t: 0\nflags\t\t: fpu avx2 amx_bf16\nbogomips\t: 1\n")
     assert cpu_flags(str(path)) == frozenset({"fpu", "avx2", "amx_bf16"})
     assert cpu_flags(str(path) + ".missing") is None
+
+
+ARCHS = ["llama", "qwen3", "gemma3"]
+
+
+@pytest.mark.parametrize(("arch", "overrides"), [(a, {}) for a in ARCHS] + [
+    ("llama", {"attention_bias": True, "mlp_bias": True})], ids=[*ARCHS, "llama-biases"])
+def test_mv_decode_equals_the_oracle_and_the_linear_form(arch: str, overrides: dict) -> None:
+    """The torch.mv form of one-row products is the same math as F.linear: every decode step's fp32 logits
+    equal the oracle's, and the linear form's within 1e-5; bf16 steps agree within bf16 rounding."""
+    import infer
+    from reference import Oracle, build_checkpoint
+    from tests.helpers import assert_close
+
+    path = build_checkpoint(arch, **overrides)
+    ids = torch.randint(0, 400, (1, 20), generator=torch.Generator().manual_seed(3))
+    full = Oracle(path).logits(ids)
+    for dtype, tol in (("float32", 1e-5), ("bfloat16", 0.1)):
+        steps = {}
+        for form in ("linear", "mv"):
+            model = infer.load_model(path, dtype=dtype, decode_gemv=form, compute_dtype="exact")
+            assert model.decode_gemv == form
+            cache = infer.create_cache("contiguous", model.config, max_seq_len=20, dtype=model.lm_head.weight.dtype)
+            with torch.no_grad():
+                model(ids[:, :12], cache)
+                steps[form] = torch.cat([model(ids[:, i : i + 1], cache) for i in range(12, 20)], 1).float()
+        scale = max(1.0, full.abs().max().item())
+        assert_close(steps["mv"], steps["linear"], tol * scale, f"{arch} {dtype} mv vs linear")
+        if dtype == "float32":
+            assert_close(steps["mv"], full[:, 12:20], tol * scale, f"{arch} mv vs oracle")
+
+
+def test_mv_form_leaves_batches_and_prefill_to_linear() -> None:
+    import infer
+    from reference import build_checkpoint
+
+    path = build_checkpoint("qwen3", attention_bias=True)  # the bias path of the mv form
+    linear, mv = (infer.load_model(path, decode_gemv=f) for f in ("linear", "mv"))
+    ids = torch.randint(0, 400, (2, 5), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(linear(ids), mv(ids)), "batches and prefill never take the one-row path"
+        assert torch.equal(linear(ids[:, :1]), mv(ids[:, :1])), "a batch of one-token rows is not one row"
+
+
+def test_decode_gemv_choice_is_measured_or_forced() -> None:
+    from infer.tuning import choose_decode_gemv
+
+    w = [torch.randn(64, 32), torch.randn(32, 64)]
+    auto = choose_decode_gemv(w)
+    assert auto.value in ("linear", "mv") and "F.linear" in auto.reason and "torch.mv" in auto.reason
+    assert choose_decode_gemv(w, "mv").value == "mv"
+    with pytest.raises(ValueError, match="decode_gemv must be"):
+        choose_decode_gemv(w, "gemm")

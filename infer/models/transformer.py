@@ -23,15 +23,23 @@ from infer.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
 
 class Linear(nn.Linear):
-    """nn.Linear with an optional wider dtype for multi-token matmuls (`upcast`).
+    """nn.Linear with an optional wider dtype for multi-token matmuls (`upcast`) and a choice of kernel for
+    the one-row decode product (`gemv`).
 
     CPUs without bf16 matrix units run a bf16 GEMM several times slower than an fp32 one, so prefill
-    can upcast; a one-token decode GEMV is bandwidth-bound and stays in the weights' dtype.
+    can upcast; a one-token decode GEMV is bandwidth-bound and stays in the weights' dtype. For that one
+    row, `F.linear` may take a GEMM kernel that streams the weights slower than `torch.mv` does (oneDNN's
+    AMX path with a single row): `gemv = "mv"` uses `torch.mv`, chosen by measurement (infer.tuning).
     """
 
     upcast: torch.dtype | None = None
+    gemv: str = "linear"  # "linear" | "mv": the kernel of a one-row product
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv == "mv" and x.numel() == self.in_features:
+            # One row: the matrix-vector product itself, without the GEMM machinery.
+            out = torch.mv(self.weight, x.reshape(-1))
+            return (out if self.bias is None else out + self.bias).view(*x.shape[:-1], self.out_features)
         if self.upcast is None or x.shape[-2] == 1 or x.dtype == self.upcast:
             return F.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.to(self.upcast)
@@ -190,6 +198,19 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.upcast = dtype
+
+    @property
+    def decode_gemv(self) -> str:
+        """Kernel of one-row (decode) products: "linear" (F.linear) or "mv" (torch.mv); same math."""
+        return self.lm_head.gemv
+
+    @decode_gemv.setter
+    def decode_gemv(self, form: str) -> None:
+        if form not in ("linear", "mv"):
+            raise ValueError(f"decode_gemv must be 'linear' or 'mv', got {form!r}")
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.gemv = form
 
     def _rope_of(self, layer_type: str) -> RopeConfig:
         if layer_type == SLIDING_ATTENTION and self.config.rope_local is not None:
