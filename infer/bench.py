@@ -9,10 +9,13 @@ speed spreads evenly over them. The engine needs no `transformers`; `--against-h
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
+import os
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -24,7 +27,7 @@ import torch
 
 from infer.config import ModelConfig
 from infer.models import Transformer
-from infer.tuning import CHOICES
+from infer.tuning import CHOICES, cpu_flags
 
 
 @dataclass
@@ -263,7 +266,10 @@ def run_bench(args: argparse.Namespace) -> int:
     for choice in CHOICES.values():
         print(f"  {choice.name}: {choice.value} ({choice.reason})")
     report = {
-        "choices": [asdict(c) for c in CHOICES.values()], "threads": torch.get_num_threads(),
+        "machine": machine_info(), "choices": [asdict(c) for c in CHOICES.values()],
+        "units": {"ttft_ms": "ms", "prompt_tok_s": "tokens/s", "decode_tok_s": "tokens/s", "step_*_ms": "ms",
+                  "cache_mib": "MiB", "peak_mib": "MiB", "bandwidth_bytes_s": "bytes/s",
+                  "bytes_per_decode_step": "bytes", "roofline_fraction": "fraction of copy bandwidth"},
         "model": str(path), "dtype": str(dtype), "device": str(device), "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "trials": args.trials, "bandwidth_bytes_s": bandwidth,
         "bytes_per_decode_step": bytes_per_step, "results": rows, "ratios": ratios,
@@ -323,8 +329,47 @@ def _ratios(rows: list[dict[str, float | str]]) -> list[str]:
     for row in rows[1:]:
         decode = float(engine["decode_tok_s"]) / float(row["decode_tok_s"])
         ttft = float(row["ttft_ms"]) / float(engine["ttft_ms"])
-        lines.append(f"{engine['name']} vs {row['name']}: decode {decode:.2f}x, time to first token {ttft:.2f}x faster")
+        lines.append(f"{engine['name']} vs {row['name']}: decode {speed_ratio(decode)}, "
+                     f"time to first token {speed_ratio(ttft)}")
     return lines
+
+
+def speed_ratio(ratio: float) -> str:
+    """'1.25x faster' or '1.25x slower' (never a slowdown worded as a speed-up)."""
+    if ratio >= 1:
+        return f"{ratio:.2f}x faster"
+    return f"{1 / ratio:.2f}x slower" if ratio > 0 else "no comparison (zero rate)"
+
+
+def machine_info() -> dict[str, object]:
+    """What the figures depend on: CPU model and flags that matter, threads, library versions, the commit."""
+    info: dict[str, object] = {"torch": torch.__version__, "threads": torch.get_num_threads(),
+                               "python": sys.version.split()[0]}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    flags = cpu_flags()
+    if flags is not None:
+        info["cpu_flags"] = sorted(flags & {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16",
+                                            "amx_fp16", "amx_int8", "fma", "f16c"})
+    info["cpu_count"] = os.cpu_count()
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    for package in ("transformers", "llama_cpp"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            info[package] = importlib.metadata.version(package.replace("_", "-"))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, timeout=5)
+        if commit.returncode == 0:
+            info["commit"] = commit.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
 
 
 # Contenders and bench checkpoints come from other packages through entry points (the Hugging Face
