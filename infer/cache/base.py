@@ -69,14 +69,19 @@ class KVCache(Protocol):
         ...
 
 
-def check_cache_size(max_seq_len: int, batch_size: int, *dtype: torch.dtype) -> None:
-    """Raise a TypeError/ValueError unless a cache is asked for at least one position and one sequence of ints
-    (and, when given, in a floating-point dtype)."""
-    for name, value in (("max_seq_len", max_seq_len), ("batch_size", batch_size)):
+def check_counts(**counts: object) -> None:
+    """Raise a TypeError/ValueError naming the first of `counts` that is not an int >= 1."""
+    for name, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {value!r}")
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def check_cache_size(max_seq_len: int, batch_size: int, *dtype: torch.dtype) -> None:
+    """Raise a TypeError/ValueError unless a cache is asked for at least one position and one sequence of ints
+    (and, when given, in a floating-point dtype)."""
+    check_counts(max_seq_len=max_seq_len, batch_size=batch_size)
     for d in dtype:
         if not isinstance(d, torch.dtype) or not d.is_floating_point:
             raise TypeError(f"the cache dtype must be a floating-point torch.dtype, got {d!r}")

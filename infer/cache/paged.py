@@ -19,6 +19,7 @@ from infer.cache.base import (
     allocate_zeros,
     check_advance,
     check_cache_size,
+    check_counts,
     check_kv_shape,
     check_layer,
     check_snapshot,
@@ -43,7 +44,7 @@ class PagedKVPool:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        _check_pool_sizes(num_blocks=num_blocks, block_size=block_size)
+        check_counts(num_blocks=num_blocks, block_size=block_size)
         check_cache_size(1, 1, dtype)
         shape = (config.num_hidden_layers, num_blocks, config.num_key_value_heads, block_size, config.head_dim)
         # k_blocks, v_blocks: [L, N, Hkv, block_size, D]. Checked against free memory (with the block
@@ -413,12 +414,6 @@ def _token_id_list(token_ids: object, name: str) -> list[int]:
     return ids
 
 
-def _check_pool_sizes(**sizes: object) -> None:
-    for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
 def create_paged_cache(
     config: ModelConfig,
     *,
@@ -435,7 +430,7 @@ def create_paged_cache(
     check_cache_size(max_seq_len, batch_size)
     if pool is None:
         block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
-        _check_pool_sizes(block_size=block_size)
+        check_counts(block_size=block_size)
         if num_blocks is None:
             num_blocks = batch_size * -(-max_seq_len // block_size)
         pool = PagedKVPool(config, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device)
