@@ -317,6 +317,9 @@ MUTANTS = [
            "if self.gemv == \"mv\" and x.numel() == self.in_features:",
            "if self.gemv == \"mv\" and x.shape[-2] == 1:",
            ("tests/test_tuning.py",)),
+    Mutant("fused q/k/v split with k and v swapped", "infer/models/transformer.py",
+           "q, k, v = fused(x).split(", "q, v, k = fused(x).split(",
+           ("tests/test_tuning.py",)),
 ]
 
 

@@ -102,3 +102,34 @@ def test_decode_gemv_choice_is_measured_or_forced() -> None:
     assert choose_decode_gemv(w, "mv").value == "mv"
     with pytest.raises(ValueError, match="decode_gemv must be"):
         choose_decode_gemv(w, "gemm")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("arch", "overrides"), [(a, {}) for a in ARCHS] + [
+    ("llama", {"attention_bias": True, "mlp_bias": True})], ids=[*ARCHS, "llama-biases"])
+def test_fused_projections_equal_the_separate_products(arch: str, overrides: dict, dtype: str) -> None:
+    """q/k/v and gate/up fused into one product each (the load default) give bit-identical prefill and decode
+    logits to the separate products, share the weights (memory unchanged) and leave state_dict as it was."""
+    import infer
+    from reference import build_checkpoint
+
+    model = infer.load_model(build_checkpoint(arch, **overrides), dtype=dtype)
+    assert model.fused_projections, "load_model fuses by default"
+    keys = list(model.state_dict())
+    weight_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for t in model.state_dict().values()}.values())
+    ids = torch.randint(0, 400, (2, 14), generator=torch.Generator().manual_seed(5))
+    logits = {}
+    for fused in (True, False):
+        model.fused_projections = fused
+        cache = infer.create_cache("contiguous", model.config, max_seq_len=14, batch_size=2,
+                                   dtype=model.lm_head.weight.dtype)
+        with torch.no_grad():
+            prefill = model(ids[:, :10], cache)
+            steps = [model(ids[:, i : i + 1], cache) for i in range(10, 14)]
+        logits[fused] = torch.cat([prefill[:, -1:], *steps], 1)
+    assert torch.equal(logits[True], logits[False]), f"{arch} {dtype}: fused products differ"
+    model.fused_projections = True
+    assert list(model.state_dict()) == keys
+    assert sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in model.state_dict().values()}.values()) == weight_bytes

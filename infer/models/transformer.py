@@ -11,6 +11,7 @@ Module names are Hugging Face's, so checkpoint keys load without renaming.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,26 @@ class Linear(nn.Linear):
         return F.linear(x.to(self.upcast), self.weight.to(self.upcast), bias).to(x.dtype)
 
 
+def fuse_linears(parts: list[Linear]) -> Linear:
+    """One Linear computing all of `parts` in one product: its weight (and bias) is their rows concatenated,
+    and each part's weight becomes a view into it, so memory is unchanged and the parts stay usable."""
+    weight = torch.cat([p.weight.detach() for p in parts])
+    bias = torch.cat([p.bias.detach() for p in parts]) if parts[0].bias is not None else None
+    with torch.device("meta"):
+        fused = Linear(parts[0].in_features, weight.shape[0], bias=bias is not None)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+    fused.upcast, fused.gemv = parts[0].upcast, parts[0].gemv
+    start = 0
+    for p in parts:
+        rows = p.out_features
+        p.weight = nn.Parameter(weight[start : start + rows], requires_grad=False)
+        if bias is not None:
+            p.bias = nn.Parameter(bias[start : start + rows], requires_grad=False)
+        start += rows
+    return fused
+
+
 class RMSNorm(nn.Module):
     """RMSNorm in fp32. Llama/Qwen: `weight * x_norm.to(dtype)`; Gemma: `(x_norm * (1 + weight)).to(dtype)`."""
 
@@ -74,10 +95,18 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"
 
+        # gate and up in one product (Transformer.fused_projections); kept outside the module tree, so
+        # state_dict holds only the checkpoint's tensors.
+        self.__dict__["gate_up"] = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x)
+        fused: Linear | None = self.__dict__["gate_up"]
+        if fused is not None:
+            gate, up = fused(x).split(self.up_proj.out_features, -1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(gate * self.up_proj(x))
+        return self.down_proj(gate * up)
 
 
 @dataclass
@@ -115,13 +144,20 @@ class Attention(nn.Module):
         scalar = config.query_pre_attn_scalar or self.head_dim
         self.scale = scalar**-0.5
         self.softcap = config.attn_logit_softcapping
+        self.__dict__["qkv"] = None  # q, k and v in one product (Transformer.fused_projections)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         B, T, _ = x.shape
+        fused: Linear | None = self.__dict__["qkv"]
+        if fused is not None:
+            kv_width = self.num_kv_heads * self.head_dim
+            q, k, v = fused(x).split([self.num_heads * self.head_dim, kv_width, kv_width], -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         # q: [B, H, T, D]; k, v: [B, Hkv, T, D]
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = ctx.rope[self.layer_type]
@@ -195,9 +231,30 @@ class Transformer(nn.Module):
 
     @compute_dtype.setter
     def compute_dtype(self, dtype: torch.dtype | None) -> None:
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.upcast = dtype
+        for module in self._linears():
+            module.upcast = dtype
+
+    @property
+    def fused_projections(self) -> bool:
+        """Whether q/k/v and gate/up each run as one product (fewer, larger GEMVs per decode step); the
+        separate products are the unoptimised path. The weights are shared, so memory is unchanged."""
+        return self._decoder_layers()[0].self_attn.__dict__["qkv"] is not None
+
+    @fused_projections.setter
+    def fused_projections(self, on: bool) -> None:
+        for layer in self._decoder_layers():
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.__dict__["qkv"] = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj]) if on else None
+            mlp.__dict__["gate_up"] = fuse_linears([mlp.gate_proj, mlp.up_proj]) if on else None
+
+    def _linears(self) -> list[Linear]:
+        """Every Linear, the fused ones included (they sit outside the module tree)."""
+        fused = [f for layer in self._decoder_layers()
+                 for f in (layer.self_attn.__dict__["qkv"], layer.mlp.__dict__["gate_up"]) if f is not None]
+        return [m for m in self.modules() if isinstance(m, Linear)] + fused
+
+    def _decoder_layers(self) -> list[DecoderLayer]:
+        return [cast(DecoderLayer, layer) for layer in self.layers]
 
     @property
     def decode_gemv(self) -> str:
@@ -208,9 +265,8 @@ class Transformer(nn.Module):
     def decode_gemv(self, form: str) -> None:
         if form not in ("linear", "mv"):
             raise ValueError(f"decode_gemv must be 'linear' or 'mv', got {form!r}")
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.gemv = form
+        for module in self._linears():
+            module.gemv = form
 
     def _rope_of(self, layer_type: str) -> RopeConfig:
         if layer_type == SLIDING_ATTENTION and self.config.rope_local is not None:
