@@ -19,7 +19,7 @@ from infer.generation import generate
 from infer.sampling import SamplingParams
 
 ARCHS = ["llama", "qwen3", "gemma3_text"]
-KINDS = ["contiguous", "sliding", "paged", "int8", "int4"]
+KINDS = ["contiguous", "sliding", "paged", "int8", "int4", "fp4"]
 CONTEXTS = [128, 1024, 4096]
 
 
@@ -46,6 +46,7 @@ def bench_model(model_type: str) -> infer.Transformer:
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    model.fused_projections = True  # as load_model sets it: benchmark the engine users get
     return model.eval().requires_grad_(False)
 
 
@@ -136,3 +137,15 @@ class CacheMemory:
         return cache.memory_bytes
 
     track_cache_bytes.unit = "bytes"  # type: ignore[attr-defined]
+
+    def peakmem_cache_filled(self, arch: str, kind: str, context: int) -> None:
+        """Peak memory of a bf16 cache filled with `context` positions: differs by kind (no model is loaded
+        here, and every position is written, so the cache's pages are all resident)."""
+        config = bench_config(arch)
+        cache = infer.create_cache(kind, config, max_seq_len=context, dtype=torch.bfloat16)
+        chunk = min(context, 128)  # small writes: the temporaries of quantizing stay small beside the cache
+        k = torch.ones(1, config.num_key_value_heads, chunk, config.head_dim, dtype=torch.bfloat16)
+        for _ in range(context // chunk):
+            for layer in range(config.num_hidden_layers):
+                cache.update(layer, k, k)
+            cache.advance(chunk)
