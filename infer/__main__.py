@@ -25,7 +25,8 @@ def _add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--compute-dtype", default="auto",
                    help="dtype of prefill matmuls: auto (float32 for half weights on CPU), exact, or a dtype")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: PyTorch's default)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads (0: the faster of 1 and all, timed on this model at load)")
     p.add_argument("--seed", type=int, default=None, help="random seed")
 
 
@@ -63,19 +64,18 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import torch
 
     from infer.generation import generate
     from infer.loader import DEFAULT_MODEL_DIR, load_model
     from infer.tokenizer import Tokenizer
+    from infer.tuning import choose_threads
 
     path = check_model_args(args) or DEFAULT_MODEL_DIR
     params = _sampling_params(args, path)
     text = _read_prompt(args)
     chat = args.chat or args.system is not None
-    if threads := args.threads:
-        torch.set_num_threads(threads)
     model = load_model(path, dtype=args.dtype, device=args.device, compute_dtype=args.compute_dtype)
+    choose_threads(model, forced=args.threads)
     tokenizer = Tokenizer(path)
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
     prompt = [*system, {"role": "user", "content": text}] if chat else text
@@ -111,7 +111,7 @@ def check_model_args(args: argparse.Namespace) -> Path | None:
         resolve_dtype(args.compute_dtype)
     resolve_device(args.device)
     if getattr(args, "threads", 0) < 0:
-        raise ValueError(f"--threads must be >= 0 (0: PyTorch's default), got {args.threads}")
+        raise ValueError(f"--threads must be >= 0 (0: chosen by timing), got {args.threads}")
     if args.model is None:
         return None
     path = Path(args.model)

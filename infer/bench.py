@@ -27,7 +27,7 @@ import torch
 
 from infer.config import ModelConfig
 from infer.models import Transformer
-from infer.tuning import CHOICES, cpu_flags
+from infer.tuning import CHOICES, choose_threads, cpu_flags
 
 
 @dataclass
@@ -205,12 +205,11 @@ def run_bench(args: argparse.Namespace) -> int:
     for name in ("prompt_len", "new_tokens", "trials"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     path = given if given is not None else _bench_checkpoint(args.arch, args.size)
     dtype = resolve_dtype(args.dtype)
     device = torch.device(args.device)
     model = load_model(path, dtype=dtype, device=device, compute_dtype=args.compute_dtype)
+    choose_threads(model, forced=args.threads)
     config = model.config
     if args.cache_table:
         kinds = args.cache_table.split(",")

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import torch
 
+from infer.cache import create_cache
+from infer.models import Transformer
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -126,6 +129,36 @@ def _time_gemv(w: torch.Tensor, repeats: int = 5) -> tuple[float, float]:
                     torch.cuda.synchronize(w.device)
                 times[key].append(time.perf_counter() - start)
     return _median(times["linear"]), _median(times["mv"])
+
+
+def choose_threads(model: Transformer, forced: int = 0, steps: int = 6) -> Choice:
+    """Set and return the CPU thread count for decoding `model`: `forced` when > 0, else the faster of one
+    thread and PyTorch's default, timed alternately on real decode steps of this model. Small models (and
+    any model on a machine busy with other work) can be faster on one thread than on all cores."""
+    name = "CPU threads"
+    default = torch.get_num_threads()
+    if forced > 0:
+        torch.set_num_threads(forced)
+        return record(Choice(name, str(forced), "forced by the caller"))
+    device = next(model.parameters()).device
+    if device.type != "cpu" or default == 1:
+        return record(Choice(name, str(default), f"nothing to choose ({device.type}, {default} thread default)"))
+    cache = create_cache("contiguous", model.config, max_seq_len=64 + steps * 4, dtype=next(model.parameters()).dtype)
+    token = torch.tensor([[1]])
+    with torch.inference_mode():
+        model(torch.ones(1, 64, dtype=torch.long), cache)
+        times: dict[int, list[float]] = {1: [], default: []}
+        for _ in range(steps):
+            for n in times:
+                torch.set_num_threads(n)
+                start = time.perf_counter()
+                model(token, cache)
+                times[n].append(time.perf_counter() - start)
+    one, many = _median(times[1][1:]), _median(times[default][1:])
+    best = 1 if one < many else default
+    torch.set_num_threads(best)
+    return record(Choice(name, str(best), f"decode step {one * 1e3:.2f} ms on 1 thread, {many * 1e3:.2f} ms on "
+                                          f"{default} (medians, timed alternately)"))
 
 
 def _median(values: list[float]) -> float:

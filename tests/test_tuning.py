@@ -133,3 +133,26 @@ def test_fused_projections_equal_the_separate_products(arch: str, overrides: dic
     assert list(model.state_dict()) == keys
     assert sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in model.state_dict().values()}.values()) == weight_bytes
+
+
+@pytest.fixture
+def restore_threads() -> object:
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_thread_count_is_timed_or_forced(restore_threads: object) -> None:
+    import infer
+    from infer.tuning import choose_threads
+
+    model = infer.load_model()
+    default = torch.get_num_threads()
+    forced = choose_threads(model, forced=1)
+    assert (forced.value, torch.get_num_threads()) == ("1", 1)
+    torch.set_num_threads(default)
+    auto = choose_threads(model)
+    assert auto.value in {"1", str(default)} and torch.get_num_threads() == int(auto.value)
+    if default > 1:
+        assert "on 1 thread" in auto.reason and f"on {default}" in auto.reason
+    assert CHOICES["CPU threads"] == auto
