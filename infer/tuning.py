@@ -172,7 +172,7 @@ def _median_time(fn: Callable[[], object], repeats: int = 7) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return _median(times)
 
 
 def _short(dtype: torch.dtype) -> str:
