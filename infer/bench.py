@@ -2,8 +2,9 @@
 
 Reports time to first token, prompt and decode tokens/s, per-step latency statistics, cache and peak
 memory, and the roofline: bytes a decode step must read (weights + KV) against the machine's
-measured copy bandwidth. Contenders run in alternating trials after a warm-up, so drift in machine
-speed spreads evenly over them. The engine needs no `transformers`; `--against-hf` imports it.
+measured read bandwidth (copy bandwidth is reported beside it). Contenders run in alternating trials after a
+warm-up, so drift in machine speed spreads evenly over them. The engine needs no `transformers`; the
+Hugging Face contender is a plugin (`--against-hf`).
 """
 
 from __future__ import annotations
@@ -72,6 +73,20 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, repe
         _sync(device)
         best = min(best, time.perf_counter() - start)
     return 2 * nbytes / best
+
+
+def measure_read_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Best observed bytes/s of reading a large tensor once (a sum: the arithmetic is far below the memory
+    rate), the bound a decode step, which reads weights and K/V and writes almost nothing, can reach."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        src.sum()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
 
 
 def decode_bytes_per_step(model: torch.nn.Module, config: ModelConfig, context: int, kv_bytes_per_elem: int) -> int:
@@ -242,7 +257,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 c.trials.append(c.run())
                 bar.update()
 
-    bandwidth = measure_copy_bandwidth(device)
+    copy_bandwidth = measure_copy_bandwidth(device)
+    bandwidth = measure_read_bandwidth(device)  # the roofline's denominator: a decode step reads
     mid_context = args.prompt_len + args.new_tokens // 2
     kv_elem = torch.tensor([], dtype=dtype).element_size()
     bytes_per_step = decode_bytes_per_step(model, config, mid_context, kv_elem)
@@ -257,7 +273,8 @@ def run_bench(args: argparse.Namespace) -> int:
                               "step_p99_ms", "step_min_ms", "step_max_ms", *[f"step@{p}_ms" for p in positions],
                               "cache_mib", "peak_mib", "roofline_fraction"]))
     print(f"roofline: {bytes_per_step / 1e6:.1f} MB read per decode step at context {mid_context}; "
-          f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; floor {bytes_per_step / bandwidth * 1e3:.1f} ms/step")
+          f"read bandwidth {bandwidth / 1e9:.1f} GB/s (copy {copy_bandwidth / 1e9:.1f}); "
+          f"floor {bytes_per_step / bandwidth * 1e3:.1f} ms/step")
     ratios = _ratios(rows)
     for line in ratios:
         print(line)
@@ -268,9 +285,11 @@ def run_bench(args: argparse.Namespace) -> int:
         "machine": machine_info(), "choices": [asdict(c) for c in CHOICES.values()],
         "units": {"ttft_ms": "ms", "prompt_tok_s": "tokens/s", "decode_tok_s": "tokens/s", "step_*_ms": "ms",
                   "cache_mib": "MiB", "peak_mib": "MiB", "bandwidth_bytes_s": "bytes/s",
-                  "bytes_per_decode_step": "bytes", "roofline_fraction": "fraction of copy bandwidth"},
+                  "bytes_per_decode_step": "bytes", "roofline_fraction": "fraction of read bandwidth",
+                  "copy_bandwidth_bytes_s": "bytes/s (read + written)"},
         "model": str(path), "dtype": str(dtype), "device": str(device), "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "trials": args.trials, "bandwidth_bytes_s": bandwidth,
+        "copy_bandwidth_bytes_s": copy_bandwidth,
         "bytes_per_decode_step": bytes_per_step, "results": rows, "ratios": ratios,
         "contenders": {c.name: [asdict(t) for t in c.trials] for c in contenders},
     }

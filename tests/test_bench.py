@@ -32,5 +32,7 @@ def test_json_report_names_machine_choices_units_and_raw_trials(tmp_path: Path,
     assert {"torch", "threads", "cpu_count"} <= machine.keys() and isinstance(machine["threads"], int)
     assert {c["name"] for c in report["choices"]} >= {"prefill matmul dtype", "decode GEMV form"}
     assert report["units"]["decode_tok_s"] == "tokens/s"
+    assert report["bandwidth_bytes_s"] > 0 and report["copy_bandwidth_bytes_s"] > 0
+    assert report["units"]["roofline_fraction"] == "fraction of read bandwidth"
     trials = report["contenders"]["infer[contiguous]"]
     assert len(trials) == 2 and all(len(t["step_times_s"]) == 3 for t in trials), trials[0].keys()
