@@ -46,7 +46,6 @@ def bench_model(model_type: str) -> infer.Transformer:
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    model.fused_projections = True  # as load_model sets it: benchmark the engine users get
     return model.eval().requires_grad_(False)
 
 

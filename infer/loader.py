@@ -193,7 +193,6 @@ def load_model(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.compute_dtype = _resolve_compute_dtype(compute_dtype, torch_dtype, target)
-    model.fused_projections = True  # q/k/v and gate/up as one product each; bit-equal, fewer ops per step
     model.decode_gemv = choose_decode_gemv(
         [m.weight for m in model.modules() if isinstance(m, Linear)], decode_gemv).value
     model.eos_token_ids = _generation_eos_ids(path, config.eos_token_ids)

@@ -104,31 +104,42 @@ def test_decode_gemv_choice_is_measured_or_forced() -> None:
         choose_decode_gemv(w, "gemm")
 
 
+# The default tiny shapes, biases, and the shape where fusing changed the rounding (hidden 48, one head).
+FUSION_CASES = [(a, {}) for a in ARCHS] + [
+    ("llama", {"attention_bias": True, "mlp_bias": True}),
+    ("gemma3", {"num_key_value_heads": 1, "num_attention_heads": 1, "head_dim": 8, "hidden_size": 48,
+                "intermediate_size": 64}),
+]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize(("arch", "overrides"), [(a, {}) for a in ARCHS] + [
-    ("llama", {"attention_bias": True, "mlp_bias": True})], ids=[*ARCHS, "llama-biases"])
-def test_fused_projections_equal_the_separate_products(arch: str, overrides: dict, dtype: str) -> None:
-    """q/k/v and gate/up fused into one product each (the load default) give bit-identical prefill and decode
-    logits to the separate products, share the weights (memory unchanged) and leave state_dict as it was."""
+@pytest.mark.parametrize(("arch", "overrides"), FUSION_CASES, ids=[*ARCHS, "llama-biases", "gemma3-h48"])
+def test_fused_projections_match_the_separate_products(arch: str, overrides: dict, dtype: str) -> None:
+    """q/k/v and gate/up fused into one product each (opt-in) give the separate products' prefill and decode
+    logits within rounding (fp32: 1e-5 relative; bf16: 2% of the logit scale), share the weights (memory
+    unchanged) and leave state_dict as it was; the loader leaves them off, so the default stays oracle-exact."""
     import infer
     from reference import build_checkpoint
+    from tests.helpers import assert_close
 
     model = infer.load_model(build_checkpoint(arch, **overrides), dtype=dtype)
-    assert model.fused_projections, "load_model fuses by default"
+    assert not model.fused_projections, "the oracle-exact default keeps the separate products"
     keys = list(model.state_dict())
-    weight_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                        for t in model.state_dict().values()}.values())
     ids = torch.randint(0, 400, (2, 14), generator=torch.Generator().manual_seed(5))
     logits = {}
-    for fused in (True, False):
+    for fused in (False, True):
         model.fused_projections = fused
         cache = infer.create_cache("contiguous", model.config, max_seq_len=14, batch_size=2,
                                    dtype=model.lm_head.weight.dtype)
         with torch.no_grad():
             prefill = model(ids[:, :10], cache)
             steps = [model(ids[:, i : i + 1], cache) for i in range(10, 14)]
-        logits[fused] = torch.cat([prefill[:, -1:], *steps], 1)
-    assert torch.equal(logits[True], logits[False]), f"{arch} {dtype}: fused products differ"
+        logits[fused] = torch.cat([prefill[:, -1:], *steps], 1).float()
+    scale = max(1.0, logits[False].abs().max().item())
+    assert_close(logits[True], logits[False], (1e-5 if dtype == "float32" else 0.02) * scale, f"{arch} {dtype}")
+    weight_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for t in model.state_dict().values()}.values())
+    model.fused_projections = False
     model.fused_projections = True
     assert list(model.state_dict()) == keys
     assert sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
