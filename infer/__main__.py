@@ -47,7 +47,7 @@ def _sampling_params(args: argparse.Namespace, path: Path) -> SamplingParams:
             sampling_flag_given |= name in ("top_k", "top_p", "min_p")
     if sampling_flag_given and args.temperature is None and values.get("temperature", 0.0) == 0.0:
         values["temperature"] = 1.0  # a sampling filter asked for on a greedy checkpoint: sample, as HF would warn
-    return SamplingParams(**values, seed=args.seed, stop=tuple(args.stop))
+    return SamplingParams(**values, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -150,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=None, help=f"0 = off; {FROM_CHECKPOINT}")
     gen.add_argument("--repetition-penalty", type=float, default=None, help=f"1 = off; {FROM_CHECKPOINT}")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="generate all --max-new-tokens even past an end-of-sequence token")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--system", default=None, help="a system message (implies --chat)")
     gen.add_argument("--cache", default="contiguous", choices=sorted(CACHE_KINDS), help="KV-cache kind")

@@ -98,8 +98,16 @@ def cli(*args: str) -> subprocess.Popen[bytes]:
                             env=env)
 
 
-def test_ctrl_c_exits_130_and_keeps_what_was_printed() -> None:
-    proc = cli("generate", "Once", "--max-new-tokens", "100000", "--temperature", "0")
+@pytest.fixture(scope="module")
+def endless_dir() -> Path:
+    """A tiny model with a long context, run with --ignore-eos: generation cannot end by itself (~20 s) before
+    the test signals it (the default model's 512 tokens took 1.4 s, which a loaded machine can spend first)."""
+    return build_checkpoint("llama", max_position_embeddings=32768)
+
+
+def test_ctrl_c_exits_130_and_keeps_what_was_printed(endless_dir: Path) -> None:
+    proc = cli("generate", "Once", "--model", str(endless_dir), "--max-new-tokens", "20000", "--temperature", "0",
+               "--ignore-eos", "--threads", "1")
     assert proc.stdout is not None and proc.stderr is not None
     first = proc.stdout.read(12)  # generation has started once text beyond the prompt arrives
     time.sleep(0.2)
@@ -110,8 +118,9 @@ def test_ctrl_c_exits_130_and_keeps_what_was_printed() -> None:
     assert err.decode().strip().splitlines()[-1] == "interrupted" and b"Traceback" not in err
 
 
-def test_a_closed_pipe_exits_141_without_a_traceback() -> None:
-    proc = cli("generate", "Once", "--max-new-tokens", "100000", "--temperature", "0")
+def test_a_closed_pipe_exits_141_without_a_traceback(endless_dir: Path) -> None:
+    proc = cli("generate", "Once", "--model", str(endless_dir), "--max-new-tokens", "20000", "--temperature", "0",
+               "--ignore-eos", "--threads", "1")
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.read(8)
     proc.stdout.close()
@@ -120,6 +129,14 @@ def test_a_closed_pipe_exits_141_without_a_traceback() -> None:
     assert proc.returncode == 141
     assert b"Traceback" not in err and b"Exception ignored" not in err
     assert err.decode().strip().splitlines() == ["error: stdout was closed; stopped"]
+
+
+def test_ignore_eos_generates_past_the_end_token(endless_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "Once", "--model", str(endless_dir), "--max-new-tokens", "600", "--temperature", "0"]
+    code, _, err = run_main(argv, capsys)
+    assert code == 0 and "generated (eos)" in err  # this model ends "Once" within 600 tokens (at 355)...
+    code, _, err = run_main([*argv, "--ignore-eos"], capsys)
+    assert code == 0 and "600 generated (length)" in err  # ...and --ignore-eos goes on to the limit
 
 
 GENERATION_CONFIGS = [
