@@ -94,8 +94,10 @@ def test_success_prints_the_text_and_a_summary(capsys: pytest.CaptureFixture[str
 
 def cli(*args: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # A run started in the background by a script (`cmd &`, no job control) ignores SIGINT, and a child
+    # inherits the ignore (Python then installs no KeyboardInterrupt handler): give the CLI the default.
     return subprocess.Popen([sys.executable, "-m", "infer", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=env)
+                            env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 @pytest.fixture(scope="module")
