@@ -308,6 +308,61 @@ class _StopMatcher:
         return out
 
 
+class OutputStream:
+    """A request's sampled tokens as text, and when it is done: an EOS id (kept in `token_ids`, not in the
+    text), a stop string (the text is cut before it) or the token budget. Shared by `stream_generate` and
+    the batched engine, so both stop on exactly the same token."""
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer | None, params: SamplingParams) -> None:
+        self.budget = params.max_new_tokens
+        self.stop_ids: set[int] = set()
+        if not params.ignore_eos:
+            if params.stop_token_ids is not None:
+                self.stop_ids = set(params.stop_token_ids)
+            else:  # the checkpoint's (config.json and generation_config.json) and the tokenizer's EOS ids
+                self.stop_ids = set(model.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
+        self.decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
+        self.matcher = _StopMatcher(params.stop)
+        self.token_ids: list[int] = []
+        self.finish: FinishReason | None = None if self.budget > 0 else "length"
+
+    @property
+    def text(self) -> str:
+        """The text so far (final once `finish` is set)."""
+        return self.matcher.text
+
+    def push(self, token_id: int) -> str:
+        """Take the next token; return the text that became final (at the end, everything held back)."""
+        self.token_ids.append(token_id)
+        if token_id in self.stop_ids:
+            return self._close("eos")
+        piece = ""
+        if self.decoder is not None:
+            piece, hit = self.matcher.push(self.decoder.push(token_id))
+            if hit:
+                self.finish = "stop"
+                return piece
+        if len(self.token_ids) >= self.budget:
+            return piece + self._close("length")
+        return piece
+
+    def _close(self, reason: FinishReason) -> str:
+        self.finish = reason
+        if self.decoder is None:
+            return ""
+        rest, hit = self.matcher.push(self.decoder.flush())
+        if hit:
+            self.finish = "stop"
+            return rest
+        return rest + self.matcher.flush()
+
+
+def budgeted(model: Transformer, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
+    """`params` with max_new_tokens cut to what the model's context leaves after the prompt."""
+    budget = min(params.max_new_tokens, model.config.max_position_embeddings - len(prompt_ids))
+    return params if budget == params.max_new_tokens else replace(params, max_new_tokens=budget)
+
+
 def stream_generate(
     model: Transformer,
     tokenizer: Tokenizer | None,
@@ -324,51 +379,27 @@ def stream_generate(
     params = params or SamplingParams()
     prompt_ids = encode_prompt(tokenizer, prompt)
     _check_prompt_ids(model, prompt_ids)
-    context = model.config.max_position_embeddings
-    budget = min(params.max_new_tokens, context - len(prompt_ids))
-    if budget != params.max_new_tokens:
-        params = replace(params, max_new_tokens=budget)
-    stop_ids: set[int] = set()
-    if not params.ignore_eos:
-        if params.stop_token_ids is not None:
-            stop_ids = set(params.stop_token_ids)
-        else:  # the checkpoint's (config.json and generation_config.json) and the tokenizer's EOS ids
-            stop_ids = set(model.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer is not None else ())
-    decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
-    matcher = _StopMatcher(params.stop)
+    params = budgeted(model, prompt_ids, params)
+    out = OutputStream(model, tokenizer, params)
     stats: dict[str, int] = {}
-    token_ids: list[int] = []
     times: list[float] = []
-    finish: FinishReason = "length"
     steps = _token_steps(
         model, prompt_ids, params, cache=cache, use_kv_cache=use_kv_cache,
         cache_options=cache_options or {}, prefix=prefix, stats=stats,
     )
     for step in steps:
-        token_ids.append(step.token_id)
         times.append(step.elapsed_s)
-        if step.token_id in stop_ids:
-            finish = "eos"
+        piece = out.push(step.token_id)
+        if piece:
+            yield piece
+        if out.finish is not None:
             break
-        if decoder is not None:
-            piece, hit = matcher.push(decoder.push(step.token_id))
-            if piece:
-                yield piece
-            if hit:
-                finish = "stop"
-                break
     steps.close()
-    if decoder is not None and finish != "stop":
-        rest, hit = matcher.push(decoder.flush())
-        rest += "" if hit else matcher.flush()
-        finish = "stop" if hit else finish
-        if rest:
-            yield rest
     yield GenerationResult(
         prompt_ids=prompt_ids,
-        token_ids=token_ids,
-        text=matcher.text,
-        finish_reason=finish,
+        token_ids=out.token_ids,
+        text=out.text,
+        finish_reason=out.finish or "length",
         prefill_time_s=times[0] if times else 0.0,
         decode_times_s=times[1:],
         cache_memory_bytes=stats.get("cache_memory_bytes", 0),
