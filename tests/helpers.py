@@ -10,6 +10,7 @@ import pytest
 import torch
 from packaging.version import Version
 
+from infer.cache.block_manager import BlockManager
 from infer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig
 from infer.models import Transformer
 
@@ -112,3 +113,31 @@ def random_model(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
     return model.to(dtype).eval().requires_grad_(False)
+
+
+def check_pool_invariants(manager: BlockManager, tokens: dict[int, list[int]] | None = None) -> None:
+    """The allocator's books balance: every block is free xor held, ref counts count the block tables that
+    hold a block, each table has exactly the blocks its tokens need, and (given each sequence's tokens) a
+    shared block sits at the same index of sequences with the same tokens up to it."""
+    free = manager.free_block_ids()
+    assert len(free) == len(set(free)), "a block is on the free list twice"
+    holders = [0] * manager.num_blocks
+    where: dict[int, list[tuple[int, int]]] = {}
+    for seq_id in manager.seq_ids:
+        table = manager.block_table(seq_id)
+        assert len(set(table)) == len(table), f"sequence {seq_id} holds a block twice"
+        assert len(table) == -(-manager.num_tokens(seq_id) // manager.block_size)
+        for i, b in enumerate(table):
+            holders[b] += 1
+            where.setdefault(b, []).append((seq_id, i))
+    assert holders == [manager.ref_count(b) for b in range(manager.num_blocks)], "ref counts are off"
+    for b in range(manager.num_blocks):
+        assert (b in free) == (holders[b] == 0), f"block {b} is both free and held, or neither"
+    if tokens is None:
+        return
+    bs = manager.block_size
+    for b, (first, *others) in where.items():
+        for seq_id, i in others:
+            assert i == first[1], f"block {b} sits at different positions in two sequences"
+            n = min(manager.num_tokens(first[0]), manager.num_tokens(seq_id), (i + 1) * bs)
+            assert tokens[first[0]][:n] == tokens[seq_id][:n], f"block {b} is shared by different prefixes"

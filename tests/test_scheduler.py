@@ -1,0 +1,186 @@
+"""The scheduler on its own: pure bookkeeping, driven by a simulated forward (no model, no tensors).
+
+Hypothesis draws request sets (prompt lengths with shared prefixes, output lengths, arrival steps, aborts),
+pool sizes small enough to force preemption, block sizes, caps and token budgets; after every step the
+plan and the allocator must satisfy the scheduler's promises."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import event, given
+from hypothesis import strategies as st
+
+from infer.cache.block_manager import BlockManager
+from infer.scheduler import PoolTooSmall, Request, Scheduler, Status
+from tests.helpers import check_pool_invariants
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> dict:
+    block_size = draw(st.integers(1, 6))
+    n = draw(st.integers(1, 8))
+    shared = draw(st.lists(st.integers(0, 9), max_size=12))  # a common prefix some prompts start with
+    requests = []
+    for _ in range(n):
+        own = draw(st.lists(st.integers(0, 9), min_size=1, max_size=20))
+        prompt = (shared if draw(st.booleans()) else []) + own
+        requests.append({
+            "prompt": prompt,
+            "outputs": draw(st.integers(1, 12)),
+            "arrival": draw(st.integers(0, 6)),
+            "abort_at": draw(st.none() | st.integers(0, 30)),
+        })
+    longest = max(len(r["prompt"]) + r["outputs"] for r in requests)
+    # From "the longest request barely fits alone" to roomy: small pools force preemption.
+    min_blocks = -(-longest // block_size) + 1
+    return {
+        "block_size": block_size,
+        "num_blocks": draw(st.integers(min_blocks, min_blocks + 6)),
+        "max_num_seqs": draw(st.integers(1, 6)),
+        "budget": draw(st.integers(1, 24)),
+        "prefix_caching": draw(st.booleans()),
+        "requests": requests,
+    }
+
+
+def simulate(w: dict) -> tuple[Scheduler, dict[int, Request], list[int], int]:
+    """Run the workload to the end; check every step. Returns the scheduler, requests, order of first
+    scheduling and number of preemptions."""
+    manager = BlockManager(w["num_blocks"], w["block_size"])
+    sched = Scheduler(manager, max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
+                      enable_prefix_caching=w["prefix_caching"])
+    reqs = {i: Request(i, list(r["prompt"]), max_tokens=len(r["prompt"]) + r["outputs"])
+            for i, r in enumerate(w["requests"])}
+    first_scheduled: list[int] = []
+    preemptions = 0
+    step = 0
+    while step < 10_000:
+        for i, r in enumerate(w["requests"]):
+            if r["arrival"] == step:
+                sched.add(reqs[i])
+            if r["abort_at"] == step and r["arrival"] <= step:
+                sched.finish(i)
+        if step > max(r["arrival"] for r in w["requests"]) and not sched.has_unfinished():
+            break
+        plan = sched.schedule()
+        preemptions += len(plan.preempted)
+        assert not plan.failed, "every request fits the pool alone"
+        assert plan.num_batched_tokens <= w["budget"]
+        assert len(sched.running) <= w["max_num_seqs"]
+        assert len({c.request_id for c in plan.chunks}) == len(plan.chunks), "a request twice in one step"
+        for c in plan.chunks:
+            req = reqs[c.request_id]
+            assert req.status is Status.RUNNING and c.num_tokens >= 1
+            assert c.start == req.num_computed, "a chunk must continue where the computed tokens end"
+            assert c.start + c.num_tokens <= req.num_tokens
+            assert manager.num_tokens(c.request_id) == c.start + c.num_tokens, "slots not reserved"
+            if c.request_id not in first_scheduled:
+                first_scheduled.append(c.request_id)
+        if sched.has_unfinished():
+            assert plan.chunks or plan.preempted, f"step {step}: requests wait but nothing runs (deadlock)"
+        sched.computed(plan.chunks)
+        for c in plan.chunks:
+            req = reqs[c.request_id]
+            if c.sample and c.request_id in sched.requests:
+                sched.append_token(c.request_id, 100 + len(req.output_ids))
+                if req.num_tokens >= req.max_tokens:
+                    sched.finish(c.request_id)
+        check_pool_invariants(manager, {i: reqs[i].token_ids for i in manager.seq_ids})
+        step += 1
+    assert not sched.has_unfinished(), "the workload did not finish"
+    return sched, reqs, first_scheduled, preemptions
+
+
+@given(workloads())
+def test_every_request_finishes_within_the_rules(w: dict) -> None:
+    sched, reqs, first_scheduled, preemptions = simulate(w)
+    event(f"preempted: {preemptions > 0}")
+    manager = sched.blocks
+    assert manager.num_free == manager.num_blocks, "blocks still held after every request ended"
+    for i, r in enumerate(w["requests"]):
+        aborted = r["abort_at"] is not None and r["abort_at"] >= r["arrival"]
+        if not aborted:
+            assert len(reqs[i].output_ids) == r["outputs"], f"request {i} stopped early"
+    # First come, first served: among requests that arrived at different steps, the earlier starts first.
+    for a, b in zip(first_scheduled, first_scheduled[1:], strict=False):
+        assert w["requests"][a]["arrival"] <= w["requests"][b]["arrival"] or reqs[a].num_preemptions
+
+
+def test_preemption_frees_the_youngest_and_recomputes_it() -> None:
+    manager = BlockManager(num_blocks=6, block_size=2)
+    sched = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64)
+    old, young = Request(0, [1, 2, 3, 4, 5], max_tokens=12), Request(1, [6, 7, 8, 9, 10], max_tokens=12)
+    sched.add(old)
+    sched.add(young)
+    preempted = []
+    for _ in range(6):
+        plan = sched.schedule()
+        preempted += plan.preempted
+        sched.computed(plan.chunks)
+        for c in plan.chunks:
+            if c.sample:
+                sched.append_token(c.request_id, 0)
+    assert preempted and preempted[0] == 1, "the younger request must be the one preempted"
+    assert young.num_preemptions >= 1 and old.num_preemptions == 0
+    assert young.status is Status.WAITING and young.num_computed == 0, "a preempted request is recomputed"
+    assert 1 not in manager.seq_ids, "a preempted request's blocks go back to the pool"
+    check_pool_invariants(manager)
+
+
+def test_shared_prompt_prefix_is_computed_once() -> None:
+    manager = BlockManager(num_blocks=32, block_size=4)
+    sched = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=256)
+    system = list(range(40, 56))  # 16 tokens: four full blocks
+    sched.add(Request(0, system + [1, 2], max_tokens=20))
+    plan = sched.schedule()
+    sched.computed(plan.chunks)
+    sched.add(Request(1, system + [3], max_tokens=20))
+    plan = sched.schedule()
+    (chunk,) = [c for c in plan.chunks if c.request_id == 1]
+    assert chunk.start == 16 and chunk.num_tokens == 1, "the second request recomputed the shared prefix"
+    assert sched.prefix_hit_tokens == 16 and sched.prefix_hit_rate == 16 / (18 + 17)
+
+
+def test_long_prompt_is_chunked_beside_decode_steps() -> None:
+    manager = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=8)
+    sched.add(Request(0, [1, 2, 3], max_tokens=20))
+    plan = sched.schedule()
+    sched.computed(plan.chunks)
+    sched.append_token(0, 9)
+    sched.add(Request(1, list(range(30)), max_tokens=40))
+    plan = sched.schedule()
+    assert [(c.request_id, c.start, c.num_tokens, c.sample) for c in plan.chunks] == [(0, 3, 1, True),
+                                                                                      (1, 0, 7, False)]
+
+
+def test_a_prompt_the_pool_cannot_hold_is_refused_alone() -> None:
+    sched = Scheduler(BlockManager(num_blocks=4, block_size=4), max_num_seqs=4, max_num_batched_tokens=64)
+    sched.add(Request(0, [1] * 8, max_tokens=10))
+    with pytest.raises(PoolTooSmall, match="shorten the prompt or give the engine more blocks"):
+        sched.add(Request(1, [1] * 17, max_tokens=20))
+    assert list(sched.requests) == [0]
+
+
+def test_a_request_that_outgrows_the_pool_fails_instead_of_waiting_forever() -> None:
+    manager = BlockManager(num_blocks=2, block_size=2)
+    sched = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64)
+    sched.add(Request(0, [1, 2, 3], max_tokens=50))
+    failed = []
+    for _ in range(5):
+        plan = sched.schedule()
+        failed += plan.failed
+        sched.computed(plan.chunks)
+        for c in plan.chunks:
+            if c.sample:
+                sched.append_token(c.request_id, 0)
+    assert [rid for rid, _ in failed] == [0] and "more than the pool's 2 KV blocks" in failed[0][1]
+    assert not sched.has_unfinished() and manager.num_free == 2
+
+
+@pytest.mark.parametrize(("name", "value"), [("max_num_seqs", 0), ("max_num_batched_tokens", -1),
+                                             ("max_num_seqs", 1.5), ("max_num_batched_tokens", True)])
+def test_bad_limits_are_refused(name: str, value: object) -> None:
+    kwargs = {"max_num_seqs": 4, "max_num_batched_tokens": 16, name: value}
+    with pytest.raises(ValueError, match=name):
+        Scheduler(BlockManager(4, 4), **kwargs)  # type: ignore[arg-type]
