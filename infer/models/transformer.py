@@ -11,6 +11,7 @@ Module names are Hugging Face's, so checkpoint keys load without renaming.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import cast
 
 import torch
@@ -20,6 +21,7 @@ from torch import nn
 from infer.attention import attention, attention_mask, attention_reference
 from infer.cache.base import KVCache
 from infer.config import SLIDING_ATTENTION, ModelConfig, RopeConfig
+from infer.ragged import RaggedBatch, paged_attention
 from infer.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
 
@@ -118,6 +120,10 @@ class StepContext:
     kv_cache: KVCache | None
     use_reference_attention: bool
     compute_dtype: torch.dtype | None  # prefill attention runs in this dtype when set (Transformer.compute_dtype)
+    # A ragged batch (Transformer.forward_ragged) instead of a cache: its metadata and the pool's block
+    # tensors k, v [L, num_blocks, Hkv, block_size, D].
+    ragged: RaggedBatch | None = None
+    pool: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Attention(nn.Module):
@@ -144,6 +150,7 @@ class Attention(nn.Module):
         scalar = config.query_pre_attn_scalar or self.head_dim
         self.scale = scalar**-0.5
         self.softcap = config.attn_logit_softcapping
+        self.window = config.sliding_window if self.layer_type == SLIDING_ATTENTION else None
         self.__dict__["qkv"] = None  # q, k and v in one product (Transformer.fused_projections)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -162,9 +169,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = ctx.rope[self.layer_type]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        attend = attention_reference if ctx.use_reference_attention else attention
+        if ctx.ragged is not None and ctx.pool is not None:
+            bound = partial(attend, scale=self.scale, softcap=self.softcap)
+            k_blocks, v_blocks = ctx.pool[0][self.layer_idx], ctx.pool[1][self.layer_idx]
+            out = paged_attention(q, k, v, k_blocks, v_blocks, ctx.ragged, self.window, bound, ctx.compute_dtype)
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
         if ctx.kv_cache is not None:
             k, v = ctx.kv_cache.update(self.layer_idx, k, v)  # k, v: [B, Hkv, S, D]
-        attend = attention_reference if ctx.use_reference_attention else attention
         wide = ctx.compute_dtype
         if wide is not None and q.dtype != wide and T > 1:
             # Half-precision prefill attention is slow on CPUs without bf16 units; the cache stays narrow.
@@ -317,6 +329,39 @@ class Transformer(nn.Module):
             if not all_logits:
                 x = x[:, -1:]
         logits = self.lm_head(self.norm(x))
+        if self.config.final_logit_softcapping is not None:
+            cap = self.config.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def forward_ragged(
+        self, input_ids: torch.Tensor, batch: RaggedBatch, k_blocks: torch.Tensor, v_blocks: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits `[S, vocab]` of `batch.sample_rows` for the flat tokens `input_ids` `[N]` of many sequences.
+
+        Each token's K/V go into the paged pool `k_blocks`, `v_blocks` `[L, num_blocks, Hkv, block_size, D]`
+        at the slot the batch maps it to; each sequence attends to its own blocks (infer/ragged.py). The
+        caller (the engine) owns the bookkeeping: a forward that raises leaves written slots that its
+        scheduler never counts as computed."""
+        if input_ids.dim() != 1 or input_ids.shape[0] != batch.positions.shape[0]:
+            raise ValueError(f"input_ids must be [N] with N = {batch.positions.shape[0]} tokens of the batch, "
+                             f"got {tuple(input_ids.shape)}")
+        x = self.embed_tokens(input_ids[None])  # [1, N, hidden]: one flat row
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        device = input_ids.device
+        ctx = StepContext(
+            rope={lt: rope_cos_sin(self._inv_freq_on(lt, device), batch.positions, x.dtype) for lt in self.inv_freq},
+            masks={},
+            kv_cache=None,
+            use_reference_attention=self.use_reference_attention,
+            compute_dtype=self.compute_dtype,
+            ragged=batch,
+            pool=(k_blocks, v_blocks),
+        )
+        for layer in self.layers:
+            x = layer(x, ctx)
+        logits = self.lm_head(self.norm(x[0, batch.sample_rows]))
         if self.config.final_logit_softcapping is not None:
             cap = self.config.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
