@@ -21,7 +21,7 @@ from infer.models import Transformer
 from infer.sampling import SamplingParams, sample_next
 from infer.tokenizer import StreamDecoder, Tokenizer
 
-FinishReason = Literal["eos", "length", "stop"]
+FinishReason = Literal["eos", "length", "stop", "abort", "error"]
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
 
@@ -36,11 +36,17 @@ class GenerationResult:
     prefill_time_s: float
     decode_times_s: list[float] = field(default_factory=list)
     cache_memory_bytes: int = 0
+    # Set by the batched engine (infer.Engine):
+    queue_time_s: float = 0.0  # from add_request to the first forward that included the request
+    error: str | None = None  # why the request failed (finish_reason "error")
+    logits: torch.Tensor | None = None  # [tokens, vocab] fp32, when the engine keeps them (keep_logits=True)
+    num_prefix_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    num_preemptions: int = 0  # times the request was preempted and recomputed
 
     @property
     def time_to_first_token_s(self) -> float:
-        """Prefill plus the first sampling step."""
-        return self.prefill_time_s
+        """Time in the queue, then prefill plus the first sampling step."""
+        return self.queue_time_s + self.prefill_time_s
 
     @property
     def decode_tokens_per_s(self) -> float:

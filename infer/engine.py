@@ -1,0 +1,338 @@
+"""Many requests at once: continuous batching over the paged pool.
+
+`Engine` owns a `PagedKVPool` and a `Scheduler` (infer/scheduler.py, pure bookkeeping). Each `step()`
+asks the scheduler for a plan, runs one forward over the ragged batch it names (infer/ragged.py), samples
+one token for every request whose chunk reached its last known token, and reports what each request
+produced. Every request keeps its own sampling state (seeded generator, seen tokens, stop logic), so its
+tokens are those of its solo `infer.generate` run, whatever else is batched with it.
+
+    engine = Engine(model, tokenizer)
+    results = engine.generate(["Once upon", "The sea"], SamplingParams(max_new_tokens=32))
+
+or incrementally, for serving: `add_request`, `step`, `abort`, `has_unfinished`, `stream`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from infer.cache.block_manager import BlockStats
+from infer.cache.paged import DEFAULT_BLOCK_SIZE, PagedKVPool
+from infer.generation import (
+    GenerationResult,
+    OutputStream,
+    Prompt,
+    _check_model,
+    _check_prompt_ids,
+    budgeted,
+    encode_prompt,
+)
+from infer.memory import available_memory
+from infer.models import Transformer
+from infer.ragged import SeqChunk, build_ragged_batch
+from infer.sampling import SamplingParams, sample_next
+from infer.scheduler import PoolTooSmall, Request, Scheduler, SchedulerOutput
+from infer.tokenizer import Tokenizer
+
+# Share of the memory left on the device that a default pool takes (the rest: activations, other work).
+DEFAULT_POOL_SHARE = {"cpu": 0.25, "cuda": 0.7}
+
+
+@dataclass
+class RequestOutput:
+    """What one request produced in one step."""
+
+    request_id: int
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None  # eos | length | stop | abort | error, once finished
+    error: str | None = None  # why the request failed (finish_reason "error")
+
+
+@dataclass
+class _Live:
+    """The engine's side of a request: sampling state, output stream and timings."""
+
+    request: Request
+    params: SamplingParams
+    stream: OutputStream
+    generator: torch.Generator
+    arrival_s: float
+    first_scheduled_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    """Counters over the engine's life."""
+
+    steps: int = 0
+    preemptions: int = 0
+    prompt_tokens: int = 0  # prompt tokens admitted (a recomputed request counts again)
+    prefix_hit_tokens: int = 0  # of those, found in the prefix cache
+    peak_blocks_used: int = 0
+    peak_blocks_shared: int = 0
+    max_waste_per_running_seq: float = 0.0  # unfilled slots in used blocks / running requests, at worst
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of admitted prompt tokens whose K/V came from the prefix cache."""
+        return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class Engine:
+    """Continuously batched generation over one paged KV pool (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer | None = None,
+        *,
+        num_blocks: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int = 512,
+        cache_memory: int | None = None,
+        enable_prefix_caching: bool = True,
+        keep_logits: bool = False,
+    ) -> None:
+        _check_model(model, tokenizer)
+        if num_blocks is not None and cache_memory is not None:
+            raise ValueError("give num_blocks or cache_memory (bytes), not both")
+        for name, value in (("cache_memory", cache_memory), ("num_blocks", num_blocks)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        self.model = model
+        self.tokenizer = tokenizer
+        weight = model.embed_tokens.weight
+        self.device = weight.device
+        config = model.config
+        block_bytes = (2 * config.num_hidden_layers * config.num_key_value_heads * block_size * config.head_dim
+                       * weight.element_size())
+        if num_blocks is None:
+            num_blocks = default_num_blocks(block_bytes, block_size, config.max_position_embeddings,
+                                            max_num_seqs, self.device, cache_memory)
+        self.pool = PagedKVPool(config, num_blocks=num_blocks, block_size=block_size, dtype=weight.dtype,
+                                device=self.device)
+        self.scheduler = Scheduler(self.pool.manager, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens,
+                                   enable_prefix_caching=enable_prefix_caching)
+        self.keep_logits = keep_logits
+        self.stats = EngineStats()
+        self._live: dict[int, _Live] = {}
+        self._done: dict[int, GenerationResult] = {}
+        self._pending: list[RequestOutput] = []  # outputs decided outside a step (instant ends)
+        self._next_id = 0
+        self._windows = sorted({layer.self_attn.window for layer in model._decoder_layers()},
+                               key=lambda w: -1 if w is None else w)
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
+        """Queue a prompt (text, token ids or chat messages); return its request id. Raises a
+        ValueError/TypeError (queueing nothing) for a bad prompt or parameters, or a prompt the pool or the
+        model's context can never hold."""
+        if params is not None and not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params = params or SamplingParams()
+        prompt_ids = encode_prompt(self.tokenizer, prompt)
+        _check_prompt_ids(self.model, prompt_ids)
+        params = budgeted(self.model, prompt_ids, params)
+        rid = self._next_id
+        request = Request(rid, list(prompt_ids), max_tokens=len(prompt_ids) + params.max_new_tokens)
+        stream = OutputStream(self.model, self.tokenizer, params)
+        # A seed per request, so its draws never depend on what else runs; unseeded ones draw a seed from
+        # the global generator (as a solo run would draw from it).
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        live = _Live(request, params, stream, generator, time.perf_counter())
+        if stream.finish is None:
+            self.scheduler.add(request)  # raises PoolTooSmall before anything is recorded
+        self._next_id += 1
+        self._live[rid] = live
+        if stream.finish is not None:  # max_new_tokens 0: done before it starts
+            self._pending.append(self._end(live))
+        return rid
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request now; its result keeps what it produced, with finish reason "abort"."""
+        live = self._live.get(request_id)
+        if live is None:
+            return
+        live.stream.finish = "abort"
+        self._pending.append(self._end(live))
+
+    def has_unfinished(self) -> bool:
+        """Whether a request waits or runs (or has output not yet returned by `step`)."""
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def result(self, request_id: int) -> GenerationResult:
+        """The finished request's result (tokens, text, finish reason, timings)."""
+        if request_id not in self._done:
+            raise ValueError(f"request {request_id} has not finished (or is unknown)")
+        return self._done[request_id]
+
+    def block_stats(self) -> BlockStats:
+        """The pool's occupancy now."""
+        return self.pool.stats()
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one forward for the scheduled requests; return each one's new tokens and text."""
+        outputs, self._pending = self._pending, []
+        plan = self.scheduler.schedule()
+        self.stats.preemptions += len(plan.preempted)
+        for rid, reason in plan.failed:
+            live = self._live[rid]
+            live.error, live.stream.finish = reason, "error"
+            outputs.append(self._end(live))
+        if not plan.chunks:
+            return outputs
+        self.stats.steps += 1
+        now = time.perf_counter()
+        for chunk in plan.chunks:
+            live = self._live[chunk.request_id]
+            if live.first_scheduled_s is None:
+                live.first_scheduled_s = now
+        self._note_pool(plan)
+        logits = self._forward(plan)
+        done = time.perf_counter()
+        sampling = [c for c in plan.chunks if c.sample]
+        for chunk, row in zip(sampling, logits, strict=True):
+            outputs.append(self._sample(self._live[chunk.request_id], row, done))
+        return outputs
+
+    def stream(self) -> Iterator[RequestOutput]:
+        """Step until every request has finished, yielding each step's outputs as they come."""
+        while self.has_unfinished():
+            yield from self.step()
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[GenerationResult]:
+        """Generate for every prompt, batched; results in prompt order. A prompt that fails (bad input, longer
+        than the context or the pool) gets a result with finish reason "error" and the reason in `error`;
+        the others are unaffected."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise TypeError("prompts must be a list of prompts (each text, token ids or chat messages)")
+        if params is None or isinstance(params, SamplingParams):
+            per_prompt: list[SamplingParams | None] = [params] * len(prompts)
+        else:
+            per_prompt = list(params)
+            if len(per_prompt) != len(prompts):
+                raise ValueError(f"params has {len(per_prompt)} entries for {len(prompts)} prompts; "
+                                 "give one SamplingParams, or one per prompt")
+        ids: list[int | GenerationResult] = []
+        for prompt, p in zip(prompts, per_prompt, strict=True):
+            try:
+                ids.append(self.add_request(prompt, p))
+            except (ValueError, TypeError) as e:
+                ids.append(_failed_result(e))
+        for _ in self.stream():
+            pass
+        return [self._done.pop(i) if isinstance(i, int) else i for i in ids]
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _forward(self, plan: SchedulerOutput) -> torch.Tensor:
+        """Logits `[S, vocab]` of the chunks that sample, in plan order."""
+        self.pool.copy_blocks(plan.copies)
+        manager = self.pool.manager
+        chunks = [SeqChunk(c.start, c.num_tokens, manager.block_table(c.request_id)) for c in plan.chunks]
+        batch = build_ragged_batch(chunks, [c.sample for c in plan.chunks], block_size=self.pool.block_size,
+                                   windows=self._windows, device=self.device)
+        token_ids = [t for c in plan.chunks
+                     for t in self._live[c.request_id].request.token_ids[c.start : c.start + c.num_tokens]]
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        try:
+            with torch.inference_mode():
+                logits = self.model.forward_ragged(input_ids, batch, self.pool.k_blocks, self.pool.v_blocks)
+        except BaseException:
+            self.scheduler.discard(plan.chunks)
+            raise
+        self.scheduler.computed(plan.chunks)
+        return logits
+
+    def _sample(self, live: _Live, logits: torch.Tensor, now: float) -> RequestOutput:
+        request, params = live.request, live.params
+        seen = None
+        if params.repetition_penalty != 1.0:
+            seen = torch.tensor([request.token_ids], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            token_id = int(sample_next(logits[None], params, seen, live.generator)[0])
+        if self.keep_logits:
+            live.logits.append(logits.float().cpu())
+        live.token_times_s.append(now)
+        self.scheduler.append_token(request.request_id, token_id)
+        text = live.stream.push(token_id)
+        if live.stream.finish is not None:
+            end = self._end(live)
+            return RequestOutput(request.request_id, [token_id], text + end.new_text, True, end.finish_reason)
+        return RequestOutput(request.request_id, [token_id], text, False)
+
+    def _end(self, live: _Live) -> RequestOutput:
+        """Retire a request: free its blocks and keep its result."""
+        rid = live.request.request_id
+        self.scheduler.finish(rid)
+        del self._live[rid]
+        reason = live.stream.finish or "length"
+        times = live.token_times_s
+        first_scheduled = live.first_scheduled_s if live.first_scheduled_s is not None else live.arrival_s
+        self._done[rid] = GenerationResult(
+            prompt_ids=list(live.request.prompt_ids),
+            token_ids=list(live.stream.token_ids),
+            text=live.stream.text,
+            finish_reason=reason,
+            prefill_time_s=(times[0] - first_scheduled) if times else 0.0,
+            decode_times_s=[b - a for a, b in zip(times, times[1:], strict=False)],
+            cache_memory_bytes=self.pool.memory_bytes,
+            queue_time_s=first_scheduled - live.arrival_s,
+            error=live.error,
+            logits=torch.stack(live.logits) if live.logits else None,
+            num_prefix_hit_tokens=live.request.num_prefix_hit_tokens,
+            num_preemptions=live.request.num_preemptions,
+        )
+        return RequestOutput(rid, [], "", True, reason, live.error)
+
+    def _note_pool(self, plan: SchedulerOutput) -> None:
+        stats, blocks = self.stats, self.pool.manager.stats()
+        stats.prompt_tokens = self.scheduler.prompt_tokens_admitted
+        stats.prefix_hit_tokens = self.scheduler.prefix_hit_tokens
+        stats.peak_blocks_used = max(stats.peak_blocks_used, blocks.blocks_used)
+        stats.peak_blocks_shared = max(stats.peak_blocks_shared, blocks.blocks_shared)
+        if self.scheduler.running:
+            waste = blocks.waste_slots / len(self.scheduler.running)
+            stats.max_waste_per_running_seq = max(stats.max_waste_per_running_seq, waste)
+
+
+def _failed_result(error: Exception) -> GenerationResult:
+    return GenerationResult(prompt_ids=[], token_ids=[], text="", finish_reason="error", prefill_time_s=0.0,
+                            error=f"{type(error).__name__}: {error}")
+
+
+def default_num_blocks(block_bytes: int, block_size: int, context: int, max_num_seqs: int, device: torch.device,
+                       cache_memory: int | None) -> int:
+    """Blocks for a pool: `cache_memory` bytes when given; else enough for `max_num_seqs` requests at the
+    model's full context, capped at a share of the memory the device has left."""
+    if cache_memory is not None:
+        blocks = cache_memory // block_bytes
+        if blocks < 1:
+            raise ValueError(f"cache_memory={cache_memory} bytes holds no KV block of {block_bytes} bytes; "
+                             "raise it")
+        return int(blocks)
+    wanted = max_num_seqs * -(-context // block_size)
+    free = available_memory(device)
+    if free is not None:
+        wanted = min(wanted, int(free * DEFAULT_POOL_SHARE.get(device.type, 0.25)) // block_bytes)
+    if wanted < 1:
+        raise PoolTooSmall(f"the device has too little free memory for one KV block of {block_bytes} bytes")
+    return wanted

@@ -1,0 +1,123 @@
+"""The batched engine, as properties: every request equals its solo run, whatever it is batched with.
+
+Hypothesis draws a model shape (all three architectures), request sets (prompt lengths, greedy or seeded
+sampling with per-request parameters, arrival steps, aborts), pools small enough to force preemption,
+block sizes, `max_num_seqs` and token budgets. Each request's tokens must equal `infer.generate` run on it
+alone, and its logits at every step the solo cached run's (teacher-forced on the same tokens) within fp32
+rounding; the allocator's books must balance after every step, and every block is free at the end."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from hypothesis import event, given
+from hypothesis import strategies as st
+
+import infer
+from infer.config import ModelConfig
+from infer.engine import Engine
+from infer.models import Transformer
+from infer.sampling import SamplingParams
+from tests.helpers import assert_close, check_pool_invariants, random_model
+from tests.property.strategies import model_configs
+
+
+@st.composite
+def sampling(draw: st.DrawFn) -> SamplingParams:
+    new = draw(st.integers(1, 8))
+    if draw(st.booleans()):
+        return SamplingParams(max_new_tokens=new, temperature=0.0)
+    return SamplingParams(
+        max_new_tokens=new,
+        temperature=draw(st.sampled_from([0.5, 1.0, 1.5])),
+        top_k=draw(st.sampled_from([0, 5])),
+        top_p=draw(st.sampled_from([1.0, 0.9])),
+        repetition_penalty=draw(st.sampled_from([1.0, 1.3])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@st.composite
+def workloads(draw: st.DrawFn, config: ModelConfig) -> dict:
+    n = draw(st.integers(1, 5))
+    requests = [{
+        "prompt": draw(st.lists(st.integers(0, config.vocab_size - 1), min_size=1, max_size=14)),
+        "params": draw(sampling()),
+        "arrival": draw(st.integers(0, 2)),
+        "abort_at": draw(st.none() | st.integers(0, 12)),
+    } for _ in range(n)]
+    if draw(st.booleans()):  # a shared prefix: prefix caching and copy-on-write get exercised
+        shared = draw(st.lists(st.integers(0, config.vocab_size - 1), min_size=1, max_size=10))
+        for r in requests:
+            r["prompt"] = shared + r["prompt"]
+    block_size = draw(st.integers(1, 5))
+    longest = max(len(r["prompt"]) + r["params"].max_new_tokens for r in requests)
+    min_blocks = -(-longest // block_size) + 1
+    return {
+        "requests": requests,
+        "block_size": block_size,
+        "num_blocks": draw(st.integers(min_blocks, min_blocks + 3)),
+        "max_num_seqs": draw(st.integers(1, 5)),
+        "budget": draw(st.integers(1, 16)),
+        "prefix_caching": draw(st.booleans()),
+    }
+
+
+def solo_logits(model: Transformer, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The solo cached run's logits for each generated token, fed the given tokens."""
+    cache = infer.create_cache("contiguous", model.config, max_seq_len=len(prompt) + len(tokens))
+    with torch.inference_mode():
+        rows = [model(torch.tensor([prompt]), cache)[0, -1]]
+        rows += [model(torch.tensor([[t]]), cache)[0, -1] for t in tokens[:-1]]
+    return torch.stack(rows)
+
+
+@given(data=st.data(), config=model_configs(), seed=st.integers(0, 999))
+def test_each_request_equals_its_solo_run(data: st.DataObject, config: ModelConfig, seed: int) -> None:
+    model = random_model(config, seed=seed)
+    w = data.draw(workloads(config))
+    engine = Engine(model, None, num_blocks=w["num_blocks"], block_size=w["block_size"],
+                    max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
+                    enable_prefix_caching=w["prefix_caching"], keep_logits=True)
+    ids: dict[int, int] = {}  # request index -> engine id
+    step = 0
+    while step < 500 and (step <= 4 or engine.has_unfinished()):
+        for i, r in enumerate(w["requests"]):
+            if r["arrival"] == step:
+                ids[i] = engine.add_request(r["prompt"], r["params"])
+            if r["abort_at"] == step and i in ids:
+                engine.abort(ids[i])
+        engine.step()
+        tokens = {}
+        for rid in engine.pool.manager.seq_ids:
+            tokens[rid] = engine.scheduler.requests[rid].token_ids
+        check_pool_invariants(engine.pool.manager, tokens)
+        step += 1
+    assert not engine.has_unfinished(), "the engine did not finish"
+    manager = engine.pool.manager
+    assert manager.num_free == manager.num_blocks, "blocks still held after every request ended"
+    event(f"preempted: {engine.stats.preemptions > 0}")
+    for i, r in enumerate(w["requests"]):
+        result = engine.result(ids[i])
+        solo = infer.generate(model, None, r["prompt"], r["params"])
+        if result.finish_reason == "abort":
+            assert solo.token_ids[: len(result.token_ids)] == result.token_ids
+            continue
+        assert result.token_ids == solo.token_ids, f"request {i}: batched tokens differ from its solo run"
+        assert result.finish_reason == solo.finish_reason
+        forced = solo_logits(model, r["prompt"], result.token_ids)
+        assert result.logits is not None
+        assert_close(result.logits, forced, 1e-5 * max(1.0, forced.abs().max().item()), f"request {i} logits")
+
+
+@given(config=model_configs(), seed=st.integers(0, 999), n=st.integers(2, 4))
+def test_randomness_never_depends_on_the_batch(config: ModelConfig, seed: int, n: int) -> None:
+    """The same seeded request alone and beside others draws the same tokens (no shared generator)."""
+    model = random_model(config, seed=seed)
+    params = SamplingParams(max_new_tokens=6, temperature=1.5, seed=seed)
+    prompt = [1 % config.vocab_size, 2 % config.vocab_size]
+    alone = Engine(model, None, num_blocks=64, block_size=2).generate([prompt], params)[0]
+    others = [replace(params, seed=seed + k + 1) for k in range(n - 1)]
+    batched = Engine(model, None, num_blocks=64, block_size=2).generate([prompt] * n, [params, *others])
+    assert batched[0].token_ids == alone.token_ids

@@ -1,0 +1,127 @@
+"""The batched engine's API: prompts of every form, results in order, incremental serving, bad input that
+hurts only its own request, prefix caching across requests, and the pool figures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import infer
+from infer.engine import Engine, RequestOutput, default_num_blocks
+from infer.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llama(llama_dir: Path) -> tuple[infer.Transformer, infer.Tokenizer]:
+    return infer.load_model(llama_dir), infer.Tokenizer(llama_dir)
+
+
+def test_text_chat_and_id_prompts_match_solo_runs_in_prompt_order(llama: tuple) -> None:
+    model, tok = llama
+    prompts = ["Once upon a time", [{"role": "user", "content": "Hi there"}], [5, 6, 7, 8, 9, 10]]
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0) for n in (9, 4, 12)]
+    results = Engine(model, tok, num_blocks=64, block_size=4, max_num_batched_tokens=8).generate(prompts, params)
+    for prompt, p, result in zip(prompts, params, results, strict=True):
+        solo = infer.generate(model, tok, prompt, p)
+        assert (result.token_ids, result.text, result.finish_reason) == (solo.token_ids, solo.text,
+                                                                         solo.finish_reason)
+        assert result.prompt_ids == solo.prompt_ids
+        assert result.queue_time_s >= 0 and result.prefill_time_s > 0
+        assert len(result.decode_times_s) == len(result.token_ids) - 1 and all(t > 0 for t in result.decode_times_s)
+
+
+def test_incremental_api_streams_text_and_aborts(llama: tuple) -> None:
+    model, tok = llama
+    engine = Engine(model, tok, num_blocks=64, block_size=4)
+    params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    a = engine.add_request("Once upon a time", params)
+    b = engine.add_request("The sea", params)
+    pieces: dict[int, list[str]] = {a: [], b: []}
+    outputs: list[RequestOutput] = []
+    for out in engine.stream():
+        outputs.append(out)
+        pieces[out.request_id].append(out.new_text)
+        if out.request_id == b and sum(len(o.new_token_ids) for o in outputs if o.request_id == b) == 5:
+            engine.abort(b)
+    assert not engine.has_unfinished()
+    ra, rb = engine.result(a), engine.result(b)
+    assert "".join(pieces[a]) == ra.text == infer.generate(model, tok, "Once upon a time", params).text
+    assert ra.finish_reason == "length" and len(ra.token_ids) == 20
+    assert rb.finish_reason == "abort" and len(rb.token_ids) == 5
+    assert "".join(pieces[b]) == rb.text
+    finished = [o for o in outputs if o.finished]
+    assert sorted(o.request_id for o in finished) == [a, b], "each request reports finished exactly once"
+    assert engine.pool.manager.num_free == engine.pool.num_blocks
+
+
+def test_bad_requests_fail_alone(llama: tuple) -> None:
+    model, tok = llama
+    engine = Engine(model, tok, num_blocks=8, block_size=4)  # 32 slots
+    context = model.config.max_position_embeddings
+    good = SamplingParams(max_new_tokens=5, temperature=0.0)
+    results = engine.generate(
+        [[1, 2, 3], [1] * context, [4, 5, 6], [7] * 40, "Once", [1, 2]],
+        [good, good, good, good, good, "not params"],  # type: ignore[list-item]
+    )
+    ok = [results[i] for i in (0, 2, 4)]
+    assert [r.finish_reason for r in ok] == [infer.generate(model, tok, p, good).finish_reason
+                                            for p in ([1, 2, 3], [4, 5, 6], "Once")]
+    assert all(r.error is None and r.token_ids for r in ok)
+    assert results[1].finish_reason == "error" and "context" in (results[1].error or "")
+    assert results[3].finish_reason == "error" and "KV blocks" in (results[3].error or "")
+    assert results[5].finish_reason == "error" and "SamplingParams" in (results[5].error or "")
+    with pytest.raises(TypeError, match="params must be a SamplingParams"):
+        engine.add_request("Once", {"temperature": 0})  # type: ignore[arg-type]
+    assert not engine.has_unfinished() and engine.pool.manager.num_free == 8
+
+
+def test_a_request_that_outgrows_the_pool_fails_and_the_others_finish(llama: tuple) -> None:
+    model, tok = llama
+    engine = Engine(model, tok, num_blocks=6, block_size=4)  # 24 slots
+    long = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+    big, small = engine.generate([[1, 2, 3, 4], [5, 6]], [long, short])
+    assert big.finish_reason == "error" and "pool" in (big.error or "") and 0 < len(big.token_ids) < 40
+    assert small.token_ids == infer.generate(model, tok, [5, 6], short).token_ids
+
+
+def test_a_shared_system_prompt_is_computed_once(llama: tuple) -> None:
+    model, tok = llama
+    engine = Engine(model, tok, num_blocks=128, block_size=4)
+    system = {"role": "system", "content": "You are a helpful assistant who answers briefly and politely."}
+    chats = [[system, {"role": "user", "content": q}] for q in ("Hi", "What is the sea?", "Count to three")]
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    first = engine.generate(chats[:1], params)
+    rest = engine.generate(chats[1:], params)
+    shared = len(tok.apply_chat_template([system], add_generation_prompt=False)) // 4 * 4
+    assert first[0].num_prefix_hit_tokens == 0
+    assert all(r.num_prefix_hit_tokens >= shared > 0 for r in rest)
+    for chat, r in zip(chats[1:], rest, strict=True):
+        assert r.token_ids == infer.generate(model, tok, chat, params).token_ids
+    assert engine.stats.prefix_hit_rate > 0
+
+
+def test_waste_stays_under_one_block_per_running_request(llama: tuple) -> None:
+    model, tok = llama
+    engine = Engine(model, tok, num_blocks=256, block_size=8, max_num_seqs=6)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 200, (int(n),), generator=gen).tolist() for n in (3, 17, 30, 9, 41, 12)]
+    engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True))
+    assert engine.stats.peak_blocks_used > 0
+    assert engine.stats.max_waste_per_running_seq < 8
+
+
+def test_default_pool_fits_the_machine(llama: tuple) -> None:
+    model, tok = llama
+    engine = Engine(model, tok, max_num_seqs=4)
+    config = model.config
+    assert engine.pool.num_blocks == 4 * -(-config.max_position_embeddings // 16)
+    block_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * 16 * config.head_dim * 4
+    assert default_num_blocks(block_bytes, 16, 10**9, 10**6, torch.device("cpu"), None) * block_bytes < 2**40
+    assert Engine(model, tok, cache_memory=block_bytes * 10).pool.num_blocks == 10
+    with pytest.raises(ValueError, match="num_blocks or cache_memory"):
+        Engine(model, tok, num_blocks=4, cache_memory=10**6)
+    with pytest.raises(ValueError, match="holds no KV block"):
+        Engine(model, tok, cache_memory=10)
