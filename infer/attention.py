@@ -64,6 +64,29 @@ def decode_attention(
     return F.scaled_dot_product_attention(packed, k, v, attn_mask=mask, scale=scale).reshape(B, H, 1, D)
 
 
+def decode_attention_matmul(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """`decode_attention` by two batched matmuls and a softmax in fp32 (scores rounded to q's dtype first, as
+    Hugging Face's eager attention does): for many sequences of one query each, on CPUs where the fused
+    kernel's per-call cost dominates (chosen by measurement, infer.tuning). Same contract; mask
+    `[B, 1, 1, S]` or None."""
+    B, H, _, D = q.shape
+    packed = q.reshape(B, k.shape[1], H // k.shape[1], D)  # [B, Hkv, g, D]
+    scores = (packed @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return (probs @ v).reshape(B, H, 1, D)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -26,6 +26,7 @@ from typing import Any, cast
 
 import torch
 
+from infer.bench_batched import add_batched_args, check_batched_args, run_batched_bench
 from infer.config import ModelConfig
 from infer.models import Transformer
 from infer.tuning import CHOICES, choose_threads, cpu_flags
@@ -216,7 +217,10 @@ def run_bench(args: argparse.Namespace) -> int:
 
     given = check_model_args(args)
     # Contender plugins are looked up before anything loads, so a missing one fails at once.
-    others = [plugin(CONTENDER_PLUGINS, name) for name in dict.fromkeys([*args.against, *["hf"] * args.against_hf])]
+    group = BATCHED_PLUGINS if args.batched else CONTENDER_PLUGINS
+    others = [plugin(group, name) for name in dict.fromkeys([*args.against, *["hf"] * args.against_hf])]
+    if args.batched:
+        check_batched_args(args)
     for name in ("prompt_len", "new_tokens", "trials"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -225,6 +229,8 @@ def run_bench(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     model = load_model(path, dtype=dtype, device=device, compute_dtype=args.compute_dtype)
     choose_threads(model, forced=args.threads)
+    if args.batched:
+        return run_batched_bench(args, model, path, others)
     config = model.config
     if args.cache_table:
         kinds = args.cache_table.split(",")
@@ -394,6 +400,7 @@ def machine_info() -> dict[str, object]:
 # contender and the random-checkpoint builder from `reference`, see pyproject.toml), so the engine never
 # imports them by name and runs without them.
 CONTENDER_PLUGINS = "infer.bench.contenders"
+BATCHED_PLUGINS = "infer.bench.batched"  # contenders of the batched workload (bench --batched)
 CHECKPOINT_PLUGINS = "infer.bench.checkpoints"
 
 
@@ -441,6 +448,7 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable[.
     p.add_argument("--cache-table", default=None, metavar="KINDS",
                    help="instead: a table of cache bytes and decode tok/s for these comma-separated kinds")
     p.add_argument("--contexts", default="512,4096", help="contexts of --cache-table (comma-separated)")
+    add_batched_args(p)
     p.add_argument("--json", default=None, help="write the full report here")
     p.add_argument("--plot", default=None, help="write a PNG of per-step latency against position")
     p.set_defaults(seed=0)

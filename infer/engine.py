@@ -37,9 +37,12 @@ from infer.ragged import SeqChunk, build_ragged_batch
 from infer.sampling import SamplingParams, sample_next
 from infer.scheduler import PoolTooSmall, Request, Scheduler, SchedulerOutput
 from infer.tokenizer import Tokenizer
+from infer.tuning import choose_decode_attention
 
-# Share of the memory left on the device that a default pool takes (the rest: activations, other work).
+# Share of the memory left on the device that a default pool takes (the rest: activations, other work),
+# and on a CPU at most 4 GiB (vLLM's CPU default), which holds thousands of blocks for the shapes served here.
 DEFAULT_POOL_SHARE = {"cpu": 0.25, "cuda": 0.7}
+DEFAULT_CPU_POOL_CAP = 4 * 2**30
 
 
 @dataclass
@@ -97,11 +100,12 @@ class Engine:
         *,
         num_blocks: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
-        max_num_seqs: int = 32,
+        max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         cache_memory: int | None = None,
         enable_prefix_caching: bool = True,
         keep_logits: bool = False,
+        decode_attention: str = "auto",
     ) -> None:
         _check_model(model, tokenizer)
         if num_blocks is not None and cache_memory is not None:
@@ -127,6 +131,9 @@ class Engine:
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    enable_prefix_caching=enable_prefix_caching)
         self.keep_logits = keep_logits
+        # The decode steps of a forward attend in one padded call, by the kernel measured fastest here
+        # ("per-sequence": one call each, the check).
+        self.decode_attention = choose_decode_attention(config, weight.dtype, self.device, decode_attention).value
         self.stats = EngineStats()
         self._live: dict[int, _Live] = {}
         self._done: dict[int, GenerationResult] = {}
@@ -249,7 +256,8 @@ class Engine:
         manager = self.pool.manager
         chunks = [SeqChunk(c.start, c.num_tokens, manager.block_table(c.request_id)) for c in plan.chunks]
         batch = build_ragged_batch(chunks, [c.sample for c in plan.chunks], block_size=self.pool.block_size,
-                                   windows=self._windows, device=self.device)
+                                   windows=self._windows, device=self.device,
+                                   decode_kernel=self.decode_attention)
         token_ids = [t for c in plan.chunks
                      for t in self._live[c.request_id].request.token_ids[c.start : c.start + c.num_tokens]]
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
@@ -304,13 +312,14 @@ class Engine:
         return RequestOutput(rid, [], "", True, reason, live.error)
 
     def _note_pool(self, plan: SchedulerOutput) -> None:
-        stats, blocks = self.stats, self.pool.manager.stats()
+        # The manager's O(used blocks) counters, not stats(), which walks the whole free list.
+        stats, manager = self.stats, self.pool.manager
         stats.prompt_tokens = self.scheduler.prompt_tokens_admitted
         stats.prefix_hit_tokens = self.scheduler.prefix_hit_tokens
-        stats.peak_blocks_used = max(stats.peak_blocks_used, blocks.blocks_used)
-        stats.peak_blocks_shared = max(stats.peak_blocks_shared, blocks.blocks_shared)
+        stats.peak_blocks_used = max(stats.peak_blocks_used, manager.num_used)
+        stats.peak_blocks_shared = max(stats.peak_blocks_shared, manager.num_shared)
         if self.scheduler.running:
-            waste = blocks.waste_slots / len(self.scheduler.running)
+            waste = manager.waste_slots / len(self.scheduler.running)
             stats.max_waste_per_running_seq = max(stats.max_waste_per_running_seq, waste)
 
 
@@ -332,7 +341,10 @@ def default_num_blocks(block_bytes: int, block_size: int, context: int, max_num_
     wanted = max_num_seqs * -(-context // block_size)
     free = available_memory(device)
     if free is not None:
-        wanted = min(wanted, int(free * DEFAULT_POOL_SHARE.get(device.type, 0.25)) // block_bytes)
+        share = int(free * DEFAULT_POOL_SHARE.get(device.type, 0.25))
+        if device.type == "cpu":
+            share = min(share, DEFAULT_CPU_POOL_CAP)
+        wanted = min(wanted, share // block_bytes)
     if wanted < 1:
         raise PoolTooSmall(f"the device has too little free memory for one KV block of {block_bytes} bytes")
     return wanted

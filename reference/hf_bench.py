@@ -8,12 +8,14 @@ flattered. Two caches: the default `DynamicCache` (grows by `torch.cat`) and `St
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, Cache, DynamicCache, PreTrainedModel, StaticCache
 
 from infer.bench import Contender, Trial, peak_memory_bytes
+from infer.bench_batched import BatchedRun, BatchRequest
 
 
 def _sync(device: torch.device) -> None:
@@ -64,3 +66,51 @@ def hf_contenders(
         Contender(f"hf[{kind}]", lambda kind=kind: hf_greedy_trial(model, kind, prompt_ids, new_tokens))  # type: ignore[misc]
         for kind in ("dynamic", "static")
     ]
+
+
+def hf_static_batches(model: PreTrainedModel, work: list[BatchRequest], batch_size: int) -> BatchedRun:
+    """Static batching as users do it with `transformers`: requests in arrival order, `batch_size` at a time,
+    left-padded with an attention mask, greedy, each batch run until its longest request is done (a
+    hand-written loop doing what `generate()` does, without its bookkeeping). A request's first token
+    comes with its batch's prefill; its result, with the end of its batch."""
+    device = next(model.parameters()).device
+    ttft: list[float] = []
+    latency: list[float] = []
+    start = time.perf_counter()
+    for b in range(0, len(work), batch_size):
+        batch = work[b : b + batch_size]
+        width = max(len(r.prompt_ids) for r in batch)
+        ids = torch.tensor([[0] * (width - len(r.prompt_ids)) + r.prompt_ids for r in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in batch],
+                            device=device)
+        steps = max(r.max_new_tokens for r in batch)
+        with torch.inference_mode():
+            cache = DynamicCache(config=model.config)
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                        logits_to_keep=1, use_cache=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            token.tolist()
+            first = time.perf_counter() - start
+            last = positions[:, -1:]
+            for _ in range(steps - 1):
+                mask = torch.cat([mask, mask.new_ones(len(batch), 1)], dim=1)
+                last = last + 1
+                out = model(input_ids=token, attention_mask=mask, position_ids=last, past_key_values=cache,
+                            use_cache=True)
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+            token.tolist()
+        done = time.perf_counter() - start
+        ttft += [first] * len(batch)
+        latency += [done] * len(batch)
+    wall = time.perf_counter() - start
+    return BatchedRun(f"hf static batches[{batch_size}]", wall, ttft, latency, sum(r.max_new_tokens for r in work))
+
+
+def hf_batched_contender(
+    path: Path, dtype: torch.dtype, device: torch.device, batch_size: int
+) -> tuple[str, Callable[[list[BatchRequest]], BatchedRun]]:
+    """`bench --batched --against hf`: HF static batching on the same checkpoint."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = model.to(device).eval()  # type: ignore[arg-type]
+    return f"hf static batches[{batch_size}]", lambda work: hf_static_batches(model, work, batch_size)

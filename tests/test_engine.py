@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import infer
-from infer.engine import Engine, RequestOutput, default_num_blocks
+from infer.engine import DEFAULT_CPU_POOL_CAP, Engine, RequestOutput, default_num_blocks
 from infer.sampling import SamplingParams
 
 
@@ -119,9 +119,25 @@ def test_default_pool_fits_the_machine(llama: tuple) -> None:
     config = model.config
     assert engine.pool.num_blocks == 4 * -(-config.max_position_embeddings // 16)
     block_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * 16 * config.head_dim * 4
-    assert default_num_blocks(block_bytes, 16, 10**9, 10**6, torch.device("cpu"), None) * block_bytes < 2**40
+    huge = default_num_blocks(block_bytes, 16, 10**9, 10**6, torch.device("cpu"), None)
+    assert 0 < huge * block_bytes <= DEFAULT_CPU_POOL_CAP
     assert Engine(model, tok, cache_memory=block_bytes * 10).pool.num_blocks == 10
     with pytest.raises(ValueError, match="num_blocks or cache_memory"):
         Engine(model, tok, num_blocks=4, cache_memory=10**6)
     with pytest.raises(ValueError, match="holds no KV block"):
         Engine(model, tok, cache_memory=10)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "matmul"])
+def test_stale_values_in_the_pool_never_reach_a_request(llama: tuple, kernel: str) -> None:
+    """Batched decode reads whole blocks and padding, masked; a masked NaN would still poison the sum. A pool
+    full of NaN (what a previous owner could leave) must not change any request's tokens."""
+    model, tok = llama
+    engine = Engine(model, tok, num_blocks=64, block_size=4, decode_attention=kernel)
+    engine.pool.k_blocks.fill_(float("nan"))
+    engine.pool.v_blocks.fill_(float("nan"))
+    prompts = [[5, 6, 7], list(range(10, 27)), [40] * 9]
+    params = SamplingParams(max_new_tokens=9, temperature=0.0, ignore_eos=True)
+    results = engine.generate(prompts, params)
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == infer.generate(model, tok, prompt, params).token_ids

@@ -10,6 +10,7 @@ number of tokens.
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -88,14 +89,26 @@ def check_cache_size(max_seq_len: int, batch_size: int, *dtype: torch.dtype) -> 
 
 
 def allocate_zeros(
-    what: str, device: torch.device | str, *specs: tuple[tuple[int, ...], torch.dtype], extra_bytes: int = 0
+    what: str, device: torch.device | str, *specs: tuple[tuple[int, ...], torch.dtype], extra_bytes: int = 0,
 ) -> list[torch.Tensor]:
     """Zeroed tensors of the given (shape, dtype)s on `device`, refused with a ValueError before anything is
-    allocated if together (plus `extra_bytes` of bookkeeping) they would not fit in its free memory."""
+    allocated if together (plus `extra_bytes` of bookkeeping) they would not fit in its free memory.
+    Large CPU tensors are anonymous memory maps, which the kernel zeroes page by page on first touch: a
+    multi-GB pool costs no start-up time and no resident memory until it fills."""
     target = resolve_device(device, allow_meta=True)
     nbytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in specs) + extra_bytes
     check_fits(nbytes, target, what)
-    return [torch.zeros(shape, dtype=dtype, device=target) for shape, dtype in specs]
+    return [_lazy_zeros(shape, dtype) if target.type == "cpu" and math.prod(shape) * dtype.itemsize >= LAZY_ZEROS_BYTES
+            else torch.zeros(shape, dtype=dtype, device=target) for shape, dtype in specs]
+
+
+LAZY_ZEROS_BYTES = 16 * 2**20  # below this, torch.zeros is as quick
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    # The tensor keeps the map alive (torch.frombuffer holds a reference to its buffer).
+    buffer = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)
 
 
 def check_kv_shape(k: torch.Tensor, v: torch.Tensor, batch_size: int, num_kv_heads: int, head_dim: int) -> None:

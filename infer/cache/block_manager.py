@@ -97,7 +97,9 @@ class BlockManager:
     @property
     def num_shared(self) -> int:
         """Blocks held by more than one sequence."""
-        return sum(1 for b in self._blocks if b.ref_count > 1)
+        # Over the live tables, not the whole pool: a step's bookkeeping stays proportional to what is used.
+        held = {b for seq in self._seqs.values() for b in seq.block_table}
+        return sum(1 for b in held if self._blocks[b].ref_count > 1)
 
     @property
     def waste_slots(self) -> int:

@@ -11,7 +11,6 @@ Module names are Hugging Face's, so checkpoint keys load without renaming.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import cast
 
 import torch
@@ -171,9 +170,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attend = attention_reference if ctx.use_reference_attention else attention
         if ctx.ragged is not None and ctx.pool is not None:
-            bound = partial(attend, scale=self.scale, softcap=self.softcap)
             k_blocks, v_blocks = ctx.pool[0][self.layer_idx], ctx.pool[1][self.layer_idx]
-            out = paged_attention(q, k, v, k_blocks, v_blocks, ctx.ragged, self.window, bound, ctx.compute_dtype)
+            out = paged_attention(q, k, v, k_blocks, v_blocks, ctx.ragged, self.window, self.scale, self.softcap,
+                                  ctx.use_reference_attention, ctx.compute_dtype)
             return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
         if ctx.kv_cache is not None:
             k, v = ctx.kv_cache.update(self.layer_idx, k, v)  # k, v: [B, Hkv, S, D]

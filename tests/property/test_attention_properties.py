@@ -6,7 +6,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from infer.attention import attention, attention_mask, attention_reference, decode_attention
+from infer.attention import (
+    attention,
+    attention_mask,
+    attention_reference,
+    decode_attention,
+    decode_attention_matmul,
+)
 from tests.helpers import assert_close
 
 
@@ -85,3 +91,23 @@ def test_decode_attention_equals_formula(tensors, data, window) -> None:
                  "grouped decode attention vs formula")
     assert_close(decode_attention(one, k, v, mask, scale), per_head_attention(one, k, v, mask if mask is not None
                  else torch.ones(1, seq, dtype=torch.bool)), 1e-5, "grouped decode vs per-head")
+
+
+@given(qkv(), st.data(), st.one_of(st.none(), st.integers(1, 8)), st.sampled_from([None, 5.0]))
+def test_batched_decode_by_matmul_equals_formula_per_row(tensors, data, window, softcap) -> None:
+    """The batched engine's matmul form: each row has its own length (a [B, 1, 1, S] mask), as padded rows
+    of different sequences do; it must equal the formula and the fused form."""
+    q, k, v = tensors
+    batch, seq = k.shape[0], k.shape[2]
+    lengths = torch.tensor([data.draw(st.integers(1, seq)) for _ in range(batch)])
+    k_pos = torch.arange(seq)[None]
+    visible = k_pos < lengths[:, None]
+    if window is not None:
+        visible &= k_pos > lengths[:, None] - 1 - window
+    mask = visible[:, None, None, :]
+    scale = q.shape[-1] ** -0.5
+    one = q[:, :, -1:]
+    reference = attention_reference(one, k, v, mask, scale, softcap)
+    assert_close(decode_attention_matmul(one, k, v, mask, scale, softcap), reference, 1e-5, "matmul vs formula")
+    if softcap is None:
+        assert_close(decode_attention(one, k, v, mask, scale), reference, 1e-5, "sdpa vs formula, per-row mask")

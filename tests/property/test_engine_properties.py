@@ -61,6 +61,7 @@ def workloads(draw: st.DrawFn, config: ModelConfig) -> dict:
         "max_num_seqs": draw(st.integers(1, 5)),
         "budget": draw(st.integers(1, 16)),
         "prefix_caching": draw(st.booleans()),
+        "decode_attention": draw(st.sampled_from(["sdpa", "matmul", "per-sequence"])),
     }
 
 
@@ -79,7 +80,8 @@ def test_each_request_equals_its_solo_run(data: st.DataObject, config: ModelConf
     w = data.draw(workloads(config))
     engine = Engine(model, None, num_blocks=w["num_blocks"], block_size=w["block_size"],
                     max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
-                    enable_prefix_caching=w["prefix_caching"], keep_logits=True)
+                    enable_prefix_caching=w["prefix_caching"], keep_logits=True,
+                    decode_attention=w["decode_attention"])
     ids: dict[int, int] = {}  # request index -> engine id
     step = 0
     while step < 500 and (step <= 4 or engine.has_unfinished()):

@@ -1,0 +1,228 @@
+"""`python -m infer bench --batched`: many requests at once, served by the batched engine, against the same
+requests one by one and against contender plugins (Hugging Face static batching, from `reference`).
+
+All requests arrive at time 0 with their prompt and output length fixed by the workload; greedy decoding
+with the end-of-sequence token ignored, so every contender produces exactly the same number of tokens per
+request and the figures compare like with like:
+- tokens/s: generated tokens (each request's own count, never padding) over the wall time;
+- requests/s: requests over the wall time;
+- time to first token and latency per request, from time 0, as a client would see them (one by one, a
+  request waits for those before it; in static batches, for the batches before its own and, for latency,
+  for its batch's longest request).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from infer.models import Transformer
+from infer.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """One request of a workload: its prompt and how many tokens it generates."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+
+
+@dataclass
+class BatchedRun:
+    """One timed pass over a workload: per request (in workload order) the time to its first token and to
+    its last, both from the start; `stats`: contender-specific figures (blocks, preemptions, ...)."""
+
+    name: str
+    wall_s: float
+    ttft_s: list[float]
+    latency_s: list[float]
+    new_tokens: int
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def batched_workload(vocab_size: int, *, num_requests: int = 48, prompt_lens: tuple[int, int] = (16, 256),
+                     new_tokens: tuple[int, int] = (8, 96), shared_prefix: int = 0, seed: int = 0
+                     ) -> list[BatchRequest]:
+    """`num_requests` requests with prompt and output lengths drawn uniformly from the given inclusive
+    ranges, token ids uniform over the vocabulary; the first `shared_prefix` prompt tokens are the same in
+    every request (a system prompt)."""
+    for name, (lo, hi) in (("prompt_lens", prompt_lens), ("new_tokens", new_tokens)):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{name} must be a range 1 <= low <= high, got {lo}..{hi}")
+    if num_requests < 1 or shared_prefix < 0:
+        raise ValueError(f"need num_requests >= 1 and shared_prefix >= 0, got {num_requests}, {shared_prefix}")
+    rng = random.Random(seed)
+    prefix = [rng.randrange(vocab_size) for _ in range(shared_prefix)]
+    return [BatchRequest(prefix + [rng.randrange(vocab_size) for _ in range(rng.randint(*prompt_lens))],
+                         rng.randint(*new_tokens)) for _ in range(num_requests)]
+
+
+def greedy_params(request: BatchRequest) -> SamplingParams:
+    """Greedy, exactly `max_new_tokens` tokens (the end token does not stop it)."""
+    return SamplingParams(max_new_tokens=request.max_new_tokens, temperature=0.0, ignore_eos=True)
+
+
+def run_engine(model: Transformer, work: list[BatchRequest], name: str = "infer engine",
+               **engine_args: Any) -> BatchedRun:
+    """The workload through `infer.Engine`, every request added at time 0."""
+    from infer.engine import Engine
+
+    engine = Engine(model, None, **engine_args)
+    start = time.perf_counter()
+    results = engine.generate([r.prompt_ids for r in work], [greedy_params(r) for r in work])
+    wall = time.perf_counter() - start
+    failed = [r.error for r in results if r.finish_reason == "error"]
+    if failed:
+        raise ValueError(f"the engine failed {len(failed)} request(s): {failed[0]}")
+    s, pool = engine.stats, engine.pool
+    stats = {"steps": s.steps, "preemptions": s.preemptions, "prefix_hit_rate": s.prefix_hit_rate,
+             "pool_blocks": pool.num_blocks, "block_size": pool.block_size, "peak_blocks_used": s.peak_blocks_used,
+             "peak_blocks_shared": s.peak_blocks_shared, "max_waste_slots_per_running_seq": s.max_waste_per_running_seq}
+    return BatchedRun(name, wall, [r.time_to_first_token_s for r in results],
+                      [r.time_to_first_token_s + sum(r.decode_times_s) for r in results],
+                      sum(len(r.token_ids) for r in results), stats)
+
+
+def run_one_by_one(model: Transformer, work: list[BatchRequest], cache: str = "contiguous") -> BatchedRun:
+    """The workload through `infer.generate`, one request after another."""
+    from infer.generation import generate
+
+    ttft, latency, tokens = [], [], 0
+    start = time.perf_counter()
+    for request in work:
+        began = time.perf_counter() - start
+        result = generate(model, None, request.prompt_ids, greedy_params(request), cache=cache)
+        ttft.append(began + result.time_to_first_token_s)
+        latency.append(time.perf_counter() - start)
+        tokens += len(result.token_ids)
+    return BatchedRun(f"infer one by one[{cache}]", time.perf_counter() - start, ttft, latency, tokens)
+
+
+def summarize_batched(run: BatchedRun) -> dict[str, float | str]:
+    """A table row: throughput and the spread of per-request times."""
+    from infer.bench import percentile
+
+    return {"name": run.name, "wall_s": run.wall_s, "tok_s": run.new_tokens / run.wall_s,
+            "req_s": len(run.ttft_s) / run.wall_s,
+            "ttft_p50_ms": percentile(run.ttft_s, 50) * 1e3, "ttft_p99_ms": percentile(run.ttft_s, 99) * 1e3,
+            "latency_p50_ms": percentile(run.latency_s, 50) * 1e3,
+            "latency_p99_ms": percentile(run.latency_s, 99) * 1e3}
+
+
+BATCHED_UNITS = {"wall_s": "s", "tok_s": "generated tokens/s", "req_s": "requests/s", "ttft_*_ms": "ms from start",
+                 "latency_*_ms": "ms from start"}
+
+
+def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
+                      others: list[Callable[..., tuple[str, Callable[[list[BatchRequest]], BatchedRun]]]]) -> int:
+    """The `bench --batched` subcommand, after the model is loaded: every contender over the same workload,
+    alternating over `--trials`; the table of medians (by wall time), the ratios and the engine's pool
+    figures, and the JSON report."""
+    from tqdm import tqdm
+
+    from infer.bench import format_table, machine_info, speed_ratio
+    from infer.tuning import CHOICES
+
+    config = model.config
+    work = batched_workload(config.vocab_size, num_requests=args.requests, prompt_lens=args.batched_prompt_lens,
+                            new_tokens=args.batched_new_tokens, shared_prefix=args.shared_prefix, seed=args.seed)
+    dtype = model.embed_tokens.weight.dtype
+    device = model.embed_tokens.weight.device
+    engine_args = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens", "decode_attention")
+                   if getattr(args, name) is not None}  # unset: the Engine's own defaults
+    runners: list[tuple[str, Callable[[list[BatchRequest]], BatchedRun]]] = [
+        ("infer engine", lambda w: run_engine(model, w, **engine_args))]
+    if not args.no_one_by_one:
+        runners.append(("infer one by one", lambda w: run_one_by_one(model, w)))
+    for make in others:
+        runners.append(make(path, dtype, device, args.batch_size))
+    runs: dict[str, list[BatchedRun]] = {name: [] for name, _ in runners}
+    warm = work[: min(4, len(work))]
+    with tqdm(total=len(runners) * (args.trials + 1), desc="bench --batched", unit="run", file=sys.stderr) as bar:
+        for name, run in runners:  # a short warm-up: first-call costs out of the timings
+            bar.set_postfix_str(f"warm-up {name}")
+            run(warm)
+            bar.update()
+        for _ in range(args.trials):
+            for name, run in runners:
+                bar.set_postfix_str(name)
+                runs[name].append(run(work))
+                bar.update()
+    medians = [sorted(r, key=lambda x: x.wall_s)[len(r) // 2] for r in runs.values()]
+    rows = [summarize_batched(r) for r in medians]
+    print(f"\nmodel {path} ({config.model_type}), {dtype}, {device}, {len(work)} requests (prompts "
+          f"{args.batched_prompt_lens[0]}-{args.batched_prompt_lens[1]}, new {args.batched_new_tokens[0]}-"
+          f"{args.batched_new_tokens[1]}, shared prefix {args.shared_prefix}), {args.trials} trial(s), medians")
+    print(format_table(rows, ["name", "wall_s", "tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "latency_p50_ms",
+                              "latency_p99_ms"]))
+    engine = rows[0]
+    ratios = [f"{engine['name']} vs {row['name']}: throughput "
+              f"{speed_ratio(float(engine['tok_s']) / float(row['tok_s']))}" for row in rows[1:]]
+    for line in ratios:
+        print(line)
+    pool = medians[0].stats
+    print(f"pool: {pool['pool_blocks']:.0f} blocks of {pool['block_size']:.0f} tokens; peak used "
+          f"{pool['peak_blocks_used']:.0f}, peak shared {pool['peak_blocks_shared']:.0f}; worst waste "
+          f"{pool['max_waste_slots_per_running_seq']:.2f} slots per running request (under one block: "
+          f"{pool['max_waste_slots_per_running_seq'] < pool['block_size']}); {pool['steps']:.0f} steps, "
+          f"{pool['preemptions']:.0f} preemptions, prefix hit rate {pool['prefix_hit_rate']:.1%}")
+    print("choices: " + "; ".join(f"{c.name}: {c.value}" for c in CHOICES.values()))
+    if args.json:
+        report = {"machine": machine_info(), "choices": [asdict(c) for c in CHOICES.values()],
+                  "units": BATCHED_UNITS, "model": str(path), "dtype": str(dtype), "device": str(device),
+                  "workload": [asdict(r) | {"prompt_ids": len(r.prompt_ids)} for r in work],
+                  "engine_args": engine_args, "batch_size": args.batch_size, "results": rows, "ratios": ratios,
+                  "engine_stats": pool, "runs": {name: [asdict(r) for r in rs] for name, rs in runs.items()}}
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def check_batched_args(args: argparse.Namespace) -> None:
+    """Refuse bad `--batched` options before any model loads."""
+    for name in ("requests", "batch_size", "max_num_seqs", "max_num_batched_tokens", "trials"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.shared_prefix < 0:
+        raise ValueError(f"--shared-prefix must be >= 0, got {args.shared_prefix}")
+
+
+def length_range(text: str) -> tuple[int, int]:
+    """'16-256' -> (16, 256), for argparse."""
+    try:
+        lo, hi = (int(x) for x in text.split("-"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a range LOW-HIGH such as 16-256, got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LOW <= HIGH, got {text!r}")
+    return lo, hi
+
+
+def add_batched_args(p: argparse.ArgumentParser) -> None:
+    """The `bench` options of the batched workload."""
+    g = p.add_argument_group("batched workload (--batched)")
+    g.add_argument("--batched", action="store_true",
+                   help="instead: many requests at once through the batched engine, against the same one by one "
+                        "and the --against plugins' batched contenders")
+    g.add_argument("--requests", type=int, default=48, help="requests in the workload")
+    g.add_argument("--batched-prompt-lens", type=length_range, default=(16, 256), metavar="LOW-HIGH",
+                   help="prompt lengths, drawn uniformly")
+    g.add_argument("--batched-new-tokens", type=length_range, default=(8, 96), metavar="LOW-HIGH",
+                   help="tokens each request generates, drawn uniformly")
+    g.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with (a system prompt)")
+    g.add_argument("--batch-size", type=int, default=16, help="batch size of the static-batching contenders")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="the engine's cap on running requests "
+                   "(default: the Engine's, 64)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="the engine's tokens per forward "
+                   "(default: the Engine's, 512)")
+    g.add_argument("--decode-attention", default=None, choices=["auto", "sdpa", "matmul", "per-sequence"],
+                   help="how the engine's decode steps attend (default: auto, measured)")
+    g.add_argument("--no-one-by-one", action="store_true", help="skip the one-by-one run (the slowest)")
