@@ -14,6 +14,7 @@ import functools
 import torch
 
 import infer
+from infer.bench_batched import batched_workload, run_engine
 from infer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig
 from infer.generation import generate
 from infer.sampling import SamplingParams
@@ -148,3 +149,28 @@ class CacheMemory:
             for layer in range(config.num_hidden_layers):
                 cache.update(layer, k, k)
             cache.advance(chunk)
+
+
+class BatchedEngine:
+    """A mixed workload through the batched engine (16 requests, prompts 16-128 tokens, 8-32 new tokens,
+    greedy, all arriving at once): wall time, and generated tokens/s as a tracked figure."""
+
+    params = [ARCHS]
+    param_names = ["arch"]
+    number = 1
+    repeat = (2, 5, 60.0)
+    timeout = 600
+
+    def setup(self, arch: str) -> None:
+        self.model = bench_model(arch)
+        self.work = batched_workload(8192, num_requests=16, prompt_lens=(16, 128), new_tokens=(8, 32))
+
+    def time_engine(self, arch: str) -> None:
+        run_engine(self.model, self.work)
+
+    def track_engine_tokens_per_s(self, arch: str) -> float:
+        run_engine(self.model, self.work[:2])  # warm-up
+        run = run_engine(self.model, self.work)
+        return run.new_tokens / run.wall_s
+
+    track_engine_tokens_per_s.unit = "tokens/s"  # type: ignore[attr-defined]

@@ -6,6 +6,7 @@ The engine works on token ids; `Tokenizer` turns text into ids and back. Nothing
 
 from infer.cache import CACHE_KINDS, KVCache, create_cache, register_cache_kind
 from infer.config import ModelConfig
+from infer.engine import Engine, RequestOutput
 from infer.errors import CacheFullError, ChatTemplateError, CheckpointError, InferError
 from infer.generation import GenerationResult, generate, snapshot_prefix, stream_generate
 from infer.loader import load_model
@@ -18,10 +19,12 @@ __all__ = [
     "CacheFullError",
     "ChatTemplateError",
     "CheckpointError",
+    "Engine",
     "GenerationResult",
     "InferError",
     "KVCache",
     "ModelConfig",
+    "RequestOutput",
     "SamplingParams",
     "Tokenizer",
     "Transformer",

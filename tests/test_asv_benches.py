@@ -10,7 +10,7 @@ from asv_benches import benchmarks as b
 
 SMALL = {"context": [128], "prompt_len": [128]}
 # Whole generations are the slow bodies; every cache kind is already driven by DecodeStep.
-SMALL_BY_CLASS = {"Generation": {"cache": ["contiguous", "paged"]}}
+SMALL_BY_CLASS = {"Generation": {"cache": ["contiguous", "paged"]}, "BatchedEngine": {"arch": ["gemma3_text"]}}
 
 
 def small_params(cls: type) -> list[tuple]:
@@ -22,7 +22,7 @@ def small_params(cls: type) -> list[tuple]:
 
 CASES = [
     (cls, method, params)
-    for cls in (b.DecodeStep, b.Prefill, b.Generation, b.CacheMemory)
+    for cls in (b.DecodeStep, b.Prefill, b.Generation, b.CacheMemory, b.BatchedEngine)
     for method in [m for m in dir(cls) if m.startswith(("time_", "peakmem_", "track_"))]
     for params in small_params(cls)
 ]

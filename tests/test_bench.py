@@ -36,3 +36,43 @@ def test_json_report_names_machine_choices_units_and_raw_trials(tmp_path: Path,
     assert report["units"]["roofline_fraction"] == "fraction of read bandwidth"
     trials = report["contenders"]["infer[contiguous]"]
     assert len(trials) == 2 and all(len(t["step_times_s"]) == 3 for t in trials), trials[0].keys()
+
+
+def test_batched_workload_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`bench --batched`: the engine, one by one and HF static batches over the same requests; every contender
+    produces the workload's tokens; the pool figures and the per-request times are reported."""
+    out = tmp_path / "batched.json"
+    argv = ["bench", "--batched", "--model", str(build_checkpoint("llama")), "--requests", "5",
+            "--batched-prompt-lens", "3-12", "--batched-new-tokens", "2-6", "--batch-size", "2", "--shared-prefix",
+            "20", "--max-num-batched-tokens", "16", "--against-hf", "--trials", "1", "--json", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "throughput" in printed and "prefix hit rate" in printed and "batched decode attention" in printed
+    report = json.loads(out.read_text())
+    wanted = sum(r["max_new_tokens"] for r in report["workload"])
+    names = {row["name"] for row in report["results"]}
+    assert names == {"infer engine", "infer one by one[contiguous]", "hf static batches[2]"}
+    for runs in report["runs"].values():
+        (run,) = runs
+        assert run["new_tokens"] == wanted
+        assert len(run["ttft_s"]) == len(run["latency_s"]) == 5
+        assert all(0 < t <= lat <= run["wall_s"] * 1.001 for t, lat in
+                   zip(run["ttft_s"], run["latency_s"], strict=True))
+    stats = report["engine_stats"]
+    assert stats["prefix_hit_rate"] > 0, "prompts sharing a full block (20 tokens) must hit the prefix cache"
+    assert stats["max_waste_slots_per_running_seq"] < stats["block_size"]
+
+
+@pytest.mark.parametrize("bad", [["--requests", "0"], ["--batch-size", "0"], ["--shared-prefix", "-1"],
+                                 ["--max-num-seqs", "0"]])
+def test_batched_arguments_fail_before_any_model_loads(bad: list[str], capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import infer.loader
+
+    def no_load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(infer.loader, "load_model", no_load)
+    assert main(["bench", "--batched", "--model", str(build_checkpoint("llama")), *bad]) != 0
+    err = capsys.readouterr().err
+    assert bad[0] in err and "Traceback" not in err
