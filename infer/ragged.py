@@ -53,9 +53,10 @@ class SeqSlice:
 class DecodeGroup:
     """The one-token chunks of a step, batched: B sequences, their keys padded to `num_blocks` blocks."""
 
-    kernel: str  # "sdpa" (decode_attention) or "matmul" (decode_attention_matmul)
+    kernel: str  # "sdpa" (decode_attention), "matmul" (decode_attention_matmul) or "triton" (in place)
     rows: torch.Tensor  # [B] the flat-batch row of each sequence's token
     tables: torch.Tensor  # [B, nb] block tables, padded with the sequence's own first block (masked out)
+    lengths: torch.Tensor  # [B] keys of each sequence, this step's included
     masks: dict[int | None, torch.Tensor]  # window -> [B, 1, 1, nb * block_size] bool: which keys each row sees
 
 
@@ -84,8 +85,8 @@ def build_ragged_batch(
 ) -> RaggedBatch:
     """The metadata of one forward over `chunks`, in order; `sample[i]`: chunk i wants its last logits.
     `windows`: the sliding windows the model's layers use (None for full attention). `decode_kernel`: how
-    the one-token chunks attend, together in one call when there are at least two ("sdpa" or "matmul"), or
-    each on its own ("per-sequence", the check)."""
+    the one-token chunks attend, together in one call when there are at least two ("sdpa", "matmul", or
+    "triton": the paged kernel reading the pool in place), or each on its own ("per-sequence", the check)."""
     if decode_kernel not in DECODE_KERNELS:
         raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {decode_kernel!r}")
     batch_decode = decode_kernel != "per-sequence"
@@ -147,19 +148,20 @@ def _decode_group(chunks: Sequence[SeqChunk], rows: Sequence[int], block_size: i
         own = list(chunk.block_table[: -(-n // block_size)])
         tables.append(own + own[:1] * (nb - len(own)))  # padding reads only the sequence's own data
     lens = torch.tensor(lengths, device=device)[:, None]
-    k_pos = torch.arange(nb * block_size, device=device)[None, :]
     masks: dict[int | None, torch.Tensor] = {}
-    for w in set(windows):
-        visible = k_pos < lens
-        if w is not None:
-            visible &= k_pos > lens - 1 - w
-        masks[w] = visible[:, None, None, :]
+    if kernel != "triton":  # the kernel masks by length and window itself
+        k_pos = torch.arange(nb * block_size, device=device)[None, :]
+        for w in set(windows):
+            visible = k_pos < lens
+            if w is not None:
+                visible &= k_pos > lens - 1 - w
+            masks[w] = visible[:, None, None, :]
     return DecodeGroup(kernel, torch.tensor(list(rows), dtype=torch.long, device=device),
-                       torch.tensor(tables, dtype=torch.long, device=device), masks)
+                       torch.tensor(tables, dtype=torch.long, device=device), lens[:, 0], masks)
 
 
 Attend = Callable[..., torch.Tensor]
-DECODE_KERNELS = ("sdpa", "matmul", "per-sequence")
+DECODE_KERNELS = ("sdpa", "matmul", "triton", "per-sequence")
 
 
 def paged_attention(
@@ -198,16 +200,35 @@ def paged_attention(
             q[:, :, seq.row : seq.row + seq.num_tokens], k_blocks, v_blocks, seq, batch.block_size, window, attend,
             wide)
     group = batch.decode
-    if group is not None:
+    if group is not None and group.kernel == "triton" and not reference:
+        from infer.kernels.paged_attention import paged_decode_attention
+
+        queries = q[0, :, group.rows].transpose(0, 1)  # [B, H, D]
+        attended = paged_decode_attention(queries.contiguous(), k_blocks, v_blocks, group.tables, group.lengths,
+                                          scale, softcap, window)
+        out[0, :, group.rows] = attended.transpose(0, 1)
+    elif group is not None:
         keys, values = _gather(k_blocks, group.tables), _gather(v_blocks, group.tables)
         queries = q[0, :, group.rows, None].transpose(0, 1)  # [B, H, 1, D]
-        mask = group.masks[window]
+        mask = _group_mask(group, window, keys.shape[2])
         if group.kernel == "matmul" and not reference:
             attended = decode_attention_matmul(queries, keys, values, mask, scale, softcap)
         else:
             attended = attend(queries, keys, values, mask)
         out[0, :, group.rows] = attended[:, :, 0].transpose(0, 1)
     return out
+
+
+def _group_mask(group: DecodeGroup, window: int | None, num_keys: int) -> torch.Tensor:
+    """The group's [B, 1, 1, S] mask (built here when the batch was planned for the kernel, which needs none)."""
+    if window in group.masks:
+        return group.masks[window]
+    k_pos = torch.arange(num_keys, device=group.lengths.device)[None, :]
+    lens = group.lengths[:, None]
+    visible = k_pos < lens
+    if window is not None:
+        visible &= k_pos > lens - 1 - window
+    return visible[:, None, None, :]
 
 
 def _gather(blocks: torch.Tensor, tables: torch.Tensor, length: int | None = None) -> torch.Tensor:

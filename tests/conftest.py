@@ -11,6 +11,11 @@ import pytest
 import torch
 from hypothesis import settings
 
+# Without a GPU the Triton kernels run under Triton's interpreter on the CPU (set before any kernel module is
+# imported: `triton.jit` reads it at decoration time).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from reference import build_checkpoint
 
 # One intra-op thread per test process: the models are tiny, and with xdist workers (or other load) on few

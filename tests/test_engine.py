@@ -136,6 +136,10 @@ def test_stale_values_in_the_pool_never_reach_a_request(llama: tuple, kernel: st
     engine = Engine(model, tok, num_blocks=64, block_size=4, decode_attention=kernel)
     engine.pool.k_blocks.fill_(float("nan"))
     engine.pool.v_blocks.fill_(float("nan"))
+    # Blocks another holder keeps (NaN, never written by the engine): the first ones handed out, so a request
+    # reading blocks outside its own table would meet them.
+    engine.pool.manager.new_sequence(10**6)
+    engine.pool.manager.append(10**6, 3 * 4)
     prompts = [[5, 6, 7], list(range(10, 27)), [40] * 9]
     params = SamplingParams(max_new_tokens=9, temperature=0.0, ignore_eos=True)
     results = engine.generate(prompts, params)

@@ -17,10 +17,15 @@ from hypothesis import strategies as st
 import infer
 from infer.config import ModelConfig
 from infer.engine import Engine
+from infer.kernels import triton_available
 from infer.models import Transformer
 from infer.sampling import SamplingParams
 from tests.helpers import assert_close, check_pool_invariants, random_model
 from tests.property.strategies import model_configs
+
+# The Triton kernel joins where it can run (on CUDA, or the CPU under TRITON_INTERPRET=1, as tests/conftest.py
+# sets without a GPU).
+DECODE_KERNELS = ["sdpa", "matmul", "per-sequence"] + (["triton"] if triton_available("cpu") else [])
 
 
 @st.composite
@@ -61,7 +66,7 @@ def workloads(draw: st.DrawFn, config: ModelConfig) -> dict:
         "max_num_seqs": draw(st.integers(1, 5)),
         "budget": draw(st.integers(1, 16)),
         "prefix_caching": draw(st.booleans()),
-        "decode_attention": draw(st.sampled_from(["sdpa", "matmul", "per-sequence"])),
+        "decode_attention": draw(st.sampled_from(DECODE_KERNELS)),
     }
 
 

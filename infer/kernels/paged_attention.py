@@ -1,0 +1,155 @@
+"""Paged decode attention in Triton: one query token per sequence, K/V read in place through each sequence's
+block table (no gather), the query heads of a KV group packed into one tile (GQA), causal and sliding-window
+masks, attention softcap, any head dim and block size, and split-K over the blocks (flash-decoding) so a few
+long sequences still fill the GPU.
+
+Layout: the engine's pool, one layer: `k_blocks`, `v_blocks` `[num_blocks, Hkv, block_size, D]`; `tables`
+`[B, max_blocks]` int32; `lengths` `[B]` int32 (keys of each sequence, its query at position length-1).
+Grid: (sequence, KV head, split). Each program keeps an online softmax (running max, sum, weighted values)
+over its split's blocks and writes it out; `paged_decode_attention` combines the splits.
+
+`infer.ragged` is the PyTorch path this is checked against (tests/test_triton_kernels.py, under
+`TRITON_INTERPRET=1` on a CPU); the engine uses this on CUDA (`decode_attention="triton"`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tanh(x):
+    # tanh from exp, finite for large |x| (libdevice's name differs by backend and version).
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x >= 0, t, -t)
+
+
+@triton.jit
+def _paged_decode_split(
+    Q, K, V, Tables, Lengths, Acc, M, L,
+    stride_qb, stride_qh,
+    stride_kn, stride_kh, stride_ks,
+    stride_vn, stride_vh, stride_vs,
+    stride_tb,
+    stride_ab, stride_ah, stride_as,
+    stride_mb, stride_mh,
+    scale, softcap, window,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCKS_PER_SPLIT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(Lengths + b)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_ok = offs_g < GROUP
+    d_ok = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+    # Products in fp32 whatever the storage dtype (bf16 K/V are widened in registers: decode is
+    # bandwidth-bound, so this costs no time, and it sidesteps the interpreter's broken bf16 dot).
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    lo = split * BLOCKS_PER_SPLIT
+    hi = tl.minimum(lo + BLOCKS_PER_SPLIT, tl.cdiv(length, BLOCK_SIZE))
+    if HAS_WINDOW:  # blocks wholly before the window hold nothing this query sees
+        lo = tl.maximum(lo, tl.maximum(length - window, 0) // BLOCK_SIZE)
+    for j in range(lo, hi):
+        block = tl.load(Tables + b * stride_tb + j).to(tl.int64)
+        pos = j * BLOCK_SIZE + offs_n
+        visible = (offs_n < BLOCK_SIZE) & (pos < length)
+        if HAS_WINDOW:
+            visible = visible & (pos > length - 1 - window)
+        kv_ok = visible[:, None] & d_ok[None, :]
+        k = tl.load(K + block * stride_kn + kvh * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
+                    mask=kv_ok, other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if HAS_SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        s = tl.where(visible[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + block * stride_vn + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :],
+                    mask=kv_ok, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        m_i = m_new
+
+    tl.store(Acc + b * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :], acc,
+             mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(M + b * stride_mb + heads * stride_mh + split, m_i, mask=g_ok)
+    tl.store(L + b * stride_mb + heads * stride_mh + split, l_i, mask=g_ok)
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, triton.next_power_of_2(n))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_blocks: torch.Tensor,
+    v_blocks: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+    blocks_per_split: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query per sequence, `q` `[B, H, D]`, over its own blocks; returns `[B, H, D]` in q's
+    dtype. `blocks_per_split`: blocks each program reads (default: enough splits to give the GPU ~2 programs
+    per SM). Every sequence must have length >= 1."""
+    B, H, D = q.shape
+    _, Hkv, block_size, _ = k_blocks.shape
+    if H % Hkv or k_blocks.shape != v_blocks.shape or k_blocks.shape[-1] != D:
+        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k/v blocks {tuple(k_blocks.shape)}")
+    if k_blocks.stride(-1) != 1 or v_blocks.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("q, k_blocks and v_blocks need a contiguous last dimension")
+    max_blocks = tables.shape[1]
+    if blocks_per_split is None:
+        programs = B * Hkv
+        target = 2 * torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+        splits = max(1, min(max_blocks, -(-target // programs)))
+        blocks_per_split = -(-max_blocks // splits)
+    splits = -(-max_blocks // blocks_per_split)
+    acc = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
+    m = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
+    l_sum = torch.empty_like(m)
+    tables = tables.to(torch.int32)
+    lengths = lengths.to(torch.int32)
+    group = H // Hkv
+    _paged_decode_split[(B, Hkv, splits)](
+        q, k_blocks, v_blocks, tables, lengths, acc, m, l_sum,
+        q.stride(0), q.stride(1),
+        k_blocks.stride(0), k_blocks.stride(1), k_blocks.stride(2),
+        v_blocks.stride(0), v_blocks.stride(1), v_blocks.stride(2),
+        tables.stride(0),
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        m.stride(0), m.stride(1),
+        float(scale), float(softcap or 1.0), int(window or 0),
+        BLOCK_SIZE=block_size, BLOCK_N=_pow2(block_size), HEAD_DIM=D, BLOCK_D=_pow2(D),
+        GROUP=group, BLOCK_G=_pow2(group), BLOCKS_PER_SPLIT=blocks_per_split,
+        HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
+        # fp32 models get exact fp32 products (the engine's fp32 logits must equal the PyTorch path's); half
+        # ones TF32, still finer than their own rounding.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    # Combine the splits: each holds (max, sum of exp, exp-weighted values) over its blocks; a split with
+    # no visible key has max -inf and contributes nothing.
+    top = m.max(dim=2, keepdim=True).values
+    weight = torch.exp(m - top)  # [B, H, S]
+    out = (acc * weight[..., None]).sum(2) / (l_sum * weight).sum(2)[..., None]
+    return out.to(q.dtype)
