@@ -29,7 +29,7 @@ import torch
 from infer.bench_batched import add_batched_args, check_batched_args, run_batched_bench
 from infer.config import ModelConfig
 from infer.models import Transformer
-from infer.tuning import CHOICES, choose_threads, cpu_flags
+from infer.tuning import CHOICES, Choice, choose_threads, cpu_flags, record
 
 
 @dataclass
@@ -228,6 +228,10 @@ def run_bench(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(args.dtype)
     device = torch.device(args.device)
     model = load_model(path, dtype=dtype, device=device, compute_dtype=args.compute_dtype)
+    if args.fused_projections:
+        model.fused_projections = True
+    record(Choice("fused projections", "on" if args.fused_projections else "off",
+                  "--fused-projections" if args.fused_projections else "the library default (oracle-exact)"))
     choose_threads(model, forced=args.threads)
     if args.batched:
         return run_batched_bench(args, model, path, others)
@@ -442,6 +446,8 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable[.
     p.add_argument("--positions", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64, 128],
                    help="decode steps whose latency to report (comma-separated)")
     p.add_argument("--compare", action="store_true", help="also run without the KV cache")
+    p.add_argument("--fused-projections", action="store_true",
+                   help="run the engine with q/k/v and gate/up fused (model.fused_projections; not bit-exact)")
     p.add_argument("--against-hf", action="store_true", help="also run transformers (dynamic and static cache)")
     p.add_argument("--against", action="append", default=[], metavar="NAME",
                    help="also run the installed contender plugin NAME (repeatable; 'hf' is --against-hf)")

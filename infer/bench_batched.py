@@ -136,7 +136,8 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
                             new_tokens=args.batched_new_tokens, shared_prefix=args.shared_prefix, seed=args.seed)
     dtype = model.embed_tokens.weight.dtype
     device = model.embed_tokens.weight.device
-    engine_args = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens", "decode_attention")
+    engine_args = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens", "decode_attention",
+                                                          "num_blocks")
                    if getattr(args, name) is not None}  # unset: the Engine's own defaults
     runners: list[tuple[str, Callable[[list[BatchRequest]], BatchedRun]]] = [
         ("infer engine", lambda w: run_engine(model, w, **engine_args))]
@@ -188,7 +189,7 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
 
 def check_batched_args(args: argparse.Namespace) -> None:
     """Refuse bad `--batched` options before any model loads."""
-    for name in ("requests", "batch_size", "max_num_seqs", "max_num_batched_tokens", "trials"):
+    for name in ("requests", "batch_size", "max_num_seqs", "max_num_batched_tokens", "num_blocks", "trials"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.shared_prefix < 0:
@@ -223,6 +224,9 @@ def add_batched_args(p: argparse.ArgumentParser) -> None:
                    "(default: the Engine's, 64)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="the engine's tokens per forward "
                    "(default: the Engine's, 512)")
+    g.add_argument("--num-blocks", type=int, default=None,
+                   help="the engine's pool size in blocks of 16 tokens (default: sized for the machine); a small "
+                        "pool shows preemption")
     g.add_argument("--decode-attention", default=None, choices=["auto", "sdpa", "matmul", "per-sequence"],
                    help="how the engine's decode steps attend (default: auto, measured)")
     g.add_argument("--no-one-by-one", action="store_true", help="skip the one-by-one run (the slowest)")
