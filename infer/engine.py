@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infer.cache.base import allocate_zeros
 from infer.cache.block_manager import BlockStats
 from infer.cache.paged import DEFAULT_BLOCK_SIZE, PagedKVPool
+from infer.config import ModelConfig
 from infer.generation import (
     GenerationResult,
     OutputStream,
@@ -33,7 +35,7 @@ from infer.generation import (
 )
 from infer.memory import available_memory
 from infer.models import Transformer
-from infer.ragged import SeqChunk, build_ragged_batch
+from infer.ragged import RaggedBatch, SeqChunk, build_ragged_batch
 from infer.sampling import SamplingParams, sample_next
 from infer.scheduler import PoolTooSmall, Request, Scheduler, SchedulerOutput
 from infer.tokenizer import Tokenizer
@@ -106,6 +108,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         keep_logits: bool = False,
         decode_attention: str = "auto",
+        bound_sliding_layers: bool = True,
     ) -> None:
         _check_model(model, tokenizer)
         if num_blocks is not None and cache_memory is not None:
@@ -120,13 +123,33 @@ class Engine:
         weight = model.embed_tokens.weight
         self.device = weight.device
         config = model.config
-        block_bytes = (2 * config.num_hidden_layers * config.num_key_value_heads * block_size * config.head_dim
-                       * weight.element_size())
+        windows = [layer.self_attn.window for layer in model._decoder_layers()]
+        # Sliding-window layers (Gemma 3's local ones) need only their window's keys: with
+        # `bound_sliding_layers` they live in per-request rings of blocks instead of the pool, so their memory
+        # is bounded by window + chunk, not by the context. Their rings hold no shareable prefix, so prefix
+        # caching is off for such models (a prefix hit would skip computing K/V the rings need).
+        self.ring_layers = [i for i, w in enumerate(windows) if w is not None] if bound_sliding_layers else []
+        self.pool_layers = [i for i in range(len(windows)) if i not in self.ring_layers]
+        self.ring: SlidingRings | None = None
+        if self.ring_layers and isinstance(max_num_seqs, int) and isinstance(max_num_batched_tokens, int):
+            window = max(w for w in windows if w is not None)
+            self.ring = SlidingRings.allocate(len(self.ring_layers), max(max_num_seqs, 1), window,
+                                              max(max_num_batched_tokens, 1), block_size, config, weight.dtype,
+                                              self.device)
+            enable_prefix_caching = False
+        block_bytes = (2 * len(self.pool_layers) * config.num_key_value_heads * block_size * config.head_dim
+                       * weight.element_size()) or 1
         if num_blocks is None:
+            ring_bytes = self.ring.memory_bytes if self.ring is not None else 0
+            if ring_bytes and cache_memory is not None and cache_memory - ring_bytes < block_bytes:
+                raise ValueError(f"cache_memory={cache_memory} bytes does not hold the sliding layers' rings "
+                                 f"({ring_bytes} bytes) and one KV block of {block_bytes}; raise it")
             num_blocks = default_num_blocks(block_bytes, block_size, config.max_position_embeddings,
-                                            max_num_seqs, self.device, cache_memory)
+                                            max_num_seqs, self.device,
+                                            None if cache_memory is None else cache_memory - ring_bytes)
         self.pool = PagedKVPool(config, num_blocks=num_blocks, block_size=block_size, dtype=weight.dtype,
-                                device=self.device)
+                                device=self.device, num_layers=len(self.pool_layers))
+        self.prefix_caching = enable_prefix_caching
         self.scheduler = Scheduler(self.pool.manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    enable_prefix_caching=enable_prefix_caching)
@@ -139,8 +162,8 @@ class Engine:
         self._done: dict[int, GenerationResult] = {}
         self._pending: list[RequestOutput] = []  # outputs decided outside a step (instant ends)
         self._next_id = 0
-        self._windows = sorted({layer.self_attn.window for layer in model._decoder_layers()},
-                               key=lambda w: -1 if w is None else w)
+        self._pool_windows = sorted({windows[i] for i in self.pool_layers}, key=lambda w: -1 if w is None else w)
+        self._ring_windows = sorted({w for i in self.ring_layers if (w := windows[i]) is not None})
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -188,6 +211,11 @@ class Engine:
             raise ValueError(f"request {request_id} has not finished (or is unknown)")
         return self._done[request_id]
 
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of the KV storage: the pool, and the sliding layers' rings."""
+        return self.pool.memory_bytes + (self.ring.memory_bytes if self.ring is not None else 0)
+
     def block_stats(self) -> BlockStats:
         """The pool's occupancy now."""
         return self.pool.stats()
@@ -203,6 +231,11 @@ class Engine:
             live = self._live[rid]
             live.error, live.stream.finish = reason, "error"
             outputs.append(self._end(live))
+        if self.ring is not None:
+            for rid in plan.preempted:
+                self.ring.release(rid)
+            for chunk in plan.chunks:
+                self.ring.acquire(chunk.request_id)
         if not plan.chunks:
             return outputs
         self.stats.steps += 1
@@ -254,16 +287,27 @@ class Engine:
         """Logits `[S, vocab]` of the chunks that sample, in plan order."""
         self.pool.copy_blocks(plan.copies)
         manager = self.pool.manager
+        sample = [c.sample for c in plan.chunks]
         chunks = [SeqChunk(c.start, c.num_tokens, manager.block_table(c.request_id)) for c in plan.chunks]
-        batch = build_ragged_batch(chunks, [c.sample for c in plan.chunks], block_size=self.pool.block_size,
-                                   windows=self._windows, device=self.device,
-                                   decode_kernel=self.decode_attention)
+        batch = build_ragged_batch(chunks, sample, block_size=self.pool.block_size, windows=self._pool_windows,
+                                   device=self.device, decode_kernel=self.decode_attention)
+        per_layer: dict[int, tuple[RaggedBatch, torch.Tensor, torch.Tensor]] = {
+            i: (batch, self.pool.k_blocks[j], self.pool.v_blocks[j]) for j, i in enumerate(self.pool_layers)}
+        if self.ring is not None:
+            ring = self.ring
+            ring_chunks = [SeqChunk(c.start, c.num_tokens, ring.table(c.request_id, c.start + c.num_tokens))
+                           for c in plan.chunks]
+            ring_batch = build_ragged_batch(ring_chunks, sample, block_size=self.pool.block_size,
+                                            windows=self._ring_windows, device=self.device,
+                                            decode_kernel=self.decode_attention)
+            per_layer |= {i: (ring_batch, ring.k[j], ring.v[j]) for j, i in enumerate(self.ring_layers)}
+        layers = [per_layer[i] for i in range(len(per_layer))]
         token_ids = [t for c in plan.chunks
                      for t in self._live[c.request_id].request.token_ids[c.start : c.start + c.num_tokens]]
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         try:
             with torch.inference_mode():
-                logits = self.model.forward_ragged(input_ids, batch, self.pool.k_blocks, self.pool.v_blocks)
+                logits = self.model.forward_ragged(input_ids, layers)
         except BaseException:
             self.scheduler.discard(plan.chunks)
             raise
@@ -291,6 +335,8 @@ class Engine:
         """Retire a request: free its blocks and keep its result."""
         rid = live.request.request_id
         self.scheduler.finish(rid)
+        if self.ring is not None:
+            self.ring.release(rid)
         del self._live[rid]
         reason = live.stream.finish or "length"
         times = live.token_times_s
@@ -302,7 +348,7 @@ class Engine:
             finish_reason=reason,
             prefill_time_s=(times[0] - first_scheduled) if times else 0.0,
             decode_times_s=[b - a for a, b in zip(times, times[1:], strict=False)],
-            cache_memory_bytes=self.pool.memory_bytes,
+            cache_memory_bytes=self.memory_bytes,
             queue_time_s=first_scheduled - live.arrival_s,
             error=live.error,
             logits=torch.stack(live.logits) if live.logits else None,
@@ -321,6 +367,52 @@ class Engine:
         if self.scheduler.running:
             waste = manager.waste_slots / len(self.scheduler.running)
             stats.max_waste_per_running_seq = max(stats.max_waste_per_running_seq, waste)
+
+
+@dataclass
+class SlidingRings:
+    """K/V of the sliding-window layers: each running request owns a ring of `blocks_per_ring` blocks, and
+    logical block j of its sequence lives in ring block j mod `blocks_per_ring`. The ring spans window +
+    chunk + a block, so a chunk's writes never overwrite a key one of its queries still sees, and a block
+    that is started (zeroed, infer/ragged.py) only held keys that every query has left behind. Block
+    tables built from it alias older logical blocks to newer ones; attention masks those by position."""
+
+    k: torch.Tensor  # [layers, num_rings * blocks_per_ring, Hkv, block_size, D]
+    v: torch.Tensor
+    blocks_per_ring: int
+    free: list[int]  # ring indices
+    owner: dict[int, int] = field(default_factory=dict)  # request id -> ring index
+
+    @classmethod
+    def allocate(cls, num_layers: int, num_rings: int, window: int, chunk: int, block_size: int,
+                 config: ModelConfig, dtype: torch.dtype, device: torch.device) -> SlidingRings:
+        """Rings for `num_rings` running requests, attending `window` keys in chunks of up to `chunk` tokens."""
+        per_ring = -(-(window + chunk - 1) // block_size) + 1
+        shape = (num_layers, num_rings * per_ring, config.num_key_value_heads, block_size, config.head_dim)
+        k, v = allocate_zeros("the sliding layers' rings", device, (shape, dtype), (shape, dtype))
+        return cls(k, v, per_ring, list(range(num_rings - 1, -1, -1)))
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of the ring tensors."""
+        return self.k.nbytes + self.v.nbytes
+
+    def acquire(self, request_id: int) -> None:
+        """Give a newly scheduled request a ring (no-op if it has one). The scheduler never runs more requests
+        than there are rings."""
+        if request_id not in self.owner:
+            self.owner[request_id] = self.free.pop()
+
+    def release(self, request_id: int) -> None:
+        """Take a finished or preempted request's ring back (no-op if it has none)."""
+        ring = self.owner.pop(request_id, None)
+        if ring is not None:
+            self.free.append(ring)
+
+    def table(self, request_id: int, num_tokens: int) -> list[int]:
+        """The block table of the request's first `num_tokens` positions, through its ring."""
+        base = self.owner[request_id] * self.blocks_per_ring
+        return [base + j % self.blocks_per_ring for j in range(-(-num_tokens // self.k.shape[3]))]
 
 
 def _failed_result(error: Exception) -> GenerationResult:

@@ -145,3 +145,29 @@ def test_stale_values_in_the_pool_never_reach_a_request(llama: tuple, kernel: st
     results = engine.generate(prompts, params)
     for prompt, result in zip(prompts, results, strict=True):
         assert result.token_ids == infer.generate(model, tok, prompt, params).token_ids
+
+
+def test_gemma_sliding_layers_live_in_rings_bounded_by_the_window(gemma3_dir: Path) -> None:
+    """Gemma 3's local layers keep only window + chunk keys per request, whatever the context; the global
+    layers use the pool. A generation far past the ring still equals its solo run."""
+    model, tok = infer.load_model(gemma3_dir), infer.Tokenizer(gemma3_dir)
+    config = model.config
+    window = config.sliding_window
+    assert window is not None
+    sliding = [i for i, t in enumerate(config.layer_types) if t == "sliding_attention"]
+    assert sliding and len(sliding) < config.num_hidden_layers
+    engine = Engine(model, tok, num_blocks=64, block_size=4, max_num_seqs=3, max_num_batched_tokens=8)
+    ring = engine.ring
+    assert ring is not None and engine.ring_layers == sliding
+    assert ring.blocks_per_ring == -(-(window + 8 - 1) // 4) + 1
+    assert ring.k.shape[:2] == (len(sliding), 3 * ring.blocks_per_ring), "rings: per running request, not per token"
+    assert engine.pool.num_layers == config.num_hidden_layers - len(sliding)
+    assert not engine.prefix_caching, "a prefix hit would skip K/V the rings need"
+    long = ring.blocks_per_ring * 4 * 3  # past three turns of the ring
+    params = SamplingParams(max_new_tokens=long, temperature=0.0, ignore_eos=True)
+    prompts = ["Once upon a time", list(range(3, 3 + 2 * window + 5))]
+    for prompt, result in zip(prompts, engine.generate(prompts, params), strict=True):
+        assert result.token_ids == infer.generate(model, tok, prompt, params).token_ids
+    unbounded = Engine(model, tok, num_blocks=64, block_size=4, bound_sliding_layers=False)
+    assert unbounded.ring is None and unbounded.pool.num_layers == config.num_hidden_layers
+    assert unbounded.prefix_caching

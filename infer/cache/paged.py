@@ -43,10 +43,14 @@ class PagedKVPool:
         block_size: int = DEFAULT_BLOCK_SIZE,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        num_layers: int | None = None,
     ) -> None:
         check_counts(num_blocks=num_blocks, block_size=block_size)
         check_cache_size(1, 1, dtype)
-        shape = (config.num_hidden_layers, num_blocks, config.num_key_value_heads, block_size, config.head_dim)
+        # num_layers: the layers the pool serves (default all; the batched engine keeps Gemma 3's sliding
+        # layers out of it, in rings bounded by the window).
+        num_layers = config.num_hidden_layers if num_layers is None else num_layers
+        shape = (num_layers, num_blocks, config.num_key_value_heads, block_size, config.head_dim)
         # k_blocks, v_blocks: [L, N, Hkv, block_size, D]. Checked against free memory (with the block
         # manager's per-block bookkeeping) before either the tensors or the per-block objects exist.
         self.k_blocks, self.v_blocks = allocate_zeros(
@@ -55,7 +59,7 @@ class PagedKVPool:
         self.manager = BlockManager(num_blocks, block_size)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.num_layers = config.num_hidden_layers
+        self.num_layers = num_layers
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self._next_seq_id = 0

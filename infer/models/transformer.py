@@ -10,6 +10,7 @@ Module names are Hugging Face's, so checkpoint keys load without renaming.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -119,10 +120,9 @@ class StepContext:
     kv_cache: KVCache | None
     use_reference_attention: bool
     compute_dtype: torch.dtype | None  # prefill attention runs in this dtype when set (Transformer.compute_dtype)
-    # A ragged batch (Transformer.forward_ragged) instead of a cache: its metadata and the pool's block
-    # tensors k, v [L, num_blocks, Hkv, block_size, D].
-    ragged: RaggedBatch | None = None
-    pool: tuple[torch.Tensor, torch.Tensor] | None = None
+    # A ragged batch (Transformer.forward_ragged) instead of a cache: per layer, the batch metadata it reads
+    # and its own block tensors k, v [num_blocks, Hkv, block_size, D].
+    paged: Sequence[tuple[RaggedBatch, torch.Tensor, torch.Tensor]] | None = None
 
 
 class Attention(nn.Module):
@@ -169,9 +169,9 @@ class Attention(nn.Module):
         cos, sin = ctx.rope[self.layer_type]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attend = attention_reference if ctx.use_reference_attention else attention
-        if ctx.ragged is not None and ctx.pool is not None:
-            k_blocks, v_blocks = ctx.pool[0][self.layer_idx], ctx.pool[1][self.layer_idx]
-            out = paged_attention(q, k, v, k_blocks, v_blocks, ctx.ragged, self.window, self.scale, self.softcap,
+        if ctx.paged is not None:
+            batch, k_blocks, v_blocks = ctx.paged[self.layer_idx]
+            out = paged_attention(q, k, v, k_blocks, v_blocks, batch, self.window, self.scale, self.softcap,
                                   ctx.use_reference_attention, ctx.compute_dtype)
             return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
         if ctx.kv_cache is not None:
@@ -334,14 +334,19 @@ class Transformer(nn.Module):
         return logits
 
     def forward_ragged(
-        self, input_ids: torch.Tensor, batch: RaggedBatch, k_blocks: torch.Tensor, v_blocks: torch.Tensor
+        self, input_ids: torch.Tensor, layers: Sequence[tuple[RaggedBatch, torch.Tensor, torch.Tensor]]
     ) -> torch.Tensor:
-        """Logits `[S, vocab]` of `batch.sample_rows` for the flat tokens `input_ids` `[N]` of many sequences.
+        """Logits `[S, vocab]` of the sampled rows for the flat tokens `input_ids` `[N]` of many sequences.
 
-        Each token's K/V go into the paged pool `k_blocks`, `v_blocks` `[L, num_blocks, Hkv, block_size, D]`
-        at the slot the batch maps it to; each sequence attends to its own blocks (infer/ragged.py). The
-        caller (the engine) owns the bookkeeping: a forward that raises leaves written slots that its
-        scheduler never counts as computed."""
+        `layers[i]`: the batch metadata layer i reads (all share positions and sampled rows; layers may use
+        different block tables, as the engine's ring-bounded sliding layers do) and its block tensors
+        `[num_blocks, Hkv, block_size, D]`. Each token's K/V go to the slot its batch maps it to; each
+        sequence attends to its own blocks (infer/ragged.py). The caller (the engine) owns the bookkeeping:
+        a forward that raises leaves written slots that its scheduler never counts as computed."""
+        if len(layers) != len(self.layers):
+            raise ValueError(f"layers must give one (batch, k_blocks, v_blocks) per layer ({len(self.layers)}), "
+                             f"got {len(layers)}")
+        batch = layers[0][0]
         if input_ids.dim() != 1 or input_ids.shape[0] != batch.positions.shape[0]:
             raise ValueError(f"input_ids must be [N] with N = {batch.positions.shape[0]} tokens of the batch, "
                              f"got {tuple(input_ids.shape)}")
@@ -355,8 +360,7 @@ class Transformer(nn.Module):
             kv_cache=None,
             use_reference_attention=self.use_reference_attention,
             compute_dtype=self.compute_dtype,
-            ragged=batch,
-            pool=(k_blocks, v_blocks),
+            paged=layers,
         )
         for layer in self.layers:
             x = layer(x, ctx)

@@ -105,6 +105,10 @@ def test_each_request_equals_its_solo_run(data: st.DataObject, config: ModelConf
     manager = engine.pool.manager
     assert manager.num_free == manager.num_blocks, "blocks still held after every request ended"
     event(f"preempted: {engine.stats.preemptions > 0}")
+    if engine.ring is not None:  # sliding layers in rings: did a ring wrap (a sequence outgrow its ring)?
+        ring_slots = engine.ring.blocks_per_ring * w["block_size"]
+        longest = max(len(r["prompt"]) + r["params"].max_new_tokens for r in w["requests"])
+        event(f"sliding ring wrapped: {longest > ring_slots}")
     for i, r in enumerate(w["requests"]):
         result = engine.result(ids[i])
         solo = infer.generate(model, None, r["prompt"], r["params"])
