@@ -40,13 +40,17 @@ def attention_reference(
     # KV head j serves query heads j*groups .. j*groups+groups-1 (HF's repeat_kv).
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
-    scores = (q @ k.transpose(-1, -2)) * scale
+    return _probabilities((q @ k.transpose(-1, -2)) * scale, mask, softcap, q.dtype) @ v
+
+
+def _probabilities(scores: torch.Tensor, mask: torch.Tensor | None, softcap: float | None,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Scaled scores -> attention weights in `dtype`: softcap, mask, then softmax in fp32 (HF's eager order)."""
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return probs @ v
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
 
 
 def decode_attention(
@@ -78,12 +82,7 @@ def decode_attention_matmul(
     `[B, 1, 1, S]` or None."""
     B, H, _, D = q.shape
     packed = q.reshape(B, k.shape[1], H // k.shape[1], D)  # [B, Hkv, g, D]
-    scores = (packed @ k.transpose(-1, -2)) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = _probabilities((packed @ k.transpose(-1, -2)) * scale, mask, softcap, q.dtype)
     return (probs @ v).reshape(B, H, 1, D)
 
 

@@ -45,8 +45,9 @@ class SeqSlice:
     row: int  # first of its rows in the flat batch
     num_tokens: int
     context_len: int  # keys 0 .. context_len-1, this step's included
-    blocks: torch.Tensor  # [ceil(context_len / block_size)] physical blocks holding them
+    blocks: torch.Tensor  # physical blocks holding keys first_key .. context_len-1
     masks: dict[int | None, torch.Tensor | None]  # sliding window (None: full) -> [T, S] bool, None if all visible
+    first_key: int = 0  # position of the first key gathered (> 0 when a window makes earlier blocks moot)
 
 
 @dataclass
@@ -101,6 +102,9 @@ def build_ragged_batch(
     if len(decoding) < 2:
         decoding = []
     grouped = set(decoding)
+    # When every layer reading this batch has a window (the engine's ring-bounded sliding layers), blocks
+    # wholly before the window are never gathered: attention costs the window, not the context.
+    reach = max(w for w in windows if w is not None) if windows and None not in windows else None
     for i, (chunk, wants) in enumerate(zip(chunks, sample, strict=True)):
         end = chunk.start + chunk.num_tokens
         need = -(-end // block_size)
@@ -118,14 +122,15 @@ def build_ragged_batch(
             sample_rows.append(row + chunk.num_tokens - 1)
         if i in grouped:
             continue
+        first_block = 0 if reach is None else max(0, chunk.start - reach + 1) // block_size
         q_pos = torch.arange(chunk.start, end, device=device)
-        k_pos = torch.arange(end, device=device)
+        k_pos = torch.arange(first_block * block_size, end, device=device)
         masks = {
             w: None if chunk.num_tokens == 1 and w is None else attention_mask(q_pos, k_pos, w)
             for w in set(windows)
         }
-        blocks = torch.tensor(list(chunk.block_table[:need]), dtype=torch.long, device=device)
-        seqs.append(SeqSlice(row, chunk.num_tokens, end, blocks, masks))
+        blocks = torch.tensor(list(chunk.block_table[first_block:need]), dtype=torch.long, device=device)
+        seqs.append(SeqSlice(row, chunk.num_tokens, end, blocks, masks, first_block * block_size))
 
     def as_tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
@@ -133,24 +138,30 @@ def build_ragged_batch(
     decode = None
     if decoding:
         decode = _decode_group([chunks[i] for i in decoding], [starts[i] for i in decoding], block_size,
-                               windows, device, decode_kernel)
+                               windows, device, decode_kernel, None if decode_kernel == "triton" else reach)
     return RaggedBatch(as_tensor(positions), as_tensor(slot_blocks), as_tensor(slot_offsets), seqs,
                        as_tensor(sample_rows), block_size, as_tensor(fresh), decode)
 
 
 def _decode_group(chunks: Sequence[SeqChunk], rows: Sequence[int], block_size: int,
-                  windows: Sequence[int | None], device: torch.device, kernel: str) -> DecodeGroup:
-    """Padded block tables and per-sequence masks for one-token chunks (the query sits at the last key)."""
+                  windows: Sequence[int | None], device: torch.device, kernel: str,
+                  reach: int | None = None) -> DecodeGroup:
+    """Padded block tables and per-sequence masks for one-token chunks (the query sits at the last key).
+    `reach`: the widest window of the layers reading the batch, when all have one: each table then starts
+    at the first block that window touches."""
     lengths = [c.start + 1 for c in chunks]
-    nb = -(-max(lengths) // block_size)
+    firsts = [0 if reach is None else max(0, n - reach) // block_size for n in lengths]
+    nb = max(-(-n // block_size) - f for n, f in zip(lengths, firsts, strict=True))
     tables = []
-    for chunk, n in zip(chunks, lengths, strict=True):
-        own = list(chunk.block_table[: -(-n // block_size)])
+    for chunk, n, first in zip(chunks, lengths, firsts, strict=True):
+        own = list(chunk.block_table[first : -(-n // block_size)])
         tables.append(own + own[:1] * (nb - len(own)))  # padding reads only the sequence's own data
     lens = torch.tensor(lengths, device=device)[:, None]
     masks: dict[int | None, torch.Tensor] = {}
     if kernel != "triton":  # the kernel masks by length and window itself
-        k_pos = torch.arange(nb * block_size, device=device)[None, :]
+        # Each row's key positions start at its first gathered block.
+        k_pos = (torch.tensor(firsts, device=device)[:, None] * block_size
+                 + torch.arange(nb * block_size, device=device)[None, :])
         for w in set(windows):
             visible = k_pos < lens
             if w is not None:
@@ -244,8 +255,8 @@ def _gather(blocks: torch.Tensor, tables: torch.Tensor, length: int | None = Non
 def _attend_one(queries: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, seq: SeqSlice,
                 block_size: int, window: int | None, attend: Attend, wide: torch.dtype | None) -> torch.Tensor:
     """One sequence's queries `[1, H, T, D]` over its own keys, with the shapes and mask of a solo run."""
-    keys = _gather(k_blocks, seq.blocks[None], seq.context_len)
-    values = _gather(v_blocks, seq.blocks[None], seq.context_len)
+    keys = _gather(k_blocks, seq.blocks[None], seq.context_len - seq.first_key)
+    values = _gather(v_blocks, seq.blocks[None], seq.context_len - seq.first_key)
     mask = seq.masks[window]
     if wide is not None and seq.num_tokens > 1 and queries.dtype != wide:
         return attend(queries.to(wide), keys.to(wide), values.to(wide), mask).to(queries.dtype)

@@ -305,10 +305,7 @@ class Transformer(nn.Module):
         offset = kv_cache.offset if kv_cache is not None else 0
         device = input_ids.device
         positions = torch.arange(offset, offset + T, device=device)
-        x = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:
-            # HF rounds the scale to the model dtype before multiplying.
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        x = self._embed(input_ids)
         ctx = StepContext(
             rope={lt: rope_cos_sin(self._inv_freq_on(lt, device), positions, x.dtype) for lt in self.inv_freq},
             masks={lt: self._mask(lt, positions, kv_cache) for lt in self.inv_freq},
@@ -327,6 +324,16 @@ class Transformer(nn.Module):
             kv_cache.advance(T)
             if not all_logits:
                 x = x[:, -1:]
+        return self._logits(x)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            # HF rounds the scale to the model dtype before multiplying.
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        return x
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.norm(x))
         if self.config.final_logit_softcapping is not None:
             cap = self.config.final_logit_softcapping
@@ -350,9 +357,7 @@ class Transformer(nn.Module):
         if input_ids.dim() != 1 or input_ids.shape[0] != batch.positions.shape[0]:
             raise ValueError(f"input_ids must be [N] with N = {batch.positions.shape[0]} tokens of the batch, "
                              f"got {tuple(input_ids.shape)}")
-        x = self.embed_tokens(input_ids[None])  # [1, N, hidden]: one flat row
-        if self.embed_scale is not None:
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        x = self._embed(input_ids[None])  # [1, N, hidden]: one flat row
         device = input_ids.device
         ctx = StepContext(
             rope={lt: rope_cos_sin(self._inv_freq_on(lt, device), batch.positions, x.dtype) for lt in self.inv_freq},
@@ -364,11 +369,7 @@ class Transformer(nn.Module):
         )
         for layer in self.layers:
             x = layer(x, ctx)
-        logits = self.lm_head(self.norm(x[0, batch.sample_rows]))
-        if self.config.final_logit_softcapping is not None:
-            cap = self.config.final_logit_softcapping
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return self._logits(x[0, batch.sample_rows])
 
     def _inv_freq_on(self, layer_type: str, device: torch.device) -> torch.Tensor:
         # Kept out of the module's buffers so `model.to(dtype)` never rounds the frequencies.
