@@ -68,7 +68,7 @@ class DecodeStep:
     """One decode step at a fixed context length."""
 
     params = (ARCHS, KINDS, CONTEXTS)
-    param_names = ["arch", "cache", "context"]
+    param_names = ["architecture", "cache", "context"]
     number = 1
     repeat = (5, 20, 10.0)
     timeout = 300
@@ -88,7 +88,7 @@ class Prefill:
     """Prefill of a prompt into an empty contiguous cache."""
 
     params = (ARCHS, [128, 1024])
-    param_names = ["arch", "prompt_len"]
+    param_names = ["architecture", "prompt_len"]
     number = 1
     repeat = (3, 10, 20.0)
     timeout = 300
@@ -108,7 +108,7 @@ class Generation:
     """A whole generation: its peak memory, and its decode rate as a tracked figure."""
 
     params = (ARCHS, KINDS)
-    param_names = ["arch", "cache"]
+    param_names = ["architecture", "cache"]
     timeout = 300
 
     def setup(self, arch: str, kind: str) -> None:
@@ -130,7 +130,7 @@ class CacheMemory:
     """Bytes the cache holds for a context, per kind (deterministic: a regression is a real change)."""
 
     params = (["llama", "gemma3_text"], KINDS, CONTEXTS)
-    param_names = ["arch", "cache", "context"]
+    param_names = ["architecture", "cache", "context"]
 
     def track_cache_bytes(self, arch: str, kind: str, context: int) -> int:
         cache = infer.create_cache(kind, bench_config(arch), max_seq_len=context, dtype=torch.bfloat16)
@@ -156,7 +156,7 @@ class BatchedEngine:
     greedy, all arriving at once): wall time, and generated tokens/s as a tracked figure."""
 
     params = [ARCHS]
-    param_names = ["arch"]
+    param_names = ["architecture"]
     number = 1
     repeat = (2, 5, 60.0)
     timeout = 600

@@ -27,6 +27,8 @@ from typing import Any, cast
 import torch
 
 from infer.bench_batched import add_batched_args, check_batched_args, run_batched_bench
+from infer.bench_memory import MemorySpec
+from infer.bench_memory import measure as measure_memory
 from infer.config import ModelConfig
 from infer.models import Transformer
 from infer.tuning import CHOICES, Choice, choose_threads, cpu_flags, record
@@ -50,6 +52,7 @@ class Contender:
     name: str
     run: Callable[[], Trial]
     trials: list[Trial] = field(default_factory=list)
+    plugin: str | None = None  # the contender plugin that made it (None: the engine), for its memory child
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -155,7 +158,9 @@ def summarize(c: Contender, bytes_per_step: int | None, bandwidth: float | None)
         "step_min_ms": min(steps) * 1e3 if steps else float("nan"),
         "step_max_ms": max(steps) * 1e3 if steps else float("nan"),
         "cache_mib": c.trials[-1].cache_bytes / 2**20,
-        "peak_mib": max(t.peak_bytes for t in c.trials) / 2**20,
+        # The bench process's peak, which every contender's weights share: the per-contender figures
+        # (peak_mib, own_mib) come from infer.bench_memory.
+        "process_peak_mib": max(t.peak_bytes for t in c.trials) / 2**20,
     }
     if bytes_per_step and bandwidth and steps:
         row["roofline_fraction"] = bytes_per_step / percentile(steps, 50) / bandwidth
@@ -218,7 +223,8 @@ def run_bench(args: argparse.Namespace) -> int:
     given = check_model_args(args)
     # Contender plugins are looked up before anything loads, so a missing one fails at once.
     group = BATCHED_PLUGINS if args.batched else CONTENDER_PLUGINS
-    others = [plugin(group, name) for name in dict.fromkeys([*args.against, *["hf"] * args.against_hf])]
+    other_names = list(dict.fromkeys([*args.against, *["hf"] * args.against_hf]))
+    others = [plugin(group, name) for name in other_names]
     if args.batched:
         check_batched_args(args)
     for name in ("prompt_len", "new_tokens", "trials"):
@@ -251,8 +257,10 @@ def run_bench(args: argparse.Namespace) -> int:
     contenders = [engine_contender(f"infer[{args.cache}]", model, prompt_ids, args.new_tokens, args.cache, True)]
     if args.compare:
         contenders.append(engine_contender("infer[no cache]", model, prompt_ids, args.new_tokens, args.cache, False))
-    for make in others:
-        contenders += make(path, dtype, device, prompt_ids, args.new_tokens)
+    for plugin_name, make in zip(other_names, others, strict=True):
+        for c in make(path, dtype, device, prompt_ids, args.new_tokens):
+            c.plugin = plugin_name
+            contenders.append(c)
 
     total = (args.warmup + args.trials) * len(contenders)
     with tqdm(total=total, desc="bench", unit="run", file=sys.stderr) as bar:
@@ -276,12 +284,26 @@ def run_bench(args: argparse.Namespace) -> int:
     positions = [p for p in args.positions if p <= args.new_tokens - 1]
     for row, c in zip(rows, contenders, strict=True):
         row.update({f"step@{p}_ms": v for p, v in step_latency_at(c, positions).items()})
+    baseline_mib = None
+    if not args.no_memory:  # after the timings, each contender alone in a fresh process
+        for row, c in zip(rows, contenders, strict=True):
+            spec = MemorySpec(c.name, c.plugin, str(path), args.dtype, args.device, prompt_ids, args.new_tokens,
+                              cache=args.cache, use_kv_cache=c.name != "infer[no cache]",
+                              compute_dtype=args.compute_dtype, fused_projections=args.fused_projections)
+            print(f"measuring the memory of {c.name} in its own process", file=sys.stderr)
+            figures = measure_memory(spec)
+            row["peak_mib"], row["own_mib"] = figures.peak_bytes / 2**20, figures.own_bytes / 2**20
+            baseline_mib = figures.baseline_bytes / 2**20
 
     print(f"\nmodel {path} ({config.model_type}), {dtype}, {device}, prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens, {args.trials} trials")
     print(format_table(rows, ["name", "ttft_ms", "prompt_tok_s", "decode_tok_s", "step_p50_ms", "step_p95_ms",
                               "step_p99_ms", "step_min_ms", "step_max_ms", *[f"step@{p}_ms" for p in positions],
-                              "cache_mib", "peak_mib", "roofline_fraction"]))
+                              "cache_mib", *(["peak_mib", "own_mib"] if not args.no_memory else []),
+                              "roofline_fraction"]))
+    if baseline_mib is not None:
+        print(f"memory: peak_mib is each contender's peak resident set alone in a fresh process (on CUDA, peak "
+              f"allocated), own_mib that minus the process's {baseline_mib:.0f} MiB after importing torch")
     print(f"roofline: {bytes_per_step / 1e6:.1f} MB read per decode step at context {mid_context}; "
           f"read bandwidth {bandwidth / 1e9:.1f} GB/s (copy {copy_bandwidth / 1e9:.1f}); "
           f"floor {bytes_per_step / bandwidth * 1e3:.1f} ms/step")
@@ -294,13 +316,16 @@ def run_bench(args: argparse.Namespace) -> int:
     report = {
         "machine": machine_info(), "choices": [asdict(c) for c in CHOICES.values()],
         "units": {"ttft_ms": "ms", "prompt_tok_s": "tokens/s", "decode_tok_s": "tokens/s", "step_*_ms": "ms",
-                  "cache_mib": "MiB", "peak_mib": "MiB", "bandwidth_bytes_s": "bytes/s",
+                  "cache_mib": "MiB", "peak_mib": "MiB (the contender alone in a fresh process)",
+                  "own_mib": "MiB (peak_mib minus the process after importing torch)",
+                  "process_peak_mib": "MiB (the bench process, all contenders loaded)", "baseline_mib": "MiB",
+                  "bandwidth_bytes_s": "bytes/s",
                   "bytes_per_decode_step": "bytes", "roofline_fraction": "fraction of read bandwidth",
                   "copy_bandwidth_bytes_s": "bytes/s (read + written)"},
         "model": str(path), "dtype": str(dtype), "device": str(device), "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "trials": args.trials, "bandwidth_bytes_s": bandwidth,
         "copy_bandwidth_bytes_s": copy_bandwidth,
-        "bytes_per_decode_step": bytes_per_step, "results": rows, "ratios": ratios,
+        "bytes_per_decode_step": bytes_per_step, "baseline_mib": baseline_mib, "results": rows, "ratios": ratios,
         "contenders": {c.name: [asdict(t) for t in c.trials] for c in contenders},
     }
     if args.json:
@@ -455,6 +480,8 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable[.
                    help="instead: a table of cache bytes and decode tok/s for these comma-separated kinds")
     p.add_argument("--contexts", default="512,4096", help="contexts of --cache-table (comma-separated)")
     add_batched_args(p)
+    p.add_argument("--no-memory", action="store_true",
+                   help="skip measuring each contender's peak memory in its own process (after the timings)")
     p.add_argument("--json", default=None, help="write the full report here")
     p.add_argument("--plot", default=None, help="write a PNG of per-step latency against position")
     p.set_defaults(seed=0)

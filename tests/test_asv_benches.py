@@ -10,7 +10,7 @@ from asv_benches import benchmarks as b
 
 SMALL = {"context": [128], "prompt_len": [128]}
 # Whole generations are the slow bodies; every cache kind is already driven by DecodeStep.
-SMALL_BY_CLASS = {"Generation": {"cache": ["contiguous", "paged"]}, "BatchedEngine": {"arch": ["gemma3_text"]}}
+SMALL_BY_CLASS = {"Generation": {"cache": ["contiguous", "paged"]}, "BatchedEngine": {"architecture": ["gemma3_text"]}}
 
 
 def small_params(cls: type) -> list[tuple]:
