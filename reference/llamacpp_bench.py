@@ -1,0 +1,52 @@
+"""llama.cpp as a bench contender (`python -m infer bench --against llama.cpp`), on the same weights: the
+checkpoint converted to GGUF in the bench's dtype (reference/gguf_convert.py), driven greedily through
+llama-cpp-python with the engine's thread count. Needs `pip install -e ".[llamacpp]"` (llama-cpp-python
+builds llama.cpp from source with cmake)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from infer.bench import Contender, Trial, peak_memory_bytes
+from reference.gguf_convert import cached_gguf
+
+
+def llamacpp_contenders(
+    path: Path, dtype: torch.dtype, device: torch.device, prompt_ids: list[int], new_tokens: int
+) -> list[Contender]:
+    """One contender: llama.cpp on the CPU with the GGUF of `path` in `dtype`."""
+    try:
+        from llama_cpp import Llama
+    except ImportError as e:
+        raise ValueError(f"llama.cpp is not installed ({e}); pip install -e '.[llamacpp]'") from e
+    if device.type != "cpu":
+        raise ValueError("the llama.cpp contender runs on the CPU only; use --device cpu")
+    gguf_path = cached_gguf(path, dtype)
+    llm = Llama(model_path=str(gguf_path), n_ctx=len(prompt_ids) + new_tokens + 8, n_batch=max(len(prompt_ids), 8),
+                n_threads=torch.get_num_threads(), n_threads_batch=torch.get_num_threads(), verbose=False)
+
+    def run() -> Trial:
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(prompt_ids)
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        ttft = time.perf_counter() - start
+        steps = []
+        for _ in range(new_tokens - 1):
+            start = time.perf_counter()
+            llm.eval([token])
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            steps.append(time.perf_counter() - start)
+        config = llm.metadata
+        cache_bytes = 0
+        if config:
+            layers = int(config.get("llama.block_count", 0))
+            kv = int(config.get("llama.attention.head_count_kv", 0)) * int(config.get("llama.attention.key_length", 0))
+            cache_bytes = 2 * layers * kv * llm.n_ctx() * 2  # llama.cpp's default f16 KV cache
+        return Trial(ttft, len(prompt_ids), steps, cache_bytes, peak_memory_bytes(device))
+
+    return [Contender(f"llama.cpp[{str(dtype).removeprefix('torch.')}]", run)]

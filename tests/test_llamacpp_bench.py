@@ -1,0 +1,88 @@
+"""llama.cpp as a bench contender: the GGUF conversion keeps every weight and the config (checked by reading
+the file back), and llama.cpp on the converted file generates the engine's greedy tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import infer
+from infer.config import ModelConfig
+from infer.sampling import SamplingParams
+from reference import build_checkpoint
+
+gguf = pytest.importorskip("gguf")
+from reference.gguf_convert import hf_to_gguf, permute_for_rope, tensor_reader, unpermute_for_rope  # noqa: E402
+
+
+def test_rope_permutation_interleaves_each_heads_halves_and_inverts() -> None:
+    heads, dim, width = 3, 8, 5
+    w = np.arange(heads * dim * width, dtype=np.float32).reshape(heads * dim, width)
+    p = permute_for_rope(w, heads)
+    for h in range(heads):
+        for i in range(dim // 2):  # HF pairs (i, i + dim/2) of a head become llama.cpp's (2i, 2i+1)
+            assert (p[h * dim + 2 * i] == w[h * dim + i]).all()
+            assert (p[h * dim + 2 * i + 1] == w[h * dim + i + dim // 2]).all()
+    assert (unpermute_for_rope(p, heads) == w).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conversion_keeps_every_weight_and_the_config(tmp_path: Path, dtype: torch.dtype) -> None:
+    path = build_checkpoint("llama")
+    config = ModelConfig.from_file(path)
+    reader = gguf.GGUFReader(str(hf_to_gguf(path, tmp_path / "m.gguf", dtype)))
+    fields = {name: f.contents() for name, f in reader.fields.items()}
+    assert fields["general.architecture"] == "llama"
+    assert fields["llama.block_count"] == config.num_hidden_layers
+    assert fields["llama.attention.head_count"] == config.num_attention_heads
+    assert fields["llama.attention.head_count_kv"] == config.num_key_value_heads
+    assert fields["llama.rope.freq_base"] == pytest.approx(config.rope.theta)
+    assert fields["llama.attention.layer_norm_rms_epsilon"] == pytest.approx(config.rms_norm_eps)
+    assert len(fields["tokenizer.ggml.tokens"]) == config.vocab_size
+    tensors = {t.name: t for t in reader.tensors}
+    weights = tensor_reader(path)
+    kind = "F32" if dtype == torch.float32 else "BF16"
+    q = tensors["blk.0.attn_q.weight"]
+    assert q.tensor_type.name == kind and tensors["blk.0.attn_norm.weight"].tensor_type.name == "F32"
+    if dtype == torch.float32:
+        hf_q = weights("model.layers.0.self_attn.q_proj.weight").numpy()
+        got = unpermute_for_rope(np.asarray(q.data).reshape(hf_q.shape), config.num_attention_heads)
+        assert (got == hf_q).all()
+        down = weights(f"model.layers.{config.num_hidden_layers - 1}.mlp.down_proj.weight").numpy()
+        assert (np.asarray(tensors[f"blk.{config.num_hidden_layers - 1}.ffn_down.weight"].data).reshape(down.shape)
+                == down).all()
+    expected = 2 + 9 * config.num_hidden_layers + (0 if config.tie_word_embeddings else 1)
+    assert len(tensors) - ("rope_freqs.weight" in tensors) == expected
+
+
+def test_other_architectures_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="Llama checkpoints only"):
+        hf_to_gguf(build_checkpoint("qwen3"), tmp_path / "q.gguf")
+
+
+def test_llamacpp_generates_the_engines_greedy_tokens(tmp_path: Path) -> None:
+    pytest.importorskip("llama_cpp")
+    from reference.llamacpp_bench import llamacpp_contenders
+
+    path = build_checkpoint("llama")
+    prompt = [5, 17, 33, 2, 9, 41]
+    model = infer.load_model(path)
+    expected = infer.generate(model, None, prompt, SamplingParams(max_new_tokens=8, temperature=0.0,
+                                                                   ignore_eos=True)).token_ids
+    (contender,) = llamacpp_contenders(path, torch.float32, torch.device("cpu"), prompt, 8)
+    trial = contender.run()
+    assert len(trial.step_times_s) == 7 and trial.ttft_s > 0
+    from llama_cpp import Llama
+
+    from reference.gguf_convert import cached_gguf
+
+    llm = Llama(model_path=str(cached_gguf(path, torch.float32)), n_ctx=32, verbose=False)
+    llm.eval(prompt)
+    tokens = []
+    for _ in range(8):
+        tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval([tokens[-1]])
+    assert tokens == expected
