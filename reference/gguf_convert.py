@@ -89,7 +89,7 @@ def hf_to_gguf(path: str | Path, out: str | Path, dtype: torch.dtype = torch.bfl
     writer.add_tokenizer_pre("default")
     writer.add_token_list([f"<t{i}>" for i in range(config.vocab_size)])
     writer.add_token_types([gguf.TokenType.NORMAL] * config.vocab_size)
-    writer.add_token_merges([])
+    writer.add_token_merges(["<t0> <t1>"])  # llama.cpp needs the key; ids are fed, never text
     writer.add_bos_token_id(config.bos_token_id if config.bos_token_id is not None else 0)
     writer.add_eos_token_id(config.eos_token_ids[0] if config.eos_token_ids else 0)
 

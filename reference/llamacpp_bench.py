@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from infer.bench import Contender, Trial, peak_memory_bytes
 from reference.gguf_convert import cached_gguf
+
+
+def next_token(llm: Any) -> int:
+    """Greedy: the argmax of the logits llama.cpp computed for the last evaluated token (read in place:
+    without logits_all, llama-cpp-python keeps no copy)."""
+    return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
 
 
 def llamacpp_contenders(
@@ -33,13 +40,13 @@ def llamacpp_contenders(
         llm.reset()
         start = time.perf_counter()
         llm.eval(prompt_ids)
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        token = next_token(llm)
         ttft = time.perf_counter() - start
         steps = []
         for _ in range(new_tokens - 1):
             start = time.perf_counter()
             llm.eval([token])
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            token = next_token(llm)
             steps.append(time.perf_counter() - start)
         config = llm.metadata
         cache_bytes = 0

@@ -65,7 +65,7 @@ def test_other_architectures_are_refused(tmp_path: Path) -> None:
 
 def test_llamacpp_generates_the_engines_greedy_tokens(tmp_path: Path) -> None:
     pytest.importorskip("llama_cpp")
-    from reference.llamacpp_bench import llamacpp_contenders
+    from reference.llamacpp_bench import llamacpp_contenders, next_token
 
     path = build_checkpoint("llama")
     prompt = [5, 17, 33, 2, 9, 41]
@@ -83,6 +83,6 @@ def test_llamacpp_generates_the_engines_greedy_tokens(tmp_path: Path) -> None:
     llm.eval(prompt)
     tokens = []
     for _ in range(8):
-        tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        tokens.append(next_token(llm))
         llm.eval([tokens[-1]])
     assert tokens == expected
