@@ -117,8 +117,16 @@ def choose_decode_gemv(weights: list[torch.Tensor], forced: str = "auto") -> Cho
 def _time_gemv(w: torch.Tensor, repeats: int = 5) -> tuple[float, float]:
     """Median seconds of one-row F.linear and torch.mv on weight `w`, the two timed alternately."""
     x = torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device)
-    forms = {"linear": lambda: torch.nn.functional.linear(x, w), "mv": lambda: torch.mv(w, x[0])}
-    times: dict[str, list[float]] = {k: [] for k in forms}
+    times = _time_alternately({"linear": lambda: torch.nn.functional.linear(x, w), "mv": lambda: torch.mv(w, x[0])},
+                              w.device, repeats)
+    return times["linear"], times["mv"]
+
+
+def _time_alternately(forms: dict[str, Callable[[], object]], device: torch.device,
+                      repeats: int) -> dict[str, float]:
+    """Median seconds of each form, after one warm-up call each, the forms timed in turn (so drift in the
+    machine's speed hits them alike)."""
+    times: dict[str, list[float]] = {key: [] for key in forms}
     with torch.inference_mode():
         for fn in forms.values():
             fn()
@@ -126,10 +134,10 @@ def _time_gemv(w: torch.Tensor, repeats: int = 5) -> tuple[float, float]:
             for key, fn in forms.items():
                 start = time.perf_counter()
                 fn()
-                if w.device.type == "cuda":
-                    torch.cuda.synchronize(w.device)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
                 times[key].append(time.perf_counter() - start)
-    return _median(times["linear"]), _median(times["mv"])
+    return {key: _median(t) for key, t in times.items()}
 
 
 DECODE_ATTENTION_KERNELS = ("sdpa", "matmul")
@@ -172,20 +180,9 @@ def _time_decode_attention(heads: int, kv_heads: int, head_dim: int, dtype: torc
     k = torch.randn(batch, kv_heads, keys, head_dim, generator=gen).to(dtype=dtype, device=device)
     mask = (torch.arange(keys)[None] < torch.randint(1, keys + 1, (batch, 1), generator=gen))[:, None, None]
     mask = mask.to(device)
-    forms = {"sdpa": lambda: decode_attention(q, k, k, mask, 0.125),
-             "matmul": lambda: decode_attention_matmul(q, k, k, mask, 0.125)}
-    times: dict[str, list[float]] = {key: [] for key in forms}
-    with torch.inference_mode():
-        for fn in forms.values():
-            fn()
-        for _ in range(repeats):
-            for key, fn in forms.items():
-                start = time.perf_counter()
-                fn()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                times[key].append(time.perf_counter() - start)
-    return _median(times["sdpa"]), _median(times["matmul"])
+    times = _time_alternately({"sdpa": lambda: decode_attention(q, k, k, mask, 0.125),
+                               "matmul": lambda: decode_attention_matmul(q, k, k, mask, 0.125)}, device, repeats)
+    return times["sdpa"], times["matmul"]
 
 
 def choose_threads(model: Transformer, forced: int = 0, steps: int = 6) -> Choice:
