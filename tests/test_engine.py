@@ -171,3 +171,12 @@ def test_gemma_sliding_layers_live_in_rings_bounded_by_the_window(gemma3_dir: Pa
     unbounded = Engine(model, tok, num_blocks=64, block_size=4, bound_sliding_layers=False)
     assert unbounded.ring is None and unbounded.pool.num_layers == config.num_hidden_layers
     assert unbounded.prefix_caching
+
+
+def test_decode_attention_choice_is_validated(llama: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, tok = llama
+    with pytest.raises(ValueError, match="decode_attention must be"):
+        Engine(model, tok, num_blocks=8, decode_attention="flash")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # a CPU without the interpreter cannot run Triton
+    with pytest.raises(ValueError, match="decode_attention='triton' needs Triton"):
+        Engine(model, tok, num_blocks=8, decode_attention="triton")
