@@ -18,10 +18,10 @@ from safetensors import SafetensorError, safe_open
 
 from infer.config import ModelConfig
 from infer.errors import CheckpointError
-from infer.memory import check_fits, resolve_device
+from infer.memory import check_fits, on_huge_pages, resolve_device
 from infer.models import Transformer
 from infer.models.transformer import Linear
-from infer.tuning import choose_decode_gemv, choose_prefill_dtype
+from infer.tuning import choose_decode_gemv, choose_prefill_dtype, record_weight_pages
 
 DTYPES = {
     "float32": torch.float32,
@@ -135,6 +135,7 @@ def load_model(
     compute_dtype: torch.dtype | str | None = "auto",
     check_finite: bool = True,
     decode_gemv: str = "auto",
+    huge_pages: bool = True,
 ) -> Transformer:
     """Load the checkpoint in directory `path` (the shipped default model when None), in eval mode.
 
@@ -145,7 +146,9 @@ def load_model(
     Everything is validated before any weight is read: config.json's fields, the layer count against the
     tensors present, shapes, dtypes, and the memory the weights need. `check_finite` refuses weights with
     NaN or infinity (after the cast to `dtype`); pass False to skip that scan. `decode_gemv` picks the kernel
-    of one-token products ("linear" or "mv"); "auto" times both on this model's shapes (infer.tuning).
+    of one-token products ("linear", "mv" or "native"); "auto" times them on this model's weights
+    (infer.tuning). `huge_pages` puts CPU weights on transparent huge pages where the kernel allows it (a
+    decode step streams them faster; infer.memory.on_huge_pages); False keeps torch's allocation.
     """
     if path is not None and not isinstance(path, (str, Path)):
         raise TypeError(f"path must be a checkpoint directory (str or Path), got {type(path).__name__}")
@@ -189,7 +192,12 @@ def load_model(
                     "the checkpoint is corrupt or overflows this dtype (load_model(..., check_finite=False) skips "
                     "this check)"
                 )
+    if huge_pages and target.type == "cpu":
+        for name in list(state):  # one at a time, so each original is freed as its copy is made
+            state[name] = on_huge_pages(state[name])
+    record_weight_pages(huge_pages, target)
     model.load_state_dict(state, strict=False, assign=True)
+    model.huge_pages = huge_pages
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.compute_dtype = _resolve_compute_dtype(compute_dtype, torch_dtype, target)

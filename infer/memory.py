@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import math
+import mmap
 import os
 from pathlib import Path
 
@@ -51,3 +54,54 @@ def check_fits(nbytes: int, device: torch.device, what: str) -> None:
             f"{what} needs {nbytes / 2**30:.2f} GiB, but only {free / 2**30:.2f} GiB is free on {device}; "
             "use a smaller size or dtype"
         )
+
+
+HUGE_PAGE = 2 * 2**20
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def huge_pages_mode(setting: str = THP_SETTING) -> str | None:
+    """The kernel's transparent-huge-page mode ("always", "madvise" or "never"), None where it has none."""
+    try:
+        text = Path(setting).read_text()
+    except OSError:
+        return None
+    chosen = [word.strip("[]") for word in text.split() if word.startswith("[")]
+    return chosen[0] if chosen else None
+
+
+def on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of the CPU tensor `tensor` on transparent huge pages (`empty_on_huge_pages`), or `tensor`
+    itself where it is not on the CPU or would get none.
+
+    Why: a decode step streams every weight once. On 4 KiB pages it takes a TLB miss every 4 KiB and the
+    hardware prefetchers stop at every page edge; on 2 MiB pages both happen 512x less often (the native
+    GEMV read weights 8% faster on a 2-core Xeon). Linux's default THP mode, "madvise", gives them only to
+    memory that asks, which torch's allocator does not."""
+    if tensor.device.type != "cpu" or not huge_pages_fit(tensor.numel() * tensor.element_size()):
+        return tensor
+    return empty_on_huge_pages(tuple(tensor.shape), tensor.dtype).copy_(tensor)
+
+
+def huge_pages_fit(nbytes: int) -> bool:
+    """Whether `nbytes` of CPU memory can be put on transparent huge pages here (one huge page or more)."""
+    return nbytes >= HUGE_PAGE and huge_pages_mode() in ("always", "madvise") and hasattr(mmap, "MADV_HUGEPAGE")
+
+
+def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised contiguous CPU tensor in an anonymous map advised for transparent huge pages and
+    starting on a huge-page boundary (an ordinary tensor where `huge_pages_fit` says no)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not huge_pages_fit(nbytes):
+        return torch.empty(shape, dtype=dtype)
+    # Private: anonymous shared maps are shmem, which THP serves only under its own (usually off) setting.
+    buffer = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # room to align
+    buffer.madvise(mmap.MADV_HUGEPAGE)
+    start = -_address(buffer) % HUGE_PAGE
+    # The tensor keeps the map alive (torch.frombuffer holds a reference to its buffer).
+    return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=start).view(dtype).view(shape)
+
+
+def _address(buffer: mmap.mmap) -> int:
+    """The address of a writable map's first byte."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))

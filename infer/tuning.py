@@ -19,7 +19,10 @@ import torch
 
 from infer.cache import create_cache
 from infer.config import ModelConfig
+from infer.kernels.native import NativeKernels, native_kernels, unavailable_reason
+from infer.memory import huge_pages_mode
 from infer.models import Transformer
+from infer.models.transformer import GEMV_FORMS
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,20 @@ def record(choice: Choice) -> Choice:
     """Remember `choice` for reports and return it."""
     CHOICES[choice.name] = choice
     return choice
+
+
+def record_weight_pages(huge_pages: bool, device: torch.device) -> Choice:
+    """Record where the loader put the weights (infer.memory.on_huge_pages does the placing)."""
+    name = "weight pages"
+    if device.type != "cpu":
+        return record(Choice(name, "device", f"weights on {device.type}: the device's allocator"))
+    if not huge_pages:
+        return record(Choice(name, "normal", "huge_pages=False"))
+    mode = huge_pages_mode()
+    if mode in ("always", "madvise"):
+        return record(Choice(name, "huge", f"transparent huge pages ({mode}): weights of 2 MiB and more on 2 MiB "
+                                           "pages (fewer TLB misses and prefetcher restarts per decode step)"))
+    return record(Choice(name, "normal", f"the kernel offers no transparent huge pages ({mode or 'no THP'})"))
 
 
 def choose_prefill_dtype(weight_dtype: torch.dtype, device: torch.device,
@@ -93,33 +110,77 @@ def _time_prefill_matmul(dtype: torch.dtype, tokens: int = 128, size: int = 1024
     return _median_time(half), _median_time(wide)
 
 
-GEMV_FORMS = ("linear", "mv")
-
-
 def choose_decode_gemv(weights: list[torch.Tensor], forced: str = "auto") -> Choice:
-    """The kernel of one-token decode products: `F.linear` or `torch.mv`, whichever streams this model's
-    weight shapes faster here (timed alternately, medians over the distinct shapes); `forced` skips that."""
+    """The kernel of one-token decode products: `F.linear`, `torch.mv` or the native kernel (infer/kernels/
+    gemv.c), whichever streams this model's weights fastest here. Timed as a decode step reads them: a sweep
+    over the weights in model order (at least twice the last-level cache where the model is that large, so a
+    sweep measures memory, not cache), the forms alternating; another form must beat F.linear by 3% to replace
+    it. `forced` skips the timing."""
     name = "decode GEMV form"
     if forced != "auto":
         if forced not in GEMV_FORMS:
-            raise ValueError(f"decode_gemv must be 'auto', 'linear' or 'mv', got {forced!r}")
+            raise ValueError(f"decode_gemv must be 'auto' or one of {', '.join(map(repr, GEMV_FORMS))}, "
+                             f"got {forced!r}")
+        if forced == "native" and native_kernels() is None:
+            raise ValueError(f"decode_gemv='native' is unavailable here: {unavailable_reason()}; use 'auto'")
         return record(Choice(name, forced, "forced by the caller"))
-    shapes = {(tuple(w.shape), w.dtype, w.device): w for w in weights}
-    linear_s = mv_s = 0.0
-    for w in shapes.values():
-        a, b = _time_gemv(w)
-        linear_s, mv_s = linear_s + a, mv_s + b
-    value = "mv" if mv_s < 0.97 * linear_s else "linear"  # a clear win only: the two are close on many CPUs
-    return record(Choice(name, value, f"one product of each of {len(shapes)} weight shapes: F.linear "
-                                      f"{linear_s * 1e3:.2f} ms, torch.mv {mv_s * 1e3:.2f} ms (medians)"))
+    sweep = _sweep_weights(weights)
+    device = sweep[0].device
+    inputs = {w.shape[1]: torch.randn(w.shape[1], dtype=w.dtype, device=device) for w in sweep}
+    forms: dict[str, Callable[[], object]] = {
+        "linear": lambda: [torch.nn.functional.linear(inputs[w.shape[1]][None], w) for w in sweep],
+        "mv": lambda: [torch.mv(w, inputs[w.shape[1]]) for w in sweep],
+    }
+    kernels = native_kernels() if device.type == "cpu" else None
+    if kernels is not None and all(kernels.supports(w) for w in sweep):
+        forms["native"] = lambda: [kernels.gemv(w, inputs[w.shape[1]]) for w in sweep]
+    times = _time_alternately(forms, device, repeats=5)
+    best = min(times, key=times.__getitem__)
+    value = best if times[best] < 0.97 * times["linear"] else "linear"  # a clear win only
+    labels = {"linear": "F.linear", "mv": "torch.mv", "native": f"native ({kernels.isa if kernels else ''})"}
+    timed = ", ".join(f"{labels[k]} {t * 1e3:.2f} ms" for k, t in times.items())
+    if "native" not in forms:
+        timed += f"; native not tried ({_native_absence(kernels, device)})"
+    megabytes = sum(w.nbytes for w in sweep) / 2**20
+    return record(Choice(name, value, f"a sweep over {len(sweep)} weights ({megabytes:.0f} MiB): {timed} "
+                                      "(medians, alternately)"))
 
 
-def _time_gemv(w: torch.Tensor, repeats: int = 5) -> tuple[float, float]:
-    """Median seconds of one-row F.linear and torch.mv on weight `w`, the two timed alternately."""
-    x = torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device)
-    times = _time_alternately({"linear": lambda: torch.nn.functional.linear(x, w), "mv": lambda: torch.mv(w, x[0])},
-                              w.device, repeats)
-    return times["linear"], times["mv"]
+_SWEEP_MIN_BYTES = 2**30
+
+
+def _sweep_weights(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The distinct weights in order, cut after max(1 GiB, 2 x last-level cache) bytes."""
+    limit = max(_SWEEP_MIN_BYTES, 2 * last_level_cache_bytes())
+    distinct: dict[int, torch.Tensor] = {}
+    total = 0
+    for w in weights:
+        if w.data_ptr() not in distinct and total < limit:
+            distinct[w.data_ptr()] = w
+            total += w.nbytes
+    return list(distinct.values())
+
+
+def _native_absence(kernels: NativeKernels | None, device: torch.device) -> str:
+    if device.type != "cpu":
+        return f"CPU only, the model is on {device.type}"
+    if kernels is None:
+        return str(unavailable_reason())
+    return "a weight it cannot take (dtype or layout)"
+
+
+@functools.cache
+def last_level_cache_bytes(sysfs: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """Size of the CPU's largest cache (Linux sysfs), 0 where it cannot be read."""
+    sizes = [0]
+    for entry in Path(sysfs).glob("index*/size"):
+        text = entry.read_text().strip() if entry.is_file() else ""
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        if text[:-1].isdigit() and text[-1] in units:
+            sizes.append(int(text[:-1]) * units[text[-1]])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes)
 
 
 def _time_alternately(forms: dict[str, Callable[[], object]], device: torch.device,

@@ -54,11 +54,22 @@ def test_cpu_flags_parse_proc_cpuinfo(tmp_path: object) -> None:
 ARCHS = ["llama", "qwen3", "gemma3"]
 
 
+def native_here() -> bool:
+    from infer.kernels.native import native_kernels
+
+    return native_kernels() is not None
+
+
+FORMS = ["mv", pytest.param("native", marks=pytest.mark.skipif(not native_here(), reason="no native build here"))]
+
+
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize(("arch", "overrides"), [(a, {}) for a in ARCHS] + [
     ("llama", {"attention_bias": True, "mlp_bias": True})], ids=[*ARCHS, "llama-biases"])
-def test_mv_decode_equals_the_oracle_and_the_linear_form(arch: str, overrides: dict) -> None:
-    """The torch.mv form of one-row products is the same math as F.linear: every decode step's fp32 logits
-    equal the oracle's, and the linear form's within 1e-5; bf16 steps agree within bf16 rounding."""
+def test_decode_gemv_forms_equal_the_oracle_and_the_linear_form(arch: str, overrides: dict, form: str) -> None:
+    """The torch.mv and native forms of one-row products compute F.linear's sums in another order: every
+    decode step's fp32 logits equal the oracle's, and the linear form's within 1e-5; bf16 steps agree within
+    bf16 rounding. (The native form runs q/k/v and gate/up fused: that is in these steps too.)"""
     import infer
     from reference import Oracle, build_checkpoint
     from tests.helpers import assert_close
@@ -68,40 +79,103 @@ def test_mv_decode_equals_the_oracle_and_the_linear_form(arch: str, overrides: d
     full = Oracle(path).logits(ids)
     for dtype, tol in (("float32", 1e-5), ("bfloat16", 0.1)):
         steps = {}
-        for form in ("linear", "mv"):
-            model = infer.load_model(path, dtype=dtype, decode_gemv=form, compute_dtype="exact")
-            assert model.decode_gemv == form
+        for gemv in ("linear", form):
+            model = infer.load_model(path, dtype=dtype, decode_gemv=gemv, compute_dtype="exact")
+            assert model.decode_gemv == gemv
             cache = infer.create_cache("contiguous", model.config, max_seq_len=20, dtype=model.lm_head.weight.dtype)
             with torch.no_grad():
                 model(ids[:, :12], cache)
-                steps[form] = torch.cat([model(ids[:, i : i + 1], cache) for i in range(12, 20)], 1).float()
+                steps[gemv] = torch.cat([model(ids[:, i : i + 1], cache) for i in range(12, 20)], 1).float()
         scale = max(1.0, full.abs().max().item())
-        assert_close(steps["mv"], steps["linear"], tol * scale, f"{arch} {dtype} mv vs linear")
+        assert_close(steps[form], steps["linear"], tol * scale, f"{arch} {dtype} {form} vs linear")
         if dtype == "float32":
-            assert_close(steps["mv"], full[:, 12:20], tol * scale, f"{arch} mv vs oracle")
+            assert_close(steps[form], full[:, 12:20], tol * scale, f"{arch} {form} vs oracle")
 
 
-def test_mv_form_leaves_batches_and_prefill_to_linear() -> None:
+@pytest.mark.parametrize("form", FORMS)
+def test_one_row_forms_leave_batches_and_prefill_to_linear(form: str) -> None:
     import infer
     from reference import build_checkpoint
 
-    path = build_checkpoint("qwen3", attention_bias=True)  # the bias path of the mv form
-    linear, mv = (infer.load_model(path, decode_gemv=f) for f in ("linear", "mv"))
+    path = build_checkpoint("qwen3", attention_bias=True)  # the bias path of the one-row forms
+    linear, other = (infer.load_model(path, decode_gemv=f) for f in ("linear", form))
     ids = torch.randint(0, 400, (2, 5), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        assert torch.equal(linear(ids), mv(ids)), "batches and prefill never take the one-row path"
-        assert torch.equal(linear(ids[:, :1]), mv(ids[:, :1])), "a batch of one-token rows is not one row"
+        assert torch.equal(linear(ids), other(ids)), "batches and prefill never take the one-row path"
+        assert torch.equal(linear(ids[:, :1]), other(ids[:, :1])), "a batch of one-token rows is not one row"
+        assert torch.equal(linear(ids[:1]), other(ids[:1])), "a one-sequence prefill is not one row"
 
 
-def test_decode_gemv_choice_is_measured_or_forced() -> None:
+@pytest.mark.skipif(not native_here(), reason="no native build here")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_native_decode_fuses_projections_without_changing_a_bit(arch: str, dtype: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the native form one-row q/k/v and gate/up run as one product each, and every logit equals the
+    separate native products' exactly (each output is its own row's sum); prefill keeps the separate
+    products, and state_dict is the checkpoint's."""
+    import infer
+    from infer.models.transformer import Linear
+    from reference import build_checkpoint
+
+    model = infer.load_model(build_checkpoint(arch), dtype=dtype, decode_gemv="native")
+    assert not model.fused_projections, "fused for one-row products only"
+    assert model.layers[0].self_attn.__dict__["qkv"] is not None and model.layers[0].mlp.__dict__["gate_up"] is not None
+    ids = torch.randint(0, 400, (1, 16), generator=torch.Generator().manual_seed(6))
+
+    def decode() -> torch.Tensor:
+        cache = infer.create_cache("contiguous", model.config, max_seq_len=16, dtype=model.lm_head.weight.dtype)
+        with torch.no_grad():
+            model(ids[:, :10], cache)
+            return torch.cat([model(ids[:, i : i + 1], cache) for i in range(10, 16)], 1)
+
+    fused = decode()
+    monkeypatch.setattr(Linear, "fuses", lambda self, x: self.all_rows)  # the parts, each its own native product
+    assert torch.equal(decode(), fused)
+    assert sorted(model.state_dict()) == sorted(infer.load_model(build_checkpoint(arch), decode_gemv="linear")
+                                                .state_dict())
+
+
+def test_decode_gemv_choice_is_measured_or_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    import infer.tuning
     from infer.tuning import choose_decode_gemv
 
     w = [torch.randn(64, 32), torch.randn(32, 64)]
     auto = choose_decode_gemv(w)
-    assert auto.value in ("linear", "mv") and "F.linear" in auto.reason and "torch.mv" in auto.reason
+    assert auto.value in ("linear", "mv", "native") and "F.linear" in auto.reason and "torch.mv" in auto.reason
+    assert ("native (" in auto.reason) == native_here(), auto.reason
+    assert "a sweep over 2 weights" in auto.reason
     assert choose_decode_gemv(w, "mv").value == "mv"
     with pytest.raises(ValueError, match="decode_gemv must be"):
         choose_decode_gemv(w, "gemm")
+    monkeypatch.setattr(infer.tuning, "native_kernels", lambda: None)
+    monkeypatch.setattr(infer.tuning, "unavailable_reason", lambda: "no C compiler on PATH")
+    with pytest.raises(ValueError, match="'native' is unavailable here: no C compiler"):
+        choose_decode_gemv(w, "native")
+    assert "native not tried (no C compiler on PATH)" in choose_decode_gemv(w).reason
+
+
+def test_the_sweep_takes_each_weight_once_up_to_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    import infer.tuning
+
+    a, b, c = torch.randn(8, 8), torch.randn(16, 8), torch.randn(4, 4)
+    assert infer.tuning._sweep_weights([a, b, a, c]) == [a, b, c], "tied weights are read once a step"
+    monkeypatch.setattr(infer.tuning, "last_level_cache_bytes", lambda: 0)
+    monkeypatch.setattr(infer.tuning, "_SWEEP_MIN_BYTES", a.nbytes)
+    assert infer.tuning._sweep_weights([a, b, c]) == [a], "cut once the limit is reached"
+
+
+def test_last_level_cache_is_read_from_sysfs(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from infer.tuning import last_level_cache_bytes
+
+    root = Path(str(tmp_path))
+    for index, size in enumerate(["48K", "2048K", "480M", "bogus"]):
+        (root / f"index{index}").mkdir()
+        (root / f"index{index}" / "size").write_text(size + "\n")
+    assert last_level_cache_bytes(str(root)) == 480 * 2**20
+    assert last_level_cache_bytes(str(root / "missing")) == 0
 
 
 # The default tiny shapes, biases, and the shape where fusing changed the rounding (hidden 48, one head).

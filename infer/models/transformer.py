@@ -21,8 +21,13 @@ from torch import nn
 from infer.attention import attention, attention_mask, attention_reference
 from infer.cache.base import KVCache
 from infer.config import SLIDING_ATTENTION, ModelConfig, RopeConfig
+from infer.kernels.native import native_gemv, native_kernels, unavailable_reason
+from infer.memory import empty_on_huge_pages
 from infer.ragged import RaggedBatch, paged_attention
 from infer.rope import apply_rope, inverse_frequencies, rope_cos_sin
+
+# Kernels of one-row (decode) products; "linear" is the unoptimised form, the others are chosen by measurement.
+GEMV_FORMS = ("linear", "mv", "native")
 
 
 class Linear(nn.Linear):
@@ -32,27 +37,49 @@ class Linear(nn.Linear):
     CPUs without bf16 matrix units run a bf16 GEMM several times slower than an fp32 one, so prefill
     can upcast; a one-token decode GEMV is bandwidth-bound and stays in the weights' dtype. For that one
     row, `F.linear` may take a GEMM kernel that streams the weights slower than `torch.mv` does (oneDNN's
-    AMX path with a single row): `gemv = "mv"` uses `torch.mv`, chosen by measurement (infer.tuning).
+    AMX path with a single row), and both stream slower than the native kernel (infer/kernels/gemv.c):
+    `gemv` is chosen by measurement (infer.tuning); "linear" is the unoptimised form and the check.
     """
 
     upcast: torch.dtype | None = None
-    gemv: str = "linear"  # "linear" | "mv": the kernel of a one-row product
+    gemv: str = "linear"  # "linear" | "mv" | "native": the kernel of a one-row product
+    # A fused Linear (fuse_linears) computes its parts' products: all of them, or only one-row native ones.
+    all_rows: bool = True
+
+    def one_row(self, x: torch.Tensor) -> bool:
+        """Whether `x` is one row for the decode kernel (an inference input of `in_features` values)."""
+        return x.numel() == self.in_features and not x.requires_grad
+
+    def fuses(self, x: torch.Tensor) -> bool:
+        """For a fused Linear: whether it computes `x` rather than its parts. Fused for every product
+        (`all_rows`, not bit-exact: a GEMM over more rows may block its sums differently), or only where the
+        native kernel takes one row: there every output is its own row's sum, so fusing changes no bit."""
+        return self.all_rows or (self.gemv == "native" and self.one_row(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv == "mv" and x.numel() == self.in_features:
+        if self.gemv != "linear" and self.one_row(x):
             # One row: the matrix-vector product itself, without the GEMM machinery.
-            out = torch.mv(self.weight, x.reshape(-1))
-            return (out if self.bias is None else out + self.bias).view(*x.shape[:-1], self.out_features)
+            if self.gemv == "native":
+                out = native_gemv(self.weight, x, self.bias)
+            else:
+                out = torch.mv(self.weight, x.reshape(-1))
+                out = out if self.bias is None else out + self.bias
+            return out.view(*x.shape[:-1], self.out_features)
         if self.upcast is None or x.shape[-2] == 1 or x.dtype == self.upcast:
             return F.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.to(self.upcast)
         return F.linear(x.to(self.upcast), self.weight.to(self.upcast), bias).to(x.dtype)
 
 
-def fuse_linears(parts: list[Linear]) -> Linear:
+def fuse_linears(parts: list[Linear], huge_pages: bool = False) -> Linear:
     """One Linear computing all of `parts` in one product: its weight (and bias) is their rows concatenated,
-    and each part's weight becomes a view into it, so memory is unchanged and the parts stay usable."""
-    weight = torch.cat([p.weight.detach() for p in parts])
+    and each part's weight becomes a view into it, so memory is unchanged and the parts stay usable.
+    `huge_pages`: the fused weight on transparent huge pages, as the loader places weights."""
+    weights = [p.weight.detach() for p in parts]
+    shape = (sum(w.shape[0] for w in weights), weights[0].shape[1])
+    weight = empty_on_huge_pages(shape, weights[0].dtype) if huge_pages and weights[0].device.type == "cpu" \
+        else torch.empty(shape, dtype=weights[0].dtype, device=weights[0].device)
+    torch.cat(weights, out=weight)
     bias = torch.cat([p.bias.detach() for p in parts]) if parts[0].bias is not None else None
     with torch.device("meta"):
         fused = Linear(parts[0].in_features, weight.shape[0], bias=bias is not None)
@@ -103,7 +130,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused: Linear | None = self.__dict__["gate_up"]
-        if fused is not None:
+        if fused is not None and fused.fuses(x):
             gate, up = fused(x).split(self.up_proj.out_features, -1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
@@ -155,7 +182,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         B, T, _ = x.shape
         fused: Linear | None = self.__dict__["qkv"]
-        if fused is not None:
+        if fused is not None and fused.fuses(x):
             kv_width = self.num_kv_heads * self.head_dim
             q, k, v = fused(x).split([self.num_heads * self.head_dim, kv_width, kv_width], -1)
         else:
@@ -231,6 +258,8 @@ class Transformer(nn.Module):
             for layer_type in set(config.layer_types)
         }
         self.use_reference_attention = False  # the unoptimised path, for checking `attention`
+        self._decode_gemv = "linear"  # Transformer.decode_gemv
+        self.huge_pages = False  # weights on transparent huge pages (set by the loader; fusing keeps it)
         # Ids that end generation: config.json's, widened by the loader with generation_config.json's.
         self.eos_token_ids: tuple[int, ...] = config.eos_token_ids
 
@@ -247,19 +276,31 @@ class Transformer(nn.Module):
 
     @property
     def fused_projections(self) -> bool:
-        """Whether q/k/v and gate/up each run as one product (fewer, larger GEMVs per decode step); off by
+        """Whether q/k/v and gate/up each run as one product for every input (fewer, larger products); off by
         default. The weights are shared, so memory is unchanged. Not bit-exact for every shape: a GEMM over
         more output rows may block the reduction differently (seen at hidden size 48: 1.3e-4 on logits of
         magnitude 12, where the separate products equal HF exactly), so the oracle-exact default keeps the
-        separate products."""
-        return self._decoder_layers()[0].self_attn.__dict__["qkv"] is not None
+        separate products. (With the native decode GEMV, one-row products are fused either way: exact.)"""
+        fused = self._decoder_layers()[0].self_attn.__dict__["qkv"]
+        return fused is not None and fused.all_rows
 
     @fused_projections.setter
     def fused_projections(self, on: bool) -> None:
+        self._lay_out_fused(all_rows=on)
+
+    def _lay_out_fused(self, all_rows: bool) -> None:
+        """Fused q/k/v and gate/up Linears where every product or the native one-row products use them."""
+        keep = all_rows or self._decode_gemv == "native"
         for layer in self._decoder_layers():
             attn, mlp = layer.self_attn, layer.mlp
-            attn.__dict__["qkv"] = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj]) if on else None
-            mlp.__dict__["gate_up"] = fuse_linears([mlp.gate_proj, mlp.up_proj]) if on else None
+            for owner, key, parts in ((attn, "qkv", [attn.q_proj, attn.k_proj, attn.v_proj]),
+                                      (mlp, "gate_up", [mlp.gate_proj, mlp.up_proj])):
+                fused = owner.__dict__[key] if keep else None
+                if keep and fused is None:
+                    fused = fuse_linears(parts, self.huge_pages)
+                if fused is not None:
+                    fused.all_rows = all_rows
+                owner.__dict__[key] = fused
 
     def _linears(self) -> list[Linear]:
         """Every Linear, the fused ones included (they sit outside the module tree)."""
@@ -272,15 +313,22 @@ class Transformer(nn.Module):
 
     @property
     def decode_gemv(self) -> str:
-        """Kernel of one-row (decode) products: "linear" (F.linear) or "mv" (torch.mv); same math."""
-        return self.lm_head.gemv
+        """Kernel of one-row (decode) products: "linear" (F.linear), "mv" (torch.mv) or "native" (the compiled
+        kernel of infer/kernels/gemv.c; a weight it cannot take keeps F.linear). Sums in another order than
+        F.linear: equal within rounding."""
+        return self._decode_gemv
 
     @decode_gemv.setter
     def decode_gemv(self, form: str) -> None:
-        if form not in ("linear", "mv"):
-            raise ValueError(f"decode_gemv must be 'linear' or 'mv', got {form!r}")
+        if form not in GEMV_FORMS:
+            raise ValueError(f"decode_gemv must be one of {', '.join(map(repr, GEMV_FORMS))}, got {form!r}")
+        kernels = native_kernels() if form == "native" else None
+        if form == "native" and kernels is None:
+            raise ValueError(f"decode_gemv='native' is unavailable here: {unavailable_reason()}; use 'auto'")
+        self._decode_gemv = form
+        self._lay_out_fused(self.fused_projections)
         for module in self._linears():
-            module.gemv = form
+            module.gemv = "linear" if kernels is not None and not kernels.supports(module.weight) else form
 
     def _rope_of(self, layer_type: str) -> RopeConfig:
         if layer_type == SLIDING_ATTENTION and self.config.rope_local is not None:

@@ -1,0 +1,181 @@
+"""The CPU decode GEMV of `gemv.c`, compiled at first use by the machine's C compiler for its own CPU
+(`-march=native`, OpenMP) and called through ctypes.
+
+A one-token decode step streams every weight once; ATen's bf16 `torch.mv` reaches ~85% of a 2-core Xeon's
+read bandwidth, this kernel all of it (see gemv.c for why). The build is cached on disk, keyed by the
+source, the compiler, its flags and the CPU, so it runs once per machine; where there is no compiler or the
+build fails, `native_kernels()` returns None and says why (`unavailable_reason`), and the engine keeps
+ATen's forms. `infer.tuning.choose_decode_gemv` takes this kernel only where it measures faster.
+
+`FLAVOURS` build the narrower instruction-set paths too (the tests hold every one the CPU can run to the
+formula, so the AVX2 path of an EPYC is checked on a Xeon).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("gemv.c")
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+# Compiler flags per flavour: "native" is the widest path the CPU has; the others switch paths off (x86).
+FLAVOURS: dict[str, tuple[str, ...]] = {
+    "native": (),
+    "avx512f": ("-mno-avx512bf16",),
+    "avx2": ("-mno-avx512f",),
+    "generic": ("-mno-avx512f", "-mno-avx2", "-mno-fma"),
+}
+# The CPU flags a flavour's code needs (it is built with -march=native minus the flavour's switches).
+FLAVOUR_NEEDS: dict[str, tuple[str, ...]] = {
+    "native": (), "avx512f": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2", "fma"), "generic": (),
+}
+
+_reasons: dict[str, str] = {}
+
+
+class NativeKernels:
+    """A loaded build of gemv.c: `gemv` for decode products, `read` for the read-bandwidth probe."""
+
+    def __init__(self, path: Path, openmp: bool) -> None:
+        lib = ctypes.CDLL(str(path))
+        lib.infer_gemv.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64,
+                                                                             ctypes.c_int]
+        lib.infer_gemv.restype = ctypes.c_int
+        lib.infer_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+        lib.infer_read.restype = ctypes.c_double
+        lib.infer_isa.restype = ctypes.c_char_p
+        lib.infer_supports.argtypes = [ctypes.c_int]
+        self._gemv = lib.infer_gemv
+        self._read = lib.infer_read
+        self.path = path
+        self.isa: str = lib.infer_isa().decode()
+        self.openmp = openmp  # without OpenMP a build runs on one thread
+        self.dtypes = frozenset(d for d, code in DTYPE_CODES.items() if lib.infer_supports(code))
+
+    def __repr__(self) -> str:
+        return f"NativeKernels({self.isa}{'' if self.openmp else ', one thread'}, {self.path.name})"
+
+    def supports(self, weight: torch.Tensor) -> bool:
+        """Whether `gemv` takes this weight: a contiguous 2-D CPU tensor of a dtype the build computes."""
+        return (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in self.dtypes
+                and weight.is_contiguous())
+
+    def gemv(self, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`weight @ x (+ bias)` for one row `x` of `weight.shape[1]` values, in the weights' dtype (fp32
+        sums, rounded once). The caller has checked `supports(weight)`; x and bias are made to match."""
+        n, k = weight.shape
+        x = x.reshape(k)
+        if x.dtype != weight.dtype or not x.is_contiguous():
+            x = x.to(weight.dtype).contiguous()
+        if bias is not None and (bias.dtype != weight.dtype or not bias.is_contiguous()):
+            bias = bias.to(weight.dtype).contiguous()
+        out = torch.empty(n, dtype=weight.dtype)
+        if self._gemv(DTYPE_CODES[weight.dtype], weight.data_ptr(), x.data_ptr(),
+                      None if bias is None else bias.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads()):
+            raise MemoryError(f"the native GEMV could not allocate {4 * k} bytes to widen x")
+        return out
+
+    def read(self, buffer: torch.Tensor) -> float:
+        """Read every byte of the contiguous CPU tensor `buffer` once, as `gemv` reads weights (returns their
+        float sum, so the read cannot be skipped)."""
+        return float(self._read(buffer.data_ptr(), buffer.numel() * buffer.element_size(),
+                                torch.get_num_threads()))
+
+
+def native_gemv(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`NativeKernels.gemv` of this machine's native build, for a weight it `supports` (Linear's decode path,
+    set by Transformer.decode_gemv only where the build loaded)."""
+    kernels = native_kernels()
+    if kernels is None:
+        raise RuntimeError(f"the native GEMV is unavailable: {unavailable_reason()}")
+    return kernels.gemv(weight, x, bias)
+
+
+def cache_dir() -> Path:
+    """Where builds are kept: $INFER_KERNEL_DIR, else ~/.cache/infer/kernels."""
+    return Path(os.environ.get("INFER_KERNEL_DIR") or Path.home() / ".cache" / "infer" / "kernels")
+
+
+@functools.cache
+def native_kernels(flavour: str = "native") -> NativeKernels | None:
+    """The build of gemv.c for `flavour` (once per process; on disk once per machine), or None where it
+    cannot be built or loaded here (`unavailable_reason(flavour)` says why)."""
+    if flavour not in FLAVOURS:
+        raise ValueError(f"flavour must be one of {sorted(FLAVOURS)}, got {flavour!r}")
+    if os.environ.get("INFER_NATIVE", "1") == "0":
+        _reasons[flavour] = "turned off by INFER_NATIVE=0"
+        return None
+    named = os.environ.get("CC")
+    compiler = shutil.which(named) if named else shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        _reasons[flavour] = f"CC={named} not found" if named else "no C compiler on PATH (cc, gcc or clang; or set CC)"
+        return None
+    is_x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+    if flavour != "native" and not is_x86:
+        _reasons[flavour] = f"the {flavour} flavour is x86-only"
+        return None
+    attempts = [("-march=native", "-fopenmp"), ("-fopenmp",), ("-march=native",), ()]
+    errors = []
+    for extra in attempts:
+        flags = ("-O3", "-shared", "-fPIC", *extra, *FLAVOURS[flavour])
+        try:
+            path = _build(compiler, flags)
+        except (OSError, subprocess.SubprocessError) as exc:
+            errors.append(str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__)
+            continue
+        try:
+            return NativeKernels(path, openmp="-fopenmp" in flags)
+        except OSError as exc:
+            errors.append(f"built but could not load: {exc}")
+    _reasons[flavour] = f"{compiler} could not build {SOURCE.name}: {errors[-1] if errors else 'unknown error'}"
+    return None
+
+
+def unavailable_reason(flavour: str = "native") -> str | None:
+    """Why `native_kernels(flavour)` is None (None when it loaded)."""
+    return None if native_kernels(flavour) is not None else _reasons.get(flavour, "unknown")
+
+
+def _build(compiler: str, flags: tuple[str, ...]) -> Path:
+    """The shared library for these flags, compiled unless an identical build is cached; built under a
+    temporary name and renamed, so concurrent processes (xdist workers) never load half a file."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, version, " ".join(flags), _cpu_signature()])
+                         .encode()).hexdigest()[:16]
+    directory = cache_dir()
+    target = directory / f"gemv-{key}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True,
+                       timeout=120)
+        os.replace(tmp, target)
+    except subprocess.CalledProcessError as exc:
+        raise subprocess.SubprocessError(exc.stderr or f"exit {exc.returncode}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _cpu_signature() -> str:
+    """The CPU model and flags: a build for -march=native is only valid on the CPU it was made for."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [line for line in lines if line.startswith(("model name", "flags", "Features", "CPU part"))]
+    return "\n".join(sorted(set(keep)))

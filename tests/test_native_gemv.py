@@ -1,0 +1,171 @@
+"""The native decode GEMV (infer/kernels/gemv.c) held to the formula: every instruction-set path the CPU can
+run, every dtype, shapes crossing the vector widths, biases and thread counts; outputs independent of how
+many rows a call holds (what makes fused decode projections exact) and of the thread count; nothing
+written past the output; a build that cannot happen reported, not raised."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from infer.kernels import native
+from infer.kernels.native import DTYPE_CODES, FLAVOUR_NEEDS, FLAVOURS, native_kernels, unavailable_reason
+from infer.tuning import cpu_flags
+
+
+def runnable_flavours() -> list[str]:
+    """The flavours this CPU can execute (the narrower x86 paths run on any CPU that has their units)."""
+    flags = cpu_flags() or frozenset()
+    return [f for f in FLAVOURS if set(FLAVOUR_NEEDS[f]) <= flags and native_kernels(f) is not None]
+
+
+FLAVOURS_HERE = runnable_flavours()
+needs_build = pytest.mark.skipif(native_kernels() is None, reason=f"no native build here: {unavailable_reason()}")
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def error_bound(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """|computed - exact| for fp32 sums of k products (and a bias) rounded once to `dtype`: the fp32
+    accumulation bound (k+1) u32 sum|w x| plus half an ulp of `dtype` relative to the result."""
+    k = w.shape[1]
+    magnitude = w.double().abs() @ x.double().abs() + (0 if bias is None else bias.double().abs())
+    exact = w.double() @ x.double() + (0 if bias is None else bias.double())
+    return (k + 2) * 2.0**-24 * magnitude * (1 + UNIT_ROUNDOFF[dtype]) + UNIT_ROUNDOFF[dtype] * exact.abs() + 1e-30
+
+
+@needs_build
+@settings(max_examples=40, deadline=None)
+@given(flavour=st.sampled_from(FLAVOURS_HERE or ["native"]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       n=st.integers(1, 70), k=st.integers(1, 300), with_bias=st.booleans(), threads=st.integers(1, 3),
+       seed=st.integers(0, 2**16))
+def test_every_path_computes_the_product(flavour: str, dtype: torch.dtype, n: int, k: int, with_bias: bool,
+                                         threads: int, seed: int) -> None:
+    kernels = native_kernels(flavour)
+    assert kernels is not None
+    if dtype not in kernels.dtypes:
+        return
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    x = torch.randn(k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = kernels.gemv(w, x, bias)
+    finally:
+        torch.set_num_threads(before)
+    exact = w.double() @ x.double() + (0 if bias is None else bias.double())
+    assert y.dtype == dtype and y.shape == (n,)
+    excess = (y.double() - exact).abs() - error_bound(w, x, bias, dtype)
+    assert excess.max() <= 0, f"{flavour} {dtype} n={n} k={k}: row {int(excess.argmax())} off by more than rounding"
+
+
+@needs_build
+@settings(max_examples=20, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.bfloat16]), n=st.integers(2, 90), k=st.integers(1, 200),
+       cut=st.integers(1, 89), seed=st.integers(0, 2**16))
+def test_outputs_do_not_depend_on_the_rows_in_a_call_or_the_threads(dtype: torch.dtype, n: int, k: int,
+                                                                     cut: int, seed: int) -> None:
+    """Each output is its own row's sum: the rows of one call equal the same rows called apart (so fused q/k/v
+    equal the separate products bit for bit) on any number of threads."""
+    kernels = native_kernels()
+    assert kernels is not None
+    cut = min(cut, n - 1)
+    gen = torch.Generator().manual_seed(seed)
+    w, x = torch.randn(n, k, generator=gen).to(dtype), torch.randn(k, generator=gen).to(dtype)
+    whole = kernels.gemv(w, x)
+    assert torch.equal(whole, torch.cat([kernels.gemv(w[:cut], x), kernels.gemv(w[cut:], x)]))
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(kernels.gemv(w, x), whole), f"{threads} threads"
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_build
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nothing_is_written_past_the_output_and_inputs_are_untouched(dtype: torch.dtype) -> None:
+    kernels = native_kernels()
+    assert kernels is not None
+    n, k = 37, 70
+    w, x, bias = torch.randn(n, k).to(dtype), torch.randn(k).to(dtype), torch.randn(n).to(dtype)
+    originals = [w.clone(), x.clone(), bias.clone()]
+    out = torch.full((n + 16,), 7.0, dtype=dtype)
+    kernels._gemv(DTYPE_CODES[dtype], w.data_ptr(), x.data_ptr(), bias.data_ptr(), out.data_ptr(), n, k, 2)
+    assert torch.equal(out[n:], torch.full((16,), 7.0, dtype=dtype)), "written past the n outputs"
+    assert torch.equal(out[:n], kernels.gemv(w, x, bias))
+    assert all(torch.equal(a, b) for a, b in zip(originals, [w, x, bias], strict=True)), "an input changed"
+
+
+@needs_build
+def test_non_finite_values_stay_in_their_row() -> None:
+    kernels = native_kernels()
+    assert kernels is not None
+    w = torch.ones(40, 64, dtype=torch.bfloat16)
+    w[3, 5], w[20, 63] = float("nan"), float("inf")
+    y = kernels.gemv(w, torch.ones(64, dtype=torch.bfloat16))
+    assert y[3].isnan() and y[20] == float("inf")
+    others = [i for i in range(40) if i not in (3, 20)]
+    assert torch.equal(y[others], torch.full((38,), 64.0, dtype=torch.bfloat16))
+
+
+@needs_build
+def test_inputs_of_another_dtype_or_layout_are_converted() -> None:
+    kernels = native_kernels()
+    assert kernels is not None
+    w = torch.randn(24, 48).to(torch.bfloat16)
+    x = torch.randn(2, 48)[:, 0:48][1]  # fp32, a view
+    strided = torch.randn(96).to(torch.bfloat16)[::2]
+    assert torch.equal(kernels.gemv(w, x), kernels.gemv(w, x.to(torch.bfloat16)))
+    assert torch.equal(kernels.gemv(w, strided), kernels.gemv(w, strided.contiguous()))
+    assert not kernels.supports(w.T) and not kernels.supports(w.to(torch.float64)) and kernels.supports(w)
+
+
+@needs_build
+def test_read_probe_reads_every_byte() -> None:
+    kernels = native_kernels()
+    assert kernels is not None
+    buffer = torch.arange(1000, dtype=torch.float32)
+    assert kernels.read(buffer) == pytest.approx(float(buffer.sum()))
+
+
+def test_a_missing_or_failing_compiler_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: object) -> None:
+    monkeypatch.setenv("INFER_KERNEL_DIR", str(tmp_path))
+    try:
+        native_kernels.cache_clear()
+        monkeypatch.setenv("CC", "/nonexistent/cc")
+        assert native_kernels() is None and "CC=/nonexistent/cc not found" in str(unavailable_reason())
+        native_kernels.cache_clear()
+        monkeypatch.setenv("CC", "false")
+        assert native_kernels() is None and "could not build gemv.c" in str(unavailable_reason())
+        native_kernels.cache_clear()
+        monkeypatch.delenv("CC")
+        monkeypatch.setenv("INFER_NATIVE", "0")
+        assert native_kernels() is None and "INFER_NATIVE=0" in str(unavailable_reason())
+        with pytest.raises(ValueError, match="flavour must be one of"):
+            native_kernels("avx1024")
+    finally:
+        monkeypatch.undo()
+        native_kernels.cache_clear()
+
+
+@needs_build
+def test_builds_are_cached_per_source_and_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    from pathlib import Path
+
+    monkeypatch.setenv("INFER_KERNEL_DIR", str(tmp_path))
+    compiler = native.shutil.which("cc") or native.shutil.which("gcc")
+    assert compiler is not None
+    first = native._build(compiler, ("-O1", "-shared", "-fPIC"))
+    assert native._build(compiler, ("-O1", "-shared", "-fPIC")) == first, "an identical build is reused"
+    assert native._build(compiler, ("-O2", "-shared", "-fPIC")) != first, "other flags, another build"
+    assert [p.name for p in Path(str(tmp_path)).iterdir() if not p.name.startswith("gemv-")] == [], "no temp left"
+    ctypes.CDLL(str(first))  # loadable
