@@ -30,8 +30,10 @@ from infer.bench_batched import add_batched_args, check_batched_args, run_batche
 from infer.bench_memory import MemorySpec
 from infer.bench_memory import measure as measure_memory
 from infer.config import ModelConfig
+from infer.kernels.native import native_kernels
+from infer.memory import available_memory, empty_on_huge_pages
 from infer.models import Transformer
-from infer.tuning import CHOICES, Choice, choose_threads, cpu_flags, record
+from infer.tuning import CHOICES, Choice, choose_threads, cpu_flags, last_level_cache_bytes, record
 
 
 @dataclass
@@ -65,8 +67,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def measure_copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int = 5) -> float:
     """Best observed bytes/s of a large tensor copy (bytes read + bytes written)."""
+    nbytes = read_buffer_bytes(device) if nbytes is None else nbytes
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     best = float("inf")
@@ -79,18 +82,42 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, repe
     return 2 * nbytes / best
 
 
-def measure_read_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
-    """Best observed bytes/s of reading a large tensor once (a sum: the arithmetic is far below the memory
-    rate), the bound a decode step, which reads weights and K/V and writes almost nothing, can reach."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    best = float("inf")
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        src.sum()
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best
+def read_buffer_bytes(device: torch.device) -> int:
+    """Size of the bandwidth probes' buffer: on the CPU at least 1 GiB and twice the last-level cache (the
+    Xeons here have 480 MiB of L3: a smaller buffer measures the cache), at most a quarter of free memory."""
+    if device.type != "cpu":
+        return 256 * 2**20
+    wanted = max(2**30, 2 * last_level_cache_bytes())
+    free = available_memory(device)
+    return max(64 * 2**20, min(wanted, free // 4)) if free else wanted
+
+
+def measure_read_bandwidth(device: torch.device, nbytes: int | None = None,
+                           repeats: int = 5) -> tuple[float, dict[str, float]]:
+    """Bytes/s of reading a large buffer once, the bound a decode step, which reads weights and K/V and writes
+    almost nothing, can reach: the best of the methods tried (torch's sum; on the CPU also the native read of
+    infer/kernels/gemv.c, streaming as its GEMV does), each the best of `repeats`, and every method's figure.
+    On the CPU the buffer lies on the pages the loader gives weights (huge pages where the kernel has them)."""
+    nbytes = read_buffer_bytes(device) if nbytes is None else nbytes
+    if device.type == "cpu":
+        src = empty_on_huge_pages((nbytes // 4,), torch.float32).fill_(1.0)
+    else:
+        src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    methods: dict[str, Callable[[], object]] = {"torch.sum": src.sum}
+    kernels = native_kernels() if device.type == "cpu" else None
+    if kernels is not None:
+        methods[f"native read ({kernels.isa})"] = lambda: kernels.read(src)
+    rates = {}
+    for name, read in methods.items():
+        best = float("inf")
+        for _ in range(repeats):
+            _sync(device)
+            start = time.perf_counter()
+            read()
+            _sync(device)
+            best = min(best, time.perf_counter() - start)
+        rates[name] = src.nbytes / best
+    return max(rates.values()), rates
 
 
 def decode_bytes_per_step(model: torch.nn.Module, config: ModelConfig, context: int, kv_bytes_per_elem: int) -> int:
@@ -276,7 +303,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 bar.update()
 
     copy_bandwidth = measure_copy_bandwidth(device)
-    bandwidth = measure_read_bandwidth(device)  # the roofline's denominator: a decode step reads
+    bandwidth, read_rates = measure_read_bandwidth(device)  # the roofline's denominator: a decode step reads
     mid_context = args.prompt_len + args.new_tokens // 2
     kv_elem = torch.tensor([], dtype=dtype).element_size()
     bytes_per_step = decode_bytes_per_step(model, config, mid_context, kv_elem)
@@ -305,7 +332,8 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"memory: peak_mib is each contender's peak resident set alone in a fresh process (on CUDA, peak "
               f"allocated), own_mib that minus the process's {baseline_mib:.0f} MiB after importing torch")
     print(f"roofline: {bytes_per_step / 1e6:.1f} MB read per decode step at context {mid_context}; "
-          f"read bandwidth {bandwidth / 1e9:.1f} GB/s (copy {copy_bandwidth / 1e9:.1f}); "
+          f"read bandwidth {bandwidth / 1e9:.1f} GB/s, the best of "
+          f"{', '.join(f'{k} {v / 1e9:.1f}' for k, v in read_rates.items())} (copy {copy_bandwidth / 1e9:.1f}); "
           f"floor {bytes_per_step / bandwidth * 1e3:.1f} ms/step")
     ratios = _ratios(rows)
     for line in ratios:
@@ -321,10 +349,12 @@ def run_bench(args: argparse.Namespace) -> int:
                   "process_peak_mib": "MiB (the bench process, all contenders loaded)", "baseline_mib": "MiB",
                   "bandwidth_bytes_s": "bytes/s",
                   "bytes_per_decode_step": "bytes", "roofline_fraction": "fraction of read bandwidth",
-                  "copy_bandwidth_bytes_s": "bytes/s (read + written)"},
+                  "copy_bandwidth_bytes_s": "bytes/s (read + written)",
+                  "read_bandwidth_by_method_bytes_s": "bytes/s", "read_buffer_bytes": "bytes"},
         "model": str(path), "dtype": str(dtype), "device": str(device), "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "trials": args.trials, "bandwidth_bytes_s": bandwidth,
-        "copy_bandwidth_bytes_s": copy_bandwidth,
+        "copy_bandwidth_bytes_s": copy_bandwidth, "read_bandwidth_by_method_bytes_s": read_rates,
+        "read_buffer_bytes": read_buffer_bytes(device),
         "bytes_per_decode_step": bytes_per_step, "baseline_mib": baseline_mib, "results": rows, "ratios": ratios,
         "contenders": {c.name: [asdict(t) for t in c.trials] for c in contenders},
     }

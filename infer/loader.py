@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 
 from infer.config import ModelConfig
 from infer.errors import CheckpointError
-from infer.memory import check_fits, on_huge_pages, resolve_device
+from infer.memory import check_fits, empty_on_huge_pages, on_huge_pages, resolve_device
 from infer.models import Transformer
 from infer.models.transformer import Linear
 from infer.tuning import choose_decode_gemv, choose_prefill_dtype, record_weight_pages
@@ -77,6 +77,7 @@ class _Header:
     file: Path
     shape: tuple[int, ...]
     dtype: str
+    start: int = 0  # where the tensor's bytes begin in the file
 
 
 def _read_headers(files: list[Path]) -> dict[str, _Header]:
@@ -84,13 +85,18 @@ def _read_headers(files: list[Path]) -> dict[str, _Header]:
     headers: dict[str, _Header] = {}
     for file in files:
         try:
+            # safe_open validates the file (header, offsets within it); the offsets come from the header itself.
             with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                    piece = f.get_slice(name)
-                    key = name.removeprefix("model.")  # some exports prefix the decoder with "model."
-                    headers[key] = _Header(file, tuple(piece.get_shape()), str(piece.get_dtype()))
+                shapes = {name: (tuple(f.get_slice(name).get_shape()), str(f.get_slice(name).get_dtype()))
+                          for name in f.keys()}  # noqa: SIM118 (safe_open is not a Mapping)
+            with open(file, "rb") as raw:
+                size = int.from_bytes(raw.read(8), "little")
+                layout = json.loads(raw.read(size))
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"cannot read {file}: corrupt or truncated safetensors file ({e})") from e
+        for name, (shape, dtype) in shapes.items():
+            key = name.removeprefix("model.")  # some exports prefix the decoder with "model."
+            headers[key] = _Header(file, shape, dtype, 8 + size + int(layout[name]["data_offsets"][0]))
     return headers
 
 
@@ -183,20 +189,18 @@ def load_model(
     nbytes = sum(p.numel() for p in expected.values()) * torch_dtype.itemsize
     check_fits(nbytes, target, f"loading {path} in {torch_dtype}")
 
-    state = {name: t.to(device=target, dtype=torch_dtype) for name, t in _read_tensors(headers, expected).items()}
+    state = _read_tensors(headers, expected, target, torch_dtype, huge_pages)
     if check_finite:
         for name, tensor in state.items():
-            if not torch.isfinite(tensor).all():
+            if not _all_finite(tensor):
                 raise CheckpointError(
                     f"tensor {name} in {headers[name].file} holds NaN or infinite values (in {torch_dtype}); "
                     "the checkpoint is corrupt or overflows this dtype (load_model(..., check_finite=False) skips "
                     "this check)"
                 )
-    if huge_pages and target.type == "cpu":
-        for name in list(state):  # one at a time, so each original is freed as its copy is made
-            state[name] = on_huge_pages(state[name])
     record_weight_pages(huge_pages, target)
     model.load_state_dict(state, strict=False, assign=True)
+    del state  # the modules hold the weights now: re-laying them out (fused products) frees each old copy
     model.huge_pages = huge_pages
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -207,20 +211,50 @@ def load_model(
     return model.eval().requires_grad_(False)
 
 
-def _read_tensors(headers: dict[str, _Header], names: dict[str, object]) -> dict[str, torch.Tensor]:
-    by_file: dict[Path, list[str]] = {}
-    for name in names:
-        by_file.setdefault(headers[name].file, []).append(name)
+def _read_tensors(headers: dict[str, _Header], names: dict[str, object], device: torch.device,
+                  dtype: torch.dtype, huge_pages: bool) -> dict[str, torch.Tensor]:
+    """The tensors `names`, read from their files straight into their final memory: `dtype` on `device`, on
+    transparent huge pages where asked and possible (infer.memory.on_huge_pages). Plain reads, not a map of
+    the file: a map's touched pages count in the process's memory beside the copies until every tensor from
+    it is gone, doubling the peak."""
     tensors: dict[str, torch.Tensor] = {}
-    for file, wanted in by_file.items():
+    for name in names:
+        header = headers[name]
+        stored = FLOAT_DTYPES[header.dtype]
+        direct = device.type == "cpu" and stored == dtype
+        if direct and huge_pages:
+            tensor = empty_on_huge_pages(header.shape, stored)
+        else:
+            tensor = torch.empty(header.shape, dtype=stored)
         try:
-            with safe_open(str(file), framework="pt") as f:
-                stored = {n.removeprefix("model."): n for n in f.keys()}  # noqa: SIM118
-                for name in wanted:
-                    tensors[name] = f.get_tensor(stored[name])
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"cannot read {file}: corrupt or truncated safetensors file ({e})") from e
+            _read_into(header, tensor)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read {header.file}: corrupt or truncated safetensors file ({e})") from e
+        if not direct:
+            tensor = tensor.to(device=device, dtype=dtype)
+            tensor = on_huge_pages(tensor) if huge_pages else tensor
+        tensors[name] = tensor
     return tensors
+
+
+def _all_finite(tensor: torch.Tensor, chunk: int = 2**22) -> bool:
+    """Whether every value is finite, checked a few million at a time (a whole-tensor isfinite of a bf16
+    LM head makes a GB of temporaries: the load's peak memory)."""
+    flat = tensor.reshape(-1)
+    return all(bool(torch.isfinite(part).all()) for part in flat.split(chunk))
+
+
+def _read_into(header: _Header, tensor: torch.Tensor) -> None:
+    """Fill the contiguous CPU `tensor` with the header's bytes (safetensors stores little-endian)."""
+    view = tensor.reshape(-1).view(torch.uint8).numpy()
+    with open(header.file, "rb", buffering=0) as f:
+        f.seek(header.start)
+        done = 0
+        while done < view.nbytes:
+            got = f.readinto(view[done:].data)
+            if not got:
+                raise ValueError(f"the file ends {view.nbytes - done} bytes into a tensor's data")
+            done += got
 
 
 def _declared_dtype(path: Path) -> object:

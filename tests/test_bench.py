@@ -33,6 +33,8 @@ def test_json_report_names_machine_choices_units_and_raw_trials(tmp_path: Path,
     assert {c["name"] for c in report["choices"]} >= {"prefill matmul dtype", "decode GEMV form"}
     assert report["units"]["decode_tok_s"] == "tokens/s"
     assert report["bandwidth_bytes_s"] > 0 and report["copy_bandwidth_bytes_s"] > 0
+    rates = report["read_bandwidth_by_method_bytes_s"]
+    assert "torch.sum" in rates and report["bandwidth_bytes_s"] == max(rates.values()), "the best read is the bound"
     assert report["units"]["roofline_fraction"] == "fraction of read bandwidth"
     trials = report["contenders"]["infer[contiguous]"]
     assert len(trials) == 2 and all(len(t["step_times_s"]) == 3 for t in trials), trials[0].keys()

@@ -113,3 +113,32 @@ def test_checkpoint_files_are_not_modified(ckpt: Path) -> None:
     before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
     infer.load_model(ckpt, dtype="bfloat16")
     assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+
+
+def test_weights_are_read_into_their_own_memory_not_a_map_of_the_file() -> None:
+    """The loader reads tensors straight into the model's memory: no map of the checkpoint stays behind (a
+    map's touched pages count in the process's memory beside the copies, doubling the peak)."""
+    from pathlib import Path
+
+    import infer
+    from reference import build_checkpoint
+
+    path = build_checkpoint("llama")
+    model = infer.load_model(path)
+    maps = Path("/proc/self/maps")
+    if maps.exists():
+        assert str(path / "model.safetensors") not in maps.read_text()
+    assert all(p.is_contiguous() for p in model.parameters())
+
+
+def test_the_finite_check_reaches_every_chunk() -> None:
+    import torch
+
+    from infer.loader import _all_finite
+
+    big = torch.zeros(3 * 1000 + 7, dtype=torch.bfloat16)
+    assert _all_finite(big, chunk=1000)
+    for bad in (float("nan"), float("inf")):
+        flawed = big.clone()
+        flawed[-1] = bad
+        assert not _all_finite(flawed, chunk=1000), f"{bad} in the last, short chunk"
