@@ -96,7 +96,7 @@ def measure_read_bandwidth(device: torch.device, nbytes: int | None = None,
                            repeats: int = 5) -> tuple[float, dict[str, float]]:
     """Bytes/s of reading a large buffer once, the bound a decode step, which reads weights and K/V and writes
     almost nothing, can reach: the best of the methods tried (torch's sum; on the CPU also the native read of
-    infer/kernels/gemv.c, streaming as its GEMV does), each the best of `repeats`, and every method's figure.
+    infer/kernels/cpu_decode.c, streaming as its GEMV does), each the best of `repeats`, and every method's figure.
     On the CPU the buffer lies on the pages the loader gives weights (huge pages where the kernel has them)."""
     nbytes = read_buffer_bytes(device) if nbytes is None else nbytes
     if device.type == "cpu":

@@ -112,7 +112,7 @@ def _time_prefill_matmul(dtype: torch.dtype, tokens: int = 128, size: int = 1024
 
 def choose_decode_gemv(weights: list[torch.Tensor], forced: str = "auto") -> Choice:
     """The kernel of one-token decode products: `F.linear`, `torch.mv` or the native kernel (infer/kernels/
-    gemv.c), whichever streams this model's weights fastest here. Timed as a decode step reads them: a sweep
+    cpu_decode.c), whichever streams this model's weights fastest here. Timed as a decode step reads them: a sweep
     over the weights in model order (at least twice the last-level cache where the model is that large, so a
     sweep measures memory, not cache), the forms alternating; another form must beat F.linear by 3% to replace
     it. `forced` skips the timing."""

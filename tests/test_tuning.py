@@ -92,13 +92,24 @@ def test_decode_gemv_forms_equal_the_oracle_and_the_linear_form(arch: str, overr
             assert_close(steps[form], full[:, 12:20], tol * scale, f"{arch} {form} vs oracle")
 
 
+# The bias path of the one-row forms, and the shape where a fused q/k/v GEMM rounds differently (hidden 48).
+PREFILL_CASES = [("qwen3", {"attention_bias": True}),
+                 ("gemma3", {"num_key_value_heads": 1, "num_attention_heads": 1, "head_dim": 8, "hidden_size": 48,
+                             "intermediate_size": 64})]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("arch", "overrides"), PREFILL_CASES, ids=["qwen3-bias", "gemma3-h48"])
 @pytest.mark.parametrize("form", FORMS)
-def test_one_row_forms_leave_batches_and_prefill_to_linear(form: str) -> None:
+def test_one_row_forms_leave_batches_and_prefill_to_linear(form: str, arch: str, overrides: dict,
+                                                           dtype: str) -> None:
+    """Batches and prefills are bit for bit what F.linear and separate products give, whatever the one-row form
+    (under the native one, q/k/v and gate/up are fused for one-row products only)."""
     import infer
     from reference import build_checkpoint
 
-    path = build_checkpoint("qwen3", attention_bias=True)  # the bias path of the one-row forms
-    linear, other = (infer.load_model(path, decode_gemv=f) for f in ("linear", form))
+    path = build_checkpoint(arch, **overrides)
+    linear, other = (infer.load_model(path, decode_gemv=f, dtype=dtype) for f in ("linear", form))
     ids = torch.randint(0, 400, (2, 5), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert torch.equal(linear(ids), other(ids)), "batches and prefill never take the one-row path"
@@ -129,7 +140,15 @@ def test_native_decode_fuses_projections_without_changing_a_bit(arch: str, dtype
             model(ids[:, :10], cache)
             return torch.cat([model(ids[:, i : i + 1], cache) for i in range(10, 16)], 1)
 
+    calls: list[int] = []
+    for layer in model.layers:
+        for fused_linear in (layer.self_attn.__dict__["qkv"], layer.mlp.__dict__["gate_up"]):
+            fused_linear.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[-2]))
+    with torch.no_grad():
+        model(ids[:, :5])
+    assert calls == [], "a prefill runs the separate products (a fused GEMM may round otherwise)"
     fused = decode()
+    assert calls and set(calls) == {1}, "one-row steps run the fused products"
     monkeypatch.setattr(Linear, "fuses", lambda self, x: self.all_rows)  # the parts, each its own native product
     assert torch.equal(decode(), fused)
     assert sorted(model.state_dict()) == sorted(infer.load_model(build_checkpoint(arch), decode_gemv="linear")

@@ -1,8 +1,8 @@
-"""The CPU decode GEMV of `gemv.c`, compiled at first use by the machine's C compiler for its own CPU
+"""The CPU decode GEMV of `cpu_decode.c`, compiled at first use by the machine's C compiler for its own CPU
 (`-march=native`, OpenMP) and called through ctypes.
 
 A one-token decode step streams every weight once; ATen's bf16 `torch.mv` reaches ~85% of a 2-core Xeon's
-read bandwidth, this kernel all of it (see gemv.c for why). The build is cached on disk, keyed by the
+read bandwidth, this kernel all of it (see cpu_decode.c for why). The build is cached on disk, keyed by the
 source, the compiler, its flags and the CPU, so it runs once per machine; where there is no compiler or the
 build fails, `native_kernels()` returns None and says why (`unavailable_reason`), and the engine keeps
 ATen's forms. `infer.tuning.choose_decode_gemv` takes this kernel only where it measures faster.
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("gemv.c")
+SOURCE = Path(__file__).with_name("cpu_decode.c")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 # Compiler flags per flavour: "native" is the widest path the CPU has; the others switch paths off (x86).
@@ -44,7 +44,7 @@ _reasons: dict[str, str] = {}
 
 
 class NativeKernels:
-    """A loaded build of gemv.c: `gemv` for decode products, `read` for the read-bandwidth probe."""
+    """A loaded build of cpu_decode.c: `gemv` for decode products, `read` for the read-bandwidth probe."""
 
     def __init__(self, path: Path, openmp: bool) -> None:
         lib = ctypes.CDLL(str(path))
@@ -55,6 +55,13 @@ class NativeKernels:
         lib.infer_read.restype = ctypes.c_double
         lib.infer_isa.restype = ctypes.c_char_p
         lib.infer_supports.argtypes = [ctypes.c_int]
+        lib.infer_rms_norm.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [
+            ctypes.c_float, ctypes.c_int]
+        lib.infer_rope.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
+        lib.infer_gated.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
+        for fn in (lib.infer_rms_norm, lib.infer_rope, lib.infer_gated):
+            fn.restype = None
+        self._rms_norm, self._rope, self._gated = lib.infer_rms_norm, lib.infer_rope, lib.infer_gated
         self._gemv = lib.infer_gemv
         self._read = lib.infer_read
         self.path = path
@@ -85,11 +92,45 @@ class NativeKernels:
             raise MemoryError(f"the native GEMV could not allocate {4 * k} bytes to widen x")
         return out
 
+    # The small ops of a one-token step (see cpu_decode.c): each the PyTorch formula of infer/models/transformer.py
+    # in one call. Inputs are contiguous CPU tensors of a dtype in `dtypes`; outputs are new tensors.
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
+        """RMSNorm over the last dim of `x` (every row), `weight` of that size."""
+        x, weight = _dense(x), _dense(weight.to(x.dtype))
+        out = torch.empty_like(x)
+        d = x.shape[-1]
+        self._rms_norm(DTYPE_CODES[x.dtype], x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // d, d,
+                       eps, int(gemma))
+        return out
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Every row of the last dim of `x` rotated by one position's `cos`, `sin` (of that size)."""
+        x, cos, sin = _dense(x), _dense(cos.to(x.dtype)), _dense(sin.to(x.dtype))
+        out = torch.empty_like(x)
+        d = x.shape[-1]
+        self._rope(DTYPE_CODES[x.dtype], x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+                   x.numel() // d, d)
+        return out
+
+    def gated(self, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+        """act(gate) * up for `gate_up` = [gate | up] along its last dim (one row): SiLU, or tanh-GELU."""
+        gate_up = _dense(gate_up)
+        n = gate_up.shape[-1] // 2
+        out = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype)
+        self._gated(DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), n, int(gelu))
+        return out
+
     def read(self, buffer: torch.Tensor) -> float:
         """Read every byte of the contiguous CPU tensor `buffer` once, as `gemv` reads weights (returns their
         float sum, so the read cannot be skipped)."""
         return float(self._read(buffer.data_ptr(), buffer.numel() * buffer.element_size(),
                                 torch.get_num_threads()))
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """`t` if its elements lie row-major without gaps (what the kernels index), else a contiguous copy."""
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def native_gemv(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -108,7 +149,7 @@ def cache_dir() -> Path:
 
 @functools.cache
 def native_kernels(flavour: str = "native") -> NativeKernels | None:
-    """The build of gemv.c for `flavour` (once per process; on disk once per machine), or None where it
+    """The build of cpu_decode.c for `flavour` (once per process; on disk once per machine), or None where it
     cannot be built or loaded here (`unavailable_reason(flavour)` says why)."""
     if flavour not in FLAVOURS:
         raise ValueError(f"flavour must be one of {sorted(FLAVOURS)}, got {flavour!r}")
@@ -127,7 +168,8 @@ def native_kernels(flavour: str = "native") -> NativeKernels | None:
     attempts = [("-march=native", "-fopenmp"), ("-fopenmp",), ("-march=native",), ()]
     errors = []
     for extra in attempts:
-        flags = ("-O3", "-shared", "-fPIC", *extra, *FLAVOURS[flavour])
+        # -ffp-contract=off: the small ops round where PyTorch's formulas round (no fused multiply-adds).
+        flags = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", *extra, *FLAVOURS[flavour])
         try:
             path = _build(compiler, flags)
         except (OSError, subprocess.SubprocessError) as exc:
@@ -160,7 +202,7 @@ def _build(compiler: str, flags: tuple[str, ...]) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
     try:
-        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True,
+        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
                        timeout=120)
         os.replace(tmp, target)
     except subprocess.CalledProcessError as exc:

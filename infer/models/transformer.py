@@ -21,7 +21,7 @@ from torch import nn
 from infer.attention import attention, attention_mask, attention_reference
 from infer.cache.base import KVCache
 from infer.config import SLIDING_ATTENTION, ModelConfig, RopeConfig
-from infer.kernels.native import native_gemv, native_kernels, unavailable_reason
+from infer.kernels.native import NativeKernels, native_gemv, native_kernels, unavailable_reason
 from infer.memory import empty_on_huge_pages
 from infer.ragged import RaggedBatch, paged_attention
 from infer.rope import apply_rope, inverse_frequencies, rope_cos_sin
@@ -37,7 +37,7 @@ class Linear(nn.Linear):
     CPUs without bf16 matrix units run a bf16 GEMM several times slower than an fp32 one, so prefill
     can upcast; a one-token decode GEMV is bandwidth-bound and stays in the weights' dtype. For that one
     row, `F.linear` may take a GEMM kernel that streams the weights slower than `torch.mv` does (oneDNN's
-    AMX path with a single row), and both stream slower than the native kernel (infer/kernels/gemv.c):
+    AMX path with a single row), and both stream slower than the native kernel (infer/kernels/cpu_decode.c):
     `gemv` is chosen by measurement (infer.tuning); "linear" is the unoptimised form and the check.
     """
 
@@ -105,7 +105,9 @@ class RMSNorm(nn.Module):
         self.gemma = gemma
         self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, native: NativeKernels | None = None) -> torch.Tensor:
+        if native is not None:  # a one-token step: this formula in one call (infer/kernels/cpu_decode.c)
+            return native.rms_norm(x, self.weight, self.eps, self.gemma)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.gemma:
@@ -128,8 +130,10 @@ class MLP(nn.Module):
         # state_dict holds only the checkpoint's tensors.
         self.__dict__["gate_up"] = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, native: NativeKernels | None = None) -> torch.Tensor:
         fused: Linear | None = self.__dict__["gate_up"]
+        if native is not None and fused is not None:  # a one-token step: act(gate) * up in one call
+            return self.down_proj(native.gated(fused(x), self.gelu))
         if fused is not None and fused.fuses(x):
             gate, up = fused(x).split(self.up_proj.out_features, -1)
         else:
@@ -150,6 +154,8 @@ class StepContext:
     # A ragged batch (Transformer.forward_ragged) instead of a cache: per layer, the batch metadata it reads
     # and its own block tensors k, v [num_blocks, Hkv, block_size, D].
     paged: Sequence[tuple[RaggedBatch, torch.Tensor, torch.Tensor]] | None = None
+    # The native kernels for a one-token step's small ops (Transformer.native_ops), None for PyTorch's.
+    native: NativeKernels | None = None
 
 
 class Attention(nn.Module):
@@ -192,9 +198,12 @@ class Attention(nn.Module):
         k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm(q, ctx.native), self.k_norm(k, ctx.native)
         cos, sin = ctx.rope[self.layer_type]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if ctx.native is not None:  # one token: q and k are rows of head_dim, rotated in one call each
+            q, k = ctx.native.rope(q, cos, sin), ctx.native.rope(k, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attend = attention_reference if ctx.use_reference_attention else attention
         if ctx.paged is not None:
             batch, k_blocks, v_blocks = ctx.paged[self.layer_idx]
@@ -232,11 +241,13 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, gemma=True)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        native = ctx.native
         if self.sandwich:
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ctx))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x, native), ctx), native)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x, native), native),
+                                                       native)
+        x = x + self.self_attn(self.input_layernorm(x, native), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x, native), native)
 
 
 class Transformer(nn.Module):
@@ -260,6 +271,9 @@ class Transformer(nn.Module):
         self.use_reference_attention = False  # the unoptimised path, for checking `attention`
         self._decode_gemv = "linear"  # Transformer.decode_gemv
         self.huge_pages = False  # weights on transparent huge pages (set by the loader; fusing keeps it)
+        # One-token steps under the native GEMV run their norms, rotations and gated activation as native calls
+        # (infer/kernels/cpu_decode.c: each the PyTorch formula, within an ulp); False keeps PyTorch's ops.
+        self.native_ops = True
         # Ids that end generation: config.json's, widened by the loader with generation_config.json's.
         self.eos_token_ids: tuple[int, ...] = config.eos_token_ids
 
@@ -314,7 +328,7 @@ class Transformer(nn.Module):
     @property
     def decode_gemv(self) -> str:
         """Kernel of one-row (decode) products: "linear" (F.linear), "mv" (torch.mv) or "native" (the compiled
-        kernel of infer/kernels/gemv.c; a weight it cannot take keeps F.linear). Sums in another order than
+        kernel of infer/kernels/cpu_decode.c; a weight it cannot take keeps F.linear). Sums in another order than
         F.linear: equal within rounding."""
         return self._decode_gemv
 
@@ -360,6 +374,7 @@ class Transformer(nn.Module):
             kv_cache=kv_cache,
             use_reference_attention=self.use_reference_attention,
             compute_dtype=self.compute_dtype,
+            native=self._native_for(input_ids),
         )
         try:
             for layer in self.layers:
@@ -372,7 +387,16 @@ class Transformer(nn.Module):
             kv_cache.advance(T)
             if not all_logits:
                 x = x[:, -1:]
-        return self._logits(x)
+        return self._logits(x, ctx.native)
+
+    def _native_for(self, input_ids: torch.Tensor) -> NativeKernels | None:
+        """The native kernels for this forward's small ops: a one-token step of one sequence under the native
+        GEMV with `native_ops` on, never where autograd could need the ops (the kernels have no backward)."""
+        if not (self.native_ops and self._decode_gemv == "native" and input_ids.numel() == 1):
+            return None
+        if torch.is_grad_enabled() and self.lm_head.weight.requires_grad:
+            return None
+        return native_kernels()
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -381,8 +405,8 @@ class Transformer(nn.Module):
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         return x
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.norm(x))
+    def _logits(self, x: torch.Tensor, native: NativeKernels | None = None) -> torch.Tensor:
+        logits = self.lm_head(self.norm(x, native))
         if self.config.final_logit_softcapping is not None:
             cap = self.config.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap

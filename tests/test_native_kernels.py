@@ -1,4 +1,4 @@
-"""The native decode GEMV (infer/kernels/gemv.c) held to the formula: every instruction-set path the CPU can
+"""The native decode GEMV (infer/kernels/cpu_decode.c) held to the formula: every instruction-set path the CPU can
 run, every dtype, shapes crossing the vector widths, biases and thread counts; outputs independent of how
 many rows a call holds (what makes fused decode projections exact) and of the thread count; nothing
 written past the output; a build that cannot happen reported, not raised."""
@@ -145,7 +145,7 @@ def test_a_missing_or_failing_compiler_is_reported_not_raised(monkeypatch: pytes
         assert native_kernels() is None and "CC=/nonexistent/cc not found" in str(unavailable_reason())
         native_kernels.cache_clear()
         monkeypatch.setenv("CC", "false")
-        assert native_kernels() is None and "could not build gemv.c" in str(unavailable_reason())
+        assert native_kernels() is None and "could not build cpu_decode.c" in str(unavailable_reason())
         native_kernels.cache_clear()
         monkeypatch.delenv("CC")
         monkeypatch.setenv("INFER_NATIVE", "0")
@@ -169,3 +169,101 @@ def test_builds_are_cached_per_source_and_flags(monkeypatch: pytest.MonkeyPatch,
     assert native._build(compiler, ("-O2", "-shared", "-fPIC")) != first, "other flags, another build"
     assert [p.name for p in Path(str(tmp_path)).iterdir() if not p.name.startswith("gemv-")] == [], "no temp left"
     ctypes.CDLL(str(first))  # loadable
+
+
+# ---- the small ops of a one-token step, against the PyTorch formulas they replace ----
+
+ULP = {torch.float32: 2.0**-20, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+
+def assert_within_an_ulp(got: torch.Tensor, want: torch.Tensor, what: str, absolute: torch.Tensor | float = 0.0
+                         ) -> None:
+    """Equal but for the last bit of the output dtype (fp32: the last few, from sums in another order),
+    relative to the larger magnitude, plus `absolute` (where the formula cancels)."""
+    tol = ULP[want.dtype] * torch.maximum(got.float().abs(), want.float().abs()) + absolute + 1e-30
+    excess = (got.float() - want.float()).abs() - tol
+    assert excess.max() <= 0, f"{what}: {int((excess > 0).sum())} values off by more than an ulp"
+
+
+@needs_build
+@settings(max_examples=30, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), rows=st.integers(1, 40),
+       half=st.integers(1, 80), seed=st.integers(0, 2**16))
+def test_native_rope_is_the_formula_bit_for_bit(dtype: torch.dtype, rows: int, half: int, seed: int) -> None:
+    from infer.rope import apply_rope
+
+    kernels = native_kernels()
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, 2 * half, generator=gen) * 4).to(dtype)
+    angles = torch.randn(2 * half, generator=gen) * 100
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    want = apply_rope(x[None, :, None, :], cos[None], sin[None])[0, :, 0]
+    assert torch.equal(kernels.rope(x, cos, sin), want)
+
+
+@needs_build
+@settings(max_examples=30, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), rows=st.integers(1, 12),
+       d=st.integers(1, 300), gemma=st.booleans(), seed=st.integers(0, 2**16))
+def test_native_rms_norm_is_the_formula_within_an_ulp(dtype: torch.dtype, rows: int, d: int, gemma: bool,
+                                                       seed: int) -> None:
+    from infer.models.transformer import RMSNorm
+
+    kernels = native_kernels()
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(seed)
+    norm = RMSNorm(d, 1e-6, gemma=gemma)
+    norm.weight.data = torch.randn(d, generator=gen)
+    norm = norm.to(dtype)
+    x = (torch.randn(rows, d, generator=gen) * 3).to(dtype)
+    with torch.no_grad():
+        assert_within_an_ulp(kernels.rms_norm(x, norm.weight, norm.eps, gemma), norm(x), f"{dtype} gemma={gemma}")
+
+
+@needs_build
+@settings(max_examples=30, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), n=st.integers(1, 600),
+       gelu=st.booleans(), seed=st.integers(0, 2**16))
+def test_native_gated_activation_is_the_formula_within_an_ulp(dtype: torch.dtype, n: int, gelu: bool,
+                                                               seed: int) -> None:
+    import torch.nn.functional as F
+
+    kernels = native_kernels()
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(1, 2 * n, generator=gen) * 4).to(dtype)
+    gate, up = gate_up.split(n, -1)
+    want = (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
+    # 1 + tanh(...) cancels for very negative gates: both sides err by ~an fp32 ulp of |gate * up| there.
+    cancel = 4 * 2.0**-24 * (gate.float() * up.float()).abs()
+    assert_within_an_ulp(kernels.gated(gate_up, gelu), want, f"{dtype} {'gelu' if gelu else 'silu'}", cancel)
+
+
+@needs_build
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_native_step_ops_match_pytorch_ops(arch: str) -> None:
+    """A one-token step with native small ops against the same step with PyTorch's (`native_ops=False`, the
+    unoptimised path): fp32 logits within 1e-5 of the logit scale, the same greedy tokens; batches and prefill
+    never take them."""
+    import infer
+    from reference import build_checkpoint
+
+    model = infer.load_model(build_checkpoint(arch), decode_gemv="native")
+    ids = torch.randint(0, 400, (1, 14), generator=torch.Generator().manual_seed(9))
+    steps = {}
+    for on in (True, False):
+        model.native_ops = on
+        cache = infer.create_cache("contiguous", model.config, max_seq_len=14, dtype=torch.float32)
+        with torch.no_grad():
+            model(ids[:, :8], cache)
+            steps[on] = torch.cat([model(ids[:, i : i + 1], cache) for i in range(8, 14)], 1)
+    scale = max(1.0, steps[False].abs().max().item())
+    assert (steps[True] - steps[False]).abs().max() <= 1e-5 * scale
+    assert torch.equal(steps[True].argmax(-1), steps[False].argmax(-1))
+    batch = torch.randint(0, 400, (2, 1), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        model.native_ops = True
+        on = model(batch)
+        model.native_ops = False
+        assert torch.equal(on, model(batch)), "a batch of one-token rows takes PyTorch's ops"
