@@ -15,6 +15,7 @@ from typing import NoReturn
 
 from infer.bench import add_bench_parser
 from infer.cache import CACHE_KINDS
+from infer.models import Transformer
 from infer.sampling import SamplingParams
 
 
@@ -27,7 +28,24 @@ def _add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
                    help="dtype of prefill matmuls: auto (float32 for half weights on CPU), exact, or a dtype")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads (0: the faster of 1 and all, timed on this model at load)")
+    p.add_argument("--decode-gemv", default="auto", choices=["auto", "linear", "mv", "native"],
+                   help="kernel of one-token products (auto: the fastest, timed on this model's weights at load)")
+    p.add_argument("--no-huge-pages", action="store_true",
+                   help="keep CPU weights on ordinary pages (default: transparent huge pages where the kernel has"
+                        " them)")
+    p.add_argument("--no-native-ops", action="store_true",
+                   help="run a one-token step's norms, rotations and activation as PyTorch ops, not native calls")
     p.add_argument("--seed", type=int, default=None, help="random seed")
+
+
+def load_with_args(path: Path, args: argparse.Namespace) -> Transformer:
+    """The model as the shared options ask (`generate` and `bench` load it the same way)."""
+    from infer.loader import load_model
+
+    model = load_model(path, dtype=args.dtype, device=args.device, compute_dtype=args.compute_dtype,
+                       decode_gemv=args.decode_gemv, huge_pages=not args.no_huge_pages)
+    model.native_ops = not args.no_native_ops
+    return model
 
 
 FROM_CHECKPOINT = "the checkpoint's generation_config.json, else transformers' default"
@@ -66,7 +84,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
 def _generate(args: argparse.Namespace) -> int:
 
     from infer.generation import generate
-    from infer.loader import DEFAULT_MODEL_DIR, load_model
+    from infer.loader import DEFAULT_MODEL_DIR
     from infer.tokenizer import Tokenizer
     from infer.tuning import choose_threads
 
@@ -74,7 +92,7 @@ def _generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args, path)
     text = _read_prompt(args)
     chat = args.chat or args.system is not None
-    model = load_model(path, dtype=args.dtype, device=args.device, compute_dtype=args.compute_dtype)
+    model = load_with_args(path, args)
     choose_threads(model, forced=args.threads)
     tokenizer = Tokenizer(path)
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
@@ -101,7 +119,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def check_model_args(args: argparse.Namespace) -> Path | None:
-    """Check --model, --dtype, --compute-dtype, --device and --threads before anything loads; the model's path."""
+    """Check --model, --dtype, --compute-dtype, --device, --threads and --decode-gemv before anything loads; the
+    model's path."""
     from infer.errors import CheckpointError
     from infer.loader import resolve_dtype
     from infer.memory import resolve_device
@@ -112,6 +131,11 @@ def check_model_args(args: argparse.Namespace) -> Path | None:
     resolve_device(args.device)
     if getattr(args, "threads", 0) < 0:
         raise ValueError(f"--threads must be >= 0 (0: chosen by timing), got {args.threads}")
+    if args.decode_gemv == "native":
+        from infer.kernels.native import native_kernels, unavailable_reason
+
+        if native_kernels() is None:
+            raise ValueError(f"--decode-gemv native is unavailable here: {unavailable_reason()}; use auto")
     if args.model is None:
         return None
     path = Path(args.model)

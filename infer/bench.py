@@ -244,8 +244,8 @@ def run_bench(args: argparse.Namespace) -> int:
     """The `bench` subcommand."""
     from tqdm import tqdm
 
-    from infer.__main__ import check_model_args
-    from infer.loader import load_model, resolve_dtype
+    from infer.__main__ import check_model_args, load_with_args
+    from infer.loader import resolve_dtype
 
     given = check_model_args(args)
     # Contender plugins are looked up before anything loads, so a missing one fails at once.
@@ -260,7 +260,7 @@ def run_bench(args: argparse.Namespace) -> int:
     path = given if given is not None else _bench_checkpoint(args.arch, args.size)
     dtype = resolve_dtype(args.dtype)
     device = torch.device(args.device)
-    model = load_model(path, dtype=dtype, device=device, compute_dtype=args.compute_dtype)
+    model = load_with_args(path, args)
     if args.fused_projections:
         model.fused_projections = True
     record(Choice("fused projections", "on" if args.fused_projections else "off",
@@ -316,7 +316,9 @@ def run_bench(args: argparse.Namespace) -> int:
         for row, c in zip(rows, contenders, strict=True):
             spec = MemorySpec(c.name, c.plugin, str(path), args.dtype, args.device, prompt_ids, args.new_tokens,
                               cache=args.cache, use_kv_cache=c.name != "infer[no cache]",
-                              compute_dtype=args.compute_dtype, fused_projections=args.fused_projections)
+                              compute_dtype=args.compute_dtype, fused_projections=args.fused_projections,
+                              decode_gemv=args.decode_gemv, huge_pages=not args.no_huge_pages,
+                              native_ops=not args.no_native_ops)
             print(f"measuring the memory of {c.name} in its own process", file=sys.stderr)
             figures = measure_memory(spec)
             row["peak_mib"], row["own_mib"] = figures.peak_bytes / 2**20, figures.own_bytes / 2**20

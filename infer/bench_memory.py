@@ -35,6 +35,9 @@ class MemorySpec:
     use_kv_cache: bool = True
     compute_dtype: str = "exact"
     fused_projections: bool = False
+    decode_gemv: str = "auto"
+    huge_pages: bool = True
+    native_ops: bool = True
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,9 @@ def _child(spec: MemorySpec) -> MemoryFigures:
     baseline = 0 if device.type == "cuda" else _peak_bytes(device)
     dtype = resolve_dtype(spec.dtype)
     if spec.plugin is None:
-        model = load_model(Path(spec.path), dtype=dtype, device=device, compute_dtype=spec.compute_dtype)
+        model = load_model(Path(spec.path), dtype=dtype, device=device, compute_dtype=spec.compute_dtype,
+                           decode_gemv=spec.decode_gemv, huge_pages=spec.huge_pages)
+        model.native_ops = spec.native_ops
         if spec.fused_projections:
             model.fused_projections = True
         contenders = [engine_contender(spec.name, model, spec.prompt_ids, spec.new_tokens, spec.cache,

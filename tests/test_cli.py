@@ -52,6 +52,7 @@ BAD_ARGS = [
     (["generate", "Hi", "--top-p", "2"], "top_p=2.0 is invalid"),
     (["generate", "Hi", "--threads", "-1"], "--threads must be >= 0"),
     (["generate", "Hi", "--cache", "huge"], "invalid choice: 'huge'"),
+    (["generate", "Hi", "--decode-gemv", "gemm"], "invalid choice: 'gemm'"),
     (["bench", "--prompt-len", "0"], "--prompt-len must be >= 1"),
     (["bench", "--model", "org/model"], "only local checkpoint directories are read"),
     ([], "the following arguments are required"),
@@ -245,5 +246,32 @@ def test_help_shows_defaults_and_shared_names(capsys: pytest.CaptureFixture[str]
         helps[command] = out
     assert "(default: contiguous)" in helps["generate"] and "(default: bfloat16)" in helps["bench"]
     for shared in ("--model", "--dtype", "--device", "--compute-dtype", "--threads", "--seed", "--cache",
-                   "--max-new-tokens"):
+                   "--max-new-tokens", "--decode-gemv", "--no-huge-pages", "--no-native-ops"):
         assert shared in helps["generate"] and shared in helps["bench"], shared
+
+
+def test_forced_speed_choices_reach_the_model(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+                                              ) -> None:
+    """--decode-gemv, --no-huge-pages and --no-native-ops load the model as asked; a native form this machine
+    cannot build is refused in one line before the model loads."""
+    import infer.__main__
+    from infer.kernels import native
+
+    loaded = []
+    real = infer.__main__.load_with_args
+
+    def spy(path: Path, args: object) -> object:
+        model = real(path, args)  # type: ignore[arg-type]
+        loaded.append((model.decode_gemv, model.huge_pages, model.native_ops))
+        return model
+
+    monkeypatch.setattr(infer.__main__, "load_with_args", spy)
+    argv = ["generate", "Hi", "--max-new-tokens", "2", "--decode-gemv", "mv", "--no-huge-pages", "--no-native-ops"]
+    assert run_main(argv, capsys)[0] == 0
+    assert loaded == [("mv", False, False)]
+    monkeypatch.setattr(native, "native_kernels", lambda flavour="native": None)
+    monkeypatch.setattr(native, "unavailable_reason", lambda flavour="native": "no C compiler on PATH")
+    code, out, err = run_main(["generate", "Hi", "--decode-gemv", "native"], capsys)
+    assert (code, out) == (2, "") and err.strip().endswith("--decode-gemv native is unavailable here: no C compiler "
+                                                          "on PATH; use auto"), err
+    assert len(loaded) == 1, "refused before the model loads"
