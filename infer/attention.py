@@ -7,8 +7,22 @@ absolute positions so the same code serves full sequences, chunks after a cache,
 
 from __future__ import annotations
 
+from typing import Literal, TypeAlias
+
 import torch
 import torch.nn.functional as F
+
+# A mask: boolean `[T, S]` (True where a query may attend a key), None (every key visible), or CAUSAL: query t
+# sees keys 0..t of T = S keys (a prefill from position 0), which fused kernels run without a mask tensor.
+CAUSAL: Literal["causal"] = "causal"
+Mask: TypeAlias = "torch.Tensor | Literal['causal'] | None"
+
+
+def materialize(mask: Mask, q_len: int, k_len: int, device: torch.device) -> torch.Tensor | None:
+    """`mask` as a boolean tensor (or None), CAUSAL built out."""
+    if isinstance(mask, str):
+        return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril()
+    return mask
 
 
 def attention_mask(
@@ -31,11 +45,12 @@ def attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor | None,
+    mask: Mask,
     scale: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention by the formula. q: [B, H, T, D]; k, v: [B, Hkv, S, D]; returns [B, H, T, D]."""
+    mask = materialize(mask, q.shape[2], k.shape[2], q.device)
     groups = q.shape[1] // k.shape[1]
     # KV head j serves query heads j*groups .. j*groups+groups-1 (HF's repeat_kv).
     k = k.repeat_interleave(groups, dim=1)
@@ -90,14 +105,17 @@ def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor | None,
+    mask: Mask,
     scale: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """The fast path. Same contract as `attention_reference`: fused SDPA with grouped KV heads, or
-    `decode_attention` for a one-token step."""
+    """The fast path. Same contract as `attention_reference`: fused SDPA with grouped KV heads (a CAUSAL mask
+    as SDPA's own causal flag, as Hugging Face's SDPA path runs a prefill), or `decode_attention` for a
+    one-token step."""
     if softcap is not None:  # SDPA has no soft-capping
         return attention_reference(q, k, v, mask, scale, softcap)
     if q.shape[2] == 1:
-        return decode_attention(q, k, v, mask, scale)
+        return decode_attention(q, k, v, materialize(mask, 1, k.shape[2], q.device), scale)
+    if isinstance(mask, str):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.attention import attention, attention_mask, attention_reference
-from infer.cache.base import KVCache
+from infer.attention import CAUSAL, Mask, attention, attention_mask, attention_reference
+from infer.cache.base import AttendsInKernel, KVCache
 from infer.config import SLIDING_ATTENTION, ModelConfig, RopeConfig
 from infer.kernels.native import NativeKernels, native_gemv, native_kernels, unavailable_reason
 from infer.memory import empty_on_huge_pages
@@ -147,7 +147,7 @@ class StepContext:
     """Per-forward metadata shared by every layer (explicit, never global)."""
 
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer type -> (cos, sin) [T, D]
-    masks: dict[str, torch.Tensor | None]  # layer type -> [T, S] bool, or None when all keys are visible
+    masks: dict[str, Mask]  # layer type -> [T, S] bool, None when all keys are visible, or CAUSAL
     kv_cache: KVCache | None
     use_reference_attention: bool
     compute_dtype: torch.dtype | None  # prefill attention runs in this dtype when set (Transformer.compute_dtype)
@@ -211,6 +211,11 @@ class Attention(nn.Module):
                                   ctx.use_reference_attention, ctx.compute_dtype)
             return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
         if ctx.kv_cache is not None:
+            if T == 1 and not ctx.use_reference_attention and getattr(ctx.kv_cache, "attends_in_kernel", False):
+                # The cache attends over its own storage (quantized codes dequantized in the kernel).
+                out = cast(AttendsInKernel, ctx.kv_cache).decode_attention(self.layer_idx, q, k, v, self.scale,
+                                                                           self.softcap, self.window)
+                return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
             k, v = ctx.kv_cache.update(self.layer_idx, k, v)  # k, v: [B, Hkv, S, D]
         wide = ctx.compute_dtype
         if wide is not None and q.dtype != wide and T > 1:
@@ -450,7 +455,7 @@ class Transformer(nn.Module):
             freq = self.inv_freq[layer_type] = freq.to(device)
         return freq
 
-    def _mask(self, layer_type: str, positions: torch.Tensor, kv_cache: KVCache | None) -> torch.Tensor | None:
+    def _mask(self, layer_type: str, positions: torch.Tensor, kv_cache: KVCache | None) -> Mask:
         window = self.config.sliding_window if layer_type == SLIDING_ATTENTION else None
         T = positions.shape[0]
         if kv_cache is None:
@@ -460,6 +465,9 @@ class Transformer(nn.Module):
             key_positions = kv_cache.key_positions(layer, T)
             if T == 1 and window is None:
                 return None  # one query at the newest position sees every cached key
+        offset = 0 if kv_cache is None else kv_cache.offset
+        if T > 1 and offset == 0 and (window is None or window >= T) and torch.equal(key_positions, positions):
+            return CAUSAL  # a prefill from position 0: fused kernels need no mask tensor
         return attention_mask(positions, key_positions, window)
 
     def _check_input(self, input_ids: torch.Tensor, kv_cache: KVCache | None) -> None:
