@@ -116,3 +116,168 @@ def test_split_count_does_not_change_the_result() -> None:
             for s in (None, 1, 100)]
     assert_close(outs[1], outs[2], 1e-5, "split per block vs one split")
     assert_close(outs[0], outs[2], 1e-5, "default split vs one split")
+
+
+# ---- decode attention over a quantized cache, codes dequantized in the kernel ----
+
+@st.composite
+def quantized_problems(draw: st.DrawFn) -> dict:
+    length = draw(st.integers(1, 70))
+    quantized = draw(st.integers(0, length))
+    return {
+        "scheme": draw(st.sampled_from(["int8", "int4", "fp4"])),
+        "batch": draw(st.integers(1, 3)), "kv_heads": draw(st.integers(1, 3)),
+        "group": draw(st.sampled_from([1, 2, 3, 4, 8])), "head_dim": draw(st.sampled_from([40, 64, 80, 128, 256])),
+        "length": length, "quantized": quantized,
+        # the ring holds at least the unquantized tail; 0 slots when there is none
+        "ring": 0 if quantized == length else draw(st.integers(length - quantized, length - quantized + 4)),
+        "window": draw(st.none() | st.integers(1, 20)),
+        "softcap": draw(st.none() | st.sampled_from([5.0, 30.0])),
+        "tile": draw(st.sampled_from([16, 32])), "tiles_per_split": draw(st.none() | st.integers(1, 3)),
+        "seed": draw(st.integers(0, 2**31 - 1)),
+    }
+
+
+def build_quantized(p: dict, dtype: torch.dtype) -> tuple:
+    """Codes and scales of positions below `quantized` (rows past them hold NaN scales: never read), the ring of
+    the rest (NaN in every slot no position owns), and the keys/values the cache stands for, dequantized."""
+    from infer.cache import quant
+
+    quantize = {"int8": quant.quantize_int8, "int4": quant.quantize_int4, "fp4": quant.quantize_fp4}[p["scheme"]]
+    dequantize = {"int8": quant.dequantize_int8, "int4": quant.dequantize_int4,
+                  "fp4": quant.dequantize_fp4}[p["scheme"]]
+    gen = torch.Generator().manual_seed(p["seed"])
+    B, Hkv, D, n, nq, R = p["batch"], p["kv_heads"], p["head_dim"], p["length"], p["quantized"], p["ring"]
+    k_true, v_true = (torch.randn(B, Hkv, n, D, generator=gen) for _ in range(2))
+    spare = 3  # code rows past the quantized ones
+    codes, scales, recents, values = [], [], [], []
+    for x in (k_true, v_true):
+        c, s = quantize(torch.cat((x[:, :, :nq], torch.randn(B, Hkv, spare, D, generator=gen)), 2))
+        s[:, :, nq:] = float("nan")
+        ring = torch.full((B, Hkv, R, D), float("nan"))
+        for pos in range(nq, n):
+            ring[:, :, pos % R] = x[:, :, pos]
+        ring = ring.to(dtype)
+        codes.append(c.to(DEVICE))
+        scales.append(s.to(DEVICE))
+        recents.append(ring.to(DEVICE))
+        old = dequantize(c[:, :, :nq], s[:, :, :nq], torch.float32)
+        values.append(torch.cat((old, ring.float()[:, :, [pos % max(R, 1) for pos in range(nq, n)]]), 2))
+    q = torch.randn(B, Hkv * p["group"], D, generator=gen).to(device=DEVICE, dtype=dtype)
+    return q, tuple(codes), tuple(scales), tuple(recents), values[0].to(DEVICE), values[1].to(DEVICE)
+
+
+def quantized_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                        softcap: float | None, window: int | None) -> torch.Tensor:
+    n = keys.shape[2]
+    pos = torch.arange(n, device=q.device)
+    visible = pos <= n - 1 if window is None else (pos <= n - 1) & (pos > n - 1 - window)
+    return attention_reference(q.float()[:, :, None], keys, values, visible[None], scale, softcap)[:, :, 0]
+
+
+@given(quantized_problems())
+def test_quantized_decode_attention_equals_the_dequantized_formula(p: dict) -> None:
+    from infer.kernels.quantized_attention import quantized_decode_attention
+
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        q, codes, scales, recent, keys, values = build_quantized(p, dtype)
+        scale = p["head_dim"] ** -0.5
+        lengths = torch.full((p["batch"],), p["length"], device=DEVICE)
+        out = quantized_decode_attention(q, codes, scales, recent, lengths, p["quantized"], p["scheme"], scale,
+                                         p["softcap"], p["window"], p["tile"], p["tiles_per_split"])
+        assert out.dtype == dtype and out.shape == q.shape
+        assert not out.isnan().any(), "a NaN scale or ring slot no position owns reached the output"
+        expected = quantized_reference(q, keys, values, scale, p["softcap"], p["window"])
+        assert_close(out.float(), expected, tol, f"{p['scheme']} kernel vs dequantize-then-attend ({dtype})")
+
+
+def test_quantized_kernel_refuses_what_it_cannot_read() -> None:
+    from infer.kernels.quantized_attention import quantized_decode_attention
+
+    p = {"scheme": "int8", "batch": 1, "kv_heads": 1, "group": 2, "head_dim": 64, "length": 5, "quantized": 5,
+         "ring": 0, "window": None, "softcap": None, "tile": 16, "tiles_per_split": None, "seed": 0}
+    q, codes, scales, recent, _, _ = build_quantized(p, torch.float32)
+    lengths = torch.full((1,), 7, device=DEVICE)
+    with pytest.raises(ValueError, match="not quantized, and the cache keeps no ring"):
+        quantized_decode_attention(q, codes, scales, recent, lengths, 5, "int8", 0.1)
+    with pytest.raises(ValueError, match="scheme must be"):
+        quantized_decode_attention(q, codes, scales, recent, lengths, 5, "nf4", 0.1)
+    with pytest.raises(ValueError, match="tile must be a power of two"):
+        quantized_decode_attention(q, codes, scales, recent, lengths, 5, "int8", 0.1, tile=24)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize(("kind", "residual_window"), [("int8", 1), ("int4", 4), ("fp4", 1)])
+def test_quantized_caches_decode_through_the_kernel_as_through_pytorch(arch: str, kind: str,
+                                                                      residual_window: int) -> None:
+    """Every one-token step of a model on a quantized cache attends in the kernel to the same fp32 logits (within
+    1e-5) as the dequantizing PyTorch path from the same cache state (Gemma past its sliding window; codes and
+    the exact ring both read). A residual ring keeps each step's own token exact: quantized at once, a
+    rounding-level difference in an earlier layer's output can flip one of its codes in a later layer, the
+    lossy kinds' own error, not the kernel's (the cache-level test below covers rings of none)."""
+    import infer
+    from reference import build_checkpoint
+
+    model = infer.load_model(build_checkpoint(arch), decode_gemv="linear").to(DEVICE)
+    ids = torch.randint(0, 400, (2, 40), generator=torch.Generator().manual_seed(11)).to(DEVICE)
+    caches = {attention: infer.create_cache(kind, model.config, max_seq_len=40, batch_size=2, device=DEVICE,
+                                            residual_window=residual_window, attention=attention)
+              for attention in ("dequantize", "triton")}
+    assert caches["triton"].attends_in_kernel and not caches["dequantize"].attends_in_kernel
+    with torch.no_grad():
+        model(ids[:, :30], caches["dequantize"])
+        for i in range(30, 40):
+            caches["triton"].restore(caches["dequantize"].snapshot())
+            kernel = model(ids[:, i : i + 1], caches["triton"])
+            torch_path = model(ids[:, i : i + 1], caches["dequantize"])
+            scale = max(1.0, torch_path.abs().max().item())
+            assert_close(kernel, torch_path, 1e-5 * scale, f"{arch} {kind} kernel vs PyTorch path, step {i}")
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp4"])
+def test_quantized_cache_decode_attention_equals_update_then_attend(kind: str) -> None:
+    """From the same state, `decode_attention` (store, then the kernel) gives what `update` then the formula
+    gives, in every layer, with every token quantized on arrival; and it stores what `update` stores."""
+    import copy
+
+    from infer.config import ModelConfig
+    from reference import build_checkpoint
+
+    config = ModelConfig.from_file(build_checkpoint("gemma3"))
+    B, H, Hkv, D = 2, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    gen = torch.Generator().manual_seed(12)
+    cache = _quantized_cache(kind, config, B)
+    for _ in range(20):  # a history of 20 steps
+        for layer in range(config.num_hidden_layers):
+            cache.update(layer, *(torch.randn(B, Hkv, 1, D, generator=gen).to(DEVICE) for _ in range(2)))
+        cache.advance(1)
+    twin = copy.deepcopy(cache)
+    twin.attention = "triton"
+    for layer in range(config.num_hidden_layers):
+        q = torch.randn(B, H, 1, D, generator=gen).to(DEVICE)
+        k, v = (torch.randn(B, Hkv, 1, D, generator=gen).to(DEVICE) for _ in range(2))
+        keys, values = cache.update(layer, k, v)
+        window = config.sliding_window if config.is_sliding(layer) else None
+        mask = None if window is None else (torch.arange(21, device=DEVICE) > 20 - window)[None]
+        expected = attention_reference(q, keys, values, mask, 0.25)
+        assert_close(twin.decode_attention(layer, q, k, v, 0.25, None, window), expected, 1e-5, f"layer {layer}")
+    for name in ("k_data", "v_data", "k_scale", "v_scale"):
+        assert torch.equal(getattr(twin, name).float(), getattr(cache, name).float()), f"{name} stored otherwise"
+
+
+def _quantized_cache(kind: str, config: object, batch: int) -> object:
+    import infer
+
+    return infer.create_cache(kind, config, max_seq_len=24, batch_size=batch, device=DEVICE)
+
+
+def test_quantized_cache_attention_choice_is_validated() -> None:
+    import infer
+    from infer.config import ModelConfig
+    from reference import build_checkpoint
+
+    config = ModelConfig.from_file(build_checkpoint("llama"))
+    auto = infer.create_cache("int8", config, max_seq_len=8)
+    assert auto.attention == ("triton" if torch.cuda.is_available() and DEVICE == "cuda" else "dequantize")
+    with pytest.raises(ValueError, match="attention must be 'auto', 'triton' or 'dequantize'"):
+        infer.create_cache("int8", config, max_seq_len=8, attention="flash")

@@ -70,6 +70,20 @@ class KVCache(Protocol):
         ...
 
 
+class AttendsInKernel(Protocol):
+    """A cache that can attend one-token steps over its own storage (the quantized caches' codes, read and
+    dequantized by a kernel) instead of returning its history from `update`: the model asks
+    `attends_in_kernel` (absent: False) and then calls `decode_attention` in place of `update`."""
+
+    attends_in_kernel: bool
+
+    def decode_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                         softcap: float | None, window: int | None) -> torch.Tensor:
+        """Store `k`, `v` `[B, Hkv, 1, D]` as `update` would and return the attention of `q` `[B, H, 1, D]`
+        over every cached position (a sliding `window` and `softcap` as the layer has them)."""
+        ...
+
+
 def check_counts(**counts: object) -> None:
     """Raise a TypeError/ValueError naming the first of `counts` that is not an int >= 1."""
     for name, value in counts.items():

@@ -36,6 +36,7 @@ from infer.cache.base import (
 )
 from infer.config import ModelConfig
 from infer.errors import CacheFullError
+from infer.memory import resolve_device
 
 Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 Dequantize = Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
@@ -63,6 +64,7 @@ class QuantizedCache:
         scheme: str = "int8",
         residual_window: int = 0,
         residual_block: int = DEFAULT_RESIDUAL_BLOCK,
+        attention: str = "auto",
     ) -> None:
         if scheme not in SCHEMES:
             raise ValueError(
@@ -80,6 +82,7 @@ class QuantizedCache:
                 "residual_window must be >= 0 and residual_block >= 1, "
                 f"got {residual_window} and {residual_block}"
             )
+        self.attention = _attention_path(attention, resolve_device(device, allow_meta=True))
         self.scheme = scheme
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
@@ -114,6 +117,12 @@ class QuantizedCache:
         """Number of tokens cached."""
         return self._offset
 
+    @property
+    def attends_in_kernel(self) -> bool:
+        """Whether one-token steps attend through `decode_attention` (codes dequantized in the Triton kernel)
+        rather than `update`'s dequantized history (the PyTorch path, the check and the CPU path)."""
+        return self.attention == "triton"
+
     def num_quantized(self, num_tokens: int) -> int:
         """How many of the oldest of `num_tokens` cached tokens are held quantized."""
         if num_tokens <= self.residual_window:
@@ -128,6 +137,33 @@ class QuantizedCache:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new tokens (quantizing what ages out of the window); return every valid position
         dequantized, `[B, Hkv, offset + T, D]` in the cache dtype."""
+        end = self._store(layer, k, v)
+        return (self._read(self.k_data[layer], self.k_scale[layer], self.k_recent[layer], end),
+                self._read(self.v_data[layer], self.v_scale[layer], self.v_recent[layer], end))
+
+    def decode_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                         softcap: float | None, window: int | None) -> torch.Tensor:
+        """Store one token's `k`, `v` as `update` does, then attend the queries `q` `[B, H, 1, D]` over every
+        cached position in the Triton kernel that reads the codes and scales where they lie
+        (infer/kernels/quantized_attention.py): no dequantized copy of the history. `[B, H, 1, D]`."""
+        from infer.kernels.quantized_attention import quantized_decode_attention
+
+        if q.shape[2] != 1 or k.shape[2] != 1:
+            raise ValueError(f"decode_attention takes one token, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+        end = self._store(layer, k, v)
+        lengths = torch.full((self.batch_size,), end, dtype=torch.int32, device=q.device)
+        out = quantized_decode_attention(
+            q[:, :, 0], (self.k_data[layer], self.v_data[layer]), (self.k_scale[layer], self.v_scale[layer]),
+            (self.k_recent[layer], self.v_recent[layer]), lengths, self.num_quantized(end), self.scheme, scale,
+            softcap, window)
+        return out[:, :, None]
+
+    def _ring_slots(self, first: int, stop: int) -> torch.Tensor:
+        return torch.arange(first, stop, device=self.k_data.device) % max(self.ring_size, 1)
+
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Check and write `k`, `v` `[B, Hkv, T, D]` after the cached tokens (the ring writes pending until
+        `advance`); the position after them."""
         check_layer(layer, self.k_data.shape[0])
         check_kv_shape(k, v, self.batch_size, self.num_kv_heads, self.head_dim)
         start, end = self._offset, self._offset + k.shape[2]
@@ -137,12 +173,9 @@ class QuantizedCache:
                 "create the cache with a larger max_seq_len"
             )
         self._pending.start_layer(layer)
-        k_all = self._write(self.k_data[layer], self.k_scale[layer], self.k_recent[layer], k, start, end)
-        v_all = self._write(self.v_data[layer], self.v_scale[layer], self.v_recent[layer], v, start, end)
-        return k_all, v_all
-
-    def _ring_slots(self, first: int, stop: int) -> torch.Tensor:
-        return torch.arange(first, stop, device=self.k_data.device) % max(self.ring_size, 1)
+        self._write(self.k_data[layer], self.k_scale[layer], self.k_recent[layer], k, start, end)
+        self._write(self.v_data[layer], self.v_scale[layer], self.v_recent[layer], v, start, end)
+        return end
 
     def _write(
         self,
@@ -152,8 +185,8 @@ class QuantizedCache:
         x: torch.Tensor,
         start: int,
         end: int,
-    ) -> torch.Tensor:
-        """One layer's K or V: data [B, Hkv, Sq, Dp], scale [B, Hkv, Sq], recent [B, Hkv, R, D],
+    ) -> None:
+        """Store one layer's K or V: data [B, Hkv, Sq, Dp], scale [B, Hkv, Sq], recent [B, Hkv, R, D],
         new x [B, Hkv, T, D] for positions start..end-1."""
         old_quantized, new_quantized = self.num_quantized(start), self.num_quantized(end)
         if new_quantized > old_quantized:
@@ -169,8 +202,12 @@ class QuantizedCache:
             # Codes and scales past the committed count are never read, but ring slots may hold live tokens.
             kept = x[:, :, first_kept - start :].to(recent.dtype)
             self._pending.write(recent, self._ring_slots(first_kept, end), kept)
-        old = self._dequantize(data[:, :, :new_quantized], scale[:, :, :new_quantized], self.dtype)
-        return torch.cat((old, recent[:, :, self._ring_slots(new_quantized, end)]), dim=2)
+
+    def _read(self, data: torch.Tensor, scale: torch.Tensor, recent: torch.Tensor, end: int) -> torch.Tensor:
+        """Positions 0..end-1 of one layer's K or V, dequantized: [B, Hkv, end, D] in the cache dtype."""
+        quantized = self.num_quantized(end)
+        old = self._dequantize(data[:, :, :quantized], scale[:, :, :quantized], self.dtype)
+        return torch.cat((old, recent[:, :, self._ring_slots(quantized, end)]), dim=2)
 
     def advance(self, n: int) -> None:
         """Count `n` more tokens as cached (the forward's ring writes are kept)."""
@@ -239,6 +276,20 @@ class QuantizedCache:
         self.k_recent[:, :, :, slots] = t["k_recent"]
         self.v_recent[:, :, :, slots] = t["v_recent"]
         self._offset = n
+
+
+def _attention_path(attention: str, device: torch.device) -> str:
+    """"triton" or "dequantize" for `attention` ("auto": the kernel on CUDA with Triton, else dequantize)."""
+    from infer.kernels import triton_available
+
+    if attention == "auto":
+        return "triton" if device.type == "cuda" and triton_available("cuda") else "dequantize"
+    if attention not in ("triton", "dequantize"):
+        raise ValueError(f"attention must be 'auto', 'triton' or 'dequantize', got {attention!r}")
+    if attention == "triton" and not triton_available(device.type):
+        raise ValueError(f"attention='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 on the CPU, "
+                         f"for tests); this cache is on {device.type}: use 'auto'")
+    return attention
 
 
 def quantized_cache_factory(scheme: str) -> Callable[..., QuantizedCache]:

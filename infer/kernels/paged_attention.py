@@ -147,9 +147,12 @@ def paged_decode_attention(
         # ones TF32, still finer than their own rounding.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
-    # Combine the splits: each holds (max, sum of exp, exp-weighted values) over its blocks; a split with
-    # no visible key has max -inf and contributes nothing.
+    return combine_splits(acc, m, l_sum).to(q.dtype)
+
+
+def combine_splits(acc: torch.Tensor, m: torch.Tensor, l_sum: torch.Tensor) -> torch.Tensor:
+    """Flash-decoding's combine, in fp32: each split holds (max `m`, sum of exp `l_sum`, exp-weighted values
+    `acc`) over its keys, `[B, H, S(, D)]`; a split with no visible key has max -inf and contributes nothing."""
     top = m.max(dim=2, keepdim=True).values
     weight = torch.exp(m - top)  # [B, H, S]
-    out = (acc * weight[..., None]).sum(2) / (l_sum * weight).sum(2)[..., None]
-    return out.to(q.dtype)
+    return (acc * weight[..., None]).sum(2) / (l_sum * weight).sum(2)[..., None]

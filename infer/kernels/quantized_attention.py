@@ -1,0 +1,187 @@
+"""Decode attention over a quantized KV cache in Triton, dequantizing in the kernel: one query token per
+sequence reads int8, int4 or FP4 (E2M1) codes and their per-row scales where they lie and never
+materialises the history in the model's dtype, so the lossy kinds cost a quarter to a half of the bytes a
+bf16 cache costs per step instead of adding a dequantized copy on top.
+
+Layout (one layer of `infer.cache.quantized.QuantizedCache`): codes `[B, Hkv, Sq, Dp]` (int8, or uint8 with
+two 4-bit codes per byte, element 2i in the low nibble), scales `[B, Hkv, Sq]` (bf16), and the exact ring of
+the newest tokens `[B, Hkv, R, D]` in the model dtype, position p in slot p % R. Positions below `quantized`
+are read from the codes, the rest up to `length` from the ring. Grid: (sequence, KV head, split); each
+program keeps an online softmax over its split's tiles, with the query heads of a KV group packed into one
+tile (GQA), causal and sliding-window masks and softcap as in infer.kernels.paged_attention, whose split
+combine this shares. The PyTorch path (dequantize, then attention) is the check: tests/test_triton_kernels.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from infer.kernels.paged_attention import _pow2, _tanh, combine_splits
+
+SCHEME_CODES = {"int8": 0, "int4": 1, "fp4": 2, "none": 3}
+
+
+@triton.jit
+def _dequantize(raw, scheme: tl.constexpr, odd):
+    """Values (fp32, before the row scale) of codes loaded as `raw`: int8 codes, or bytes holding two 4-bit
+    codes (the high nibble where `odd`), signed int4 or E2M1; scheme 3 is unquantized values."""
+    if scheme == 0:
+        return raw.to(tl.float32)
+    if scheme == 3:
+        return raw.to(tl.float32)
+    nibble = (raw.to(tl.int32) >> tl.where(odd, 4, 0)) & 0xF
+    if scheme == 1:
+        return (nibble - ((nibble & 0x8) << 1)).to(tl.float32)  # sign-extend the two's complement
+    exponent = (nibble >> 1) & 0x3
+    mantissa = (nibble & 0x1).to(tl.float32)
+    magnitude = tl.where(exponent == 0, mantissa * 0.5,
+                         tl.exp2((exponent - 1).to(tl.float32)) * (1.0 + mantissa * 0.5))
+    return tl.where((nibble & 0x8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _quantized_decode_split(
+    Q, K, V, KS, VS, Lengths, Acc, M, L,
+    stride_qb, stride_qh,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_sb, stride_sh,
+    stride_ab, stride_ah, stride_as,
+    stride_mb, stride_mh,
+    start, stop, ring, split_base,
+    scale, softcap, window,
+    SCHEME: tl.constexpr, PACKED: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(Lengths + b)
+    end = tl.minimum(stop, length)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_ok = offs_g < GROUP
+    d_ok = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    # Element d of a row lies in byte d // 2 (high nibble for odd d) when two codes share a byte.
+    col = offs_d // 2 if PACKED else offs_d
+    odd = (offs_d % 2) == 1
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    first = start + split * TILES_PER_SPLIT * BLOCK_N
+    for t in range(TILES_PER_SPLIT):
+        pos = first + t * BLOCK_N + offs_n
+        visible = (pos < end) & (pos >= start)
+        if HAS_WINDOW:
+            visible = visible & (pos > length - 1 - window)
+        row = tl.where(ring > 0, pos % tl.maximum(ring, 1), pos)
+        kv_ok = visible[:, None] & d_ok[None, :]
+        k_raw = tl.load(K + b * stride_kb + kvh * stride_kh + row[:, None] * stride_ks + col[None, :],
+                        mask=kv_ok, other=0)
+        v_raw = tl.load(V + b * stride_vb + kvh * stride_vh + row[:, None] * stride_vs + col[None, :],
+                        mask=kv_ok, other=0)
+        k = _dequantize(k_raw, SCHEME, odd[None, :])
+        v = _dequantize(v_raw, SCHEME, odd[None, :])
+        if SCHEME != 3:
+            k_scale = tl.load(KS + b * stride_sb + kvh * stride_sh + row, mask=visible, other=0.0).to(tl.float32)
+            v_scale = tl.load(VS + b * stride_sb + kvh * stride_sh + row, mask=visible, other=0.0).to(tl.float32)
+            k = k * k_scale[:, None]
+            v = v * v_scale[:, None]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if HAS_SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        s = tl.where(visible[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        m_i = m_new
+
+    slot = split_base + split
+    tl.store(Acc + b * stride_ab + heads[:, None] * stride_ah + slot * stride_as + offs_d[None, :], acc,
+             mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(M + b * stride_mb + heads * stride_mh + slot, m_i, mask=g_ok)
+    tl.store(L + b * stride_mb + heads * stride_mh + slot, l_i, mask=g_ok)
+
+
+def quantized_decode_attention(
+    q: torch.Tensor,
+    codes: tuple[torch.Tensor, torch.Tensor],
+    scales: tuple[torch.Tensor, torch.Tensor],
+    recent: tuple[torch.Tensor, torch.Tensor],
+    lengths: torch.Tensor,
+    quantized: int,
+    scheme: str,
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+    tile: int = 32,
+    tiles_per_split: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query per sequence, `q` `[B, H, D]`, over positions `0 .. lengths[b]-1`: those below
+    `quantized` from `codes` (k, v) `[B, Hkv, Sq, Dp]` with `scales` `[B, Hkv, Sq]`, the rest from the ring
+    `recent` (k, v) `[B, Hkv, R, D]` (position p in slot p % R). Returns `[B, H, D]` in q's dtype.
+    `scheme`: "int8", "int4" or "fp4". `tile`: positions a program reads at once; `tiles_per_split`: tiles per
+    program (default: enough splits to give a GPU ~2 programs per SM). Every sequence must have length >= 1."""
+    if scheme not in ("int8", "int4", "fp4"):
+        raise ValueError(f"scheme must be 'int8', 'int4' or 'fp4', got {scheme!r}")
+    if tile < 16 or tile & (tile - 1):
+        raise ValueError(f"tile must be a power of two >= 16, got {tile}")
+    B, H, D = q.shape
+    k_codes, v_codes = codes
+    k_recent, v_recent = recent
+    Hkv = k_codes.shape[1]
+    if H % Hkv or k_codes.shape != v_codes.shape or k_recent.shape[-1] != D or q.stride(-1) != 1:
+        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, codes {tuple(k_codes.shape)}, "
+                         f"ring {tuple(k_recent.shape)}")
+    longest = int(lengths.max())
+    ring = k_recent.shape[2]
+    if longest > quantized and ring == 0:
+        raise ValueError(f"positions {quantized}..{longest - 1} are not quantized, and the cache keeps no ring")
+    parts = [(0, quantized, scheme), (quantized, longest, "none")]
+    parts = [(a, z, s) for a, z, s in parts if z > a]
+    if tiles_per_split is None:
+        target = 2 * torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+        tiles = max(_cdiv(z - a, tile) for a, z, _ in parts)
+        tiles_per_split = _cdiv(tiles, max(1, min(tiles, _cdiv(target, B * Hkv))))
+    splits = [_cdiv(_cdiv(z - a, tile), tiles_per_split) for a, z, _ in parts]
+    acc = torch.empty(B, H, sum(splits), D, dtype=torch.float32, device=q.device)
+    m = torch.empty(B, H, sum(splits), dtype=torch.float32, device=q.device)
+    l_sum = torch.empty_like(m)
+    lengths = lengths.to(torch.int32)
+    k_scales, v_scales = scales
+    base = 0
+    for (start, stop, kind), count in zip(parts, splits, strict=True):
+        k, v = (k_codes, v_codes) if kind != "none" else (k_recent, v_recent)
+        _quantized_decode_split[(B, Hkv, count)](
+            q, k, v, k_scales, v_scales, lengths, acc, m, l_sum,
+            q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            k_scales.stride(0), k_scales.stride(1),
+            acc.stride(0), acc.stride(1), acc.stride(2),
+            m.stride(0), m.stride(1),
+            start, stop, ring if kind == "none" else 0, base,
+            float(scale), float(softcap or 1.0), int(window or 0),
+            SCHEME=SCHEME_CODES[kind], PACKED=kind in ("int4", "fp4"), BLOCK_N=tile,
+            HEAD_DIM=D, BLOCK_D=_pow2(D), GROUP=H // Hkv, BLOCK_G=_pow2(H // Hkv), TILES_PER_SPLIT=tiles_per_split,
+            HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        )
+        base += count
+    return combine_splits(acc, m, l_sum).to(q.dtype)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
