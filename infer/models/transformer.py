@@ -467,7 +467,9 @@ class Transformer(nn.Module):
                 return None  # one query at the newest position sees every cached key
         offset = 0 if kv_cache is None else kv_cache.offset
         if T > 1 and offset == 0 and (window is None or window >= T) and torch.equal(key_positions, positions):
-            return CAUSAL  # a prefill from position 0: fused kernels need no mask tensor
+            # A prefill from position 0 whose keys are its own tokens in order (every kind's today; the check
+            # keeps a kind that returns other slots correct): fused kernels need no mask tensor.
+            return CAUSAL
         return attention_mask(positions, key_positions, window)
 
     def _check_input(self, input_ids: torch.Tensor, kv_cache: KVCache | None) -> None:
