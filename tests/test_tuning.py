@@ -260,3 +260,14 @@ def test_thread_count_is_timed_or_forced(restore_threads: object) -> None:
     if default > 1:
         assert "on 1 thread" in auto.reason and f"on {default}" in auto.reason
     assert CHOICES["CPU threads"] == auto
+
+
+@pytest.mark.skipif(not native_here(), reason="no native build here")
+def test_native_form_is_refused_off_the_cpu() -> None:
+    import infer
+    from reference import build_checkpoint
+
+    model = infer.load_model(build_checkpoint("llama"), decode_gemv="linear").to("meta")
+    with pytest.raises(ValueError, match="runs on the CPU; this model is on meta"):
+        model.decode_gemv = "native"
+    assert model.decode_gemv == "linear", "a refused form changes nothing"

@@ -344,6 +344,9 @@ class Transformer(nn.Module):
         kernels = native_kernels() if form == "native" else None
         if form == "native" and kernels is None:
             raise ValueError(f"decode_gemv='native' is unavailable here: {unavailable_reason()}; use 'auto'")
+        device = self.lm_head.weight.device
+        if form == "native" and device.type != "cpu":
+            raise ValueError(f"decode_gemv='native' runs on the CPU; this model is on {device.type}: use 'auto'")
         self._decode_gemv = form
         self._lay_out_fused(self.fused_projections)
         for module in self._linears():
