@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 
 from infer.cache import CacheSnapshot, KVCache, create_cache
+from infer.graphs import graphed_decoder
 from infer.models import Transformer
 from infer.sampling import SamplingParams, sample_next
 from infer.tokenizer import StreamDecoder, Tokenizer
@@ -155,13 +156,19 @@ def _token_steps(
         stats["cache_memory_bytes"] = kv_cache.memory_bytes
     # With a cached prefix (a snapshot, or a paged cache sharing blocks) only the rest is prefilled.
     next_input = all_ids[:, kv_cache.offset if kv_cache is not None else 0 : length]
+    graphed = graphed_decoder(model, kv_cache)  # one-token steps replayed from a CUDA graph, where it applies
     with torch.inference_mode():
         for _ in range(params.max_new_tokens):
             seen = all_ids[:, :length]
             _sync(device)
             start = time.perf_counter()
             # The unoptimised path re-runs the whole sequence; the cached one only the new tokens.
-            logits = model(next_input, kv_cache)[:, -1] if kv_cache is not None else model(seen)[:, -1]
+            if kv_cache is None:
+                logits = model(seen)[:, -1]
+            elif graphed is not None and next_input.shape[1] == 1:
+                logits = graphed.step(next_input)[:, -1]
+            else:
+                logits = model(next_input, kv_cache)[:, -1]
             token = sample_next(logits, params, seen, generator)
             token_id = int(token.item())  # the sync point: the host needs the id to decide to stop
             elapsed = time.perf_counter() - start

@@ -279,6 +279,8 @@ class Transformer(nn.Module):
         # One-token steps under the native GEMV run their norms, rotations and gated activation as native calls
         # (infer/kernels/cpu_decode.c: each the PyTorch formula, within an ulp); False keeps PyTorch's ops.
         self.native_ops = True
+        # On CUDA, generate replays one-token steps into a contiguous cache from a CUDA graph (infer/graphs.py).
+        self.decode_graphs = True
         # Ids that end generation: config.json's, widened by the loader with generation_config.json's.
         self.eos_token_ids: tuple[int, ...] = config.eos_token_ids
 
@@ -420,6 +422,28 @@ class Transformer(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def forward_static(self, input_ids: torch.Tensor, position: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor) -> torch.Tensor:
+        """One decode step with static shapes, what a CUDA graph can capture and replay (infer/graphs.py):
+        `input_ids` `[B, 1]` at `position` (a `[1]` tensor, not a Python int), K/V written into slot `position`
+        of a contiguous cache's tensors `[L, B, Hkv, S, D]` and every one of the S slots read, those past the
+        position (and outside a sliding window) masked. Logits `[B, 1, vocab]`. No host sync, no allocation
+        whose size depends on the position; the caller checks ids and capacity and advances the cache."""
+        x = self._embed(input_ids)
+        device = input_ids.device
+        keys = torch.arange(k_cache.shape[3], device=device)
+        windows = {lt: self.config.sliding_window if lt == SLIDING_ATTENTION else None for lt in self.inv_freq}
+        ctx = StepContext(
+            rope={lt: rope_cos_sin(self._inv_freq_on(lt, device), position, x.dtype) for lt in self.inv_freq},
+            masks={lt: attention_mask(position, keys, windows[lt]) for lt in self.inv_freq},
+            kv_cache=cast(KVCache, _SlotWriter(k_cache, v_cache, position)),
+            use_reference_attention=self.use_reference_attention,
+            compute_dtype=self.compute_dtype,
+        )
+        for layer in self.layers:
+            x = layer(x, ctx)
+        return self._logits(x)
+
     def forward_ragged(
         self, input_ids: torch.Tensor, layers: Sequence[tuple[RaggedBatch, torch.Tensor, torch.Tensor]]
     ) -> torch.Tensor:
@@ -498,3 +522,16 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"input batch {input_ids.shape[0]} does not match the cache's batch_size {kv_cache.batch_size}"
             )
+
+
+class _SlotWriter:
+    """The `update` of `Transformer.forward_static`: the step's K/V written at a position held in a tensor, and
+    the whole of each layer's cache returned (its mask hides the slots past the position)."""
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, position: torch.Tensor) -> None:
+        self.k_cache, self.v_cache, self.position = k_cache, v_cache, position
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k_cache[layer].index_copy_(2, self.position, k)
+        self.v_cache[layer].index_copy_(2, self.position, v)
+        return self.k_cache[layer], self.v_cache[layer]
