@@ -28,6 +28,24 @@ def _tanh(x):
 
 
 @triton.jit
+def _attend_tile(q, k, v, visible, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """One tile of keys into the online softmax: scores of the packed query heads `q` against `k`, softcapped,
+    masked to `visible`, folded into the running max `m_i`, sum `l_i` and weighted values `acc`."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    if HAS_SOFTCAP:
+        s = softcap * _tanh(s / softcap)
+    s = tl.where(visible[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_decode_split(
     Q, K, V, Tables, Lengths, Acc, M, L,
     stride_qb, stride_qh,
@@ -74,19 +92,9 @@ def _paged_decode_split(
         kv_ok = visible[:, None] & d_ok[None, :]
         k = tl.load(K + block * stride_kn + kvh * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
                     mask=kv_ok, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        if HAS_SOFTCAP:
-            s = softcap * _tanh(s / softcap)
-        s = tl.where(visible[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + block * stride_vn + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :],
                     mask=kv_ok, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP, PRECISION)
 
     tl.store(Acc + b * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :], acc,
              mask=g_ok[:, None] & d_ok[None, :])

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.kernels.paged_attention import _pow2, _tanh, combine_splits
+from infer.kernels.paged_attention import _attend_tile, _pow2, combine_splits
 
 SCHEME_CODES = {"int8": 0, "int4": 1, "fp4": 2, "none": 3}
 
@@ -96,17 +96,7 @@ def _quantized_decode_split(
             v_scale = tl.load(VS + b * stride_sb + kvh * stride_sh + row, mask=visible, other=0.0).to(tl.float32)
             k = k * k_scale[:, None]
             v = v * v_scale[:, None]
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        if HAS_SOFTCAP:
-            s = softcap * _tanh(s / softcap)
-        s = tl.where(visible[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP, PRECISION)
 
     slot = split_base + split
     tl.store(Acc + b * stride_ab + heads[:, None] * stride_ah + slot * stride_as + offs_d[None, :], acc,
