@@ -174,3 +174,55 @@ class BatchedEngine:
         return run.new_tokens / run.wall_s
 
     track_engine_tokens_per_s.unit = "tokens/s"  # type: ignore[attr-defined]
+
+
+@functools.cache
+def bf16_model(arch: str, form: str) -> infer.Transformer:
+    """The bench model in bf16 on huge pages (as the loader places weights) with one decode GEMV form; "native"
+    with the native small ops, "native-no-ops" without them."""
+    from infer.memory import on_huge_pages
+
+    model = infer.Transformer(bench_config(arch))
+    source = bench_model(arch).state_dict()
+    model.load_state_dict({k: on_huge_pages(v.to(torch.bfloat16)) for k, v in source.items()}, assign=True)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.huge_pages = True
+    model.decode_gemv = form.removesuffix("-no-ops")
+    model.native_ops = form == "native"
+    return model.eval().requires_grad_(False)
+
+
+@functools.cache
+def prefilled_bf16(arch: str, form: str) -> tuple[infer.KVCache, infer.cache.CacheSnapshot]:
+    model = bf16_model(arch, form)
+    cache = infer.create_cache("contiguous", model.config, max_seq_len=1025, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        model(prompt(1024), cache)
+    return cache, cache.snapshot()
+
+
+class DecodeForm:
+    """A bf16 decode step at context 1024 by one-row product form: ATen's `F.linear` (the unoptimised
+    path) and `torch.mv`, the native GEMV with and without the native small ops. Skipped where no native
+    build loads."""
+
+    params = (["llama", "gemma3_text"], ["linear", "mv", "native-no-ops", "native"])
+    param_names = ["architecture", "form"]
+    number = 1
+    repeat = (5, 20, 10.0)
+    timeout = 300
+
+    def setup(self, arch: str, form: str) -> None:
+        from infer.kernels.native import native_kernels
+
+        if form.startswith("native") and native_kernels() is None:
+            raise NotImplementedError("no native build on this machine")
+        self.model = bf16_model(arch, form)
+        self.cache, snapshot = prefilled_bf16(arch, form)
+        self.cache.restore(snapshot)  # each sample: one step at exactly 1024 tokens
+        self.token = torch.tensor([[7]])
+
+    def time_decode_step(self, arch: str, form: str) -> None:
+        with torch.inference_mode():
+            self.model(self.token, self.cache)
