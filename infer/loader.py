@@ -87,8 +87,8 @@ def _read_headers(files: list[Path]) -> dict[str, _Header]:
         try:
             # safe_open validates the file (header, offsets within it); the offsets come from the header itself.
             with safe_open(str(file), framework="pt") as f:
-                shapes = {name: (tuple(f.get_slice(name).get_shape()), str(f.get_slice(name).get_dtype()))
-                          for name in f.keys()}  # noqa: SIM118 (safe_open is not a Mapping)
+                slices = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118 (not a Mapping)
+                shapes = {name: (tuple(piece.get_shape()), str(piece.get_dtype())) for name, piece in slices.items()}
             with open(file, "rb") as raw:
                 size = int.from_bytes(raw.read(8), "little")
                 layout = json.loads(raw.read(size))

@@ -191,8 +191,8 @@ def unavailable_reason(flavour: str = "native") -> str | None:
 def _build(compiler: str, flags: tuple[str, ...]) -> Path:
     """The shared library for these flags, compiled unless an identical build is cached; built under a
     temporary name and renamed, so concurrent processes (xdist workers) never load half a file."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, version, " ".join(flags), _cpu_signature()])
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, _compiler_version(compiler), " ".join(flags),
+                                    _cpu_signature()])
                          .encode()).hexdigest()[:16]
     directory = cache_dir()
     target = directory / f"gemv-{key}.so"
@@ -211,6 +211,12 @@ def _build(compiler: str, flags: tuple[str, ...]) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+@functools.cache
+def _compiler_version(compiler: str) -> str:
+    """`compiler --version`, asked once per process (every flavour and fallback build keys on it)."""
+    return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
 
 
 def _cpu_signature() -> str:

@@ -28,6 +28,20 @@ def _tanh(x):
 
 
 @triton.jit
+def _load_query_group(Q, b, kvh, stride_qb, stride_qh, offs_d, d_ok, GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
+    """The query heads of sequence b that read KV head kvh (head h reads KV head h // GROUP, as repeat_kv), packed
+    into one [BLOCK_G, BLOCK_D] fp32 tile, with their head indices and which rows are real. Products are fp32
+    whatever the storage dtype (decode is bandwidth-bound, so widening in registers costs no time, and it
+    sidesteps the interpreter's broken bf16 dot)."""
+    offs_g = tl.arange(0, BLOCK_G)
+    g_ok = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    return q, heads, g_ok
+
+
+@triton.jit
 def _attend_tile(q, k, v, visible, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP: tl.constexpr,
                  PRECISION: tl.constexpr):
     """One tile of keys into the online softmax: scores of the packed query heads `q` against `k`, softcapped,
@@ -65,16 +79,10 @@ def _paged_decode_split(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(Lengths + b)
-    offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    g_ok = offs_g < GROUP
     d_ok = offs_d < HEAD_DIM
-    heads = kvh * GROUP + offs_g
-    # Products in fp32 whatever the storage dtype (bf16 K/V are widened in registers: decode is
-    # bandwidth-bound, so this costs no time, and it sidesteps the interpreter's broken bf16 dot).
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    q, heads, g_ok = _load_query_group(Q, b, kvh, stride_qb, stride_qh, offs_d, d_ok, GROUP, BLOCK_G)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.kernels.paged_attention import _attend_tile, _pow2, combine_splits
+from infer.kernels.paged_attention import _attend_tile, _load_query_group, _pow2, combine_splits
 
 SCHEME_CODES = {"int8": 0, "int4": 1, "fp4": 2, "none": 3}
 
@@ -62,14 +62,10 @@ def _quantized_decode_split(
     split = tl.program_id(2)
     length = tl.load(Lengths + b)
     end = tl.minimum(stop, length)
-    offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    g_ok = offs_g < GROUP
     d_ok = offs_d < HEAD_DIM
-    heads = kvh * GROUP + offs_g
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    q, heads, g_ok = _load_query_group(Q, b, kvh, stride_qb, stride_qh, offs_d, d_ok, GROUP, BLOCK_G)
     # Element d of a row lies in byte d // 2 (high nibble for odd d) when two codes share a byte.
     col = offs_d // 2 if PACKED else offs_d
     odd = (offs_d % 2) == 1
