@@ -204,9 +204,7 @@ class Scheduler:
         for chunk in chunks:
             request = self.requests.get(chunk.request_id)
             if request is not None and request.status is Status.RUNNING:
-                self.blocks.truncate(request.request_id, max(request.num_computed,
-                                                             self.blocks.num_registered_blocks(request.request_id)
-                                                             * self.blocks.block_size))
+                self.blocks.truncate(request.request_id, request.num_computed)
 
     # ---- internals --------------------------------------------------------------------------
 

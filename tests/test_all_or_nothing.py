@@ -224,3 +224,29 @@ def test_a_call_on_another_device_leaves_the_model_working() -> None:
         with pytest.raises(ValueError, match="move them"):
             model(ids.to("meta"))
         assert torch.equal(model(ids), expected)
+
+
+def test_a_stopped_step_after_a_whole_block_prefix_hit_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt made only of cached whole blocks starts one token short of them (its last token must be
+    computed); a step stopped there leaves the cache as it was (the offset, the tokens and values it
+    holds; a copy-on-write copy the step made stays, as discard_step documents) and can be run again."""
+    from infer.cache.paged import PagedKVPool
+
+    model = model_of("llama")
+    pool = PagedKVPool(model.config, num_blocks=8, block_size=4)
+    prompt = ids_for(model, 8, seed=21)[0].tolist()
+    first = pool.new_sequence(prompt)
+    with torch.no_grad():
+        model(torch.tensor([prompt]), first)  # caches and registers both blocks
+    second = pool.new_sequence(prompt)
+    assert second.offset == 7, "the last prompt token is left to compute"
+    offset, token_ids, tensors, _ = state(second)
+    stop_at_layer(model, 1, monkeypatch)
+    with pytest.raises(Interrupt), torch.no_grad():
+        model(torch.tensor([prompt[7:]]), second)
+    after = state(second)
+    assert (after[0], after[1]) == (offset, token_ids)
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(after[2], tensors, strict=True))
+    with torch.no_grad():  # and the step then runs
+        model(torch.tensor([prompt[7:]]), second)
+    assert second.offset == 8

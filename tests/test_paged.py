@@ -126,14 +126,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def truncate(self, data: st.DataObject) -> None:
-        """Give back slots a stopped step reserved: any length from the registered blocks to the end."""
+        """Give back slots a stopped step reserved: any length from the registered blocks (but their last token,
+        which a prefix hit on whole blocks leaves to compute) to the end; registered blocks stay."""
         manager, seq_id = self.manager, self._pick(data)
-        # A prefix hit on a whole block leaves its last token to compute: the registered blocks may then hold
-        # more tokens than the sequence counts as computed.
-        low = min(manager.num_registered_blocks(seq_id) * manager.block_size, manager.num_tokens(seq_id))
+        registered, size = manager.num_registered_blocks(seq_id), manager.block_size
+        low = max(registered * size - 1, (registered - 1) * size + 1) if registered else 0
         n = data.draw(st.integers(low, manager.num_tokens(seq_id)), label="truncate to")
         table = manager.block_table(seq_id)
         keep = manager.blocks_for(n)
+        assert keep >= registered, "a registered block would be given back"
         free_before = manager.free_block_ids()
         released = manager.truncate(seq_id, n)
         assert manager.num_tokens(seq_id) == n and manager.block_table(seq_id) == table[:keep]
@@ -276,6 +277,25 @@ def shared_prefix_len(cached: list[int], prompt: list[int], block_size: int) -> 
     ):
         blocks += 1
     return min(blocks * block_size, max(len(prompt) - 1, 0))
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4])
+def test_truncating_a_whole_block_prefix_hit_keeps_its_shared_blocks(block_size: int) -> None:
+    """A prompt of only cached whole blocks counts one token fewer than they hold; truncating it to that count
+    (a stopped step's clean-up) keeps every shared block, and it can shrink no further."""
+    from infer.cache.block_manager import BlockManager
+
+    manager = BlockManager(8, block_size)
+    prompt = list(range(2 * block_size))
+    manager.new_sequence(0, prompt)
+    manager.append(0, len(prompt))
+    manager.register_full_blocks(0, prompt)
+    assert manager.new_sequence(1, prompt) == len(prompt) - 1
+    table = manager.block_table(1)
+    assert manager.truncate(1, len(prompt) - 1) == [] and manager.block_table(1) == table
+    assert [manager.ref_count(b) for b in table] == [2] * len(table)
+    with pytest.raises(ValueError, match=f"truncated to {len(prompt) - 1}"):
+        manager.truncate(1, len(prompt) - 2)
 
 
 # The state machine reaches collisions only by chance, and the CI profile's derandomized runs may never

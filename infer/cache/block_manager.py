@@ -302,13 +302,17 @@ class BlockManager:
         return released
 
     def truncate(self, seq_id: int, num_tokens: int) -> list[int]:
-        """Shrink a sequence to its first `num_tokens` tokens (at least its registered ones): give back
-        the slots a step reserved but never finished. Returns the blocks that no sequence holds any more."""
+        """Shrink a sequence to its first `num_tokens` tokens: give back the slots a step reserved but never
+        finished. Returns the blocks that no sequence holds any more. Registered blocks are never given back
+        (other sequences may share them), and a sequence may count one token fewer than they hold: a prefix hit
+        on whole blocks leaves the last prompt token to compute, so that is as far as it can shrink (while it
+        still needs every registered block)."""
         seq = self._seq(seq_id)
-        registered = seq.num_registered_blocks * self.block_size
-        if not registered <= num_tokens <= seq.num_tokens:
+        registered, size = seq.num_registered_blocks, self.block_size
+        lowest = max(registered * size - 1, (registered - 1) * size + 1) if registered else 0
+        if not lowest <= num_tokens <= seq.num_tokens:
             raise ValueError(
-                f"sequence {seq_id} can be truncated to {registered}..{seq.num_tokens} tokens, not {num_tokens}"
+                f"sequence {seq_id} can be truncated to {lowest}..{seq.num_tokens} tokens, not {num_tokens}"
             )
         keep = self.blocks_for(num_tokens)
         released: list[int] = []
