@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -33,6 +34,7 @@ from infer.generation import (
     budgeted,
     encode_prompt,
 )
+from infer.graphs import BatchedDecodeGraphs
 from infer.memory import available_memory
 from infer.models import Transformer
 from infer.ragged import RaggedBatch, SeqChunk, build_ragged_batch
@@ -85,6 +87,7 @@ class EngineStats:
     peak_blocks_used: int = 0
     peak_blocks_shared: int = 0
     max_waste_per_running_seq: float = 0.0  # unfilled slots in used blocks / running requests, at worst
+    graph_steps: int = 0  # steps run at a padded static shape (BatchedDecodeGraphs), replayed on CUDA
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -109,6 +112,7 @@ class Engine:
         keep_logits: bool = False,
         decode_attention: str = "auto",
         bound_sliding_layers: bool = True,
+        decode_graphs: bool | None = None,
     ) -> None:
         _check_model(model, tokenizer)
         if num_blocks is not None and cache_memory is not None:
@@ -118,11 +122,18 @@ class Engine:
                 raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        if decode_graphs is not None and not isinstance(decode_graphs, bool):
+            raise TypeError(f"decode_graphs must be True, False or None (auto), got {decode_graphs!r}")
         self.model = model
         self.tokenizer = tokenizer
         weight = model.embed_tokens.weight
         self.device = weight.device
         config = model.config
+        # The decode steps of a forward attend in one padded call, by the kernel measured fastest here
+        # ("per-sequence": one call each, the check).
+        self.decode_attention = choose_decode_attention(config, weight.dtype, self.device, decode_attention).value
+        graphs = _use_decode_graphs(decode_graphs, model, self.device, self.decode_attention)
+        spare = 1 if graphs else 0  # the block the padded rows of a graph's steps write (BatchedDecodeGraphs)
         windows = [layer.self_attn.window for layer in model._decoder_layers()]
         # Sliding-window layers (Gemma 3's local ones) need only their window's keys: with
         # `bound_sliding_layers` they live in per-request rings of blocks instead of the pool, so their memory
@@ -135,7 +146,7 @@ class Engine:
             window = max(w for w in windows if w is not None)
             self.ring = SlidingRings.allocate(len(self.ring_layers), max(max_num_seqs, 1), window,
                                               max(max_num_batched_tokens, 1), block_size, config, weight.dtype,
-                                              self.device)
+                                              self.device, spare)
             enable_prefix_caching = False
         block_bytes = (2 * len(self.pool_layers) * config.num_key_value_heads * block_size * config.head_dim
                        * weight.element_size()) or 1
@@ -148,22 +159,30 @@ class Engine:
                                             max_num_seqs, self.device,
                                             None if cache_memory is None else cache_memory - ring_bytes)
         self.pool = PagedKVPool(config, num_blocks=num_blocks, block_size=block_size, dtype=weight.dtype,
-                                device=self.device, num_layers=len(self.pool_layers))
+                                device=self.device, num_layers=len(self.pool_layers), spare_blocks=spare)
         self.prefix_caching = enable_prefix_caching
         self.scheduler = Scheduler(self.pool.manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    enable_prefix_caching=enable_prefix_caching)
         self.keep_logits = keep_logits
-        # The decode steps of a forward attend in one padded call, by the kernel measured fastest here
-        # ("per-sequence": one call each, the check).
-        self.decode_attention = choose_decode_attention(config, weight.dtype, self.device, decode_attention).value
+        # Pure-decode steps at padded static shapes, replayed from CUDA graphs on CUDA (infer/graphs.py).
+        self.graphs: BatchedDecodeGraphs | None = None
+        if graphs:
+            sets = [(self.pool.k_blocks, self.pool.v_blocks, self.pool_layers)]
+            if self.ring is not None:
+                sets.append((self.ring.k, self.ring.v, self.ring_layers))
+            layers = {layer: (s, k[j], v[j]) for s, (k, v, owned) in enumerate(sets) for j, layer in enumerate(owned)}
+            self.graphs = BatchedDecodeGraphs(
+                model, [layers[i] for i in range(len(layers))], [k.shape[1] - 1 for k, _, _ in sets],
+                block_size=block_size, kernel=self.decode_attention, max_batch=max_num_seqs,
+                max_blocks=-(-config.max_position_embeddings // block_size))
         self.stats = EngineStats()
         self._live: dict[int, _Live] = {}
         self._done: dict[int, GenerationResult] = {}
         self._pending: list[RequestOutput] = []  # outputs decided outside a step (instant ends)
         self._next_id = 0
         self._pool_windows = sorted({windows[i] for i in self.pool_layers}, key=lambda w: -1 if w is None else w)
-        self._ring_windows = sorted({w for i in self.ring_layers if (w := windows[i]) is not None})
+        self._ring_windows: list[int | None] = [*sorted({w for i in self.ring_layers if (w := windows[i]) is not None})]
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -288,31 +307,42 @@ class Engine:
         self.pool.copy_blocks(plan.copies)
         manager = self.pool.manager
         sample = [c.sample for c in plan.chunks]
-        chunks = [SeqChunk(c.start, c.num_tokens, manager.block_table(c.request_id)) for c in plan.chunks]
-        batch = build_ragged_batch(chunks, sample, block_size=self.pool.block_size, windows=self._pool_windows,
-                                   device=self.device, decode_kernel=self.decode_attention)
-        per_layer: dict[int, tuple[RaggedBatch, torch.Tensor, torch.Tensor]] = {
-            i: (batch, self.pool.k_blocks[j], self.pool.v_blocks[j]) for j, i in enumerate(self.pool_layers)}
+        chunk_sets = [[SeqChunk(c.start, c.num_tokens, manager.block_table(c.request_id)) for c in plan.chunks]]
         if self.ring is not None:
             ring = self.ring
-            ring_chunks = [SeqChunk(c.start, c.num_tokens, ring.table(c.request_id, c.start + c.num_tokens))
-                           for c in plan.chunks]
-            ring_batch = build_ragged_batch(ring_chunks, sample, block_size=self.pool.block_size,
-                                            windows=self._ring_windows, device=self.device,
-                                            decode_kernel=self.decode_attention)
-            per_layer |= {i: (ring_batch, ring.k[j], ring.v[j]) for j, i in enumerate(self.ring_layers)}
-        layers = [per_layer[i] for i in range(len(per_layer))]
+            chunk_sets.append([SeqChunk(c.start, c.num_tokens, ring.table(c.request_id, c.start + c.num_tokens))
+                               for c in plan.chunks])
         token_ids = [t for c in plan.chunks
                      for t in self._live[c.request_id].request.token_ids[c.start : c.start + c.num_tokens]]
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        graphed = self.graphs is not None and self.graphs.shape_for(chunk_sets) is not None
         try:
             with torch.inference_mode():
-                logits = self.model.forward_ragged(input_ids, layers)
+                if graphed:
+                    logits = cast(BatchedDecodeGraphs, self.graphs).step(token_ids, chunk_sets, sample)
+                else:
+                    logits = self._forward_ragged(token_ids, chunk_sets, sample)
         except BaseException:
             self.scheduler.discard(plan.chunks)
             raise
+        self.stats.graph_steps += graphed
         self.scheduler.computed(plan.chunks)
         return logits
+
+    def _forward_ragged(self, token_ids: list[int], chunk_sets: list[list[SeqChunk]], sample: list[bool]
+                        ) -> torch.Tensor:
+        """The ordinary step: the ragged batch of each table set (the pool's, the rings'), one forward."""
+        tensors: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int | None]]] = [
+            (self.pool.k_blocks, self.pool.v_blocks, self.pool_layers, self._pool_windows)]
+        if self.ring is not None:
+            tensors.append((self.ring.k, self.ring.v, self.ring_layers, self._ring_windows))
+        per_layer: dict[int, tuple[RaggedBatch, torch.Tensor, torch.Tensor]] = {}
+        for chunks, (k, v, owned, windows) in zip(chunk_sets, tensors, strict=True):
+            batch = build_ragged_batch(chunks, sample, block_size=self.pool.block_size, windows=windows,
+                                       device=self.device, decode_kernel=self.decode_attention)
+            per_layer |= {layer: (batch, k[j], v[j]) for j, layer in enumerate(owned)}
+        layers = [per_layer[i] for i in range(len(per_layer))]
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        return self.model.forward_ragged(input_ids, layers)
 
     def _sample(self, live: _Live, logits: torch.Tensor, now: float) -> RequestOutput:
         request, params = live.request, live.params
@@ -385,10 +415,13 @@ class SlidingRings:
 
     @classmethod
     def allocate(cls, num_layers: int, num_rings: int, window: int, chunk: int, block_size: int,
-                 config: ModelConfig, dtype: torch.dtype, device: torch.device) -> SlidingRings:
-        """Rings for `num_rings` running requests, attending `window` keys in chunks of up to `chunk` tokens."""
+                 config: ModelConfig, dtype: torch.dtype, device: torch.device, spare_blocks: int = 0
+                 ) -> SlidingRings:
+        """Rings for `num_rings` running requests, attending `window` keys in chunks of up to `chunk` tokens;
+        `spare_blocks` more after them that no ring uses (as PagedKVPool's)."""
         per_ring = -(-(window + chunk - 1) // block_size) + 1
-        shape = (num_layers, num_rings * per_ring, config.num_key_value_heads, block_size, config.head_dim)
+        shape = (num_layers, num_rings * per_ring + spare_blocks, config.num_key_value_heads, block_size,
+                 config.head_dim)
         k, v = allocate_zeros("the sliding layers' rings", device, (shape, dtype), (shape, dtype))
         return cls(k, v, per_ring, list(range(num_rings - 1, -1, -1)))
 
@@ -413,6 +446,18 @@ class SlidingRings:
         """The block table of the request's first `num_tokens` positions, through its ring."""
         base = self.owner[request_id] * self.blocks_per_ring
         return [base + j % self.blocks_per_ring for j in range(-(-num_tokens // self.k.shape[3]))]
+
+
+def _use_decode_graphs(forced: bool | None, model: Transformer, device: torch.device, kernel: str) -> bool:
+    """Whether pure-decode steps run at padded static shapes (BatchedDecodeGraphs): by default on CUDA when
+    `model.decode_graphs` is on; forced on elsewhere, the same padded steps run eagerly (how they are
+    tested on a CPU). They batch every sequence's attention, so the per-sequence check kernel excludes them."""
+    if forced is None:
+        return model.decode_graphs and device.type == "cuda" and kernel != "per-sequence"
+    if forced and kernel == "per-sequence":
+        raise ValueError("decode_graphs=True pads each decode step into one batch, but "
+                         "decode_attention='per-sequence' attends one sequence at a time: drop one of them")
+    return forced
 
 
 def _failed_result(error: Exception) -> GenerationResult:

@@ -8,10 +8,17 @@ slot of the cache with the ones past the position masked (gpt-fast's approach). 
 
 `GraphedDecoder(capture=False)` runs the same static step eagerly: that is how the CPU tests check it against
 the ordinary step, and it is what the graph holds.
+
+The batched engine's pure-decode steps (one new token for each running sequence, the steady state of serving)
+get the same treatment in `BatchedDecodeGraphs`: the ragged batch is padded to a few batch-size buckets and
+block-table widths, its metadata lives in static buffers the graph reads, and the paged kernel reads the pool
+in place. Steps with prompt chunks run eagerly, as prefill does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -19,6 +26,7 @@ import torch
 from infer.cache.contiguous import ContiguousCache
 from infer.errors import CacheFullError
 from infer.models import Transformer
+from infer.ragged import DecodeGroup, RaggedBatch, SeqChunk
 
 
 class GraphedDecoder:
@@ -89,3 +97,170 @@ def graphed_decoder(model: Transformer, cache: object) -> GraphedDecoder | None:
     if cache.k_cache.device.type != "cuda":
         return None
     return GraphedDecoder(model, cache)
+
+
+# Batch sizes a pure-decode step of the batched engine is padded to (vLLM pads to 1, 2, 4 and multiples of 8):
+# few shapes to capture, at most 1.5x the rows past 8. `max_num_seqs` is a bucket too.
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# Block-table widths are padded to powers of two from this: the kernel's split-K divides the width, so a
+# table much wider than the sequences would leave most splits empty.
+MIN_TABLE_WIDTH = 4
+
+
+def batch_bucket(n: int, max_batch: int) -> int | None:
+    """The padded batch size of a step of `n` sequences: the smallest bucket >= n, capped at `max_batch`;
+    None when n exceeds both (the step runs as it is)."""
+    if n > max_batch:
+        return None
+    return next((min(size, max_batch) for size in BATCH_BUCKETS if size >= n), None)
+
+
+def table_width(num_blocks: int, max_blocks: int) -> int | None:
+    """The padded block-table width for sequences holding up to `num_blocks` blocks: the next power of two,
+    at least MIN_TABLE_WIDTH, capped at `max_blocks`; None when num_blocks exceeds that."""
+    if num_blocks > max_blocks:
+        return None
+    return min(max_blocks, max(MIN_TABLE_WIDTH, 1 << (num_blocks - 1).bit_length()))
+
+
+@dataclass
+class _SetInputs:
+    """One table set's step inputs (views into a shape's flat input buffer)."""
+
+    slot_blocks: torch.Tensor  # [B] block each row writes
+    slot_offsets: torch.Tensor  # [B] slot in it
+    fresh: torch.Tensor  # [B] block zeroed before the writes: the row's block when it starts one, else the spare
+    lengths: torch.Tensor  # [B] keys of each row
+    tables: torch.Tensor  # [B, W] block tables
+
+
+@dataclass
+class _Shape:
+    """The static inputs, metadata and output of one (batch, table width) shape, and its graph once captured."""
+
+    inputs: torch.Tensor  # every input, flat: ids, positions, then each set's fields (see _layout)
+    ids: torch.Tensor
+    batches: list[RaggedBatch]  # per table set, reading views of `inputs`
+    logits: torch.Tensor | None = None
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class BatchedDecodeGraphs:
+    """Pure-decode steps of the batched engine (one new token per sequence) at static shapes: the batch padded
+    to a bucket (BATCH_BUCKETS) and the block tables to a width bucket, each shape captured as a CUDA graph on
+    first use and replayed after (`capture`, default: on CUDA), else run eagerly with the same shapes, which
+    is how the CPU tests check it against the ordinary step.
+
+    `layers[i]`: (table set, k_blocks, v_blocks) of model layer i. Table sets are the block spaces sequences
+    have tables in (the engine's pool, and its sliding layers' rings); `spare[s]` is a block of set s that no
+    sequence owns: padding rows write and read only there, so they touch no sequence's K/V. Each step's
+    metadata is copied into the shape's input buffer in one host-to-device copy."""
+
+    def __init__(self, model: Transformer, layers: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
+                 spare: Sequence[int], *, block_size: int, kernel: str, max_batch: int, max_blocks: int,
+                 capture: bool | None = None) -> None:
+        device = layers[0][1].device
+        if capture and device.type != "cuda":
+            raise ValueError(f"capturing CUDA graphs needs the model on CUDA, the pool is on {device.type}")
+        self.model, self.layers, self.spare = model, list(layers), list(spare)
+        self.block_size, self.kernel, self.device = block_size, kernel, device
+        self.max_batch, self.max_blocks = max_batch, max_blocks
+        self.capture = device.type == "cuda" if capture is None else capture
+        self.shapes: dict[tuple[int, int], _Shape] = {}
+        self._mempool: object = None  # one memory pool for every captured graph
+
+    def shape_for(self, chunk_sets: Sequence[Sequence[SeqChunk]]) -> tuple[int, int] | None:
+        """The padded (batch, table width) of a step over `chunk_sets` (per table set, one chunk per sequence),
+        or None when the step is not pure decode or exceeds the largest shape."""
+        chunks = chunk_sets[0]
+        if not chunks or any(c.num_tokens != 1 for c in chunks):
+            return None
+        batch = batch_bucket(len(chunks), self.max_batch)
+        width = table_width(max(c.start // self.block_size + 1 for c in chunks), self.max_blocks)
+        return None if batch is None or width is None else (batch, width)
+
+    def step(self, token_ids: Sequence[int], chunk_sets: Sequence[Sequence[SeqChunk]], sample: Sequence[bool]
+             ) -> torch.Tensor:
+        """Logits `[S, vocab]` of the rows that sample, for one new token per sequence (`shape_for` must have
+        given a shape). Writes each token's K/V into its slot, as the ordinary step does."""
+        key = self.shape_for(chunk_sets)
+        if key is None:
+            raise ValueError("not a pure-decode step within the captured shapes; run the ordinary step")
+        shape = self.shapes.get(key)
+        if shape is None:
+            shape = self.shapes[key] = self._new_shape(*key)
+        values = self._input_values(key, token_ids, chunk_sets)
+        shape.inputs.copy_(torch.tensor(values, dtype=torch.long))
+        if self.capture and shape.graph is None:
+            self._capture(shape)
+        if shape.graph is not None:
+            shape.graph.replay()
+            logits = cast(torch.Tensor, shape.logits)
+        else:
+            logits = self._forward(shape)
+        rows = [i for i, wants in enumerate(sample) if wants]
+        return logits[rows]  # a copy: the static output is overwritten by the next replay
+
+    def _input_values(self, key: tuple[int, int], token_ids: Sequence[int],
+                      chunk_sets: Sequence[Sequence[SeqChunk]]) -> list[int]:
+        """The flat input buffer's values, in _layout's order. Padding rows: token 0 at position 0, writing and
+        reading slot 0 of the spare block."""
+        batch, width = key
+        bs, pad = self.block_size, batch - len(token_ids)
+        values = [*token_ids, *[0] * pad, *[c.start for c in chunk_sets[0]], *[0] * pad]
+        for chunks, spare in zip(chunk_sets, self.spare, strict=True):
+            blocks = [c.block_table[c.start // bs] for c in chunks]
+            offsets = [c.start % bs for c in chunks]
+            values += [*blocks, *[spare] * pad]
+            values += [*offsets, *[0] * pad]
+            values += [*[b if o == 0 else spare for b, o in zip(blocks, offsets, strict=True)], *[spare] * pad]
+            values += [*[c.start + 1 for c in chunks], *[1] * pad]
+            for c in chunks:
+                own = list(c.block_table[: c.start // bs + 1])
+                values += [*own, *own[:1] * (width - len(own))]  # padding reads only the sequence's own data
+            values += [spare] * (pad * width)
+        return values
+
+    def _new_shape(self, batch: int, width: int) -> _Shape:
+        num_sets = len(self.spare)
+        inputs = torch.zeros(2 * batch + num_sets * (4 * batch + batch * width), dtype=torch.long,
+                             device=self.device)
+        ids, positions, sets = _layout(inputs, batch, width, num_sets)
+        rows = torch.arange(batch, device=self.device)
+        batches = [RaggedBatch(positions, s.slot_blocks, s.slot_offsets, [], rows, self.block_size, s.fresh,
+                               DecodeGroup(self.kernel, rows, s.tables, s.lengths, {})) for s in sets]
+        return _Shape(inputs, ids, batches)
+
+    def _forward(self, shape: _Shape) -> torch.Tensor:
+        layers = [(shape.batches[s], k, v) for s, k, v in self.layers]
+        return self.model.forward_ragged(shape.ids, layers)
+
+    def _capture(self, shape: _Shape) -> None:
+        # As GraphedDecoder._capture: warm-ups on a side stream (they write this step's K/V, as the replay will).
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(shape)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool):  # type: ignore[arg-type]
+            shape.logits = self._forward(shape)
+        shape.graph = graph
+
+
+def _layout(inputs: torch.Tensor, batch: int, width: int, num_sets: int
+            ) -> tuple[torch.Tensor, torch.Tensor, list[_SetInputs]]:
+    """Views of a flat input buffer: ids [B], positions [B], then per table set slot blocks, slot offsets,
+    fresh blocks and lengths [B] each, and tables [B, W]."""
+    ids, positions = inputs[:batch], inputs[batch : 2 * batch]
+    sets, start = [], 2 * batch
+    for _ in range(num_sets):
+        slot_blocks, slot_offsets, fresh, lengths = inputs[start : start + 4 * batch].view(4, batch)
+        start += 4 * batch
+        tables = inputs[start : start + batch * width].view(batch, width)
+        start += batch * width
+        sets.append(_SetInputs(slot_blocks, slot_offsets, fresh, lengths, tables))
+    return ids, positions, sets

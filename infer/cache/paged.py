@@ -44,13 +44,16 @@ class PagedKVPool:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         num_layers: int | None = None,
+        spare_blocks: int = 0,
     ) -> None:
         check_counts(num_blocks=num_blocks, block_size=block_size)
         check_cache_size(1, 1, dtype)
         # num_layers: the layers the pool serves (default all; the batched engine keeps Gemma 3's sliding
         # layers out of it, in rings bounded by the window).
         num_layers = config.num_hidden_layers if num_layers is None else num_layers
-        shape = (num_layers, num_blocks, config.num_key_value_heads, block_size, config.head_dim)
+        # spare_blocks: blocks after the managed ones that the allocator never hands out (the batched engine's
+        # graph-captured steps write their padding rows there).
+        shape = (num_layers, num_blocks + spare_blocks, config.num_key_value_heads, block_size, config.head_dim)
         # k_blocks, v_blocks: [L, N, Hkv, block_size, D]. Checked against free memory (with the block
         # manager's per-block bookkeeping) before either the tensors or the per-block objects exist.
         self.k_blocks, self.v_blocks = allocate_zeros(
