@@ -76,6 +76,11 @@ def run_engine(model: Transformer, work: list[BatchRequest], name: str = "infer 
     from infer.engine import Engine
 
     engine = Engine(model, None, **engine_args)
+    # CUDA graphs of the decode shapes the workload can reach, captured before the clock starts (a server
+    # captures them at start-up).
+    began = time.perf_counter()
+    shapes = engine.capture_decode_graphs(max(len(r.prompt_ids) + r.max_new_tokens for r in work))
+    capture_s = time.perf_counter() - began
     start = time.perf_counter()
     results = engine.generate([r.prompt_ids for r in work], [greedy_params(r) for r in work])
     wall = time.perf_counter() - start
@@ -85,7 +90,8 @@ def run_engine(model: Transformer, work: list[BatchRequest], name: str = "infer 
     s, pool = engine.stats, engine.pool
     stats = {"steps": s.steps, "preemptions": s.preemptions, "prefix_hit_rate": s.prefix_hit_rate,
              "pool_blocks": pool.num_blocks, "block_size": pool.block_size, "peak_blocks_used": s.peak_blocks_used,
-             "peak_blocks_shared": s.peak_blocks_shared, "max_waste_slots_per_running_seq": s.max_waste_per_running_seq}
+             "peak_blocks_shared": s.peak_blocks_shared, "max_waste_slots_per_running_seq": s.max_waste_per_running_seq,
+             "graph_steps": s.graph_steps, "graph_shapes": shapes, "graph_capture_s": capture_s}
     return BatchedRun(name, wall, [r.time_to_first_token_s for r in results],
                       [r.time_to_first_token_s + sum(r.decode_times_s) for r in results],
                       sum(len(r.token_ids) for r in results), stats)
@@ -139,6 +145,8 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
     engine_args = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens", "decode_attention",
                                                           "num_blocks")
                    if getattr(args, name) is not None}  # unset: the Engine's own defaults
+    if args.no_decode_graphs:
+        engine_args["decode_graphs"] = False
     runners: list[tuple[str, Callable[[list[BatchRequest]], BatchedRun]]] = [
         ("infer engine", lambda w: run_engine(model, w, **engine_args))]
     if not args.no_one_by_one:
@@ -175,6 +183,9 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
           f"{pool['max_waste_slots_per_running_seq']:.2f} slots per running request (under one block: "
           f"{pool['max_waste_slots_per_running_seq'] < pool['block_size']}); {pool['steps']:.0f} steps, "
           f"{pool['preemptions']:.0f} preemptions, prefix hit rate {pool['prefix_hit_rate']:.1%}")
+    if pool["graph_shapes"]:
+        print(f"decode graphs: {pool['graph_steps']:.0f} steps replayed from {pool['graph_shapes']:.0f} padded shapes, "
+              f"captured in {pool['graph_capture_s']:.1f} s before the clock started")
     print("choices: " + "; ".join(f"{c.name}: {c.value}" for c in CHOICES.values()))
     if args.json:
         report = {"machine": machine_info(), "choices": [asdict(c) for c in CHOICES.values()],
@@ -227,6 +238,9 @@ def add_batched_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-blocks", type=int, default=None,
                    help="the engine's pool size in blocks of 16 tokens (default: sized for the machine); a small "
                         "pool shows preemption")
-    g.add_argument("--decode-attention", default=None, choices=["auto", "sdpa", "matmul", "per-sequence"],
-                   help="how the engine's decode steps attend (default: auto, measured)")
+    g.add_argument("--decode-attention", default=None, choices=["auto", "sdpa", "matmul", "triton", "per-sequence"],
+                   help="how the engine's decode steps attend (default: auto: the Triton kernel on CUDA, else "
+                        "measured)")
+    g.add_argument("--no-decode-graphs", action="store_true",
+                   help="step the engine eagerly on CUDA (default: pure-decode steps replayed from CUDA graphs)")
     g.add_argument("--no-one-by-one", action="store_true", help="skip the one-by-one run (the slowest)")

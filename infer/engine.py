@@ -230,6 +230,19 @@ class Engine:
             raise ValueError(f"request {request_id} has not finished (or is unknown)")
         return self._done[request_id]
 
+    def capture_decode_graphs(self, max_seq_len: int | None = None) -> int:
+        """Capture the CUDA graphs of every padded pure-decode shape for sequences of up to `max_seq_len` tokens
+        (default: the model's context) now, rather than each on its first use; returns how many shapes there
+        are (0 without graphs). Off CUDA (decode_graphs forced on) nothing is captured."""
+        if self.graphs is None:
+            return 0
+        context = self.model.config.max_position_embeddings if max_seq_len is None else max_seq_len
+        if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+            raise ValueError(f"max_seq_len must be an int >= 1 or None, got {max_seq_len!r}")
+        with torch.inference_mode():
+            return self.graphs.capture_up_to(-(-min(context, self.model.config.max_position_embeddings)
+                                               // self.pool.block_size))
+
     @property
     def memory_bytes(self) -> int:
         """Bytes of the KV storage: the pool, and the sliding layers' rings."""

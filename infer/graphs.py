@@ -179,6 +179,22 @@ class BatchedDecodeGraphs:
         width = table_width(max(c.start // self.block_size + 1 for c in chunks), self.max_blocks)
         return None if batch is None or width is None else (batch, width)
 
+    def capture_up_to(self, num_blocks: int) -> int:
+        """Capture now every shape a pure-decode step over sequences of up to `num_blocks` blocks can take (at
+        start-up, as vLLM does, instead of on first use in the middle of serving); returns how many shapes
+        there are. The captures run on padding rows only, which touch nothing but the spare blocks."""
+        widths = sorted({w for n in range(1, num_blocks + 1) if (w := table_width(n, self.max_blocks)) is not None})
+        batches = sorted({b for n in range(1, self.max_batch + 1) if (b := batch_bucket(n, self.max_batch))})
+        for key in ((b, w) for b in batches for w in widths):
+            shape = self.shapes.get(key)
+            if shape is None:
+                shape = self.shapes[key] = self._new_shape(*key)
+            if self.capture and shape.graph is None:
+                empty: list[list[SeqChunk]] = [[] for _ in self.spare]
+                shape.inputs.copy_(torch.tensor(self._input_values(key, [], empty), dtype=torch.long))
+                self._capture(shape)
+        return len(batches) * len(widths)
+
     def step(self, token_ids: Sequence[int], chunk_sets: Sequence[Sequence[SeqChunk]], sample: Sequence[bool]
              ) -> torch.Tensor:
         """Logits `[S, vocab]` of the rows that sample, for one new token per sequence (`shape_for` must have

@@ -10,6 +10,7 @@ import pytest
 import torch
 from packaging.version import Version
 
+from infer.cache import create_cache
 from infer.cache.block_manager import BlockManager
 from infer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig
 from infer.models import Transformer
@@ -141,3 +142,12 @@ def check_pool_invariants(manager: BlockManager, tokens: dict[int, list[int]] | 
             assert i == first[1], f"block {b} sits at different positions in two sequences"
             n = min(manager.num_tokens(first[0]), manager.num_tokens(seq_id), (i + 1) * bs)
             assert tokens[first[0]][:n] == tokens[seq_id][:n], f"block {b} is shared by different prefixes"
+
+
+def solo_logits(model: Transformer, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The solo cached run's logits for each generated token, fed the given tokens."""
+    cache = create_cache("contiguous", model.config, max_seq_len=len(prompt) + len(tokens))
+    with torch.inference_mode():
+        rows = [model(torch.tensor([prompt]), cache)[0, -1]]
+        rows += [model(torch.tensor([[t]]), cache)[0, -1] for t in tokens[:-1]]
+    return torch.stack(rows)

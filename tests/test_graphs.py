@@ -1,17 +1,24 @@
 """The static one-token step a CUDA graph captures (`Transformer.forward_static` through `GraphedDecoder`), run
 eagerly on the CPU against the ordinary cached step: the same logits, the same tokens, and nothing read from
-the slots past the position. The capture itself needs CUDA: tests/test_gpu.py."""
+the slots past the position. The batched engine's padded pure-decode steps (`BatchedDecodeGraphs`) likewise:
+every request equals its solo run (also drawn by Hypothesis in tests/property/test_engine_properties.py), the
+padding rows touch no block but the spare, and only pure-decode steps take the padded path. The capture itself
+needs CUDA: tests/test_gpu.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import infer
+from infer.engine import Engine
 from infer.errors import CacheFullError
-from infer.graphs import GraphedDecoder, graphed_decoder
+from infer.graphs import BATCH_BUCKETS, MIN_TABLE_WIDTH, GraphedDecoder, batch_bucket, graphed_decoder, table_width
+from infer.sampling import SamplingParams
 from reference import build_checkpoint
-from tests.helpers import assert_close
+from tests.helpers import assert_close, solo_logits
 
 ARCHS = ["llama", "qwen3", "gemma3"]
 
@@ -92,3 +99,133 @@ def test_generate_replays_graphs_only_on_cuda_with_a_contiguous_cache() -> None:
     assert graphed_decoder(model, contiguous) is None, "on the CPU the ordinary step runs"
     assert graphed_decoder(model, None) is None
     assert graphed_decoder(model, infer.create_cache("int8", model.config, max_seq_len=8)) is None
+
+
+@given(n=st.integers(1, 600), max_batch=st.integers(1, 600))
+def test_a_step_pads_to_the_smallest_bucket_that_holds_it(n: int, max_batch: int) -> None:
+    bucket = batch_bucket(n, max_batch)
+    if n > max_batch or n > BATCH_BUCKETS[-1]:
+        assert bucket is None
+        return
+    buckets = sorted({min(b, max_batch) for b in BATCH_BUCKETS})
+    assert bucket == min(b for b in buckets if b >= n)
+    assert bucket <= max(n + 1, int(1.5 * n)) or bucket <= 8, "padding past 8 rows stays under 1.5x"
+
+
+@given(blocks=st.integers(1, 5000), max_blocks=st.integers(1, 5000))
+def test_block_tables_pad_to_a_power_of_two_width(blocks: int, max_blocks: int) -> None:
+    width = table_width(blocks, max_blocks)
+    if blocks > max_blocks:
+        assert width is None
+        return
+    assert width is not None and blocks <= width <= max_blocks
+    assert width == max_blocks or (width & (width - 1) == 0 and width >= MIN_TABLE_WIDTH)
+    assert width in (max_blocks, MIN_TABLE_WIDTH) or width < 2 * blocks
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_padded_decode_steps_give_each_request_its_solo_run(arch: str) -> None:
+    """Five requests of different lengths (block tables of different widths, padded batches), greedy and
+    seeded: each equals its solo run, tokens and fp32 logits; every step after the first
+    (all prompts prefilled at once) is a pure-decode step taking the padded path."""
+    model = infer.load_model(build_checkpoint(arch))
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 400, (n,), generator=gen).tolist() for n in (3, 9, 17, 5, 2)]
+    params = [SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True) for new in (12, 4, 10, 7)]
+    params.append(SamplingParams(max_new_tokens=9, temperature=1.0, top_k=20, seed=5, ignore_eos=True))
+    engine = Engine(model, None, num_blocks=64, block_size=4, keep_logits=True, decode_graphs=True)
+    results = engine.generate(prompts, params)
+    assert engine.graphs is not None and engine.stats.graph_steps == engine.stats.steps - 1
+    # 5, 4, 3, 2 and then 1 request running (they stop after 4, 7, 9, 10 and 12 tokens): 5 and 3 are padded;
+    # the 17-token prompt's table needs 8 columns until it finishes, the others 4.
+    assert {batch for batch, _ in engine.graphs.shapes} == {8, 4, 2, 1}
+    assert {width for _, width in engine.graphs.shapes} == {4, 8}
+    for prompt, p, result in zip(prompts, params, results, strict=True):
+        solo = infer.generate(model, None, prompt, p)
+        assert result.token_ids == solo.token_ids
+        forced = solo_logits(model, prompt, result.token_ids)
+        assert result.logits is not None
+        assert_close(result.logits, forced, 1e-5 * max(1.0, forced.abs().max().item()), "logits")
+
+
+def test_only_pure_decode_steps_take_the_padded_path() -> None:
+    """A token budget that splits prompts into chunks: steps that carry a prompt chunk run as ordinary ragged
+    batches; with decode_graphs=False none takes the padded path."""
+    model = infer.load_model(build_checkpoint("llama"))
+    prompts = [list(range(1, 30)), list(range(40, 46))]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    counts = {}
+    for graphs in (True, False):
+        engine = Engine(model, None, num_blocks=64, block_size=4, max_num_batched_tokens=8, decode_graphs=graphs)
+        engine.generate(prompts, params)
+        counts[graphs] = (engine.stats.graph_steps, engine.stats.steps)
+    # 35 prompt tokens at 8 a step: 5 steps carry prompt chunks (the last ones with a decode token beside
+    # them); the 6-token prompt finishes first, so the longer one's last tokens decode in pure-decode steps.
+    graphed, steps = counts[True]
+    assert counts[False] == (0, steps)
+    assert steps == 10 and graphed == 5
+
+
+def test_padding_rows_write_only_the_spare_block() -> None:
+    """A pool full of NaN, with blocks another holder keeps: three requests pad to a bucket of four, and the
+    padding row's writes land in the spare block only: the held blocks and every block never handed out stay
+    NaN, and each request equals its solo run."""
+    model = infer.load_model(build_checkpoint("llama"))
+    engine = Engine(model, None, num_blocks=64, block_size=4, decode_graphs=True)
+    pool = engine.pool
+    pool.k_blocks.fill_(float("nan"))
+    pool.v_blocks.fill_(float("nan"))
+    pool.manager.new_sequence(10**6)
+    pool.manager.append(10**6, 3 * 4)
+    held = pool.manager.block_table(10**6)
+    prompts = [[5, 6, 7], list(range(10, 27)), [40] * 9]
+    params = SamplingParams(max_new_tokens=9, temperature=0.0, ignore_eos=True)
+    used: set[int] = set(held)
+    tables = pool.manager.block_table
+
+    def recorded(seq_id: int) -> list[int]:  # every table a forward writes through
+        table = tables(seq_id)
+        used.update(table)
+        return table
+
+    pool.manager.block_table = recorded  # type: ignore[method-assign]
+    ids = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.graphs is not None and any(batch == 4 for batch, _ in engine.graphs.shapes)
+    untouched = [b for b in range(pool.num_blocks) if b not in used] + list(held)
+    assert torch.isnan(pool.k_blocks[:, untouched]).all() and torch.isnan(pool.v_blocks[:, untouched]).all()
+    for prompt, rid in zip(prompts, ids, strict=True):
+        assert engine.result(rid).token_ids == infer.generate(model, None, prompt, params).token_ids
+
+
+def test_decode_graphs_is_validated() -> None:
+    model = infer.load_model(build_checkpoint("llama"))
+    with pytest.raises(TypeError, match="decode_graphs must be True, False or None"):
+        Engine(model, None, num_blocks=8, decode_graphs="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="decode_attention='per-sequence' attends one sequence at a time"):
+        Engine(model, None, num_blocks=8, decode_graphs=True, decode_attention="per-sequence")
+    assert Engine(model, None, num_blocks=8).graphs is None, "off the GPU the ordinary step runs by default"
+    assert Engine(model, None, num_blocks=8).pool.k_blocks.shape[1] == 8, "no spare block without graphs"
+
+
+def test_shapes_captured_up_front_cover_every_step() -> None:
+    """`capture_decode_graphs(n)` lays out every padded shape a pure-decode step of sequences up to n tokens
+    can take (captured on CUDA): serving requests within n then needs no new shape, and they still equal their
+    solo runs (the up-front steps wrote only the spare block)."""
+    model = infer.load_model(build_checkpoint("llama"))
+    engine = Engine(model, None, num_blocks=64, block_size=4, max_num_seqs=6, decode_graphs=True)
+    assert engine.graphs is not None
+    count = engine.capture_decode_graphs(40)  # 10 blocks: widths 4, 8 and 16; batches 1, 2, 4 and 6
+    assert count == len(engine.graphs.shapes) == 12
+    prepared = set(engine.graphs.shapes)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 400, (n,), generator=gen).tolist() for n in (3, 20, 9, 12, 1)]
+    params = SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True)
+    results = engine.generate(prompts, params)
+    assert set(engine.graphs.shapes) == prepared and engine.stats.graph_steps > 0
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == infer.generate(model, None, prompt, params).token_ids
+    with pytest.raises(ValueError, match="max_seq_len must be an int >= 1"):
+        engine.capture_decode_graphs(0)
+    assert Engine(model, None, num_blocks=8).capture_decode_graphs() == 0, "no graphs, nothing to capture"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
 from hypothesis import event, given
 from hypothesis import strategies as st
 
@@ -18,9 +17,8 @@ import infer
 from infer.config import ModelConfig
 from infer.engine import Engine
 from infer.kernels import triton_available
-from infer.models import Transformer
 from infer.sampling import SamplingParams
-from tests.helpers import assert_close, check_pool_invariants, random_model
+from tests.helpers import assert_close, check_pool_invariants, random_model, solo_logits
 from tests.property.strategies import model_configs
 
 # The Triton kernel joins where it can run (on CUDA, or the CPU under TRITON_INTERPRET=1, as tests/conftest.py
@@ -57,6 +55,7 @@ def workloads(draw: st.DrawFn, config: ModelConfig) -> dict:
         for r in requests:
             r["prompt"] = shared + r["prompt"]
     block_size = draw(st.integers(1, 5))
+    kernel = draw(st.sampled_from(DECODE_KERNELS))
     longest = max(len(r["prompt"]) + r["params"].max_new_tokens for r in requests)
     min_blocks = -(-longest // block_size) + 1
     return {
@@ -66,17 +65,10 @@ def workloads(draw: st.DrawFn, config: ModelConfig) -> dict:
         "max_num_seqs": draw(st.integers(1, 5)),
         "budget": draw(st.integers(1, 16)),
         "prefix_caching": draw(st.booleans()),
-        "decode_attention": draw(st.sampled_from(DECODE_KERNELS)),
+        "decode_attention": kernel,
+        # Pure-decode steps at padded static shapes (what CUDA graphs replay), run eagerly here.
+        "decode_graphs": kernel != "per-sequence" and draw(st.booleans()),
     }
-
-
-def solo_logits(model: Transformer, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """The solo cached run's logits for each generated token, fed the given tokens."""
-    cache = infer.create_cache("contiguous", model.config, max_seq_len=len(prompt) + len(tokens))
-    with torch.inference_mode():
-        rows = [model(torch.tensor([prompt]), cache)[0, -1]]
-        rows += [model(torch.tensor([[t]]), cache)[0, -1] for t in tokens[:-1]]
-    return torch.stack(rows)
 
 
 @given(data=st.data(), config=model_configs(), seed=st.integers(0, 999))
@@ -86,7 +78,7 @@ def test_each_request_equals_its_solo_run(data: st.DataObject, config: ModelConf
     engine = Engine(model, None, num_blocks=w["num_blocks"], block_size=w["block_size"],
                     max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
                     enable_prefix_caching=w["prefix_caching"], keep_logits=True,
-                    decode_attention=w["decode_attention"])
+                    decode_attention=w["decode_attention"], decode_graphs=w["decode_graphs"])
     ids: dict[int, int] = {}  # request index -> engine id
     step = 0
     while step < 500 and (step <= 4 or engine.has_unfinished()):
@@ -105,6 +97,7 @@ def test_each_request_equals_its_solo_run(data: st.DataObject, config: ModelConf
     manager = engine.pool.manager
     assert manager.num_free == manager.num_blocks, "blocks still held after every request ended"
     event(f"preempted: {engine.stats.preemptions > 0}")
+    event(f"padded decode steps: {engine.stats.graph_steps > 0}")
     if engine.ring is not None:  # sliding layers in rings: did a ring wrap (a sequence outgrow its ring)?
         ring_slots = engine.ring.blocks_per_ring * w["block_size"]
         longest = max(len(r["prompt"]) + r["params"].max_new_tokens for r in w["requests"])
