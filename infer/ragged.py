@@ -196,8 +196,9 @@ def paged_attention(
     attend: Attend = partial(attention_reference if reference else attention, scale=scale, softcap=softcap)
     # A block a sequence starts is zeroed first, so its unwritten slots never hold a previous owner's
     # values (the batched decode reads them, masked: a stale NaN would still poison its sum).
-    k_blocks[batch.fresh_blocks] = 0
-    v_blocks[batch.fresh_blocks] = 0
+    # (index_fill_ with a scalar: no host value copied to the device, so a CUDA graph can capture it.)
+    k_blocks.index_fill_(0, batch.fresh_blocks, 0)
+    v_blocks.index_fill_(0, batch.fresh_blocks, 0)
     # Index tensors around the head slice put N first: the target is [N, Hkv, D].
     k_blocks[batch.slot_blocks, :, batch.slot_offsets] = k[0].transpose(0, 1).to(k_blocks.dtype)
     v_blocks[batch.slot_blocks, :, batch.slot_offsets] = v[0].transpose(0, 1).to(v_blocks.dtype)
