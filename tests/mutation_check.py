@@ -487,6 +487,9 @@ MUTANTS = [
            "return next((min(size, max_batch) for size in BATCH_BUCKETS if size >= n), None)",
            "return next((min(size, max_batch) for size in BATCH_BUCKETS if size >= n - 1), None)",
            ("tests/test_graphs.py",)),
+    Mutant("triton: a window's splits counted from block 0", "infer/kernels/paged_attention.py",
+           "lo = first + split * per_split", "lo = split * per_split",
+           ("tests/test_triton_kernels.py",)),
 ]
 
 

@@ -33,7 +33,7 @@ def paged_problems(draw: st.DrawFn) -> dict:
         "kv_heads": kv_heads, "group": group, "head_dim": head_dim, "block_size": block_size, "lengths": lengths,
         "window": draw(st.none() | st.integers(1, 20)),
         "softcap": draw(st.none() | st.sampled_from([5.0, 30.0])),
-        "blocks_per_split": draw(st.none() | st.integers(1, 5)),
+        "num_splits": draw(st.none() | st.integers(1, 7)),
         "seed": draw(st.integers(0, 2**31 - 1)),
     }
 
@@ -81,7 +81,7 @@ def test_paged_decode_attention_equals_the_formula(p: dict) -> None:
     scale = p["head_dim"] ** -0.5
     lengths = torch.tensor(p["lengths"], device=DEVICE)
     out = paged_decode_attention(q, k_blocks, v_blocks, tables, lengths, scale, p["softcap"], p["window"],
-                                 p["blocks_per_split"])
+                                 p["num_splits"])
     expected = reference(q, k_blocks, v_blocks, tables, p["lengths"], scale, p["softcap"], p["window"])
     assert not out.isnan().any(), "a masked NaN slot reached the output"
     assert_close(out, expected, 1e-5, "paged Triton kernel vs formula (fp32)")
@@ -95,7 +95,7 @@ def test_paged_decode_attention_in_bf16_is_within_bf16_rounding(p: dict) -> None
     scale = p["head_dim"] ** -0.5
     lengths = torch.tensor(p["lengths"], device=DEVICE)
     out = paged_decode_attention(q, k_blocks, v_blocks, tables, lengths, scale, p["softcap"], p["window"],
-                                 p["blocks_per_split"])
+                                 p["num_splits"])
     assert out.dtype == torch.bfloat16
     expected = reference(q.float(), k_blocks.float(), v_blocks.float(), tables, p["lengths"], scale, p["softcap"],
                          p["window"])
@@ -105,17 +105,37 @@ def test_paged_decode_attention_in_bf16_is_within_bf16_rounding(p: dict) -> None
 
 
 def test_split_count_does_not_change_the_result() -> None:
-    """Flash-decoding's combine: one split, a split per block, and the default give the same rows."""
+    """Flash-decoding's combine: one split, more splits than blocks (some empty), and the default give the same
+    rows."""
     from infer.kernels.paged_attention import paged_decode_attention
 
     p = {"kv_heads": 2, "group": 3, "head_dim": 64, "block_size": 4, "lengths": [1, 9, 33], "window": None,
-         "softcap": None, "blocks_per_split": None, "seed": 1}
+         "softcap": None, "num_splits": None, "seed": 1}
     q, k_blocks, v_blocks, tables = build(p, torch.float32)
     lengths = torch.tensor(p["lengths"], device=DEVICE)
-    outs = [paged_decode_attention(q, k_blocks, v_blocks, tables, lengths, 0.125, blocks_per_split=s)
+    outs = [paged_decode_attention(q, k_blocks, v_blocks, tables, lengths, 0.125, num_splits=s)
             for s in (None, 1, 100)]
     assert_close(outs[1], outs[2], 1e-5, "split per block vs one split")
     assert_close(outs[0], outs[2], 1e-5, "default split vs one split")
+
+
+@given(paged_problems(), st.integers(1, 40))
+def test_a_wider_padded_table_changes_nothing(p: dict, extra: int) -> None:
+    """The batched engine's graph-captured shapes pad block tables to a width bucket: extra columns naming a
+    block of NaN (never a sequence's) leave every row as it was, whatever the split count."""
+    from infer.kernels.paged_attention import paged_decode_attention
+
+    q, k_blocks, v_blocks, tables = build(p, torch.float32)
+    spare = torch.full((1, *k_blocks.shape[1:]), float("nan"), device=DEVICE)
+    k_blocks, v_blocks = torch.cat([k_blocks, spare]), torch.cat([v_blocks, spare])
+    wide = torch.cat([tables, torch.full((tables.shape[0], extra), k_blocks.shape[0] - 1, device=DEVICE)], 1)
+    lengths = torch.tensor(p["lengths"], device=DEVICE)
+    scale = p["head_dim"] ** -0.5
+    args = (scale, p["softcap"], p["window"], p["num_splits"])
+    narrow = paged_decode_attention(q, k_blocks, v_blocks, tables, lengths, *args)
+    padded = paged_decode_attention(q, k_blocks, v_blocks, wide, lengths, *args)
+    assert not padded.isnan().any(), "a padding column was read"
+    assert_close(padded, narrow, 1e-6, "padded table vs exact table")
 
 
 # ---- decode attention over a quantized cache, codes dequantized in the kernel ----

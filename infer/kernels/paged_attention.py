@@ -6,7 +6,9 @@ long sequences still fill the GPU.
 Layout: the engine's pool, one layer: `k_blocks`, `v_blocks` `[num_blocks, Hkv, block_size, D]`; `tables`
 `[B, max_blocks]` int32; `lengths` `[B]` int32 (keys of each sequence, its query at position length-1).
 Grid: (sequence, KV head, split). Each program keeps an online softmax (running max, sum, weighted values)
-over its split's blocks and writes it out; `paged_decode_attention` combines the splits.
+over its split's blocks and writes it out; `paged_decode_attention` combines the splits. A sequence's splits
+divide its own blocks, so a table padded wider than the sequence (the batched engine's graph-captured
+shapes) or a longer neighbour in the batch leaves no split idle.
 
 `infer.ragged` is the PyTorch path this is checked against (tests/test_triton_kernels.py, under
 `TRITON_INTERPRET=1` on a CPU); the engine uses this on CUDA (`decode_attention="triton"`).
@@ -68,11 +70,10 @@ def _paged_decode_split(
     stride_tb,
     stride_ab, stride_ah, stride_as,
     stride_mb, stride_mh,
-    scale, softcap, window,
+    scale, softcap, window, num_splits,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCKS_PER_SPLIT: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -87,10 +88,15 @@ def _paged_decode_split(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    lo = split * BLOCKS_PER_SPLIT
-    hi = tl.minimum(lo + BLOCKS_PER_SPLIT, tl.cdiv(length, BLOCK_SIZE))
+    # The sequence's own blocks (from the first its window touches) in num_splits equal runs: each split's
+    # work follows the sequence's length, not the table's width (a padded table, or a longer neighbour).
+    last = tl.cdiv(length, BLOCK_SIZE)
+    first = 0
     if HAS_WINDOW:  # blocks wholly before the window hold nothing this query sees
-        lo = tl.maximum(lo, tl.maximum(length - window, 0) // BLOCK_SIZE)
+        first = tl.maximum(length - window, 0) // BLOCK_SIZE
+    per_split = tl.cdiv(last - first, num_splits)
+    lo = first + split * per_split
+    hi = tl.minimum(lo + per_split, last)
     for j in range(lo, hi):
         block = tl.load(Tables + b * stride_tb + j).to(tl.int64)
         pos = j * BLOCK_SIZE + offs_n
@@ -123,24 +129,24 @@ def paged_decode_attention(
     scale: float,
     softcap: float | None = None,
     window: int | None = None,
-    blocks_per_split: int | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence, `q` `[B, H, D]`, over its own blocks; returns `[B, H, D]` in q's
-    dtype. `blocks_per_split`: blocks each program reads (default: enough splits to give the GPU ~2 programs
-    per SM). Every sequence must have length >= 1."""
+    dtype. `num_splits`: programs per sequence and KV head, each reading an equal run of the sequence's blocks
+    (default: enough to give the GPU ~2 programs per SM, at most one per table column). Every sequence must
+    have length >= 1."""
     B, H, D = q.shape
     _, Hkv, block_size, _ = k_blocks.shape
     if H % Hkv or k_blocks.shape != v_blocks.shape or k_blocks.shape[-1] != D:
         raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k/v blocks {tuple(k_blocks.shape)}")
     if k_blocks.stride(-1) != 1 or v_blocks.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("q, k_blocks and v_blocks need a contiguous last dimension")
-    max_blocks = tables.shape[1]
-    if blocks_per_split is None:
-        programs = B * Hkv
+    if num_splits is None:
         target = 2 * torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
-        splits = max(1, min(max_blocks, -(-target // programs)))
-        blocks_per_split = -(-max_blocks // splits)
-    splits = -(-max_blocks // blocks_per_split)
+        num_splits = max(1, min(tables.shape[1], -(-target // (B * Hkv))))
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be an int >= 1 or None, got {num_splits!r}")
+    splits = num_splits
     acc = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
     m = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
     l_sum = torch.empty_like(m)
@@ -155,9 +161,9 @@ def paged_decode_attention(
         tables.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2),
         m.stride(0), m.stride(1),
-        float(scale), float(softcap or 1.0), int(window or 0),
+        float(scale), float(softcap or 1.0), int(window or 0), splits,
         BLOCK_SIZE=block_size, BLOCK_N=_pow2(block_size), HEAD_DIM=D, BLOCK_D=_pow2(D),
-        GROUP=group, BLOCK_G=_pow2(group), BLOCKS_PER_SPLIT=blocks_per_split,
+        GROUP=group, BLOCK_G=_pow2(group),
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
         # fp32 models get exact fp32 products (the engine's fp32 logits must equal the PyTorch path's); half
         # ones TF32, still finer than their own rounding.
