@@ -2,7 +2,9 @@
 
 Each contender is a hand-written greedy loop (no `generate()` bookkeeping), with `logits_to_keep=1`
 as `generate()` itself uses: the fastest way a user can drive HF, so the engine's ratios are not
-flattered. Two caches: the default `DynamicCache` (grows by `torch.cat`) and `StaticCache`.
+flattered. Two caches: the default `DynamicCache` (grows by `torch.cat`) and `StaticCache`; on CUDA also the
+static cache with the decode step compiled by `torch.compile(mode="reduce-overhead")` (CUDA graphs), the
+fast path Hugging Face documents.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, Cache, DynamicCache, PreTrainedModel, StaticCache
@@ -23,14 +26,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def hf_greedy_trial(model: PreTrainedModel, cache_kind: str, prompt_ids: list[int], new_tokens: int) -> Trial:
-    """One timed greedy generation with HF's model and the named cache."""
+def hf_greedy_trial(model: PreTrainedModel, cache_kind: str, prompt_ids: list[int], new_tokens: int,
+                    cache: Cache | None = None, decode: Callable[..., Any] | None = None) -> Trial:
+    """One timed greedy generation with HF's model and the named cache (or `cache` itself, reset first);
+    `decode`: what runs the one-token steps (default: the model; a compiled forward for the compiled one)."""
     device = next(model.parameters()).device
     n = len(prompt_ids)
     ids = torch.tensor([prompt_ids], device=device)
+    step = model if decode is None else decode
     with torch.inference_mode():
-        cache: Cache
-        if cache_kind == "static":
+        if cache is not None:
+            cache.reset()
+        elif cache_kind == "static":
             cache = StaticCache(config=model.config, max_cache_len=n + new_tokens)
         else:
             cache = DynamicCache(config=model.config)
@@ -45,7 +52,7 @@ def hf_greedy_trial(model: PreTrainedModel, cache_kind: str, prompt_ids: list[in
         for i in range(new_tokens - 1):
             start = time.perf_counter()
             position = torch.tensor([n + i], device=device)
-            out = model(input_ids=token, past_key_values=cache, cache_position=position, use_cache=True)
+            out = step(input_ids=token, past_key_values=cache, cache_position=position, use_cache=True)
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             token.item()
             steps.append(time.perf_counter() - start)
@@ -62,10 +69,25 @@ def hf_contenders(
     """HF with its dynamic cache and with its static cache, sharing one loaded model."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model = model.to(device).eval()  # type: ignore[arg-type]
-    return [
+    contenders = [
         Contender(f"hf[{kind}]", lambda kind=kind: hf_greedy_trial(model, kind, prompt_ids, new_tokens))  # type: ignore[misc]
         for kind in ("dynamic", "static")
     ]
+    if device.type == "cuda":
+        contenders.append(hf_compiled_contender(model, prompt_ids, new_tokens))
+    return contenders
+
+
+def hf_compiled_contender(model: PreTrainedModel, prompt_ids: list[int], new_tokens: int,
+                          mode: str = "reduce-overhead") -> Contender:
+    """HF's static cache with the one-token step compiled (`torch.compile(model.forward, mode=mode,
+    fullgraph=True)`, as HF's docs show); prefill stays eager. One cache serves every trial (reset each time):
+    the compiled step specialises on the cache's tensors, so a new cache per trial would recompile. The bench's
+    warm-up trial pays the compilation."""
+    cache = StaticCache(config=model.config, max_cache_len=len(prompt_ids) + new_tokens)
+    step = torch.compile(model.forward, mode=mode, fullgraph=True)
+    return Contender(f"hf[static+compile:{mode}]",
+                     lambda: hf_greedy_trial(model, "static", prompt_ids, new_tokens, cache=cache, decode=step))
 
 
 def hf_static_batches(model: PreTrainedModel, work: list[BatchRequest], batch_size: int) -> BatchedRun:

@@ -490,6 +490,9 @@ MUTANTS = [
     Mutant("triton: a window's splits counted from block 0", "infer/kernels/paged_attention.py",
            "lo = first + split * per_split", "lo = split * per_split",
            ("tests/test_triton_kernels.py",)),
+    Mutant("bench: the compiled HF contender steps with the eager model", "reference/hf_bench.py",
+           "step = model if decode is None else decode", "step = model",
+           ("tests/test_bench.py",)),
 ]
 
 

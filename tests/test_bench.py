@@ -78,3 +78,24 @@ def test_batched_arguments_fail_before_any_model_loads(bad: list[str], capsys: p
     assert main(["bench", "--batched", "--model", str(build_checkpoint("llama")), *bad]) != 0
     err = capsys.readouterr().err
     assert bad[0] in err and "Traceback" not in err
+
+
+def test_hf_trial_runs_its_steps_through_a_given_decode_and_reused_cache() -> None:
+    """The compiled HF contender's plumbing (the compilation itself is CUDA-only: tests/test_gpu.py): every
+    one-token step goes through `decode` at the next cache position, and one static cache serves every trial."""
+    from transformers import AutoModelForCausalLM, StaticCache
+
+    from reference.hf_bench import hf_greedy_trial
+
+    model = AutoModelForCausalLM.from_pretrained(build_checkpoint("llama"))
+    positions: list[int] = []
+
+    def step(**kwargs: object) -> object:
+        positions.append(int(kwargs["cache_position"].item()))  # type: ignore[attr-defined]
+        return model(**kwargs)
+
+    cache = StaticCache(config=model.config, max_cache_len=10)
+    for _ in range(2):
+        trial = hf_greedy_trial(model, "static", [1, 2, 3, 4, 5, 6], 4, cache=cache, decode=step)
+        assert len(trial.step_times_s) == 3 and trial.prompt_tokens == 6
+    assert positions == [6, 7, 8] * 2

@@ -170,3 +170,16 @@ def test_engine_graph_replay_equals_its_eager_static_steps_in_bf16(arch: str) ->
     for r, s in zip(runs["replay"][0], runs["static"][0], strict=True):
         assert r.token_ids == s.token_ids
         assert torch.equal(r.logits, s.logits)
+
+
+def test_hf_compiled_static_contender_runs_on_cuda() -> None:
+    """The bench's `hf[static+compile:reduce-overhead]` contender compiles and steps (twice, on one cache)."""
+    from transformers import AutoModelForCausalLM
+
+    from reference.hf_bench import hf_compiled_contender
+
+    model = AutoModelForCausalLM.from_pretrained(build_checkpoint("llama")).cuda().eval()
+    contender = hf_compiled_contender(model, list(range(3, 13)), 8)
+    for _ in range(2):
+        trial = contender.run()
+        assert len(trial.step_times_s) == 7
