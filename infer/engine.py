@@ -17,7 +17,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import cast
 
 import torch
 
@@ -165,15 +164,22 @@ class Engine:
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    enable_prefix_caching=enable_prefix_caching)
         self.keep_logits = keep_logits
-        # Pure-decode steps at padded static shapes, replayed from CUDA graphs on CUDA (infer/graphs.py).
+        # The block spaces requests have tables in, each with its K/V tensors [layers, blocks, ...], the model
+        # layers reading it and their windows: the pool, and the sliding layers' rings.
+        self._table_sets: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int | None]]] = [(
+            self.pool.k_blocks, self.pool.v_blocks, self.pool_layers,
+            sorted({windows[i] for i in self.pool_layers}, key=lambda w: -1 if w is None else w))]
+        if self.ring is not None:
+            ring_windows: list[int | None] = [*sorted({w for i in self.ring_layers if (w := windows[i]) is not None})]
+            self._table_sets.append((self.ring.k, self.ring.v, self.ring_layers, ring_windows))
+        # Pure-decode steps at padded static shapes, replayed from CUDA graphs on CUDA (infer/graphs.py); each
+        # set's last block is its spare.
         self.graphs: BatchedDecodeGraphs | None = None
         if graphs:
-            sets = [(self.pool.k_blocks, self.pool.v_blocks, self.pool_layers)]
-            if self.ring is not None:
-                sets.append((self.ring.k, self.ring.v, self.ring_layers))
-            layers = {layer: (s, k[j], v[j]) for s, (k, v, owned) in enumerate(sets) for j, layer in enumerate(owned)}
+            layers = {layer: (s, k[j], v[j]) for s, (k, v, owned, _) in enumerate(self._table_sets)
+                      for j, layer in enumerate(owned)}
             self.graphs = BatchedDecodeGraphs(
-                model, [layers[i] for i in range(len(layers))], [k.shape[1] - 1 for k, _, _ in sets],
+                model, [layers[i] for i in range(len(layers))], [k.shape[1] - 1 for k, *_ in self._table_sets],
                 block_size=block_size, kernel=self.decode_attention, max_batch=max_num_seqs,
                 max_blocks=-(-config.max_position_embeddings // block_size))
         self.stats = EngineStats()
@@ -181,8 +187,6 @@ class Engine:
         self._done: dict[int, GenerationResult] = {}
         self._pending: list[RequestOutput] = []  # outputs decided outside a step (instant ends)
         self._next_id = 0
-        self._pool_windows = sorted({windows[i] for i in self.pool_layers}, key=lambda w: -1 if w is None else w)
-        self._ring_windows: list[int | None] = [*sorted({w for i in self.ring_layers if (w := windows[i]) is not None})]
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -327,29 +331,23 @@ class Engine:
                                for c in plan.chunks])
         token_ids = [t for c in plan.chunks
                      for t in self._live[c.request_id].request.token_ids[c.start : c.start + c.num_tokens]]
-        graphed = self.graphs is not None and self.graphs.shape_for(chunk_sets) is not None
         try:
             with torch.inference_mode():
-                if graphed:
-                    logits = cast(BatchedDecodeGraphs, self.graphs).step(token_ids, chunk_sets, sample)
-                else:
+                logits = None if self.graphs is None else self.graphs.step(token_ids, chunk_sets, sample)
+                self.stats.graph_steps += logits is not None
+                if logits is None:  # not a pure-decode step (or beyond the largest shape)
                     logits = self._forward_ragged(token_ids, chunk_sets, sample)
         except BaseException:
             self.scheduler.discard(plan.chunks)
             raise
-        self.stats.graph_steps += graphed
         self.scheduler.computed(plan.chunks)
         return logits
 
     def _forward_ragged(self, token_ids: list[int], chunk_sets: list[list[SeqChunk]], sample: list[bool]
                         ) -> torch.Tensor:
         """The ordinary step: the ragged batch of each table set (the pool's, the rings'), one forward."""
-        tensors: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int | None]]] = [
-            (self.pool.k_blocks, self.pool.v_blocks, self.pool_layers, self._pool_windows)]
-        if self.ring is not None:
-            tensors.append((self.ring.k, self.ring.v, self.ring_layers, self._ring_windows))
         per_layer: dict[int, tuple[RaggedBatch, torch.Tensor, torch.Tensor]] = {}
-        for chunks, (k, v, owned, windows) in zip(chunk_sets, tensors, strict=True):
+        for chunks, (k, v, owned, windows) in zip(chunk_sets, self._table_sets, strict=True):
             batch = build_ragged_batch(chunks, sample, block_size=self.pool.block_size, windows=windows,
                                        device=self.device, decode_kernel=self.decode_attention)
             per_layer |= {layer: (batch, k[j], v[j]) for j, layer in enumerate(owned)}

@@ -196,12 +196,13 @@ class BatchedDecodeGraphs:
         return len(batches) * len(widths)
 
     def step(self, token_ids: Sequence[int], chunk_sets: Sequence[Sequence[SeqChunk]], sample: Sequence[bool]
-             ) -> torch.Tensor:
-        """Logits `[S, vocab]` of the rows that sample, for one new token per sequence (`shape_for` must have
-        given a shape). Writes each token's K/V into its slot, as the ordinary step does."""
+             ) -> torch.Tensor | None:
+        """Logits `[S, vocab]` of the rows that sample, for one new token per sequence, writing each token's K/V
+        into its slot as the ordinary step does; None (nothing done) when `shape_for` gives no shape: the
+        caller runs the ordinary step."""
         key = self.shape_for(chunk_sets)
         if key is None:
-            raise ValueError("not a pure-decode step within the captured shapes; run the ordinary step")
+            return None
         shape = self.shapes.get(key)
         if shape is None:
             shape = self.shapes[key] = self._new_shape(*key)

@@ -466,7 +466,7 @@ MUTANTS = [
            "victim = victims[-1]", "victim = victims[0]",
            ("tests/test_scheduler.py",)),
     Mutant("padded decode: padding rows write a managed block", "infer/engine.py",
-           "[k.shape[1] - 1 for k, _, _ in sets]", "[k.shape[1] - 2 for k, _, _ in sets]",
+           "[k.shape[1] - 1 for k, *_ in self._table_sets]", "[k.shape[1] - 2 for k, *_ in self._table_sets]",
            ("tests/test_graphs.py",)),
     Mutant("padded decode: every row's block zeroed, not only started ones", "infer/graphs.py",
            "*[b if o == 0 else spare for b, o in zip(blocks, offsets, strict=True)]",
