@@ -17,7 +17,7 @@ in place. Steps with prompt chunks run eagerly, as prefill does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -62,7 +62,7 @@ class GraphedDecoder:
         self.input_ids.copy_(input_ids)
         self.position.fill_(offset)
         if self.capture and self.graph is None:
-            self._capture()
+            self.graph, self.logits = capture_graph(self._forward)
         if self.graph is not None:
             self.graph.replay()
             logits = cast(torch.Tensor, self.logits)
@@ -74,19 +74,23 @@ class GraphedDecoder:
     def _forward(self) -> torch.Tensor:
         return self.model.forward_static(self.input_ids, self.position, self.cache.k_cache, self.cache.v_cache)
 
-    def _capture(self) -> None:
-        # Warm up on a side stream (first-call allocations and autotuning stay out of the graph), then capture.
-        # Both write K/V into the slot at the current position, which the replay that follows overwrites.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.logits = self._forward()
-        self.graph = graph
+
+
+def capture_graph(forward: Callable[[], torch.Tensor], pool: object = None
+                  ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`forward` captured as a CUDA graph (in memory pool `pool`, if given), and the output tensor each replay
+    overwrites. Warm-ups on a side stream first keep first-call allocations, compilation and autotuning out
+    of the graph; they run the step for real, so a decode step's warm-ups write the K/V its replay writes."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):  # type: ignore[arg-type]
+        output = forward()
+    return graph, output
 
 
 def graphed_decoder(model: Transformer, cache: object) -> GraphedDecoder | None:
@@ -102,8 +106,8 @@ def graphed_decoder(model: Transformer, cache: object) -> GraphedDecoder | None:
 # Batch sizes a pure-decode step of the batched engine is padded to (vLLM pads to 1, 2, 4 and multiples of 8):
 # few shapes to capture, at most 1.5x the rows past 8. `max_num_seqs` is a bucket too.
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-# Block-table widths are padded to powers of two from this: the kernel's split-K divides the width, so a
-# table much wider than the sequences would leave most splits empty.
+# Block-table widths are padded to powers of two from this, not to the model's context: every column is copied
+# to the device each step (and read by the PyTorch gather path), so widths follow the sequences.
 MIN_TABLE_WIDTH = 4
 
 
@@ -186,9 +190,7 @@ class BatchedDecodeGraphs:
         widths = sorted({w for n in range(1, num_blocks + 1) if (w := table_width(n, self.max_blocks)) is not None})
         batches = sorted({b for n in range(1, self.max_batch + 1) if (b := batch_bucket(n, self.max_batch))})
         for key in ((b, w) for b in batches for w in widths):
-            shape = self.shapes.get(key)
-            if shape is None:
-                shape = self.shapes[key] = self._new_shape(*key)
+            shape = self._shape(key)
             if self.capture and shape.graph is None:
                 empty: list[list[SeqChunk]] = [[] for _ in self.spare]
                 shape.inputs.copy_(torch.tensor(self._input_values(key, [], empty), dtype=torch.long))
@@ -203,9 +205,7 @@ class BatchedDecodeGraphs:
         key = self.shape_for(chunk_sets)
         if key is None:
             return None
-        shape = self.shapes.get(key)
-        if shape is None:
-            shape = self.shapes[key] = self._new_shape(*key)
+        shape = self._shape(key)
         values = self._input_values(key, token_ids, chunk_sets)
         shape.inputs.copy_(torch.tensor(values, dtype=torch.long))
         if self.capture and shape.graph is None:
@@ -238,6 +238,13 @@ class BatchedDecodeGraphs:
             values += [spare] * (pad * width)
         return values
 
+    def _shape(self, key: tuple[int, int]) -> _Shape:
+        """The shape's buffers and metadata, laid out on first use."""
+        shape = self.shapes.get(key)
+        if shape is None:
+            shape = self.shapes[key] = self._new_shape(*key)
+        return shape
+
     def _new_shape(self, batch: int, width: int) -> _Shape:
         num_sets = len(self.spare)
         inputs = torch.zeros(2 * batch + num_sets * (4 * batch + batch * width), dtype=torch.long,
@@ -253,19 +260,10 @@ class BatchedDecodeGraphs:
         return self.model.forward_ragged(shape.ids, layers)
 
     def _capture(self, shape: _Shape) -> None:
-        # As GraphedDecoder._capture: warm-ups on a side stream (they write this step's K/V, as the replay will).
+        # One memory pool for every shape: replays never overlap, so their intermediates can share memory.
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward(shape)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):  # type: ignore[arg-type]
-            shape.logits = self._forward(shape)
-        shape.graph = graph
+        shape.graph, shape.logits = capture_graph(lambda: self._forward(shape), self._mempool)
 
 
 def _layout(inputs: torch.Tensor, batch: int, width: int, num_sets: int
