@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from infer.errors import CheckpointError
+from infer.families import ARCHITECTURES, FAMILIES
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ARCHITECTURES
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
@@ -213,17 +214,17 @@ def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
             f"({num_kv_heads}); every KV head must serve the same number of query heads"
         )
     head_dim = _int(raw, "head_dim", max(hidden // num_heads, 1))
-    is_gemma = model_type == "gemma3_text"
+    family = FAMILIES[model_type]
 
     # Layer types: transformers 5 writes them; legacy Gemma 3 gives a period instead.
     layer_types = raw.get("layer_types")
     if layer_types is None:
-        if is_gemma:
+        if family.sliding_layers == "period":
             pattern = _int(raw, "sliding_window_pattern", 6)
             layer_types = [
                 SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)
             ]
-        elif _bool(raw, "use_sliding_window", False) and raw.get("sliding_window"):
+        elif family.sliding_layers == "upper" and _bool(raw, "use_sliding_window", False) and raw.get("sliding_window"):
             max_window_layers = _int(raw, "max_window_layers", num_layers, minimum=0)
             layer_types = [
                 SLIDING_ATTENTION if i >= max_window_layers else FULL_ATTENTION for i in range(num_layers)
@@ -246,10 +247,11 @@ def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
 
     # RoPE: `rope_parameters` (transformers 5; per layer type for Gemma 3) or the legacy keys.
     rope_params = _dict(raw, "rope_parameters")
-    default_theta = 1_000_000.0 if is_gemma else 10000.0
+    default_theta = family.rope_theta
+    local_theta = family.local_rope_theta
     if isinstance(rope_params, dict) and _is_per_layer_type(rope_params):
         rope = _rope_from_params(rope_params.get(FULL_ATTENTION), default_theta, f"rope_parameters.{FULL_ATTENTION}.")
-        rope_local = _rope_from_params(rope_params.get(SLIDING_ATTENTION), 10000.0,
+        rope_local = _rope_from_params(rope_params.get(SLIDING_ATTENTION), local_theta or default_theta,
                                        f"rope_parameters.{SLIDING_ATTENTION}.")
     elif rope_params is not None:
         rope = _rope_from_params(rope_params, _number(raw, "rope_theta", default_theta), "rope_parameters.")
@@ -257,16 +259,15 @@ def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
     else:
         rope = _rope_from_params(_dict(raw, "rope_scaling"), _number(raw, "rope_theta", default_theta), "rope_scaling.")
         rope_local = None
-        if is_gemma:
-            rope_local = RopeConfig(theta=_number(raw, "rope_local_base_freq", 10000.0))
-    if is_gemma and rope_local is None:
-        rope_local = RopeConfig(theta=10000.0)
+        if local_theta is not None:
+            rope_local = RopeConfig(theta=_number(raw, "rope_local_base_freq", local_theta))
+    if local_theta is not None and rope_local is None:
+        rope_local = RopeConfig(theta=local_theta)
 
-    hidden_act = raw.get("hidden_activation") or raw.get("hidden_act") or ("gelu_pytorch_tanh" if is_gemma else "silu")
+    hidden_act = raw.get("hidden_activation") or raw.get("hidden_act") or family.hidden_act
     if hidden_act not in ("silu", "gelu_pytorch_tanh"):
         raise CheckpointError(f"config.json: unsupported activation {hidden_act!r}; supported are silu and "
                               "gelu_pytorch_tanh")
-    tie_default = model_type != "llama"
     return ModelConfig(
         model_type=model_type,
         vocab_size=vocab_size,
@@ -278,7 +279,7 @@ def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6),
         max_position_embeddings=_int(raw, "max_position_embeddings", 8192),
-        tie_word_embeddings=_bool(raw, "tie_word_embeddings", tie_default),
+        tie_word_embeddings=_bool(raw, "tie_word_embeddings", family.tie_word_embeddings),
         attention_bias=_bool(raw, "attention_bias", False),
         mlp_bias=_bool(raw, "mlp_bias", False),
         hidden_act=hidden_act,
@@ -286,7 +287,8 @@ def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         sliding_window=sliding_window,
         rope=rope,
         rope_local=rope_local,
-        query_pre_attn_scalar=_number(raw, "query_pre_attn_scalar", 256.0) if is_gemma else None,
+        query_pre_attn_scalar=(None if family.query_pre_attn_scalar is None
+                               else _number(raw, "query_pre_attn_scalar", family.query_pre_attn_scalar)),
         final_logit_softcapping=_optional_number(raw, "final_logit_softcapping"),
         attn_logit_softcapping=_optional_number(raw, "attn_logit_softcapping"),
         bos_token_id=(_token_ids(raw, "bos_token_id", vocab_size) or (None,))[0],

@@ -17,13 +17,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
-from infer.cache.base import allocate_zeros
+from infer.backends import PagedBackend
+from infer.cache.batch_storage import BatchStorage
 from infer.cache.block_manager import BlockStats
-from infer.cache.paged import DEFAULT_BLOCK_SIZE, PagedKVPool
-from infer.config import ModelConfig
+from infer.cache.paged import DEFAULT_BLOCK_SIZE
 from infer.generation import (
     GenerationResult,
     OutputStream,
@@ -34,18 +35,12 @@ from infer.generation import (
     encode_prompt,
 )
 from infer.graphs import BatchedDecodeGraphs
-from infer.memory import available_memory
 from infer.models import Transformer
 from infer.ragged import RaggedBatch, SeqChunk, build_ragged_batch
 from infer.sampling import SamplingParams, sample_next
-from infer.scheduler import PoolTooSmall, Request, Scheduler, SchedulerOutput
+from infer.scheduler import Request, Scheduler, SchedulerOutput
 from infer.tokenizer import Tokenizer
 from infer.tuning import choose_decode_attention
-
-# Share of the memory left on the device that a default pool takes (the rest: activations, other work),
-# and on a CPU at most 4 GiB (vLLM's CPU default), which holds thousands of blocks for the shapes served here.
-DEFAULT_POOL_SHARE = {"cpu": 0.25, "cuda": 0.7}
-DEFAULT_CPU_POOL_CAP = 4 * 2**30
 
 
 @dataclass
@@ -138,48 +133,25 @@ class Engine:
         # `bound_sliding_layers` they live in per-request rings of blocks instead of the pool, so their memory
         # is bounded by window + chunk, not by the context. Their rings hold no shareable prefix, so prefix
         # caching is off for such models (a prefix hit would skip computing K/V the rings need).
-        self.ring_layers = [i for i, w in enumerate(windows) if w is not None] if bound_sliding_layers else []
-        self.pool_layers = [i for i in range(len(windows)) if i not in self.ring_layers]
-        self.ring: SlidingRings | None = None
-        if self.ring_layers and isinstance(max_num_seqs, int) and isinstance(max_num_batched_tokens, int):
-            window = max(w for w in windows if w is not None)
-            self.ring = SlidingRings.allocate(len(self.ring_layers), max(max_num_seqs, 1), window,
-                                              max(max_num_batched_tokens, 1), block_size, config, weight.dtype,
-                                              self.device, spare)
+        self.storage = BatchStorage.allocate(
+            config, windows, dtype=weight.dtype, device=self.device, block_size=block_size, num_blocks=num_blocks,
+            cache_memory=cache_memory, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            bound_sliding_layers=bound_sliding_layers and isinstance(max_num_seqs, int)
+            and isinstance(max_num_batched_tokens, int),
+            spare_blocks=spare)
+        self.pool, self.ring = self.storage.pool, self.storage.ring
+        if self.ring is not None:
             enable_prefix_caching = False
-        block_bytes = (2 * len(self.pool_layers) * config.num_key_value_heads * block_size * config.head_dim
-                       * weight.element_size()) or 1
-        if num_blocks is None:
-            ring_bytes = self.ring.memory_bytes if self.ring is not None else 0
-            if ring_bytes and cache_memory is not None and cache_memory - ring_bytes < block_bytes:
-                raise ValueError(f"cache_memory={cache_memory} bytes does not hold the sliding layers' rings "
-                                 f"({ring_bytes} bytes) and one KV block of {block_bytes}; raise it")
-            num_blocks = default_num_blocks(block_bytes, block_size, config.max_position_embeddings,
-                                            max_num_seqs, self.device,
-                                            None if cache_memory is None else cache_memory - ring_bytes)
-        self.pool = PagedKVPool(config, num_blocks=num_blocks, block_size=block_size, dtype=weight.dtype,
-                                device=self.device, num_layers=len(self.pool_layers), spare_blocks=spare)
         self.prefix_caching = enable_prefix_caching
         self.scheduler = Scheduler(self.pool.manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    enable_prefix_caching=enable_prefix_caching)
         self.keep_logits = keep_logits
-        # The block spaces requests have tables in, each with its K/V tensors [layers, blocks, ...], the model
-        # layers reading it and their windows: the pool, and the sliding layers' rings.
-        self._table_sets: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int | None]]] = [(
-            self.pool.k_blocks, self.pool.v_blocks, self.pool_layers,
-            sorted({windows[i] for i in self.pool_layers}, key=lambda w: -1 if w is None else w))]
-        if self.ring is not None:
-            ring_windows: list[int | None] = [*sorted({w for i in self.ring_layers if (w := windows[i]) is not None})]
-            self._table_sets.append((self.ring.k, self.ring.v, self.ring_layers, ring_windows))
-        # Pure-decode steps at padded static shapes, replayed from CUDA graphs on CUDA (infer/graphs.py); each
-        # set's last block is its spare.
+        # Pure-decode steps at padded static shapes, replayed from CUDA graphs on CUDA (infer/graphs.py).
         self.graphs: BatchedDecodeGraphs | None = None
         if graphs:
-            layers = {layer: (s, k[j], v[j]) for s, (k, v, owned, _) in enumerate(self._table_sets)
-                      for j, layer in enumerate(owned)}
             self.graphs = BatchedDecodeGraphs(
-                model, [layers[i] for i in range(len(layers))], [k.shape[1] - 1 for k, *_ in self._table_sets],
+                model, self.storage.layer_blocks(), [cast(int, ts.spare) for ts in self.storage.table_sets],
                 block_size=block_size, kernel=self.decode_attention, max_batch=max_num_seqs,
                 max_blocks=-(-config.max_position_embeddings // block_size))
         self.stats = EngineStats()
@@ -250,7 +222,7 @@ class Engine:
     @property
     def memory_bytes(self) -> int:
         """Bytes of the KV storage: the pool, and the sliding layers' rings."""
-        return self.pool.memory_bytes + (self.ring.memory_bytes if self.ring is not None else 0)
+        return self.storage.memory_bytes
 
     def block_stats(self) -> BlockStats:
         """The pool's occupancy now."""
@@ -267,11 +239,7 @@ class Engine:
             live = self._live[rid]
             live.error, live.stream.finish = reason, "error"
             outputs.append(self._end(live))
-        if self.ring is not None:
-            for rid in plan.preempted:
-                self.ring.release(rid)
-            for chunk in plan.chunks:
-                self.ring.acquire(chunk.request_id)
+        self.storage.schedule(plan.preempted, plan.chunks)
         if not plan.chunks:
             return outputs
         self.stats.steps += 1
@@ -322,13 +290,8 @@ class Engine:
     def _forward(self, plan: SchedulerOutput) -> torch.Tensor:
         """Logits `[S, vocab]` of the chunks that sample, in plan order."""
         self.pool.copy_blocks(plan.copies)
-        manager = self.pool.manager
         sample = [c.sample for c in plan.chunks]
-        chunk_sets = [[SeqChunk(c.start, c.num_tokens, manager.block_table(c.request_id)) for c in plan.chunks]]
-        if self.ring is not None:
-            ring = self.ring
-            chunk_sets.append([SeqChunk(c.start, c.num_tokens, ring.table(c.request_id, c.start + c.num_tokens))
-                               for c in plan.chunks])
+        chunk_sets = self.storage.block_tables(plan.chunks)
         token_ids = [t for c in plan.chunks
                      for t in self._live[c.request_id].request.token_ids[c.start : c.start + c.num_tokens]]
         try:
@@ -346,14 +309,13 @@ class Engine:
     def _forward_ragged(self, token_ids: list[int], chunk_sets: list[list[SeqChunk]], sample: list[bool]
                         ) -> torch.Tensor:
         """The ordinary step: the ragged batch of each table set (the pool's, the rings'), one forward."""
-        per_layer: dict[int, tuple[RaggedBatch, torch.Tensor, torch.Tensor]] = {}
-        for chunks, (k, v, owned, windows) in zip(chunk_sets, self._table_sets, strict=True):
-            batch = build_ragged_batch(chunks, sample, block_size=self.pool.block_size, windows=windows,
-                                       device=self.device, decode_kernel=self.decode_attention)
-            per_layer |= {layer: (batch, k[j], v[j]) for j, layer in enumerate(owned)}
-        layers = [per_layer[i] for i in range(len(per_layer))]
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        return self.model.forward_ragged(input_ids, layers)
+        batches = [build_ragged_batch(chunks, sample, block_size=self.pool.block_size, windows=ts.windows,
+                                      device=self.device, decode_kernel=self.decode_attention)
+                   for chunks, ts in zip(chunk_sets, self.storage.table_sets, strict=True)]
+        layers: list[tuple[RaggedBatch, torch.Tensor, torch.Tensor]] = [
+            (batches[s], k, v) for s, k, v in self.storage.layer_blocks()]
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        return self.model(input_ids, PagedBackend(layers))
 
     def _sample(self, live: _Live, logits: torch.Tensor, now: float) -> RequestOutput:
         request, params = live.request, live.params
@@ -376,8 +338,7 @@ class Engine:
         """Retire a request: free its blocks and keep its result."""
         rid = live.request.request_id
         self.scheduler.finish(rid)
-        if self.ring is not None:
-            self.ring.release(rid)
+        self.storage.release(rid)
         del self._live[rid]
         reason = live.stream.finish or "length"
         times = live.token_times_s
@@ -410,55 +371,6 @@ class Engine:
             stats.max_waste_per_running_seq = max(stats.max_waste_per_running_seq, waste)
 
 
-@dataclass
-class SlidingRings:
-    """K/V of the sliding-window layers: each running request owns a ring of `blocks_per_ring` blocks, and
-    logical block j of its sequence lives in ring block j mod `blocks_per_ring`. The ring spans window +
-    chunk + a block, so a chunk's writes never overwrite a key one of its queries still sees, and a block
-    that is started (zeroed, infer/ragged.py) only held keys that every query has left behind. Block
-    tables built from it alias older logical blocks to newer ones; attention masks those by position."""
-
-    k: torch.Tensor  # [layers, num_rings * blocks_per_ring, Hkv, block_size, D]
-    v: torch.Tensor
-    blocks_per_ring: int
-    free: list[int]  # ring indices
-    owner: dict[int, int] = field(default_factory=dict)  # request id -> ring index
-
-    @classmethod
-    def allocate(cls, num_layers: int, num_rings: int, window: int, chunk: int, block_size: int,
-                 config: ModelConfig, dtype: torch.dtype, device: torch.device, spare_blocks: int = 0
-                 ) -> SlidingRings:
-        """Rings for `num_rings` running requests, attending `window` keys in chunks of up to `chunk` tokens;
-        `spare_blocks` more after them that no ring uses (as PagedKVPool's)."""
-        per_ring = -(-(window + chunk - 1) // block_size) + 1
-        shape = (num_layers, num_rings * per_ring + spare_blocks, config.num_key_value_heads, block_size,
-                 config.head_dim)
-        k, v = allocate_zeros("the sliding layers' rings", device, (shape, dtype), (shape, dtype))
-        return cls(k, v, per_ring, list(range(num_rings - 1, -1, -1)))
-
-    @property
-    def memory_bytes(self) -> int:
-        """Bytes of the ring tensors."""
-        return self.k.nbytes + self.v.nbytes
-
-    def acquire(self, request_id: int) -> None:
-        """Give a newly scheduled request a ring (no-op if it has one). The scheduler never runs more requests
-        than there are rings."""
-        if request_id not in self.owner:
-            self.owner[request_id] = self.free.pop()
-
-    def release(self, request_id: int) -> None:
-        """Take a finished or preempted request's ring back (no-op if it has none)."""
-        ring = self.owner.pop(request_id, None)
-        if ring is not None:
-            self.free.append(ring)
-
-    def table(self, request_id: int, num_tokens: int) -> list[int]:
-        """The block table of the request's first `num_tokens` positions, through its ring."""
-        base = self.owner[request_id] * self.blocks_per_ring
-        return [base + j % self.blocks_per_ring for j in range(-(-num_tokens // self.k.shape[3]))]
-
-
 def _use_decode_graphs(forced: bool | None, model: Transformer, device: torch.device, kernel: str) -> bool:
     """Whether pure-decode steps run at padded static shapes (BatchedDecodeGraphs): by default on CUDA when
     `model.decode_graphs` is on; forced on elsewhere, the same padded steps run eagerly (how they are
@@ -474,25 +386,3 @@ def _use_decode_graphs(forced: bool | None, model: Transformer, device: torch.de
 def _failed_result(error: Exception) -> GenerationResult:
     return GenerationResult(prompt_ids=[], token_ids=[], text="", finish_reason="error", prefill_time_s=0.0,
                             error=f"{type(error).__name__}: {error}")
-
-
-def default_num_blocks(block_bytes: int, block_size: int, context: int, max_num_seqs: int, device: torch.device,
-                       cache_memory: int | None) -> int:
-    """Blocks for a pool: `cache_memory` bytes when given; else enough for `max_num_seqs` requests at the
-    model's full context, capped at a share of the memory the device has left."""
-    if cache_memory is not None:
-        blocks = cache_memory // block_bytes
-        if blocks < 1:
-            raise ValueError(f"cache_memory={cache_memory} bytes holds no KV block of {block_bytes} bytes; "
-                             "raise it")
-        return int(blocks)
-    wanted = max_num_seqs * -(-context // block_size)
-    free = available_memory(device)
-    if free is not None:
-        share = int(free * DEFAULT_POOL_SHARE.get(device.type, 0.25))
-        if device.type == "cpu":
-            share = min(share, DEFAULT_CPU_POOL_CAP)
-        wanted = min(wanted, share // block_bytes)
-    if wanted < 1:
-        raise PoolTooSmall(f"the device has too little free memory for one KV block of {block_bytes} bytes")
-    return wanted

@@ -2,9 +2,10 @@
 
 A 1B model's decode step is a few hundred small kernel launches; on a GPU their launch cost, not the
 memory traffic, sets the step time unless they are replayed from a graph. A graph replays fixed shapes
-and addresses, so the step it captures is `Transformer.forward_static`: the token and its position live in
-tensors the graph reads, K/V go into a contiguous cache's slot at that position, and attention reads every
-slot of the cache with the ones past the position masked (gpt-fast's approach). Prefill stays eager.
+and addresses, so the step it captures is the model's one forward over a `StaticBackend` (infer/backends.py):
+the token and its position live in tensors the graph reads, K/V go into a contiguous cache's slot at that
+position, and attention reads every slot of the cache with the ones past the position masked (gpt-fast's
+approach). Prefill stays eager.
 
 `GraphedDecoder(capture=False)` runs the same static step eagerly: that is how the CPU tests check it against
 the ordinary step, and it is what the graph holds.
@@ -23,10 +24,11 @@ from typing import cast
 
 import torch
 
+from infer.backends import PagedBackend
 from infer.cache.contiguous import ContiguousCache
 from infer.errors import CacheFullError
 from infer.models import Transformer
-from infer.ragged import DecodeGroup, RaggedBatch, SeqChunk
+from infer.ragged import DecodeGroup, RaggedBatch, SeqChunk, padded_table
 
 
 class GraphedDecoder:
@@ -72,7 +74,8 @@ class GraphedDecoder:
         return logits
 
     def _forward(self) -> torch.Tensor:
-        return self.model.forward_static(self.input_ids, self.position, self.cache.k_cache, self.cache.v_cache)
+        backend = self.model.static_backend(self.position, self.cache.k_cache, self.cache.v_cache)
+        return self.model(self.input_ids, backend)
 
 
 
@@ -233,8 +236,7 @@ class BatchedDecodeGraphs:
             values += [*[b if o == 0 else spare for b, o in zip(blocks, offsets, strict=True)], *[spare] * pad]
             values += [*[c.start + 1 for c in chunks], *[1] * pad]
             for c in chunks:
-                own = list(c.block_table[: c.start // bs + 1])
-                values += [*own, *own[:1] * (width - len(own))]  # padding reads only the sequence's own data
+                values += padded_table(c.block_table[: c.start // bs + 1], width)
             values += [spare] * (pad * width)
         return values
 
@@ -257,7 +259,7 @@ class BatchedDecodeGraphs:
 
     def _forward(self, shape: _Shape) -> torch.Tensor:
         layers = [(shape.batches[s], k, v) for s, k, v in self.layers]
-        return self.model.forward_ragged(shape.ids, layers)
+        return self.model(shape.ids[None], PagedBackend(layers))
 
     def _capture(self, shape: _Shape) -> None:
         # One memory pool for every shape: replays never overlap, so their intermediates can share memory.

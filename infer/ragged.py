@@ -6,8 +6,9 @@ written into the paged pool through a slot mapping (physical block and slot of e
 queries attend to the keys its block table names, with its own causal and sliding-window mask.
 
 This is the metadata a paged-attention kernel reads (flash-attention's varlen / vLLM's layout: query
-start offsets, context lengths, block tables, slot mapping); `paged_attention` here is the PyTorch path.
-Two forms, side by side:
+start offsets, context lengths, block tables, slot mapping), and the only place that turns the scheduler's
+chunks into tensors; the attention over it is `infer.backends.PagedBackend` (`paged_attention`, the PyTorch
+path, and the Triton kernel for decode groups). Two forms, side by side:
 - per sequence (the check, `batch_decode=False`): one attention call per sequence, with exactly the shapes
   and masks a solo run uses;
 - batched decode (the default): the sequences that add one token this step are gathered into one padded
@@ -19,13 +20,12 @@ Two forms, side by side:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
-from infer.attention import attention, attention_mask, attention_reference, decode_attention_matmul
+from infer.attention import attention_mask
 
 
 @dataclass(frozen=True)
@@ -152,10 +152,8 @@ def _decode_group(chunks: Sequence[SeqChunk], rows: Sequence[int], block_size: i
     lengths = [c.start + 1 for c in chunks]
     firsts = [0 if reach is None else max(0, n - reach) // block_size for n in lengths]
     nb = max(-(-n // block_size) - f for n, f in zip(lengths, firsts, strict=True))
-    tables = []
-    for chunk, n, first in zip(chunks, lengths, firsts, strict=True):
-        own = list(chunk.block_table[first : -(-n // block_size)])
-        tables.append(own + own[:1] * (nb - len(own)))  # padding reads only the sequence's own data
+    tables = [padded_table(chunk.block_table[first : -(-n // block_size)], nb)
+              for chunk, n, first in zip(chunks, lengths, firsts, strict=True)]
     lens = torch.tensor(lengths, device=device)[:, None]
     masks: dict[int | None, torch.Tensor] = {}
     if kernel != "triton":  # the kernel masks by length and window itself
@@ -171,94 +169,11 @@ def _decode_group(chunks: Sequence[SeqChunk], rows: Sequence[int], block_size: i
                        torch.tensor(tables, dtype=torch.long, device=device), lens[:, 0], masks)
 
 
-Attend = Callable[..., torch.Tensor]
+def padded_table(blocks: Sequence[int], width: int) -> list[int]:
+    """A sequence's blocks padded to `width` columns with its own first block: padding reads only the
+    sequence's own data (masked by length), never another's, and never an unstarted block's stale values."""
+    own = list(blocks)
+    return own + own[:1] * (width - len(own))
+
+
 DECODE_KERNELS = ("sdpa", "matmul", "triton", "per-sequence")
-
-
-def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_blocks: torch.Tensor,
-    v_blocks: torch.Tensor,
-    batch: RaggedBatch,
-    window: int | None,
-    scale: float,
-    softcap: float | None = None,
-    reference: bool = False,
-    wide: torch.dtype | None = None,
-) -> torch.Tensor:
-    """Write this step's `k`, `v` `[1, Hkv, N, D]` into one layer's blocks `[num_blocks, Hkv, bs, D]`, then
-    attend each sequence's queries (rows of `q` `[1, H, N, D]`) to its own keys; returns `[1, H, N, D]`.
-
-    `reference`: every call is `attention_reference` (the model's check); `wide`: the dtype a multi-token
-    chunk computes in (the model's compute_dtype), as in a solo prefill."""
-    attend: Attend = partial(attention_reference if reference else attention, scale=scale, softcap=softcap)
-    # A block a sequence starts is zeroed first, so its unwritten slots never hold a previous owner's
-    # values (the batched decode reads them, masked: a stale NaN would still poison its sum).
-    # (index_fill_ with a scalar: no host value copied to the device, so a CUDA graph can capture it.)
-    k_blocks.index_fill_(0, batch.fresh_blocks, 0)
-    v_blocks.index_fill_(0, batch.fresh_blocks, 0)
-    # Index tensors around the head slice put N first: the target is [N, Hkv, D].
-    k_blocks[batch.slot_blocks, :, batch.slot_offsets] = k[0].transpose(0, 1).to(k_blocks.dtype)
-    v_blocks[batch.slot_blocks, :, batch.slot_offsets] = v[0].transpose(0, 1).to(v_blocks.dtype)
-    if batch.decode is None and len(batch.seqs) == 1:  # one sequence: no scatter
-        seq = batch.seqs[0]
-        return _attend_one(q[:, :, seq.row : seq.row + seq.num_tokens], k_blocks, v_blocks, seq, batch.block_size,
-                           window, attend, wide)
-    out = torch.empty_like(q)
-    for seq in batch.seqs:
-        out[:, :, seq.row : seq.row + seq.num_tokens] = _attend_one(
-            q[:, :, seq.row : seq.row + seq.num_tokens], k_blocks, v_blocks, seq, batch.block_size, window, attend,
-            wide)
-    group = batch.decode
-    if group is not None and group.kernel == "triton" and not reference:
-        from infer.kernels.paged_attention import paged_decode_attention
-
-        queries = q[0, :, group.rows].transpose(0, 1)  # [B, H, D]
-        attended = paged_decode_attention(queries.contiguous(), k_blocks, v_blocks, group.tables, group.lengths,
-                                          scale, softcap, window)
-        out[0, :, group.rows] = attended.transpose(0, 1)
-    elif group is not None:
-        keys, values = _gather(k_blocks, group.tables), _gather(v_blocks, group.tables)
-        queries = q[0, :, group.rows, None].transpose(0, 1)  # [B, H, 1, D]
-        mask = _group_mask(group, window, keys.shape[2])
-        if group.kernel == "matmul" and not reference:
-            attended = decode_attention_matmul(queries, keys, values, mask, scale, softcap)
-        else:
-            attended = attend(queries, keys, values, mask)
-        out[0, :, group.rows] = attended[:, :, 0].transpose(0, 1)
-    return out
-
-
-def _group_mask(group: DecodeGroup, window: int | None, num_keys: int) -> torch.Tensor:
-    """The group's [B, 1, 1, S] mask (built here when the batch was planned for the kernel, which needs none)."""
-    if window in group.masks:
-        return group.masks[window]
-    k_pos = torch.arange(num_keys, device=group.lengths.device)[None, :]
-    lens = group.lengths[:, None]
-    visible = k_pos < lens
-    if window is not None:
-        visible &= k_pos > lens - 1 - window
-    return visible[:, None, None, :]
-
-
-def _gather(blocks: torch.Tensor, tables: torch.Tensor, length: int | None = None) -> torch.Tensor:
-    """Keys (or values) of block tables `[B, nb]` in position order: `[B, Hkv, length, D]` (all the
-    blocks' slots by default), as a contiguous cache holds them."""
-    B, nb = tables.shape
-    Hkv, bs, D = blocks.shape[1:]
-    # index_select, not blocks[tables]: the same copy, 3x faster on CPU.
-    gathered = blocks.index_select(0, tables.view(-1)).view(B, nb, Hkv, bs, D)
-    return gathered.transpose(1, 2).reshape(B, Hkv, nb * bs, D)[:, :, :length]
-
-
-def _attend_one(queries: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, seq: SeqSlice,
-                block_size: int, window: int | None, attend: Attend, wide: torch.dtype | None) -> torch.Tensor:
-    """One sequence's queries `[1, H, T, D]` over its own keys, with the shapes and mask of a solo run."""
-    keys = _gather(k_blocks, seq.blocks[None], seq.context_len - seq.first_key)
-    values = _gather(v_blocks, seq.blocks[None], seq.context_len - seq.first_key)
-    mask = seq.masks[window]
-    if wide is not None and seq.num_tokens > 1 and queries.dtype != wide:
-        return attend(queries.to(wide), keys.to(wide), values.to(wide), mask).to(queries.dtype)
-    return attend(queries, keys, values, mask)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import infer
-from infer.engine import DEFAULT_CPU_POOL_CAP, Engine, RequestOutput, default_num_blocks
+from infer.cache.batch_storage import DEFAULT_CPU_POOL_CAP, default_num_blocks
+from infer.engine import Engine, RequestOutput
 from infer.sampling import SamplingParams
 
 
@@ -158,7 +159,7 @@ def test_gemma_sliding_layers_live_in_rings_bounded_by_the_window(gemma3_dir: Pa
     assert sliding and len(sliding) < config.num_hidden_layers
     engine = Engine(model, tok, num_blocks=64, block_size=4, max_num_seqs=3, max_num_batched_tokens=8)
     ring = engine.ring
-    assert ring is not None and engine.ring_layers == sliding
+    assert ring is not None and engine.storage.ring_layers == sliding
     assert ring.blocks_per_ring == -(-(window + 8 - 1) // 4) + 1
     assert ring.k.shape[:2] == (len(sliding), 3 * ring.blocks_per_ring), "rings: per running request, not per token"
     assert engine.pool.num_layers == config.num_hidden_layers - len(sliding)

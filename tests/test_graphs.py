@@ -1,4 +1,4 @@
-"""The static one-token step a CUDA graph captures (`Transformer.forward_static` through `GraphedDecoder`), run
+"""The static one-token step a CUDA graph captures (the forward over a `StaticBackend`), run
 eagerly on the CPU against the ordinary cached step: the same logits, the same tokens, and nothing read from
 the slots past the position. The batched engine's padded pure-decode steps (`BatchedDecodeGraphs`) likewise:
 every request equals its solo run (also drawn by Hypothesis in tests/property/test_engine_properties.py), the

@@ -1,29 +1,29 @@
-"""The decoder-only transformer for Llama 3, Qwen 3 and Gemma 3 (text), read top to bottom.
+"""The decoder-only transformer for Llama 3, Qwen 2/2.5, Qwen 3 and Gemma 3 (text), read top to bottom.
 
-The three differ in a handful of places, each switched by the config:
-- Qwen 3 and Gemma 3 RMS-normalise each query and key head before RoPE (`q_norm`, `k_norm`);
-- Gemma 3 scales embeddings by sqrt(hidden_size), uses `(1 + weight)` RMSNorm, four norms per
-  block (a post-norm after attention and after the MLP), GELU-tanh, queries scaled by
-  `query_pre_attn_scalar ** -0.5`, and sliding-window layers with their own RoPE base.
+The families differ in a handful of places, each a trait of the family table (infer/families.py) that the
+layers read, never a `model_type` check: QK-norm (Qwen 3, Gemma 3), q/k/v biases (Qwen 2), Gemma's
+`(1 + weight)` RMSNorm, four norms per block, embedding scale and query scale; the config carries the rest
+(activation, softcaps, sliding layers and their RoPE base).
+
+One forward serves every caller: where K/V are stored and read is the attention backend it is handed
+(infer/backends.py: a KVCache for one request, the engine's paged pool, static slots for graph capture).
 Module names are Hugging Face's, so checkpoint keys load without renaming.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.attention import CAUSAL, Mask, attention, attention_mask, attention_reference
-from infer.cache.base import AttendsInKernel, KVCache
+from infer.backends import AttentionBackend, CacheBackend, StaticBackend, StepKernels
+from infer.cache.base import KVCache
 from infer.config import SLIDING_ATTENTION, ModelConfig, RopeConfig
+from infer.families import FAMILIES
 from infer.kernels.native import NativeKernels, native_gemv, native_kernels, unavailable_reason
 from infer.memory import empty_on_huge_pages
-from infer.ragged import RaggedBatch, paged_attention
 from infer.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
 # Kernels of one-row (decode) products; "linear" is the unoptimised form, the others are chosen by measurement.
@@ -142,20 +142,16 @@ class MLP(nn.Module):
         return self.down_proj(gate * up)
 
 
-@dataclass
 class StepContext:
-    """Per-forward metadata shared by every layer (explicit, never global)."""
+    """Per-forward state shared by every layer (explicit, never global): the RoPE tables of the step's
+    positions, the attention backend holding K/V, and the kernels chosen for the step."""
 
-    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer type -> (cos, sin) [T, D]
-    masks: dict[str, Mask]  # layer type -> [T, S] bool, None when all keys are visible, or CAUSAL
-    kv_cache: KVCache | None
-    use_reference_attention: bool
-    compute_dtype: torch.dtype | None  # prefill attention runs in this dtype when set (Transformer.compute_dtype)
-    # A ragged batch (Transformer.forward_ragged) instead of a cache: per layer, the batch metadata it reads
-    # and its own block tensors k, v [num_blocks, Hkv, block_size, D].
-    paged: Sequence[tuple[RaggedBatch, torch.Tensor, torch.Tensor]] | None = None
-    # The native kernels for a one-token step's small ops (Transformer.native_ops), None for PyTorch's.
-    native: NativeKernels | None = None
+    def __init__(self, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend,
+                 kernels: StepKernels) -> None:
+        self.rope = rope  # layer type -> (cos, sin) [T, D]
+        self.backend = backend
+        self.kernels = kernels
+        self.native = kernels.native
 
 
 class Attention(nn.Module):
@@ -168,17 +164,19 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        bias = config.attention_bias
-        self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        family = FAMILIES[config.model_type]
+        # Qwen 2 hard-codes q/k/v biases (and none on o_proj); elsewhere attention_bias sets all four.
+        qkv_bias = family.qkv_bias or config.attention_bias
+        o_bias = config.attention_bias and not family.qkv_bias
+        self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
-        if config.model_type in ("qwen3", "gemma3_text"):
-            gemma = config.model_type == "gemma3_text"
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, gemma=gemma)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, gemma=gemma)
+        if family.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, gemma=family.norm_plus_one)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, gemma=family.norm_plus_one)
         scalar = config.query_pre_attn_scalar or self.head_dim
         self.scale = scalar**-0.5
         self.softcap = config.attn_logit_softcapping
@@ -204,26 +202,7 @@ class Attention(nn.Module):
             q, k = ctx.native.rope(q, cos, sin), ctx.native.rope(k, cos, sin)
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        attend = attention_reference if ctx.use_reference_attention else attention
-        if ctx.paged is not None:
-            batch, k_blocks, v_blocks = ctx.paged[self.layer_idx]
-            out = paged_attention(q, k, v, k_blocks, v_blocks, batch, self.window, self.scale, self.softcap,
-                                  ctx.use_reference_attention, ctx.compute_dtype)
-            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
-        if ctx.kv_cache is not None:
-            if T == 1 and not ctx.use_reference_attention and getattr(ctx.kv_cache, "attends_in_kernel", False):
-                # The cache attends over its own storage (quantized codes dequantized in the kernel).
-                out = cast(AttendsInKernel, ctx.kv_cache).decode_attention(self.layer_idx, q, k, v, self.scale,
-                                                                           self.softcap, self.window)
-                return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
-            k, v = ctx.kv_cache.update(self.layer_idx, k, v)  # k, v: [B, Hkv, S, D]
-        wide = ctx.compute_dtype
-        if wide is not None and q.dtype != wide and T > 1:
-            # Half-precision prefill attention is slow on CPUs without bf16 units; the cache stays narrow.
-            out = attend(q.to(wide), k.to(wide), v.to(wide), ctx.masks[self.layer_type], self.scale, self.softcap)
-            out = out.to(q.dtype)
-        else:
-            out = attend(q, k, v, ctx.masks[self.layer_type], self.scale, self.softcap)
+        out = ctx.backend.attend(self, q, k, v, ctx.kernels)  # the backend stores k, v where it keeps them
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 
@@ -232,18 +211,18 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        gemma = config.model_type == "gemma3_text"
-        eps = config.rms_norm_eps
+        family = FAMILIES[config.model_type]
+        gemma, eps = family.norm_plus_one, config.rms_norm_eps
         self.self_attn = Attention(config, layer_idx)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, gemma=gemma)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, gemma=gemma)
         # Llama's "post_attention_layernorm" is the pre-MLP norm; Gemma names that one
         # "pre_feedforward_layernorm" and uses "post_attention_layernorm" as a true post-norm.
-        self.sandwich = gemma
-        if gemma:
-            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, gemma=True)
-            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, gemma=True)
+        self.sandwich = family.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, gemma=gemma)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, gemma=gemma)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         native = ctx.native
@@ -261,18 +240,20 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        gemma = config.model_type == "gemma3_text"
+        family = FAMILIES[config.model_type]
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, gemma=gemma)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, gemma=family.norm_plus_one)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.embed_scale = config.hidden_size**0.5 if gemma else None
+        self.embed_scale = config.hidden_size**0.5 if family.embed_scale else None
         self.inv_freq: dict[str, torch.Tensor] = {
             layer_type: inverse_frequencies(self._rope_of(layer_type), config.head_dim)
             for layer_type in set(config.layer_types)
         }
+        # Layer type -> (its first layer, its window): a cache's masks are built per type from that layer's keys.
+        self._mask_layers = {lt: (config.layer_types.index(lt), self._window_of(lt)) for lt in self.inv_freq}
         self.use_reference_attention = False  # the unoptimised path, for checking `attention`
         self._decode_gemv = "linear"  # Transformer.decode_gemv
         self.huge_pages = False  # weights on transparent huge pages (set by the loader; fusing keeps it)
@@ -362,51 +343,60 @@ class Transformer(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCache | AttentionBackend | None = None,
         *,
         all_logits: bool | None = None,
     ) -> torch.Tensor:
-        """Logits for `input_ids` `[B, T]`.
+        """Logits for `input_ids` `[B, T]`: the one forward every caller runs.
 
         Without a cache: the full sequence, logits `[B, T, vocab]`. With a cache: the tokens follow
         the `kv_cache.offset` already cached (prefill, chunk or single-token decode), the cache is
         advanced, and the logits are the last position's `[B, 1, vocab]` unless `all_logits=True`.
+        With an attention backend (infer/backends.py: the engine's paged batch, static slots for graph
+        capture): the logits of the rows that backend keeps.
         """
-        self._check_input(input_ids, kv_cache)
-        B, T = input_ids.shape
-        offset = kv_cache.offset if kv_cache is not None else 0
-        device = input_ids.device
-        positions = torch.arange(offset, offset + T, device=device)
+        backend = self._backend_for(input_ids, kv_cache, all_logits)
         x = self._embed(input_ids)
-        ctx = StepContext(
-            rope={lt: rope_cos_sin(self._inv_freq_on(lt, device), positions, x.dtype) for lt in self.inv_freq},
-            masks={lt: self._mask(lt, positions, kv_cache) for lt in self.inv_freq},
-            kv_cache=kv_cache,
-            use_reference_attention=self.use_reference_attention,
-            compute_dtype=self.compute_dtype,
-            native=self._native_for(input_ids),
-        )
+        kernels = self.step_kernels(input_ids, backend)
+        rope = {lt: rope_cos_sin(self._inv_freq_on(lt, input_ids.device), backend.positions, x.dtype)
+                for lt in self.inv_freq}
+        ctx = StepContext(rope, backend, kernels)
         try:
             for layer in self.layers:
                 x = layer(x, ctx)
-        except BaseException:  # Ctrl-C too: the cache must not keep half a step
-            if kv_cache is not None:
-                kv_cache.discard_step()
+        except BaseException:  # Ctrl-C too: the storage must not keep half a step
+            backend.abort()
             raise
-        if kv_cache is not None:
-            kv_cache.advance(T)
-            if not all_logits:
-                x = x[:, -1:]
-        return self._logits(x, ctx.native)
+        return self._logits(backend.finish(x), kernels.native)
 
-    def _native_for(self, input_ids: torch.Tensor) -> NativeKernels | None:
-        """The native kernels for this forward's small ops: a one-token step of one sequence under the native
-        GEMV with `native_ops` on, never where autograd could need the ops (the kernels have no backward)."""
-        if not (self.native_ops and self._decode_gemv == "native" and input_ids.numel() == 1):
-            return None
-        if torch.is_grad_enabled() and self.lm_head.weight.requires_grad:
-            return None
-        return native_kernels()
+    def _backend_for(self, input_ids: torch.Tensor, kv_cache: KVCache | AttentionBackend | None,
+                     all_logits: bool | None) -> AttentionBackend:
+        """The backend a forward attends through (a KVCache, or none, is wrapped), once the input is checked."""
+        self._check_input(input_ids)
+        if isinstance(kv_cache, AttentionBackend):
+            backend = kv_cache
+        elif kv_cache is None or isinstance(kv_cache, KVCache):
+            backend = CacheBackend(kv_cache, input_ids.shape[1], input_ids.device, self._mask_layers, all_logits)
+        else:
+            raise TypeError(f"kv_cache must be a KVCache (infer.create_cache), got {type(kv_cache).__name__}")
+        backend.check(input_ids, len(self.layers))
+        return backend
+
+    def step_kernels(self, input_ids: torch.Tensor, backend: AttentionBackend) -> StepKernels:
+        """The kernels of one forward, chosen in one place: native small ops for a one-token step of one
+        sequence under the native GEMV (`native_ops`; never where autograd could need them: no backward),
+        the formula's attention when `use_reference_attention`, the prefill compute dtype, and a cache's own
+        attention kernel for one-token steps (a quantized cache dequantizing in the kernel)."""
+        native = None
+        if self.native_ops and self._decode_gemv == "native" and input_ids.numel() == 1 and not (
+                torch.is_grad_enabled() and self.lm_head.weight.requires_grad):
+            native = native_kernels()
+        reference = self.use_reference_attention
+        in_kernel = backend.attends_in_kernel and input_ids.shape[1] == 1 and not reference
+        return StepKernels(native, reference, self.compute_dtype, in_kernel)
+
+    def _window_of(self, layer_type: str) -> int | None:
+        return self.config.sliding_window if layer_type == SLIDING_ATTENTION else None
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -422,58 +412,12 @@ class Transformer(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def forward_static(self, input_ids: torch.Tensor, position: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor) -> torch.Tensor:
-        """One decode step with static shapes, what a CUDA graph can capture and replay (infer/graphs.py):
-        `input_ids` `[B, 1]` at `position` (a `[1]` tensor, not a Python int), K/V written into slot `position`
-        of a contiguous cache's tensors `[L, B, Hkv, S, D]` and every one of the S slots read, those past the
-        position (and outside a sliding window) masked. Logits `[B, 1, vocab]`. No host sync, no allocation
-        whose size depends on the position; the caller checks ids and capacity and advances the cache."""
-        x = self._embed(input_ids)
-        device = input_ids.device
-        keys = torch.arange(k_cache.shape[3], device=device)
-        windows = {lt: self.config.sliding_window if lt == SLIDING_ATTENTION else None for lt in self.inv_freq}
-        ctx = StepContext(
-            rope={lt: rope_cos_sin(self._inv_freq_on(lt, device), position, x.dtype) for lt in self.inv_freq},
-            masks={lt: attention_mask(position, keys, windows[lt]) for lt in self.inv_freq},
-            kv_cache=cast(KVCache, _SlotWriter(k_cache, v_cache, position)),
-            use_reference_attention=self.use_reference_attention,
-            compute_dtype=self.compute_dtype,
-        )
-        for layer in self.layers:
-            x = layer(x, ctx)
-        return self._logits(x)
-
-    def forward_ragged(
-        self, input_ids: torch.Tensor, layers: Sequence[tuple[RaggedBatch, torch.Tensor, torch.Tensor]]
-    ) -> torch.Tensor:
-        """Logits `[S, vocab]` of the sampled rows for the flat tokens `input_ids` `[N]` of many sequences.
-
-        `layers[i]`: the batch metadata layer i reads (all share positions and sampled rows; layers may use
-        different block tables, as the engine's ring-bounded sliding layers do) and its block tensors
-        `[num_blocks, Hkv, block_size, D]`. Each token's K/V go to the slot its batch maps it to; each
-        sequence attends to its own blocks (infer/ragged.py). The caller (the engine) owns the bookkeeping:
-        a forward that raises leaves written slots that its scheduler never counts as computed."""
-        if len(layers) != len(self.layers):
-            raise ValueError(f"layers must give one (batch, k_blocks, v_blocks) per layer ({len(self.layers)}), "
-                             f"got {len(layers)}")
-        batch = layers[0][0]
-        if input_ids.dim() != 1 or input_ids.shape[0] != batch.positions.shape[0]:
-            raise ValueError(f"input_ids must be [N] with N = {batch.positions.shape[0]} tokens of the batch, "
-                             f"got {tuple(input_ids.shape)}")
-        x = self._embed(input_ids[None])  # [1, N, hidden]: one flat row
-        device = input_ids.device
-        ctx = StepContext(
-            rope={lt: rope_cos_sin(self._inv_freq_on(lt, device), batch.positions, x.dtype) for lt in self.inv_freq},
-            masks={},
-            kv_cache=None,
-            use_reference_attention=self.use_reference_attention,
-            compute_dtype=self.compute_dtype,
-            paged=layers,
-        )
-        for layer in self.layers:
-            x = layer(x, ctx)
-        return self._logits(x[0, batch.sample_rows])
+    def static_backend(self, position: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+                       ) -> StaticBackend:
+        """The backend of a one-token step with static shapes, what a CUDA graph captures (infer/graphs.py):
+        K/V written into slot `position` (a `[1]` tensor) of a contiguous cache's tensors `[L, B, Hkv, S, D]`,
+        every slot read, those past the position (and outside a sliding window) masked."""
+        return StaticBackend(k_cache, v_cache, position, {lt: self._window_of(lt) for lt in self.inv_freq})
 
     def _inv_freq_on(self, layer_type: str, device: torch.device) -> torch.Tensor:
         # Kept out of the module's buffers so `model.to(dtype)` never rounds the frequencies.
@@ -482,24 +426,7 @@ class Transformer(nn.Module):
             freq = self.inv_freq[layer_type] = freq.to(device)
         return freq
 
-    def _mask(self, layer_type: str, positions: torch.Tensor, kv_cache: KVCache | None) -> Mask:
-        window = self.config.sliding_window if layer_type == SLIDING_ATTENTION else None
-        T = positions.shape[0]
-        if kv_cache is None:
-            key_positions = positions
-        else:
-            layer = self.config.layer_types.index(layer_type)
-            key_positions = kv_cache.key_positions(layer, T)
-            if T == 1 and window is None:
-                return None  # one query at the newest position sees every cached key
-        offset = 0 if kv_cache is None else kv_cache.offset
-        if T > 1 and offset == 0 and (window is None or window >= T) and torch.equal(key_positions, positions):
-            # A prefill from position 0 whose keys are its own tokens in order (every kind's today; the check
-            # keeps a kind that returns other slots correct): fused kernels need no mask tensor.
-            return CAUSAL
-        return attention_mask(positions, key_positions, window)
-
-    def _check_input(self, input_ids: torch.Tensor, kv_cache: KVCache | None) -> None:
+    def _check_input(self, input_ids: torch.Tensor) -> None:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError("input_ids must be a 2-D tensor [batch, seq_len] of token ids")
         if input_ids.dtype not in (torch.int64, torch.int32):
@@ -516,22 +443,3 @@ class Transformer(nn.Module):
             lo, hi = int(input_ids.min()), int(input_ids.max())
             if lo < 0 or hi >= self.config.vocab_size:
                 raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got min {lo} max {hi}")
-        if kv_cache is not None and not isinstance(kv_cache, KVCache):
-            raise TypeError(f"kv_cache must be a KVCache (infer.create_cache), got {type(kv_cache).__name__}")
-        if kv_cache is not None and kv_cache.batch_size != input_ids.shape[0]:
-            raise ValueError(
-                f"input batch {input_ids.shape[0]} does not match the cache's batch_size {kv_cache.batch_size}"
-            )
-
-
-class _SlotWriter:
-    """The `update` of `Transformer.forward_static`: the step's K/V written at a position held in a tensor, and
-    the whole of each layer's cache returned (its mask hides the slots past the position)."""
-
-    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, position: torch.Tensor) -> None:
-        self.k_cache, self.v_cache, self.position = k_cache, v_cache, position
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k_cache[layer].index_copy_(2, self.position, k)
-        self.v_cache[layer].index_copy_(2, self.position, v)
-        return self.k_cache[layer], self.v_cache[layer]
