@@ -176,4 +176,5 @@ def padded_table(blocks: Sequence[int], width: int) -> list[int]:
     return own + own[:1] * (width - len(own))
 
 
+# How the one-token chunks of a batch attend: the one list (the engine, tuning, the bench and the tests read it).
 DECODE_KERNELS = ("sdpa", "matmul", "triton", "per-sequence")

@@ -23,6 +23,7 @@ from infer.kernels.native import NativeKernels, native_kernels, unavailable_reas
 from infer.memory import huge_pages_mode
 from infer.models import Transformer
 from infer.models.transformer import GEMV_FORMS
+from infer.ragged import DECODE_KERNELS
 
 
 @dataclass(frozen=True)
@@ -201,9 +202,6 @@ def _time_alternately(forms: dict[str, Callable[[], object]], device: torch.devi
     return {key: _median(t) for key, t in times.items()}
 
 
-DECODE_ATTENTION_KERNELS = ("sdpa", "matmul")
-
-
 def choose_decode_attention(config: ModelConfig, dtype: torch.dtype, device: torch.device,
                             forced: str = "auto") -> Choice:
     """How the batched engine attends the one-token sequences of a step together: PyTorch's fused SDPA or two
@@ -215,8 +213,8 @@ def choose_decode_attention(config: ModelConfig, dtype: torch.dtype, device: tor
 
     name = "batched decode attention"
     if forced != "auto":
-        if forced not in (*DECODE_ATTENTION_KERNELS, "triton", "per-sequence"):
-            raise ValueError("decode_attention must be 'auto', 'sdpa', 'matmul', 'triton' or 'per-sequence', "
+        if forced not in DECODE_KERNELS:
+            raise ValueError(f"decode_attention must be 'auto' or one of {', '.join(map(repr, DECODE_KERNELS))}, "
                              f"got {forced!r}")
         if forced == "triton" and not triton_available(device.type):
             raise ValueError(f"decode_attention='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 on "

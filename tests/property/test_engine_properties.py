@@ -17,13 +17,14 @@ import infer
 from infer.config import ModelConfig
 from infer.engine import Engine
 from infer.kernels import triton_available
+from infer.ragged import DECODE_KERNELS
 from infer.sampling import SamplingParams
 from tests.helpers import assert_close, check_pool_invariants, random_model, solo_logits
 from tests.property.strategies import model_configs
 
 # The Triton kernel joins where it can run (on CUDA, or the CPU under TRITON_INTERPRET=1, as tests/conftest.py
 # sets without a GPU).
-DECODE_KERNELS = ["sdpa", "matmul", "per-sequence"] + (["triton"] if triton_available("cpu") else [])
+KERNELS = [k for k in DECODE_KERNELS if k != "triton" or triton_available("cpu")]
 
 
 @st.composite
@@ -55,7 +56,7 @@ def workloads(draw: st.DrawFn, config: ModelConfig) -> dict:
         for r in requests:
             r["prompt"] = shared + r["prompt"]
     block_size = draw(st.integers(1, 5))
-    kernel = draw(st.sampled_from(DECODE_KERNELS))
+    kernel = draw(st.sampled_from(KERNELS))
     longest = max(len(r["prompt"]) + r["params"].max_new_tokens for r in requests)
     min_blocks = -(-longest // block_size) + 1
     return {
