@@ -29,6 +29,7 @@ import torch
 from infer.bench_batched import add_batched_args, check_batched_args, run_batched_bench
 from infer.bench_memory import MemorySpec
 from infer.bench_memory import measure as measure_memory
+from infer.cli_args import add_model_args, check_model_args, load_with_args
 from infer.config import ModelConfig
 from infer.kernels.native import native_kernels
 from infer.memory import available_memory, empty_on_huge_pages
@@ -244,7 +245,6 @@ def run_bench(args: argparse.Namespace) -> int:
     """The `bench` subcommand."""
     from tqdm import tqdm
 
-    from infer.__main__ import check_model_args, load_with_args
     from infer.loader import resolve_dtype
 
     given = check_model_args(args)
@@ -484,8 +484,8 @@ def _bench_checkpoint(arch: str, size: str) -> Path:
     return Path(build(arch, size=size))
 
 
-def add_bench_parser(sub: argparse._SubParsersAction, add_model_args: Callable[..., None]) -> None:
-    """Register the `bench` subcommand; `add_model_args` adds the options it shares with `generate`."""
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    """Register the `bench` subcommand (its options shared with `generate` from `infer.cli_args`)."""
     from infer.cache import CACHE_KINDS
 
     p = sub.add_parser("bench", help="benchmark generation (optionally against Hugging Face)",
