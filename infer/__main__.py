@@ -15,38 +15,8 @@ from typing import NoReturn
 
 from infer.bench import add_bench_parser
 from infer.cache import CACHE_KINDS
-from infer.models import Transformer
+from infer.cli_args import add_model_args, check_model_args, load_with_args
 from infer.sampling import SamplingParams
-
-
-def _add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
-    """The options `generate` and `bench` share, under the same names."""
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped small model)")
-    p.add_argument("--dtype", default=dtype, help="float32 | bfloat16 | float16")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--compute-dtype", default="auto",
-                   help="dtype of prefill matmuls: auto (float32 for half weights on CPU), exact, or a dtype")
-    p.add_argument("--threads", type=int, default=0,
-                   help="CPU threads (0: the faster of 1 and all, timed on this model at load)")
-    p.add_argument("--decode-gemv", default="auto", choices=["auto", "linear", "mv", "native"],
-                   help="kernel of one-token products (auto: the fastest, timed on this model's weights at load)")
-    p.add_argument("--no-huge-pages", action="store_true",
-                   help="keep CPU weights on ordinary pages (default: transparent huge pages where the kernel has"
-                        " them)")
-    p.add_argument("--no-native-ops", action="store_true",
-                   help="run a one-token step's norms, rotations and activation as PyTorch ops, not native calls")
-    p.add_argument("--seed", type=int, default=None, help="random seed")
-
-
-def load_with_args(path: Path, args: argparse.Namespace) -> Transformer:
-    """The model as the shared options ask (`generate` and `bench` load it the same way)."""
-    from infer.loader import load_model
-
-    model = load_model(path, dtype=args.dtype, device=args.device, compute_dtype=args.compute_dtype,
-                       decode_gemv=args.decode_gemv, huge_pages=not args.no_huge_pages)
-    model.native_ops = not args.no_native_ops
-    return model
-
 
 FROM_CHECKPOINT = "the checkpoint's generation_config.json, else transformers' default"
 
@@ -118,38 +88,6 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_model_args(args: argparse.Namespace) -> Path | None:
-    """Check --model, --dtype, --compute-dtype, --device, --threads and --decode-gemv before anything loads; the
-    model's path."""
-    from infer.errors import CheckpointError
-    from infer.loader import resolve_dtype
-    from infer.memory import resolve_device
-
-    resolve_dtype(args.dtype)
-    if args.compute_dtype not in ("auto", "exact"):
-        resolve_dtype(args.compute_dtype)
-    resolve_device(args.device)
-    if getattr(args, "threads", 0) < 0:
-        raise ValueError(f"--threads must be >= 0 (0: chosen by timing), got {args.threads}")
-    if args.decode_gemv == "native":
-        from infer.kernels.native import native_kernels, unavailable_reason
-
-        if native_kernels() is None:
-            raise ValueError(f"--decode-gemv native is unavailable here: {unavailable_reason()}; use auto")
-    if args.model is None:
-        return None
-    path = Path(args.model)
-    if path.is_file():
-        raise CheckpointError(f"--model {path} is a file; pass the checkpoint directory that holds it")
-    if not path.is_dir():
-        hub = "/" in args.model and not Path(args.model.split("/")[0]).exists()
-        raise CheckpointError(
-            f"--model {args.model}: no such directory"
-            + ("; only local checkpoint directories are read (download hub models first)" if hub else "")
-        )
-    return path
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse, with its errors as one line (no usage dump) and exit status 2."""
 
@@ -166,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     gen.add_argument("prompt", nargs="?", default=None, help="the prompt text ('-' reads standard input)")
     gen.add_argument("--prompt-file", default=None, metavar="PATH", help="read the prompt from this file")
-    _add_model_args(gen, dtype="float32")
+    add_model_args(gen, dtype="float32")
     gen.add_argument("--max-new-tokens", type=int, default=None, help=f"64, or {FROM_CHECKPOINT}")
     gen.add_argument("--temperature", type=float, default=None, help=f"0 = greedy; {FROM_CHECKPOINT}")
     gen.add_argument("--top-k", type=int, default=None, help=f"0 = off; {FROM_CHECKPOINT}")
@@ -181,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--cache", default="contiguous", choices=sorted(CACHE_KINDS), help="KV-cache kind")
     gen.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step")
     gen.set_defaults(run=_generate)
-    add_bench_parser(sub, _add_model_args)
+    add_bench_parser(sub)
     return parser
 
 

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from infer.bench_common import format_table, machine_info, percentile, speed_ratio
 from infer.models import Transformer
 from infer.sampling import SamplingParams
 
@@ -114,8 +115,6 @@ def run_one_by_one(model: Transformer, work: list[BatchRequest], cache: str = "c
 
 def summarize_batched(run: BatchedRun) -> dict[str, float | str]:
     """A table row: throughput and the spread of per-request times."""
-    from infer.bench import percentile
-
     return {"name": run.name, "wall_s": run.wall_s, "tok_s": run.new_tokens / run.wall_s,
             "req_s": len(run.ttft_s) / run.wall_s,
             "ttft_p50_ms": percentile(run.ttft_s, 50) * 1e3, "ttft_p99_ms": percentile(run.ttft_s, 99) * 1e3,
@@ -134,7 +133,6 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
     figures, and the JSON report."""
     from tqdm import tqdm
 
-    from infer.bench import format_table, machine_info, speed_ratio
     from infer.tuning import CHOICES
 
     config = model.config

@@ -89,7 +89,7 @@ def _peak_bytes(device: Any) -> int:
 def _child(spec: MemorySpec) -> MemoryFigures:
     import torch
 
-    from infer.bench import CONTENDER_PLUGINS, engine_contender, plugin
+    from infer.bench_common import CONTENDER_PLUGINS, engine_contender, plugin
     from infer.loader import load_model, resolve_dtype
 
     device = torch.device(spec.device)

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, Cache, DynamicCache, PreTrainedModel, StaticCache
 
-from infer.bench import Contender, Trial, peak_memory_bytes
 from infer.bench_batched import BatchedRun, BatchRequest
+from infer.bench_common import Contender, Trial, peak_memory_bytes
 
 
 def _sync(device: torch.device) -> None:

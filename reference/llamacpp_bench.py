@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from infer.bench import Contender, Trial, peak_memory_bytes
+from infer.bench_common import Contender, Trial, peak_memory_bytes
 from reference.gguf_convert import cached_gguf
 
 

@@ -298,7 +298,7 @@ MUTANTS = [
     Mutant("CLI: Ctrl-C ends in a traceback", "infer/__main__.py",
            "    except KeyboardInterrupt:\n", "    except ZeroDivisionError:\n",
            ("tests/test_cli.py",)),
-    Mutant("CLI: device checked only when the model loads", "infer/__main__.py",
+    Mutant("CLI: device checked only when the model loads", "infer/cli_args.py",
            "    resolve_device(args.device)\n", "",
            ("tests/test_cli.py",)),
     Mutant("generation_config's do_sample ignored (always samples)", "infer/loader.py",

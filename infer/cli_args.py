@@ -1,0 +1,75 @@
+"""The command-line options `generate` and `bench` share, and their checks: one definition, so the two
+subcommands take the same names with the same meaning and refuse the same bad values.
+
+`add_model_args` adds the options, `check_model_args` refuses bad ones before anything loads (so a mistake
+costs no model load), `load_with_args` loads the model as they ask. Both `infer.__main__` and the bench modules
+build on this module; it imports neither of them, so they never import each other for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from infer.models import Transformer
+
+
+def add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
+    """Add the options `generate` and `bench` share, under the same names; `dtype` is the --dtype default."""
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped small model)")
+    p.add_argument("--dtype", default=dtype, help="float32 | bfloat16 | float16")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--compute-dtype", default="auto",
+                   help="dtype of prefill matmuls: auto (float32 for half weights on CPU), exact, or a dtype")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads (0: the faster of 1 and all, timed on this model at load)")
+    p.add_argument("--decode-gemv", default="auto", choices=["auto", "linear", "mv", "native"],
+                   help="kernel of one-token products (auto: the fastest, timed on this model's weights at load)")
+    p.add_argument("--no-huge-pages", action="store_true",
+                   help="keep CPU weights on ordinary pages (default: transparent huge pages where the kernel has"
+                        " them)")
+    p.add_argument("--no-native-ops", action="store_true",
+                   help="run a one-token step's norms, rotations and activation as PyTorch ops, not native calls")
+    p.add_argument("--seed", type=int, default=None, help="random seed")
+
+
+def check_model_args(args: argparse.Namespace) -> Path | None:
+    """Check --model, --dtype, --compute-dtype, --device, --threads and --decode-gemv before anything loads; the
+    model's path."""
+    from infer.errors import CheckpointError
+    from infer.loader import resolve_dtype
+    from infer.memory import resolve_device
+
+    resolve_dtype(args.dtype)
+    if args.compute_dtype not in ("auto", "exact"):
+        resolve_dtype(args.compute_dtype)
+    resolve_device(args.device)
+    if getattr(args, "threads", 0) < 0:
+        raise ValueError(f"--threads must be >= 0 (0: chosen by timing), got {args.threads}")
+    if args.decode_gemv == "native":
+        from infer.kernels.native import native_kernels, unavailable_reason
+
+        if native_kernels() is None:
+            raise ValueError(f"--decode-gemv native is unavailable here: {unavailable_reason()}; use auto")
+    if args.model is None:
+        return None
+    path = Path(args.model)
+    if path.is_file():
+        raise CheckpointError(f"--model {path} is a file; pass the checkpoint directory that holds it")
+    if not path.is_dir():
+        hub = "/" in args.model and not Path(args.model.split("/")[0]).exists()
+        raise CheckpointError(
+            f"--model {args.model}: no such directory"
+            + ("; only local checkpoint directories are read (download hub models first)" if hub else "")
+        )
+    return path
+
+
+def load_with_args(path: Path, args: argparse.Namespace) -> Transformer:
+    """The model as the shared options ask (`generate` and `bench` load it the same way)."""
+    from infer.loader import load_model
+
+    model = load_model(path, dtype=args.dtype, device=args.device, compute_dtype=args.compute_dtype,
+                       decode_gemv=args.decode_gemv, huge_pages=not args.no_huge_pages)
+    model.native_ops = not args.no_native_ops
+    return model
