@@ -174,6 +174,25 @@ def test_gemma_sliding_layers_live_in_rings_bounded_by_the_window(gemma3_dir: Pa
     assert unbounded.prefix_caching
 
 
+def test_rings_come_back_when_requests_end(gemma3_dir: Path) -> None:
+    """A ring is held only while its request runs: finished and aborted requests give theirs back, so an engine
+    with `max_num_seqs` rings serves any number of requests over its life, each equal to its solo run."""
+    model, tok = infer.load_model(gemma3_dir), infer.Tokenizer(gemma3_dir)
+    engine = Engine(model, tok, num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=8)
+    ring = engine.ring
+    assert ring is not None
+    num_rings = len(ring.free)
+    params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+    prompts = [[5 + i, 6, 7, 8] for i in range(5)]  # five requests through two rings
+    for prompt, result in zip(prompts, engine.generate(prompts, params), strict=True):
+        assert result.token_ids == infer.generate(model, tok, prompt, params).token_ids
+    rid = engine.add_request([9, 9, 9], params)
+    engine.step()
+    assert ring.owner, "a running request holds a ring"
+    engine.abort(rid)
+    assert sorted(ring.free) == list(range(num_rings)) and not ring.owner
+
+
 def test_decode_attention_choice_is_validated(llama: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     model, tok = llama
     with pytest.raises(ValueError, match="decode_attention must be"):
