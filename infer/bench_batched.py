@@ -25,6 +25,7 @@ from typing import Any
 
 from infer.bench_common import format_table, machine_info, percentile, speed_ratio
 from infer.models import Transformer
+from infer.ragged import DECODE_KERNELS
 from infer.sampling import SamplingParams
 
 
@@ -236,7 +237,7 @@ def add_batched_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-blocks", type=int, default=None,
                    help="the engine's pool size in blocks of 16 tokens (default: sized for the machine); a small "
                         "pool shows preemption")
-    g.add_argument("--decode-attention", default=None, choices=["auto", "sdpa", "matmul", "triton", "per-sequence"],
+    g.add_argument("--decode-attention", default=None, choices=["auto", *DECODE_KERNELS],
                    help="how the engine's decode steps attend (default: auto: the Triton kernel on CUDA, else "
                         "measured)")
     g.add_argument("--no-decode-graphs", action="store_true",
