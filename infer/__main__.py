@@ -88,6 +88,39 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quality(args: argparse.Namespace) -> int:
+    from infer.cache import CACHE_KINDS
+    from infer.loader import DEFAULT_MODEL_DIR
+    from infer.quality import as_json, format_quality, load_text, measure, text_ids
+    from infer.tokenizer import Tokenizer
+    from infer.tuning import choose_threads
+
+    path = check_model_args(args) or DEFAULT_MODEL_DIR
+    kinds = [k for k in args.kinds.split(",") if k] if args.kinds else list(CACHE_KINDS)
+    unknown = [k for k in kinds if k not in CACHE_KINDS]
+    if unknown:
+        raise ValueError(f"--kinds: unknown cache kind(s) {', '.join(unknown)}; "
+                         f"available: {', '.join(sorted(CACHE_KINDS))}")
+    if args.tokens < 2 or not 1 <= args.prefill < args.tokens:
+        raise ValueError(f"--prefill must lie in [1, --tokens - 1] and --tokens be >= 2, got --prefill "
+                         f"{args.prefill}, --tokens {args.tokens}")
+    text = load_text(args.text)
+    model = load_with_args(path, args)
+    choose_threads(model, forced=args.threads)
+    ids = text_ids(Tokenizer(path), text, args.tokens)
+    rows = measure(model, ids, kinds, args.prefill, progress=True)
+    print(f"model {path}, {args.dtype}, text {args.text!r}: {len(ids)} tokens, {args.prefill} prefilled, "
+          f"{len(ids) - args.prefill} next-token predictions per kind, each against the exact contiguous cache")
+    print(format_quality(rows))
+    if args.json:
+        import json
+
+        report = {"model": str(path), "dtype": args.dtype, "text": args.text, "tokens": len(ids),
+                  "prefill": args.prefill, "kinds": as_json(rows)}
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, with its errors as one line (no usage dump) and exit status 2."""
 
@@ -120,6 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step")
     gen.set_defaults(run=_generate)
     add_bench_parser(sub)
+    qual = sub.add_parser("quality", help="how much each KV-cache kind changes the model's predictions on real text",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_model_args(qual, dtype="float32")
+    qual.add_argument("--kinds", default=None, help="comma-separated cache kinds (default: every kind)")
+    qual.add_argument("--text", default="prose", help="prose | code (shipped texts) or a UTF-8 file")
+    qual.add_argument("--tokens", type=int, default=512, help="tokens of the text to read")
+    qual.add_argument("--prefill", type=int, default=16, help="tokens prefilled before the one-token steps")
+    qual.add_argument("--json", default=None, help="write the figures here")
+    qual.set_defaults(run=_quality)
     return parser
 
 

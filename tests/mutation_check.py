@@ -522,6 +522,13 @@ MUTANTS = [
     Mutant("family table: Gemma's sliding layers take the global RoPE base", "infer/families.py",
            "local_rope_theta=10000.0,", "local_rope_theta=None,",
            ("tests/test_models.py", "tests/test_config_oracle.py")),
+    Mutant("quality: KL taken in the wrong direction", "infer/quality.py",
+           "kl = F.kl_div(lossy_logp, exact_logp, log_target=True",
+           "kl = F.kl_div(exact_logp, lossy_logp, log_target=True",
+           ("tests/test_quality.py",)),
+    Mutant("quality: perplexity ratio inverted", "infer/quality.py",
+           "perplexity_ratio=math.exp(lossy_nll - exact_nll)", "perplexity_ratio=math.exp(exact_nll - lossy_nll)",
+           ("tests/test_quality.py",)),
 ]
 
 
