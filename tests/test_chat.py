@@ -1,6 +1,7 @@
 """Chat against transformers: `generate` on messages, and `Tokenizer.apply_chat_template`'s keyword surface
 (continue_final_message, tools as functions or dicts, documents, template variables, reasoning aliases,
-chat_template.jinja, raise_exception) on the real tokenizer files and chat templates of the three families."""
+chat_template.jinja, raise_exception) on the real tokenizer files and chat templates of the families that have
+them as packages."""
 
 from __future__ import annotations
 
@@ -19,14 +20,15 @@ from transformers.utils import get_json_schema
 import infer
 from infer.chat_tools import tool_schema
 from infer.errors import ChatTemplateError
+from infer.families import ARCHITECTURES
 from infer.generation import generate
 from infer.sampling import SamplingParams
 from infer.tokenizer import Tokenizer
 from reference import build_checkpoint
-from reference.real_tokenizers import RealTokenizerUnavailable, real_tokenizer_dir
+from reference.real_tokenizers import PACKAGES, RealTokenizerUnavailable, real_tokenizer_dir
 from tests.helpers import needs_chat_oracle
 
-FAMILIES = ["llama", "qwen3", "gemma3"]
+FAMILIES = list(PACKAGES)  # the families whose real tokenizer files come as a package
 DATE = {"date_string": "26 Jul 2024"}  # Llama's templates read today's date otherwise
 
 
@@ -71,11 +73,11 @@ ASSISTANT_LAST = [
 ]
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_generate_on_messages_uses_hf_chat_ids(arch: str) -> None:
     path = build_checkpoint(arch)
     model, tok = infer.load_model(path), Tokenizer(path)
-    messages = CONVERSATIONS["system and turns"] if arch != "gemma3" else CONVERSATIONS["system and turns"][:2]
+    messages = CONVERSATIONS["system and turns"] if arch != "gemma3_text" else CONVERSATIONS["system and turns"][:2]
     result = generate(model, tok, messages, SamplingParams(max_new_tokens=2))
     # The tiny Llama template prints today's date, as HF's rendering of it does on the same day.
     hf = AutoTokenizer.from_pretrained(path)

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import infer
-from infer.families import ARCHITECTURES
 from infer.errors import CheckpointError
+from infer.families import ARCHITECTURES
 from reference import build_checkpoint
 
 
