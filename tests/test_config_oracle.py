@@ -9,6 +9,8 @@ formula with the softcap switched on (softcap before the mask), and by causality
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,6 +24,8 @@ import infer
 from infer.config import FULL_ATTENTION, ModelConfig, RopeConfig
 from infer.families import ARCHITECTURES, FAMILIES
 from reference import Oracle, build_checkpoint
+from reference.checkpoints import BENCH_CONFIGS, CONFIG_CLASSES, _config_kwargs, to_legacy_config
+from reference.tiny_tokenizer import TokenIds
 from tests.helpers import assert_close
 
 
@@ -108,8 +112,11 @@ def drawn_overrides(draw: st.DrawFn, arch: str) -> dict[str, Any]:
              "high_freq_factor": low * draw(st.sampled_from([2.0, 4.0])),
              "original_max_position_embeddings": draw(st.sampled_from([16, 64]))},
         ]))
-    elif sliding == "upper":  # Qwen 2 and 3
+    elif sliding == "upper":  # Qwen 2 and 3: layers from max_window_layers on slide, when use_sliding_window
         o["rope_scaling"] = draw(st.sampled_from([None, {"rope_type": "linear", "factor": 2.0}]))
+        o["use_sliding_window"] = draw(st.booleans())
+        o["sliding_window"] = draw(st.integers(2, 12))
+        o["max_window_layers"] = draw(st.integers(0, 5))
     else:
         o["rope_local_base_freq"] = draw(st.sampled_from([500.0, 10000.0, 77777.0]))
         o["rope_scaling"] = draw(st.sampled_from([None, {"rope_type": "linear", "factor": 8.0}]))
@@ -186,3 +193,67 @@ def test_gemma_attn_softcapping_is_causal() -> None:
     assert torch.equal(before[:, :15], after[:, :15]), "a later token changed an earlier logit"
     assert not torch.equal(before[:, 15:], after[:, 15:])
 
+
+# Qwen2.5-0.5B-Instruct's config.json as published (legacy keys; transformers_version left out).
+QWEN2_5_0_5B_INSTRUCT: dict[str, Any] = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "hidden_act": "silu",
+    "hidden_size": 896,
+    "initializer_range": 0.02,
+    "intermediate_size": 4864,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 21,
+    "model_type": "qwen2",
+    "num_attention_heads": 14,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "sliding_window": 32768,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+def bench_config_json(arch: str, directory: Path) -> Path:
+    """The legacy config.json `build_bench_checkpoint` writes for `arch` (the real model's, shrunk), without
+    drawing a billion weights."""
+    ids = TokenIds(vocab_size=512, bos_token_id=1, eos_token_ids=[2, 3], pad_token_id=None)
+    CONFIG_CLASSES[arch](**_config_kwargs(arch, BENCH_CONFIGS[arch], ids, {})).save_pretrained(directory)
+    path = directory / "config.json"
+    path.write_text(json.dumps(to_legacy_config(json.loads(path.read_text()))))
+    return directory
+
+
+def real_config_cases() -> list[Any]:
+    sliding_on = {**QWEN2_5_0_5B_INSTRUCT, "use_sliding_window": True}  # layers 21-23 would slide
+    return [
+        *[pytest.param(arch, None, id=f"bench-{arch}") for arch in ARCHITECTURES],
+        pytest.param("qwen2", QWEN2_5_0_5B_INSTRUCT, id="Qwen2.5-0.5B-Instruct"),
+        pytest.param("qwen2", sliding_on, id="Qwen2.5-0.5B-Instruct-sliding-on"),
+    ]
+
+
+@pytest.mark.parametrize(("arch", "raw"), real_config_cases())
+def test_real_configs_parse_as_transformers_parses_them(arch: str, raw: dict[str, Any] | None,
+                                                        tmp_path: Path) -> None:
+    """The real models' config.json (the bench shapes, and Qwen 2.5's file as published): every field the
+    engine reads equals what transformers read from the same file."""
+    if raw is None:
+        bench_config_json(arch, tmp_path)
+    else:
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+    ours, theirs = ModelConfig.from_file(tmp_path), hf_model_config(tmp_path)
+    assert ours.model_type == arch
+    differ = {f: (getattr(ours, f), getattr(theirs, f)) for f in ours.__dataclass_fields__
+              if getattr(ours, f) != getattr(theirs, f)}
+    assert not differ, f"parsed fields differ from transformers' (ours, HF's): {differ}"
+    if raw is not None and raw["use_sliding_window"]:
+        assert ours.layer_types == ("full_attention",) * 21 + ("sliding_attention",) * 3

@@ -11,8 +11,11 @@ from infer.tuning import choose_prefill_dtype
 from reference import Oracle, build_checkpoint
 from tests.helpers import assert_close
 
+# Qwen's sliding layers, off in the released models: layers from max_window_layers on see the last 8 keys.
+QWEN_SLIDING = {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}
+
 # (arch, config format, config overrides): every architecture in both formats, odd head sizes,
-# MQA, GQA and MHA, tied and untied heads.
+# MQA, GQA and MHA, tied and untied heads, Qwen's sliding layers.
 CASES = [
     *[(arch, config_format, {}) for arch in ARCHITECTURES for config_format in ("v5", "legacy")],
     ("llama", "v5", {"num_key_value_heads": 1}),
@@ -21,6 +24,9 @@ CASES = [
     ("gemma3_text", "v5", {"head_dim": 48, "num_key_value_heads": 4}),
     ("llama", "legacy", {"tie_word_embeddings": True}),
     ("qwen3", "v5", {"tie_word_embeddings": False}),
+    ("qwen2", "legacy", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
+    ("qwen2", "v5", QWEN_SLIDING),
+    ("qwen2", "legacy", QWEN_SLIDING),
 ]
 
 

@@ -82,6 +82,7 @@ def test_bos_follows_the_real_models(arch: str) -> None:
     ("arch", "eos_tokens"),
     [
         ("llama", {"<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"}),
+        ("qwen2", {"<|im_end|>", "<|endoftext|>"}),
         ("qwen3", {"<|im_end|>", "<|endoftext|>"}),
         ("gemma3_text", {"<eos>", "<end_of_turn>"}),
     ],
