@@ -234,26 +234,37 @@ def bench_config_json(arch: str, directory: Path) -> Path:
 
 def real_config_cases() -> list[Any]:
     sliding_on = {**QWEN2_5_0_5B_INSTRUCT, "use_sliding_window": True}  # layers 21-23 would slide
+    # Keys left out take transformers' defaults (a 4096-token window, from layer 28 on); a null window is none.
+    no_window = {k: v for k, v in sliding_on.items() if k != "sliding_window"}
+    no_start = {**{k: v for k, v in sliding_on.items() if k != "max_window_layers"}, "num_hidden_layers": 30}
     return [
-        *[pytest.param(arch, None, id=f"bench-{arch}") for arch in ARCHITECTURES],
-        pytest.param("qwen2", QWEN2_5_0_5B_INSTRUCT, id="Qwen2.5-0.5B-Instruct"),
-        pytest.param("qwen2", sliding_on, id="Qwen2.5-0.5B-Instruct-sliding-on"),
+        *[pytest.param(arch, None, (), id=f"bench-{arch}") for arch in ARCHITECTURES],
+        # The tiny configs without head_dim: hidden / heads, or the family's own default (Qwen 3: 128, Gemma 3:
+        # 256), none of which the tiny shapes have.
+        *[pytest.param(arch, "tiny", ("head_dim",), id=f"tiny-{arch}-no-head_dim") for arch in ARCHITECTURES],
+        pytest.param("qwen2", QWEN2_5_0_5B_INSTRUCT, (), id="Qwen2.5-0.5B-Instruct"),
+        pytest.param("qwen2", sliding_on, (), id="Qwen2.5-0.5B-Instruct-sliding-on"),
+        pytest.param("qwen2", no_window, (), id="sliding-on-no-window-key"),
+        pytest.param("qwen2", no_start, (), id="sliding-on-no-max_window_layers"),
+        pytest.param("qwen2", {**sliding_on, "sliding_window": None}, (), id="sliding-on-null-window"),
     ]
 
 
-@pytest.mark.parametrize(("arch", "raw"), real_config_cases())
-def test_real_configs_parse_as_transformers_parses_them(arch: str, raw: dict[str, Any] | None,
-                                                        tmp_path: Path) -> None:
-    """The real models' config.json (the bench shapes, and Qwen 2.5's file as published): every field the
-    engine reads equals what transformers read from the same file."""
+@pytest.mark.parametrize(("arch", "raw", "left_out"), real_config_cases())
+def test_real_configs_parse_as_transformers_parses_them(arch: str, raw: dict[str, Any] | str | None,
+                                                        left_out: tuple[str, ...], tmp_path: Path) -> None:
+    """The real models' config.json (the bench shapes, and Qwen 2.5's file as published), and configs with keys
+    left out: every field the engine reads equals what transformers read from the same file."""
     if raw is None:
-        bench_config_json(arch, tmp_path)
-    else:
-        (tmp_path / "config.json").write_text(json.dumps(raw))
+        raw = json.loads((bench_config_json(arch, tmp_path) / "config.json").read_text())
+    elif raw == "tiny":
+        raw = json.loads((build_checkpoint(arch, config_format="legacy") / "config.json").read_text())
+    assert isinstance(raw, dict)
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if k not in left_out}))
     ours, theirs = ModelConfig.from_file(tmp_path), hf_model_config(tmp_path)
     assert ours.model_type == arch
     differ = {f: (getattr(ours, f), getattr(theirs, f)) for f in ours.__dataclass_fields__
               if getattr(ours, f) != getattr(theirs, f)}
     assert not differ, f"parsed fields differ from transformers' (ours, HF's): {differ}"
-    if raw is not None and raw["use_sliding_window"]:
-        assert ours.layer_types == ("full_attention",) * 21 + ("sliding_attention",) * 3
+    if raw.get("use_sliding_window") and raw.get("sliding_window", 1) is not None:
+        assert ours.has_sliding_layers  # the cases above that turn it on all slide somewhere
