@@ -1,5 +1,5 @@
-"""asv benchmarks: decode-step latency by context x cache kind x architecture, prefill latency,
-peak memory of a generation, decode tokens/s and cache bytes.
+"""asv benchmarks: decode-step latency by context x cache kind x architecture (every one in infer.families),
+prefill latency, peak memory of a generation, decode tokens/s and cache bytes.
 
 Models are built in-process from a seeded `ModelConfig` (no checkpoint, no transformers): mid-sized
 so one commit's full run stays under 20 minutes on 2 CPU cores. Every decode sample starts from the
@@ -16,27 +16,30 @@ import torch
 import infer
 from infer.bench_batched import batched_workload, run_engine
 from infer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig
+from infer.families import ARCHITECTURES, FAMILIES
 from infer.generation import generate
 from infer.sampling import SamplingParams
 
-ARCHS = ["llama", "qwen3", "gemma3_text"]
 KINDS = ["contiguous", "sliding", "paged", "int8", "int4", "fp4"]
 CONTEXTS = [128, 1024, 4096]
 
 
 def bench_config(model_type: str) -> ModelConfig:
-    """A ~20M-parameter model of the architecture: big enough that the matmuls dominate Python."""
-    gemma = model_type == "gemma3_text"
+    """A ~20M-parameter model of the architecture: big enough that the matmuls dominate Python. The family's
+    traits decide the layout (Gemma 3's period of sliding layers, its RoPE base on them, activation, query
+    scale); the head is tied except for Llama, as in the 1B-class models the README measures."""
+    family = FAMILIES[model_type]
+    periodic = family.sliding_layers == "period"
     layers = 6
-    layer_types = tuple(SLIDING_ATTENTION if gemma and (i + 1) % 3 else FULL_ATTENTION for i in range(layers))
+    layer_types = tuple(SLIDING_ATTENTION if periodic and (i + 1) % 3 else FULL_ATTENTION for i in range(layers))
     return ModelConfig(
         model_type=model_type, vocab_size=8192, hidden_size=512, intermediate_size=1536,
         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
         max_position_embeddings=8192, tie_word_embeddings=model_type != "llama",
-        hidden_act="gelu_pytorch_tanh" if gemma else "silu", layer_types=layer_types,
-        sliding_window=256 if gemma else None, rope=RopeConfig(theta=500000.0),
-        rope_local=RopeConfig(theta=10000.0) if gemma else None,
-        query_pre_attn_scalar=64.0 if gemma else None,
+        hidden_act=family.hidden_act, layer_types=layer_types,
+        sliding_window=256 if periodic else None, rope=RopeConfig(theta=500000.0),
+        rope_local=RopeConfig(theta=10000.0) if family.local_rope_theta is not None else None,
+        query_pre_attn_scalar=64.0 if family.query_pre_attn_scalar is not None else None,
     )
 
 
@@ -67,7 +70,7 @@ def prefilled(arch: str, kind: str, context: int) -> tuple[infer.KVCache, infer.
 class DecodeStep:
     """One decode step at a fixed context length."""
 
-    params = (ARCHS, KINDS, CONTEXTS)
+    params = (ARCHITECTURES, KINDS, CONTEXTS)
     param_names = ["architecture", "cache", "context"]
     number = 1
     repeat = (5, 20, 10.0)
@@ -87,7 +90,7 @@ class DecodeStep:
 class Prefill:
     """Prefill of a prompt into an empty contiguous cache."""
 
-    params = (ARCHS, [128, 1024])
+    params = (ARCHITECTURES, [128, 1024])
     param_names = ["architecture", "prompt_len"]
     number = 1
     repeat = (3, 10, 20.0)
@@ -107,7 +110,7 @@ class Prefill:
 class Generation:
     """A whole generation: its peak memory, and its decode rate as a tracked figure."""
 
-    params = (ARCHS, KINDS)
+    params = (ARCHITECTURES, KINDS)
     param_names = ["architecture", "cache"]
     timeout = 300
 
@@ -129,6 +132,7 @@ class Generation:
 class CacheMemory:
     """Bytes the cache holds for a context, per kind (deterministic: a regression is a real change)."""
 
+    # The bytes depend only on the layer layout: one family without sliding layers and one with them.
     params = (["llama", "gemma3_text"], KINDS, CONTEXTS)
     param_names = ["architecture", "cache", "context"]
 
@@ -155,7 +159,7 @@ class BatchedEngine:
     """A mixed workload through the batched engine (16 requests, prompts 16-128 tokens, 8-32 new tokens,
     greedy, all arriving at once): wall time, and generated tokens/s as a tracked figure."""
 
-    params = [ARCHS]
+    params = [ARCHITECTURES]
     param_names = ["architecture"]
     number = 1
     repeat = (2, 5, 60.0)
@@ -207,6 +211,7 @@ class DecodeForm:
     path) and `torch.mv`, the native GEMV with and without the native small ops. Skipped where no native
     build loads."""
 
+    # Two families keep the run short: the plain block and the one with the most small ops (Gemma's norms).
     params = (["llama", "gemma3_text"], ["linear", "mv", "native-no-ops", "native"])
     param_names = ["architecture", "form"]
     number = 1

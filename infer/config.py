@@ -19,6 +19,10 @@ from infer.families import ARCHITECTURES, FAMILIES
 SUPPORTED_MODEL_TYPES = ARCHITECTURES
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+# The "upper" rule's keys when a config.json turns use_sliding_window on and leaves them out: transformers'
+# defaults (Qwen2Config and Qwen3Config alike), a 4096-token window from layer 28 on.
+UPPER_DEFAULT_SLIDING_WINDOW = 4096
+UPPER_DEFAULT_MAX_WINDOW_LAYERS = 28
 
 
 @dataclass(frozen=True)
@@ -213,10 +217,11 @@ def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
             f"config.json: num_attention_heads ({num_heads}) is not a multiple of num_key_value_heads "
             f"({num_kv_heads}); every KV head must serve the same number of query heads"
         )
-    head_dim = _int(raw, "head_dim", max(hidden // num_heads, 1))
     family = FAMILIES[model_type]
+    head_dim = _int(raw, "head_dim", family.head_dim or max(hidden // num_heads, 1))
 
-    # Layer types: transformers 5 writes them; legacy Gemma 3 gives a period instead.
+    # Layer types: transformers 5 writes them; legacy Gemma 3 gives a period instead, legacy Qwen
+    # use_sliding_window and max_window_layers.
     layer_types = raw.get("layer_types")
     if layer_types is None:
         if family.sliding_layers == "period":
@@ -224,10 +229,12 @@ def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
             layer_types = [
                 SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)
             ]
-        elif family.sliding_layers == "upper" and _bool(raw, "use_sliding_window", False) and raw.get("sliding_window"):
-            max_window_layers = _int(raw, "max_window_layers", num_layers, minimum=0)
+        elif family.sliding_layers == "upper" and _bool(raw, "use_sliding_window", False):
+            raw = {"sliding_window": UPPER_DEFAULT_SLIDING_WINDOW, **raw}  # an explicit null turns it off
+            max_window_layers = _int(raw, "max_window_layers", UPPER_DEFAULT_MAX_WINDOW_LAYERS, minimum=0)
+            slides = raw["sliding_window"] is not None
             layer_types = [
-                SLIDING_ATTENTION if i >= max_window_layers else FULL_ATTENTION for i in range(num_layers)
+                SLIDING_ATTENTION if slides and i >= max_window_layers else FULL_ATTENTION for i in range(num_layers)
             ]
         else:
             layer_types = [FULL_ATTENTION] * num_layers

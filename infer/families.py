@@ -27,7 +27,9 @@ class Family:
     # Biases on q/k/v whatever config.json says (Qwen 2 hard-codes them; o_proj has none). False: the
     # config's `attention_bias` decides for all four projections, as Llama's does.
     qkv_bias: bool = False
-    # Defaults for keys config.json may leave out (transformers' own defaults for the family).
+    # Defaults for keys config.json may leave out (transformers' own defaults for the family). head_dim None:
+    # hidden_size // num_attention_heads.
+    head_dim: int | None = None
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
     rope_theta: float = 10000.0
@@ -45,9 +47,9 @@ FAMILIES: dict[str, Family] = {
     for f in (
         Family("llama"),
         Family("qwen2", qkv_bias=True, sliding_layers="upper"),
-        Family("qwen3", qk_norm=True, sliding_layers="upper"),
+        Family("qwen3", qk_norm=True, sliding_layers="upper", head_dim=128),
         Family("gemma3_text", norm_plus_one=True, qk_norm=True, sandwich_norms=True, embed_scale=True,
-               tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh", rope_theta=1_000_000.0,
+               head_dim=256, tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh", rope_theta=1_000_000.0,
                sliding_layers="period", local_rope_theta=10000.0, query_pre_attn_scalar=256.0),
     )
 }

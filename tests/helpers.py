@@ -13,6 +13,7 @@ from packaging.version import Version
 from infer.cache import create_cache
 from infer.cache.block_manager import BlockManager
 from infer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig
+from infer.families import FAMILIES
 from infer.models import Transformer
 
 # Chat rendering is pinned to the transformers this suite was checked against: older releases differ
@@ -76,10 +77,13 @@ def tiny_config(
     sliding_window: int | None = None,
     sliding_pattern: int = 2,
 ) -> ModelConfig:
-    """A small config without a checkpoint; Gemma 3 alternates sliding and full layers."""
-    gemma = model_type == "gemma3_text"
+    """A small config without a checkpoint, with the family's traits: sliding layers where the family has a
+    period of them (Gemma 3 alternates sliding and full layers; Qwen's sliding layers are off, as in the released
+    models), its own RoPE base on them, its activation, tying and query scale."""
+    family = FAMILIES[model_type]
+    periodic = family.sliding_layers == "period"
     layer_types = tuple(
-        SLIDING_ATTENTION if gemma and (i + 1) % sliding_pattern else FULL_ATTENTION for i in range(num_layers)
+        SLIDING_ATTENTION if periodic and (i + 1) % sliding_pattern else FULL_ATTENTION for i in range(num_layers)
     )
     has_sliding = SLIDING_ATTENTION in layer_types
     return ModelConfig(
@@ -92,13 +96,13 @@ def tiny_config(
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
         max_position_embeddings=4096,
-        tie_word_embeddings=gemma,
-        hidden_act="gelu_pytorch_tanh" if gemma else "silu",
+        tie_word_embeddings=family.tie_word_embeddings,
+        hidden_act=family.hidden_act,
         layer_types=layer_types,
         sliding_window=(sliding_window or 4) if has_sliding else None,
         rope=RopeConfig(theta=10000.0),
-        rope_local=RopeConfig(theta=1000.0) if gemma else None,
-        query_pre_attn_scalar=float(head_dim + 3) if gemma else None,
+        rope_local=RopeConfig(theta=1000.0) if family.local_rope_theta is not None else None,
+        query_pre_attn_scalar=float(head_dim + 3) if family.query_pre_attn_scalar is not None else None,
     )
 
 
@@ -109,7 +113,7 @@ def random_model(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                base = 0.0 if config.model_type == "gemma3_text" else 1.0
+                base = 0.0 if FAMILIES[config.model_type].norm_plus_one else 1.0
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + base)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.2)

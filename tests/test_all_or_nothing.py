@@ -19,9 +19,9 @@ from infer.cache import CACHE_KINDS
 from infer.cache.base import CacheSnapshot
 from infer.cache.paged import PagedCache
 from infer.cache.snapshot import load_snapshot, save_snapshot
+from infer.families import ARCHITECTURES
 from reference import build_checkpoint
 
-ARCHS = ["llama", "qwen3", "gemma3"]
 KINDS = sorted(CACHE_KINDS)
 
 
@@ -76,7 +76,7 @@ def stop_at_layer(model: infer.Transformer, index: int, monkeypatch: pytest.Monk
 @pytest.mark.parametrize("error", [Interrupt, KeyboardInterrupt])
 @pytest.mark.parametrize("step", [1, 6])  # a decode step and a chunk, both wrapping the ring (window 8)
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_forward_stopped_between_layers_changes_no_cache(arch: str, kind: str, step: int,
                                                          error: type[BaseException],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
@@ -100,7 +100,7 @@ def test_forward_stopped_between_layers_changes_no_cache(arch: str, kind: str, s
         assert torch.equal(model(ids[:, 14 + step : 20 + step], cache), model(ids[:, 14 + step : 20 + step], twin))
 
 
-def filled(kind: str, arch: str = "gemma3", length: int = 13) -> infer.KVCache:
+def filled(kind: str, arch: str = "gemma3_text", length: int = 13) -> infer.KVCache:
     model = model_of(arch)
     options: dict[str, Any] = {"residual_window": 4} if kind in ("int8", "int4", "fp4") else {}
     cache = infer.create_cache(kind, model.config, max_seq_len=32, **options)
@@ -148,8 +148,8 @@ def test_failed_restore_changes_nothing(kind: str) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_bad_update_and_advance_change_nothing(kind: str) -> None:
     cache = filled(kind)
-    layers = model_of("gemma3").config.num_hidden_layers
-    kv_heads, head_dim = model_of("gemma3").config.num_key_value_heads, model_of("gemma3").config.head_dim
+    layers = model_of("gemma3_text").config.num_hidden_layers
+    kv_heads, head_dim = model_of("gemma3_text").config.num_key_value_heads, model_of("gemma3_text").config.head_dim
     k = torch.randn(1, kv_heads, 2, head_dim)
     before = state(cache)
     cases: list[tuple[Any, type[Exception], str]] = [
@@ -217,7 +217,7 @@ def test_tampered_snapshot_files_are_refused(kind: str, tmp_path: Path) -> None:
 
 
 def test_a_call_on_another_device_leaves_the_model_working() -> None:
-    model = model_of("gemma3")
+    model = model_of("gemma3_text")
     ids = ids_for(model, 5, seed=1)
     with torch.no_grad():
         expected = model(ids)

@@ -257,7 +257,7 @@ def test_impossible_sizes_fail_before_allocating(make: Callable[[Any], Any], mat
 # --- cache operations -------------------------------------------------------------------------------------
 
 def filled_cache(kind: str) -> tuple[infer.Transformer, KVCache]:
-    model, _, _ = model_and_tokenizer("gemma3")
+    model, _, _ = model_and_tokenizer("gemma3_text")
     cache = create_cache(kind, model.config, max_seq_len=24)
     with torch.no_grad():
         model(torch.tensor([[3, 1, 4, 1, 5, 9]]), cache)

@@ -1,4 +1,4 @@
-"""One conformance suite for every registered cache kind, on all three architectures.
+"""One conformance suite for every registered cache kind, on every architecture.
 
 A new kind registered with `infer.register_cache_kind` is picked up here automatically: exact kinds
 must reproduce full-sequence logits and the oracle's greedy tokens; lossy kinds must stay within the
@@ -18,13 +18,13 @@ from hypothesis import strategies as st
 import infer
 from infer.cache import CACHE_KINDS, ErrorBounds
 from infer.cache.snapshot import load_snapshot, save_snapshot
+from infer.families import ARCHITECTURES
 from infer.generation import generate
 from infer.sampling import SamplingParams
 from reference import Oracle, build_checkpoint
 from tests.helpers import assert_close
 from tests.property.strategies import splits
 
-ARCHS = ["llama", "qwen3", "gemma3"]
 ALL_KINDS = sorted(CACHE_KINDS)
 EXACT_KINDS = [k for k in ALL_KINDS if CACHE_KINDS[k].is_exact]
 LOSSY_KINDS = [k for k in ALL_KINDS if not CACHE_KINDS[k].is_exact]
@@ -48,7 +48,7 @@ def run_split(model: infer.Transformer, cache: infer.KVCache, ids: torch.Tensor,
     return torch.cat(pieces, dim=1)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize("kind", EXACT_KINDS)
 @settings(max_examples=8, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(split=splits(min_total=2, max_total=40), batch=st.integers(1, 2), seed=st.integers(0, 2**16))
@@ -62,7 +62,7 @@ def test_exact_kind_equals_full_sequence(arch: str, kind: str, split: list[int],
     assert_close(cached, full, 1e-5 * max(1.0, full.abs().max().item()), f"{kind}/{arch} split {split}")
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize("kind", EXACT_KINDS)
 def test_exact_kind_greedy_equals_oracle(arch: str, kind: str) -> None:
     model = model_of(arch)
@@ -117,7 +117,7 @@ def test_lossy_kind_within_its_error_bounds_on_the_trained_model(kind: str) -> N
     assert_within(quality(infer.load_model(None, dtype="float32"), kind), bounds, f"{kind}/default model")
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize("kind", LOSSY_KINDS)
 def test_lossy_kind_within_its_stress_bounds(arch: str, kind: str) -> None:
     bounds = CACHE_KINDS[kind].stress_bounds
@@ -125,7 +125,7 @@ def test_lossy_kind_within_its_stress_bounds(arch: str, kind: str) -> None:
     assert_within(quality(model_of(arch), kind), bounds, f"{kind}/{arch}")
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize("kind", ALL_KINDS)
 def test_snapshot_restore_equals_uninterrupted(arch: str, kind: str, tmp_path: Path) -> None:
     model = model_of(arch)
@@ -144,7 +144,7 @@ def test_snapshot_restore_equals_uninterrupted(arch: str, kind: str, tmp_path: P
             assert_close(resumed, uninterrupted, 1e-6, f"{kind}/{arch} restored")
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize("kind", ALL_KINDS)
 def test_snapshot_is_a_copy(arch: str, kind: str) -> None:
     """Whatever happens to the source cache after a snapshot (more tokens, reset and refill with other
@@ -181,7 +181,7 @@ def test_empty_cache_size_is_a_clear_error(kind: str, max_seq_len: int, batch_si
 
 @pytest.mark.parametrize("kind", ALL_KINDS)
 def test_write_past_capacity_is_clear_and_keeps_state(kind: str) -> None:
-    model = model_of("gemma3")
+    model = model_of("gemma3_text")
     ids = ids_for(model, 1, 12, seed=5)
     cache = infer.create_cache(kind, model.config, max_seq_len=10)
     with torch.no_grad():

@@ -1,6 +1,7 @@
 """Chat against transformers: `generate` on messages, and `Tokenizer.apply_chat_template`'s keyword surface
 (continue_final_message, tools as functions or dicts, documents, template variables, reasoning aliases,
-chat_template.jinja, raise_exception) on the real tokenizer files and chat templates of the three families."""
+chat_template.jinja, raise_exception) on the real tokenizer files and chat templates of the families that have
+them as packages, and Qwen 2.5's real chat template on its test tokenizer."""
 
 from __future__ import annotations
 
@@ -19,14 +20,15 @@ from transformers.utils import get_json_schema
 import infer
 from infer.chat_tools import tool_schema
 from infer.errors import ChatTemplateError
+from infer.families import ARCHITECTURES
 from infer.generation import generate
 from infer.sampling import SamplingParams
 from infer.tokenizer import Tokenizer
 from reference import build_checkpoint
-from reference.real_tokenizers import RealTokenizerUnavailable, real_tokenizer_dir
+from reference.real_tokenizers import PACKAGES, RealTokenizerUnavailable, real_tokenizer_dir
 from tests.helpers import needs_chat_oracle
 
-FAMILIES = ["llama", "qwen3", "gemma3"]
+FAMILIES = list(PACKAGES)  # the families whose real tokenizer files come as a package
 DATE = {"date_string": "26 Jul 2024"}  # Llama's templates read today's date otherwise
 
 
@@ -71,11 +73,11 @@ ASSISTANT_LAST = [
 ]
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_generate_on_messages_uses_hf_chat_ids(arch: str) -> None:
     path = build_checkpoint(arch)
     model, tok = infer.load_model(path), Tokenizer(path)
-    messages = CONVERSATIONS["system and turns"] if arch != "gemma3" else CONVERSATIONS["system and turns"][:2]
+    messages = CONVERSATIONS["system and turns"] if arch != "gemma3_text" else CONVERSATIONS["system and turns"][:2]
     result = generate(model, tok, messages, SamplingParams(max_new_tokens=2))
     # The tiny Llama template prints today's date, as HF's rendering of it does on the same day.
     hf = AutoTokenizer.from_pretrained(path)
@@ -201,6 +203,32 @@ def test_qwen3_tools_as_functions_and_dicts_like_transformers() -> None:
         {"role": "tool", "content": "{\"mon\": 21.5}"},
     ]
     assert_same_render(tok, hf, messages, tools=tools, add_generation_prompt=True)
+
+
+@needs_chat_oracle
+def test_qwen2_5_template_with_tools_calls_and_responses_like_transformers() -> None:
+    """Qwen 2.5's real template (whole, on the test tokenizer): tools as functions and dicts, the default system
+    message, an assistant turn with tool calls (with and without content), consecutive tool responses."""
+    path = build_checkpoint("qwen2")
+    tok, hf = Tokenizer(path), AutoTokenizer.from_pretrained(path)
+    tools: list[Any] = [get_weather, search, {"type": "function", "function": {"name": "noop", "description": "x"}}]
+    messages = [
+        {"role": "user", "content": "Weather in Paris and Tōkyō?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "東京", "days": 2}}}]},
+        {"role": "tool", "content": "{\"mon\": 21.5}"},
+        {"role": "tool", "content": "{\"mon\": 18.0}"},
+        {"role": "assistant", "content": "Checking once more.", "tool_calls": [
+            {"type": "function", "function": {"name": "noop", "arguments": {}}}]},
+        {"role": "tool", "content": "ok"},
+    ]
+    for with_tools in ({"tools": tools}, {}):
+        assert_same_render(tok, hf, messages, add_generation_prompt=True, **with_tools)
+    assert "You are Qwen, created by Alibaba Cloud." in tok.apply_chat_template(messages, tokenize=False)
+    system = [{"role": "system", "content": "Be brief."}, *messages[:1]]
+    assert_same_render(tok, hf, system, tools=tools, add_generation_prompt=True)
+    assert_same_render(tok, hf, ASSISTANT_LAST, continue_final_message=True)
 
 
 # A template that reads what the real ones read: documents, tools, reasoning under both names, extra variables.

@@ -70,11 +70,11 @@ def test_v5_and_legacy_formats_load_to_the_same_model(arch: str) -> None:
 
 
 def test_gemma3_legacy_keys_match_the_hub_layout() -> None:
-    raw = read_config(build_checkpoint("gemma3", config_format="legacy"))
+    raw = read_config(build_checkpoint("gemma3_text", config_format="legacy"))
     assert raw["sliding_window_pattern"] == 2 and "_sliding_window_pattern" not in raw
     assert raw["rope_theta"] == 1e6 and raw["rope_local_base_freq"] == 1e4
     assert raw["rope_scaling"] == {"rope_type": "linear", "factor": 8.0}
-    no_scaling = read_config(build_checkpoint("gemma3", config_format="legacy", rope_scaling=None))
+    no_scaling = read_config(build_checkpoint("gemma3_text", config_format="legacy", rope_scaling=None))
     assert no_scaling["rope_scaling"] is None
 
 
@@ -84,11 +84,16 @@ def test_tiny_defaults_exercise_each_architecture() -> None:
     assert llama.rope_parameters["original_max_position_embeddings"] < 2048
     assert not llama.tie_word_embeddings
 
+    qwen2 = AutoConfig.from_pretrained(build_checkpoint("qwen2"))
+    assert not qwen2.tie_word_embeddings and qwen2.num_attention_heads == 4 * qwen2.num_key_value_heads
+    assert qwen2.head_dim * qwen2.num_attention_heads != qwen2.hidden_size
+    assert set(qwen2.layer_types) == {"full_attention"} and qwen2.sliding_window is None  # as released
+
     qwen3 = AutoConfig.from_pretrained(build_checkpoint("qwen3"))
     assert qwen3.tie_word_embeddings and qwen3.rope_parameters["rope_theta"] == 1e6
     assert qwen3.head_dim * qwen3.num_attention_heads != qwen3.hidden_size
 
-    gemma3 = AutoConfig.from_pretrained(build_checkpoint("gemma3"))
+    gemma3 = AutoConfig.from_pretrained(build_checkpoint("gemma3_text"))
     assert set(gemma3.layer_types) == {"sliding_attention", "full_attention"}
     assert gemma3.query_pre_attn_scalar != gemma3.head_dim
     assert gemma3.head_dim * gemma3.num_attention_heads != gemma3.hidden_size
@@ -97,16 +102,27 @@ def test_tiny_defaults_exercise_each_architecture() -> None:
 
 
 def test_overrides_reach_the_config_and_the_cache_key() -> None:
-    base = build_checkpoint("gemma3")
-    path = build_checkpoint("gemma3", num_hidden_layers=6, sliding_window_pattern=3, num_key_value_heads=1, head_dim=40)
+    base = build_checkpoint("gemma3_text")
+    path = build_checkpoint("gemma3_text", num_hidden_layers=6, sliding_window_pattern=3, num_key_value_heads=1,
+                            head_dim=40)
     assert path != base
     config = AutoConfig.from_pretrained(path)
     assert (config.num_hidden_layers, config.num_key_value_heads, config.head_dim) == (6, 1, 40)
     assert config.layer_types == ["sliding_attention", "sliding_attention", "full_attention"] * 2
     legacy = read_config(
-        build_checkpoint("gemma3", config_format="legacy", num_hidden_layers=6, sliding_window_pattern=3)
+        build_checkpoint("gemma3_text", config_format="legacy", num_hidden_layers=6, sliding_window_pattern=3)
     )
     assert legacy["sliding_window_pattern"] == 3
+
+
+@pytest.mark.parametrize(("arch", "overrides"), [("qwen2", {}), ("llama", {"attention_bias": True, "mlp_bias": True})])
+def test_biases_are_drawn_not_zero(arch: str, overrides: dict[str, Any]) -> None:
+    """Every bias is random, or the oracle could not see one dropped; Qwen 2 has q/k/v biases and no other."""
+    weights = load_file(build_checkpoint(arch, **overrides) / "model.safetensors")
+    biases = {name: t for name, t in weights.items() if name.endswith(".bias")}
+    assert biases and all(t.std() > 0.05 for t in biases.values()), {n: t.std().item() for n, t in biases.items()}
+    if arch == "qwen2":
+        assert {n.split(".")[-2] for n in biases} == {"q_proj", "k_proj", "v_proj"}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -195,7 +211,7 @@ def test_bad_arguments_give_clear_errors() -> None:
 
 
 def test_legacy_format_refuses_layer_types_without_a_pattern() -> None:
-    v5 = read_config(build_checkpoint("gemma3"))
+    v5 = read_config(build_checkpoint("gemma3_text"))
     irregular = {
         **v5,
         "layer_types": ["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
@@ -206,10 +222,11 @@ def test_legacy_format_refuses_layer_types_without_a_pattern() -> None:
 
 @pytest.mark.parametrize(
     ("arch", "num_params"),
-    [("llama", 1_235_814_400), ("qwen3", 1_720_574_976), ("gemma3", 999_885_952)],
+    [("llama", 1_235_814_400), ("qwen2", 494_032_768), ("qwen3", 1_720_574_976), ("gemma3_text", 999_885_952)],
 )
 def test_bench_configs_have_the_real_model_sizes(arch: str, num_params: int) -> None:
-    """Llama-3.2-1B, Qwen3-1.7B (tied head counted once), gemma-3-1b; on the meta device (no memory)."""
+    """Llama-3.2-1B, Qwen2.5-0.5B-Instruct and Qwen3-1.7B (tied heads counted once), gemma-3-1b; on the meta
+    device (no memory)."""
     ids = TokenIds(vocab_size=512, bos_token_id=1, eos_token_ids=[2], pad_token_id=None)
     config = CONFIG_CLASSES[arch](**_config_kwargs(arch, BENCH_CONFIGS[arch], ids, {}))
     with torch.device("meta"):

@@ -9,6 +9,8 @@ formula with the softcap switched on (softcap before the mask), and by causality
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +22,10 @@ from transformers.models.gemma3 import modeling_gemma3
 
 import infer
 from infer.config import FULL_ATTENTION, ModelConfig, RopeConfig
+from infer.families import ARCHITECTURES, FAMILIES
 from reference import Oracle, build_checkpoint
+from reference.checkpoints import BENCH_CONFIGS, CONFIG_CLASSES, _config_kwargs, to_legacy_config
+from reference.tiny_tokenizer import TokenIds
 from tests.helpers import assert_close
 
 
@@ -41,7 +46,8 @@ def _rope_of(params: dict[str, Any]) -> RopeConfig:
 def hf_model_config(path: Any) -> ModelConfig:
     """The engine's config as transformers parsed the checkpoint: every value read off HF's config object."""
     hf = AutoConfig.from_pretrained(path)
-    gemma = hf.model_type == "gemma3_text"
+    family = FAMILIES[hf.model_type]
+    per_layer_type_rope = family.local_rope_theta is not None  # Gemma 3: rope_parameters by layer type
     rope = hf.rope_parameters
     eos = hf.eos_token_id
     return ModelConfig(
@@ -52,18 +58,19 @@ def hf_model_config(path: Any) -> ModelConfig:
         num_hidden_layers=hf.num_hidden_layers,
         num_attention_heads=hf.num_attention_heads,
         num_key_value_heads=hf.num_key_value_heads,
-        head_dim=hf.head_dim,
+        # Qwen2Config declares no head_dim: HF's Qwen 2 attention reads one if the file has it.
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
         rms_norm_eps=hf.rms_norm_eps,
         max_position_embeddings=hf.max_position_embeddings,
         tie_word_embeddings=hf.tie_word_embeddings,
-        attention_bias=hf.attention_bias,
+        attention_bias=getattr(hf, "attention_bias", False),  # Qwen 2's config has none (its biases are fixed)
         mlp_bias=getattr(hf, "mlp_bias", False),
-        hidden_act=hf.hidden_activation if gemma else hf.hidden_act,
+        hidden_act=getattr(hf, "hidden_activation", None) or hf.hidden_act,
         layer_types=tuple(getattr(hf, "layer_types", None) or [FULL_ATTENTION] * hf.num_hidden_layers),
         sliding_window=hf.sliding_window if "sliding_attention" in (getattr(hf, "layer_types", None) or []) else None,
-        rope=_rope_of(rope["full_attention"] if gemma else rope),
-        rope_local=_rope_of(rope["sliding_attention"]) if gemma else None,
-        query_pre_attn_scalar=float(hf.query_pre_attn_scalar) if gemma else None,
+        rope=_rope_of(rope["full_attention"] if per_layer_type_rope else rope),
+        rope_local=_rope_of(rope["sliding_attention"]) if per_layer_type_rope else None,
+        query_pre_attn_scalar=float(hf.query_pre_attn_scalar) if family.query_pre_attn_scalar is not None else None,
         final_logit_softcapping=getattr(hf, "final_logit_softcapping", None),
         attn_logit_softcapping=getattr(hf, "attn_logit_softcapping", None),
         bos_token_id=hf.bos_token_id,
@@ -91,8 +98,11 @@ def drawn_overrides(draw: st.DrawFn, arch: str) -> dict[str, Any]:
         "eos_token_id": draw(st.one_of(st.integers(1, 500), st.lists(st.integers(1, 500), min_size=1, max_size=3,
                                                                      unique=True))),
     }
-    if arch != "gemma3":
+    # Llama's and Qwen 3's configs switch all four projection biases; Qwen 2's are fixed (its config has no such
+    # key) and Gemma 3 has none.
+    if arch in ("llama", "qwen3"):
         o["attention_bias"] = draw(st.booleans())
+    sliding = FAMILIES[arch].sliding_layers
     if arch == "llama":
         low = draw(st.sampled_from([0.5, 1.0, 2.0]))
         o["rope_scaling"] = draw(st.sampled_from([
@@ -102,8 +112,11 @@ def drawn_overrides(draw: st.DrawFn, arch: str) -> dict[str, Any]:
              "high_freq_factor": low * draw(st.sampled_from([2.0, 4.0])),
              "original_max_position_embeddings": draw(st.sampled_from([16, 64]))},
         ]))
-    elif arch == "qwen3":
+    elif sliding == "upper":  # Qwen 2 and 3: layers from max_window_layers on slide, when use_sliding_window
         o["rope_scaling"] = draw(st.sampled_from([None, {"rope_type": "linear", "factor": 2.0}]))
+        o["use_sliding_window"] = draw(st.booleans())
+        o["sliding_window"] = draw(st.integers(2, 12))
+        o["max_window_layers"] = draw(st.integers(0, 5))
     else:
         o["rope_local_base_freq"] = draw(st.sampled_from([500.0, 10000.0, 77777.0]))
         o["rope_scaling"] = draw(st.sampled_from([None, {"rope_type": "linear", "factor": 8.0}]))
@@ -117,7 +130,7 @@ def drawn_overrides(draw: st.DrawFn, arch: str) -> dict[str, Any]:
 # Every architecture in both formats gets its own examples: legacy-only keys (sliding_window_pattern,
 # rope_local_base_freq) are read only from legacy files.
 @pytest.mark.parametrize("config_format", ["v5", "legacy"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 @settings(max_examples=10)
 @given(data=st.data())
 def test_parsed_config_and_logits_equal_the_oracle(arch: str, config_format: str, data: st.DataObject) -> None:
@@ -156,7 +169,7 @@ SOFTCAP_OVERRIDES: dict[str, Any] = {"attn_logit_softcapping": 0.5, "query_pre_a
 def test_gemma_attn_softcapping_follows_hfs_eager_formula(monkeypatch: pytest.MonkeyPatch) -> None:
     """HF's Gemma 3 never passes its `attn_logit_softcapping` to attention; its eager kernel takes a
     `softcap` (applied before the mask). With that switched on, HF is the oracle for the field."""
-    path = build_checkpoint("gemma3", **SOFTCAP_OVERRIDES)
+    path = build_checkpoint("gemma3_text", **SOFTCAP_OVERRIDES)
     model = infer.load_model(path)
     assert model.config.attn_logit_softcapping == 0.5
     ids = torch.randint(0, model.config.vocab_size, (1, 21), generator=torch.Generator().manual_seed(8))
@@ -171,7 +184,7 @@ def test_gemma_attn_softcapping_follows_hfs_eager_formula(monkeypatch: pytest.Mo
 
 
 def test_gemma_attn_softcapping_is_causal() -> None:
-    model = infer.load_model(build_checkpoint("gemma3", **SOFTCAP_OVERRIDES))
+    model = infer.load_model(build_checkpoint("gemma3_text", **SOFTCAP_OVERRIDES))
     ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(9))
     changed = ids.clone()
     changed[0, 15:] = (changed[0, 15:] + 7) % model.config.vocab_size
@@ -179,3 +192,79 @@ def test_gemma_attn_softcapping_is_causal() -> None:
         before, after = model(ids), model(changed)
     assert torch.equal(before[:, :15], after[:, :15]), "a later token changed an earlier logit"
     assert not torch.equal(before[:, 15:], after[:, 15:])
+
+
+# Qwen2.5-0.5B-Instruct's config.json as published (legacy keys; transformers_version left out).
+QWEN2_5_0_5B_INSTRUCT: dict[str, Any] = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "hidden_act": "silu",
+    "hidden_size": 896,
+    "initializer_range": 0.02,
+    "intermediate_size": 4864,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 21,
+    "model_type": "qwen2",
+    "num_attention_heads": 14,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "sliding_window": 32768,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+def bench_config_json(arch: str, directory: Path) -> Path:
+    """The legacy config.json `build_bench_checkpoint` writes for `arch` (the real model's, shrunk), without
+    drawing a billion weights."""
+    ids = TokenIds(vocab_size=512, bos_token_id=1, eos_token_ids=[2, 3], pad_token_id=None)
+    CONFIG_CLASSES[arch](**_config_kwargs(arch, BENCH_CONFIGS[arch], ids, {})).save_pretrained(directory)
+    path = directory / "config.json"
+    path.write_text(json.dumps(to_legacy_config(json.loads(path.read_text()))))
+    return directory
+
+
+def real_config_cases() -> list[Any]:
+    sliding_on = {**QWEN2_5_0_5B_INSTRUCT, "use_sliding_window": True}  # layers 21-23 would slide
+    # Keys left out take transformers' defaults (a 4096-token window, from layer 28 on); a null window is none.
+    no_window = {k: v for k, v in sliding_on.items() if k != "sliding_window"}
+    no_start = {**{k: v for k, v in sliding_on.items() if k != "max_window_layers"}, "num_hidden_layers": 30}
+    return [
+        *[pytest.param(arch, None, (), id=f"bench-{arch}") for arch in ARCHITECTURES],
+        # The tiny configs without head_dim: hidden / heads, or the family's own default (Qwen 3: 128, Gemma 3:
+        # 256), none of which the tiny shapes have.
+        *[pytest.param(arch, "tiny", ("head_dim",), id=f"tiny-{arch}-no-head_dim") for arch in ARCHITECTURES],
+        pytest.param("qwen2", QWEN2_5_0_5B_INSTRUCT, (), id="Qwen2.5-0.5B-Instruct"),
+        pytest.param("qwen2", sliding_on, (), id="Qwen2.5-0.5B-Instruct-sliding-on"),
+        pytest.param("qwen2", no_window, (), id="sliding-on-no-window-key"),
+        pytest.param("qwen2", no_start, (), id="sliding-on-no-max_window_layers"),
+        pytest.param("qwen2", {**sliding_on, "sliding_window": None}, (), id="sliding-on-null-window"),
+    ]
+
+
+@pytest.mark.parametrize(("arch", "raw", "left_out"), real_config_cases())
+def test_real_configs_parse_as_transformers_parses_them(arch: str, raw: dict[str, Any] | str | None,
+                                                        left_out: tuple[str, ...], tmp_path: Path) -> None:
+    """The real models' config.json (the bench shapes, and Qwen 2.5's file as published), and configs with keys
+    left out: every field the engine reads equals what transformers read from the same file."""
+    if raw is None:
+        raw = json.loads((bench_config_json(arch, tmp_path) / "config.json").read_text())
+    elif raw == "tiny":
+        raw = json.loads((build_checkpoint(arch, config_format="legacy") / "config.json").read_text())
+    assert isinstance(raw, dict)
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if k not in left_out}))
+    ours, theirs = ModelConfig.from_file(tmp_path), hf_model_config(tmp_path)
+    assert ours.model_type == arch
+    differ = {f: (getattr(ours, f), getattr(theirs, f)) for f in ours.__dataclass_fields__
+              if getattr(ours, f) != getattr(theirs, f)}
+    assert not differ, f"parsed fields differ from transformers' (ours, HF's): {differ}"
+    if raw.get("use_sliding_window") and raw.get("sliding_window", 1) is not None:
+        assert ours.has_sliding_layers  # the cases above that turn it on all slide somewhere

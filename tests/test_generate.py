@@ -6,13 +6,12 @@ import pytest
 import torch
 
 import infer
+from infer.families import ARCHITECTURES
 from infer.generation import generate, stream_generate
 from infer.sampling import SamplingParams
 from infer.tokenizer import Tokenizer
 from reference import Oracle, build_checkpoint
 from tests.helpers import assert_close
-
-ARCHS = ["llama", "qwen3", "gemma3"]
 
 
 def prompt_ids(model: infer.Transformer, length: int, seed: int = 0) -> list[int]:
@@ -20,7 +19,7 @@ def prompt_ids(model: infer.Transformer, length: int, seed: int = 0) -> list[int
     return torch.randint(0, model.config.vocab_size, (length,), generator=gen).tolist()
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_greedy_cached_equals_uncached_equals_oracle(arch: str) -> None:
     path = build_checkpoint(arch)
     model = infer.load_model(path)
@@ -34,7 +33,7 @@ def test_greedy_cached_equals_uncached_equals_oracle(arch: str) -> None:
 
 
 def test_gemma_prompt_and_generation_cross_the_window() -> None:
-    path = build_checkpoint("gemma3")
+    path = build_checkpoint("gemma3_text")
     model = infer.load_model(path)
     window = model.config.sliding_window
     assert window is not None
@@ -45,7 +44,7 @@ def test_gemma_prompt_and_generation_cross_the_window() -> None:
     assert cached.token_ids == Oracle(path).greedy(prompt, 3 * window)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_seeded_sampling_same_tokens_cached_and_uncached(arch: str) -> None:
     model = infer.load_model(build_checkpoint(arch))
     prompt = prompt_ids(model, 7, seed=1)
@@ -57,7 +56,7 @@ def test_seeded_sampling_same_tokens_cached_and_uncached(arch: str) -> None:
     assert first.token_ids != generate(model, None, prompt, other_seed).token_ids
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_every_decode_step_logits_equal_full_sequence(arch: str) -> None:
     model = infer.load_model(build_checkpoint(arch))
     ids = torch.tensor([prompt_ids(model, 40, seed=2)])
@@ -146,7 +145,7 @@ def test_stop_list_is_not_mutated() -> None:
 
 @pytest.mark.parametrize("kind", ["contiguous", "sliding", "paged", "int8"])
 def test_prefix_snapshot_skips_prefill_and_gives_the_same_tokens(kind: str) -> None:
-    model = infer.load_model(build_checkpoint("gemma3"))
+    model = infer.load_model(build_checkpoint("gemma3_text"))
     system = prompt_ids(model, 12, seed=8)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     snapshot = infer.snapshot_prefix(model, None, system, cache=kind, max_seq_len=64)

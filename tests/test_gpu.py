@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import infer
+from infer.families import ARCHITECTURES
 from infer.generation import generate
 from infer.sampling import SamplingParams
 from reference import Oracle, build_checkpoint
@@ -17,7 +18,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-ARCHS = ["llama", "qwen3", "gemma3"]
 EXACT_KINDS = ["contiguous", "sliding", "paged"]
 
 
@@ -32,7 +32,7 @@ def no_tf32() -> None:
     torch.backends.cudnn.allow_tf32 = False
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_fp32_logits_equal_oracle_on_cuda(arch: str) -> None:
     path = build_checkpoint(arch)
     model = infer.load_model(path, device="cuda")
@@ -45,7 +45,7 @@ def test_fp32_logits_equal_oracle_on_cuda(arch: str) -> None:
 
 
 @pytest.mark.parametrize("kind", EXACT_KINDS)
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_greedy_tokens_equal_oracle_on_cuda(arch: str, kind: str) -> None:
     path = build_checkpoint(arch)
     model = infer.load_model(path, device="cuda")
@@ -64,7 +64,7 @@ def test_lossy_kinds_run_on_cuda(kind: str) -> None:
     assert all(0 <= t < model.config.vocab_size for t in result.token_ids)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_seeded_sampling_cached_equals_uncached_on_cuda(arch: str) -> None:
     model = infer.load_model(build_checkpoint(arch), device="cuda")
     prompt = random_ids(model.config.vocab_size, 7, seed=4)[0].tolist()
@@ -75,7 +75,7 @@ def test_seeded_sampling_cached_equals_uncached_on_cuda(arch: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_half_precision_on_cuda(arch: str, dtype: torch.dtype) -> None:
     """Stated bound on CUDA: the error against fp32 is at most 2x HF's own half-precision error (the CPU bound is
     1.5x; CUDA's fused SDPA kernels accumulate in a different order from HF's eager matmul + softmax)."""
@@ -91,7 +91,7 @@ def test_half_precision_on_cuda(arch: str, dtype: torch.dtype) -> None:
     assert our_error <= 2.0 * max(hf_error, 1e-3), f"{arch} {dtype}: error {our_error:.4f}, HF's {hf_error:.4f}"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_graph_replay_equals_the_eager_static_and_ordinary_steps(arch: str) -> None:
     """One-token steps replayed from a captured CUDA graph: bit for bit the same static step run eagerly, and
     the ordinary step's fp32 logits within 1e-5, over 12 steps (Gemma past its window)."""
@@ -113,7 +113,7 @@ def test_graph_replay_equals_the_eager_static_and_ordinary_steps(arch: str) -> N
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_generate_with_graphs_gives_the_eager_tokens(arch: str, dtype: str) -> None:
     path = build_checkpoint(arch)
     model = infer.load_model(path, device="cuda", dtype=dtype)
@@ -149,7 +149,7 @@ def _engine_runs(arch: str, dtype: str, modes: dict[str, bool | None]) -> dict[s
     return runs
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_engine_decode_graphs_give_the_eager_engine_and_solo_tokens(arch: str) -> None:
     """The batched engine on CUDA (the Triton paged kernel, pure-decode steps replayed from graphs at padded batch
     and table-width buckets) against the engine stepping eagerly and each request's solo run, in fp32: the same
@@ -162,7 +162,7 @@ def test_engine_decode_graphs_give_the_eager_engine_and_solo_tokens(arch: str) -
         assert_close(r.logits, e.logits, 1e-5 * max(1.0, e.logits.abs().max().item()), "logits")
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_engine_graph_replay_equals_its_eager_static_steps_in_bf16(arch: str) -> None:
     """In bf16 a padded batch may round otherwise than the unpadded one, but the replayed graph runs the very
     kernels of the same static step run eagerly: identical tokens and logits."""

@@ -15,16 +15,15 @@ from hypothesis import strategies as st
 import infer
 from infer.engine import Engine
 from infer.errors import CacheFullError
+from infer.families import ARCHITECTURES
 from infer.graphs import BATCH_BUCKETS, MIN_TABLE_WIDTH, GraphedDecoder, batch_bucket, graphed_decoder, table_width
 from infer.sampling import SamplingParams
 from reference import build_checkpoint
 from tests.helpers import assert_close, solo_logits
 
-ARCHS = ["llama", "qwen3", "gemma3"]
-
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_static_steps_equal_the_ordinary_steps(arch: str, dtype: str) -> None:
     """Two sequences, 10 prompt tokens, 14 static steps each from the ordinary path's state (Gemma's sliding
     layers cross their window of 8): fp32 logits within 1e-5 of the ordinary step's (bf16 within 10% of the
@@ -61,7 +60,7 @@ def test_static_steps_equal_the_ordinary_steps(arch: str, dtype: str) -> None:
 def test_static_step_equals_the_reference_attention_path() -> None:
     """With `use_reference_attention` the static step runs the formula over the masked full cache: the same
     logits as the ordinary reference step (softcapped Gemma: the path SDPA cannot take)."""
-    model = infer.load_model(build_checkpoint("gemma3", attn_logit_softcapping=30.0, final_logit_softcapping=20.0))
+    model = infer.load_model(build_checkpoint("gemma3_text", attn_logit_softcapping=30.0, final_logit_softcapping=20.0))
     model.use_reference_attention = True
     ids = torch.randint(0, 400, (1, 9), generator=torch.Generator().manual_seed(14))
     static, ordinary = (infer.create_cache("contiguous", model.config, max_seq_len=20) for _ in range(2))
@@ -123,7 +122,7 @@ def test_block_tables_pad_to_a_power_of_two_width(blocks: int, max_blocks: int) 
     assert width in (max_blocks, MIN_TABLE_WIDTH) or width < 2 * blocks
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_padded_decode_steps_give_each_request_its_solo_run(arch: str) -> None:
     """Five requests of different lengths (block tables of different widths, padded batches), greedy and
     seeded: each equals its solo run, tokens and fp32 logits; every step after the first

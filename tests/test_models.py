@@ -6,25 +6,27 @@ import pytest
 import torch
 
 import infer
+from infer.families import ARCHITECTURES
 from infer.tuning import choose_prefill_dtype
 from reference import Oracle, build_checkpoint
 from tests.helpers import assert_close
 
+# Qwen's sliding layers, off in the released models: layers from max_window_layers on see the last 8 keys.
+QWEN_SLIDING = {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}
+
 # (arch, config format, config overrides): every architecture in both formats, odd head sizes,
-# MQA, GQA and MHA, tied and untied heads.
+# MQA, GQA and MHA, tied and untied heads, Qwen's sliding layers.
 CASES = [
-    ("llama", "v5", {}),
-    ("llama", "legacy", {}),
-    ("qwen3", "v5", {}),
-    ("qwen3", "legacy", {}),
-    ("gemma3", "v5", {}),
-    ("gemma3", "legacy", {}),
+    *[(arch, config_format, {}) for arch in ARCHITECTURES for config_format in ("v5", "legacy")],
     ("llama", "v5", {"num_key_value_heads": 1}),
     ("llama", "v5", {"num_key_value_heads": 4, "head_dim": 80}),
     ("qwen3", "v5", {"head_dim": 40, "num_key_value_heads": 1}),
-    ("gemma3", "v5", {"head_dim": 48, "num_key_value_heads": 4}),
+    ("gemma3_text", "v5", {"head_dim": 48, "num_key_value_heads": 4}),
     ("llama", "legacy", {"tie_word_embeddings": True}),
     ("qwen3", "v5", {"tie_word_embeddings": False}),
+    ("qwen2", "legacy", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
+    ("qwen2", "v5", QWEN_SLIDING),
+    ("qwen2", "legacy", QWEN_SLIDING),
 ]
 
 
@@ -45,7 +47,7 @@ def test_logits_equal_oracle_fp32(arch: str, config_format: str, overrides: dict
 
 
 def test_reference_attention_path_equals_fast_path() -> None:
-    model = infer.load_model(build_checkpoint("gemma3"))
+    model = infer.load_model(build_checkpoint("gemma3_text"))
     ids = torch.randint(0, model.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         fast = model(ids)
@@ -55,7 +57,7 @@ def test_reference_attention_path_equals_fast_path() -> None:
 
 
 def test_gemma_prompt_longer_than_window_matches() -> None:
-    path = build_checkpoint("gemma3")
+    path = build_checkpoint("gemma3_text")
     model = infer.load_model(path)
     window = model.config.sliding_window
     assert window is not None and model.config.has_sliding_layers
@@ -67,7 +69,7 @@ def test_gemma_prompt_longer_than_window_matches() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_half_precision(arch: str, dtype: torch.dtype) -> None:
     """The reference attention path rounds where HF's eager attention rounds: identical logits.
     The SDPA fast path rounds differently inside attention; stated bound: its error against fp32
@@ -90,14 +92,14 @@ def test_half_precision(arch: str, dtype: torch.dtype) -> None:
 
 
 def test_configs_of_both_formats_are_identical() -> None:
-    for arch in ("llama", "qwen3", "gemma3"):
+    for arch in ARCHITECTURES:
         v5 = infer.ModelConfig.from_file(build_checkpoint(arch, config_format="v5"))
         legacy = infer.ModelConfig.from_file(build_checkpoint(arch, config_format="legacy"))
         assert v5 == legacy, arch
 
 
 def test_gemma_layer_types_from_legacy_pattern() -> None:
-    config = infer.ModelConfig.from_file(build_checkpoint("gemma3", config_format="legacy"))
+    config = infer.ModelConfig.from_file(build_checkpoint("gemma3_text", config_format="legacy"))
     assert "full_attention" in config.layer_types and "sliding_attention" in config.layer_types
     assert config.rope_local is not None and config.rope_local.theta != config.rope.theta
 

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from infer.families import ARCHITECTURES
 from infer.kernels import native
 from infer.kernels.native import DTYPE_CODES, FLAVOUR_NEEDS, FLAVOURS, native_kernels, unavailable_reason
 from infer.tuning import cpu_flags
@@ -243,7 +244,7 @@ def test_native_gated_activation_is_the_formula_within_an_ulp(dtype: torch.dtype
 
 
 @needs_build
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_native_step_ops_match_pytorch_ops(arch: str) -> None:
     """A one-token step with native small ops against the same step with PyTorch's (`native_ops=False`, the
     unoptimised path): fp32 logits within 1e-5 of the logit scale, the same greedy tokens; batches and prefill

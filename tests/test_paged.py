@@ -19,10 +19,10 @@ from infer.cache import block_manager
 from infer.cache.block_manager import BlockManager, CopyOnWrite, PoolExhaustedError
 from infer.cache.paged import PagedCache, PagedKVPool
 from infer.config import ModelConfig
+from infer.families import ARCHITECTURES
 from infer.models import Transformer
 from tests.helpers import assert_close, random_model, tiny_config
 
-ARCHS = ["llama", "qwen3", "gemma3_text"]
 ALPHABET = st.integers(0, 1)  # two token ids: prompts share prefixes (and hashes collide) often
 
 # Hash functions the machine may swap in: the real one, one blind to the prefix (equal blocks at
@@ -401,7 +401,7 @@ def random_tokens(n: int, seed: int, vocab: int = 97) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_interleaved_sequences_match_each_alone(arch: str) -> None:
     model = random_model(tiny_config(arch), seed=1)
     pool = nan_pool(model.config, num_blocks=24, block_size=4)
@@ -449,7 +449,7 @@ def test_interleaved_sequences_match_each_alone(arch: str) -> None:
     assert pool.manager.num_free == pool.num_blocks and pool.stats().blocks_used == 0
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_prefix_sharing_skips_prefill_and_copy_on_write_protects_the_owner(arch: str) -> None:
     model = random_model(tiny_config(arch), seed=2)
     pool = nan_pool(model.config, num_blocks=16, block_size=4)

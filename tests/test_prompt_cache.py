@@ -13,12 +13,12 @@ import infer
 from infer.cache import CACHE_KINDS, CacheSnapshot, create_cache
 from infer.cache.paged import PagedKVPool
 from infer.cache.snapshot import load_snapshot, save_snapshot
+from infer.families import ARCHITECTURES
 from infer.generation import generate
 from infer.sampling import SamplingParams
 from infer.tokenizer import Tokenizer
 from reference import Oracle, build_checkpoint
 
-ARCHS = ["llama", "qwen3", "gemma3"]
 PARAMS = SamplingParams(max_new_tokens=8, ignore_eos=True)
 
 
@@ -28,7 +28,7 @@ def ids(model: infer.Transformer, length: int, seed: int) -> list[int]:
 
 
 @pytest.mark.parametrize("kind", sorted(CACHE_KINDS))
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_prefix_snapshot_of_any_length_serves_longer_prompts(arch: str, kind: str) -> None:
     """The snapshot is taken in a cache exactly the prefix's size and restored into one sized for each later
     prompt (Gemma 3's sliding rings of different sizes included). Exact kinds give the oracle's greedy tokens;
@@ -82,7 +82,7 @@ def test_a_snapshot_without_a_model_fingerprint_is_refused() -> None:
 
 
 def test_the_prefix_never_overrides_the_asked_cache_kind() -> None:
-    model = infer.load_model(build_checkpoint("gemma3"))
+    model = infer.load_model(build_checkpoint("gemma3_text"))
     prefix = ids(model, 7, seed=3)
     snapshot = infer.snapshot_prefix(model, None, prefix, cache="sliding")
     with pytest.raises(ValueError, match="cache='int8' was asked for, but the prefix snapshot is of a 'sliding'"):
@@ -92,7 +92,7 @@ def test_the_prefix_never_overrides_the_asked_cache_kind() -> None:
         model, None, prefix + [4], PARAMS, prefix=snapshot, cache="sliding").token_ids
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_chat_conversation_start_as_a_prefix(arch: str) -> None:
     """A system prompt snapshotted without the generation header is a prefix of every chat prompt that
     starts with it; generation from it equals the oracle's greedy run on transformers' chat ids."""

@@ -44,7 +44,7 @@ def test_greedy_stops_at_eos_only_when_asked() -> None:
 
 
 def test_logits_batch_rows_are_independent() -> None:
-    oracle = Oracle(build_checkpoint("gemma3"))
+    oracle = Oracle(build_checkpoint("gemma3_text"))
     ids = torch.randint(0, oracle.vocab_size, (3, 20), generator=torch.Generator().manual_seed(3))
     batch = oracle.logits(ids)
     assert batch.shape == (3, 20, oracle.vocab_size) and batch.dtype == torch.float32

@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 import infer
+from infer.families import ARCHITECTURES
 from infer.generation import GenerationResult, generate, stream_generate
 from infer.sampling import SamplingParams
 from infer.tokenizer import Tokenizer
 from reference import Oracle, build_checkpoint
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder gives for an incomplete UTF-8 sequence
-ARCHS = ["llama", "qwen3", "gemma3"]
 N = 24
 
 
@@ -47,7 +47,7 @@ def with_eos_list(arch: str, tmp_path: Path, source: str, eos: list[int]) -> Pat
 
 @pytest.mark.parametrize("position", [0, 1, 2])
 @pytest.mark.parametrize("source", ["config", "generation_config"])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_every_eos_id_of_a_list_stops_as_hf_does(arch: str, source: str, position: int, tmp_path: Path) -> None:
     base = build_checkpoint(arch)
     prompt = torch.randint(3, 400, (9,), generator=torch.Generator().manual_seed(position)).tolist()
@@ -79,7 +79,7 @@ def test_every_eos_id_of_a_list_stops_as_hf_does(arch: str, source: str, positio
     assert with_tok.text == tokenizer.decode(expected_tok[:-1])
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_ignore_eos_and_explicit_stop_ids(arch: str, tmp_path: Path) -> None:
     base = build_checkpoint(arch)
     prompt = [7, 8, 9, 10, 11]
@@ -93,7 +93,7 @@ def test_ignore_eos_and_explicit_stop_ids(arch: str, tmp_path: Path) -> None:
     assert (explicit.token_ids, explicit.finish_reason) == (free_run[: first + 1], "eos")
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_generation_config_eos_replaces_config_json_eos_as_in_hf(arch: str, tmp_path: Path) -> None:
     """config.json names a token the greedy run produces; generation_config.json names another id:
     HF's generate stops only on generation_config.json's, and so does the engine."""
@@ -151,7 +151,7 @@ def text_at_stop(ids: list[int], stops: list[str], decode: Callable[[list[int]],
 
 
 @given(data=st.data())
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_stop_string_at_any_offset(arch: str, data: st.DataObject) -> None:
     """One or two stop strings cut from the reference text anywhere (across token boundaries, inside multi-byte
     characters' tokens): generation stops on the first token that completes one (a longer stop string starting

@@ -1,4 +1,4 @@
-"""infer.tokenizer against transformers' tokenizer on the three test checkpoints."""
+"""infer.tokenizer against transformers' tokenizer on the test checkpoints of every architecture."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from infer.errors import ChatTemplateError, CheckpointError
 from infer.tokenizer import StreamDecoder, Tokenizer
 from reference import build_checkpoint
 from reference.checkpoints import ARCHS
+from reference.tiny_tokenizer import spec_for
 from tests.helpers import needs_chat_oracle, time_limit
 
 TEXTS = [
@@ -71,7 +72,7 @@ def test_encode_decode_match_transformers(arch: str, text: str) -> None:
 def test_bos_follows_the_real_models(arch: str) -> None:
     tok = ours(arch)
     ids = tok.encode("hello")
-    if arch == "qwen3":
+    if spec_for(arch).bos_token is None:  # Qwen: no BOS token, and none added
         assert tok.bos_token_id is None and ids == tok.encode("hello", add_special_tokens=False)
     else:
         assert tok.bos_token_id is not None and ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
@@ -81,8 +82,9 @@ def test_bos_follows_the_real_models(arch: str) -> None:
     ("arch", "eos_tokens"),
     [
         ("llama", {"<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"}),
+        ("qwen2", {"<|im_end|>", "<|endoftext|>"}),
         ("qwen3", {"<|im_end|>", "<|endoftext|>"}),
-        ("gemma3", {"<eos>", "<end_of_turn>"}),
+        ("gemma3_text", {"<eos>", "<end_of_turn>"}),
     ],
 )
 def test_special_token_ids(arch: str, eos_tokens: set[str]) -> None:
@@ -129,9 +131,9 @@ def test_template_variables_and_tools_match_transformers() -> None:
 def test_template_errors_raise_like_transformers() -> None:
     not_alternating = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
     with pytest.raises(ChatTemplateError, match="alternate"):  # a ValueError naming the template's own message
-        ours("gemma3").apply_chat_template(not_alternating)
+        ours("gemma3_text").apply_chat_template(not_alternating)
     with pytest.raises(jinja2.TemplateError, match="alternate"):
-        hf_chat_ids("gemma3", not_alternating)
+        hf_chat_ids("gemma3_text", not_alternating)
     with pytest.raises(ValueError, match="empty conversation"):
         ours("qwen3").apply_chat_template([])
 
@@ -227,7 +229,7 @@ def test_missing_chat_template_says_so(tmp_path: Path) -> None:
 
 def test_special_token_missing_from_vocab_is_an_error(tmp_path: Path) -> None:
     target = tmp_path / "ckpt"
-    shutil.copytree(build_checkpoint("gemma3"), target)
+    shutil.copytree(build_checkpoint("gemma3_text"), target)
     config_path = target / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["bos_token"] = {"content": "<s>", "special": True}  # the AddedToken form

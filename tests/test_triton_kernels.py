@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from infer.attention import attention_reference
+from infer.families import ARCHITECTURES
 from infer.kernels import triton_available
 from tests.helpers import assert_close
 
@@ -226,7 +227,7 @@ def test_quantized_kernel_refuses_what_it_cannot_read() -> None:
         quantized_decode_attention(q, codes, scales, recent, lengths, 5, "int8", 0.1, tile=24)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize(("kind", "residual_window"), [("int8", 1), ("int4", 4), ("fp4", 1)])
 def test_quantized_caches_decode_through_the_kernel_as_through_pytorch(arch: str, kind: str,
                                                                       residual_window: int) -> None:
@@ -263,7 +264,7 @@ def test_quantized_cache_decode_attention_equals_update_then_attend(kind: str) -
     from infer.config import ModelConfig
     from reference import build_checkpoint
 
-    config = ModelConfig.from_file(build_checkpoint("gemma3"))
+    config = ModelConfig.from_file(build_checkpoint("gemma3_text"))
     B, H, Hkv, D = 2, config.num_attention_heads, config.num_key_value_heads, config.head_dim
     gen = torch.Generator().manual_seed(12)
     cache = _quantized_cache(kind, config, B)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from infer.families import ARCHITECTURES
 from infer.tuning import CHOICES, choose_prefill_dtype, cpu_flags
 
 CPU = torch.device("cpu")
@@ -51,9 +52,6 @@ def test_cpu_flags_parse_proc_cpuinfo(tmp_path: object) -> None:
     assert cpu_flags(str(path) + ".missing") is None
 
 
-ARCHS = ["llama", "qwen3", "gemma3"]
-
-
 def native_here() -> bool:
     from infer.kernels.native import native_kernels
 
@@ -64,8 +62,8 @@ FORMS = ["mv", pytest.param("native", marks=pytest.mark.skipif(not native_here()
 
 
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize(("arch", "overrides"), [(a, {}) for a in ARCHS] + [
-    ("llama", {"attention_bias": True, "mlp_bias": True})], ids=[*ARCHS, "llama-biases"])
+@pytest.mark.parametrize(("arch", "overrides"), [(a, {}) for a in ARCHITECTURES] + [
+    ("llama", {"attention_bias": True, "mlp_bias": True})], ids=[*ARCHITECTURES, "llama-biases"])
 def test_decode_gemv_forms_equal_the_oracle_and_the_linear_form(arch: str, overrides: dict, form: str) -> None:
     """The torch.mv and native forms of one-row products compute F.linear's sums in another order: every
     decode step's fp32 logits equal the oracle's, and the linear form's within 1e-5; bf16 steps agree within
@@ -94,8 +92,8 @@ def test_decode_gemv_forms_equal_the_oracle_and_the_linear_form(arch: str, overr
 
 # The bias path of the one-row forms, and the shape where a fused q/k/v GEMM rounds differently (hidden 48).
 PREFILL_CASES = [("qwen3", {"attention_bias": True}),
-                 ("gemma3", {"num_key_value_heads": 1, "num_attention_heads": 1, "head_dim": 8, "hidden_size": 48,
-                             "intermediate_size": 64})]
+                 ("gemma3_text", {"num_key_value_heads": 1, "num_attention_heads": 1, "head_dim": 8,
+                                  "hidden_size": 48, "intermediate_size": 64})]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -119,7 +117,7 @@ def test_one_row_forms_leave_batches_and_prefill_to_linear(form: str, arch: str,
 
 @pytest.mark.skipif(not native_here(), reason="no native build here")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_native_decode_fuses_projections_without_changing_a_bit(arch: str, dtype: str,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Under the native form one-row q/k/v and gate/up run as one product each, and every logit equals the
@@ -198,15 +196,15 @@ def test_last_level_cache_is_read_from_sysfs(tmp_path: object) -> None:
 
 
 # The default tiny shapes, biases, and the shape where fusing changed the rounding (hidden 48, one head).
-FUSION_CASES = [(a, {}) for a in ARCHS] + [
+FUSION_CASES = [(a, {}) for a in ARCHITECTURES] + [
     ("llama", {"attention_bias": True, "mlp_bias": True}),
-    ("gemma3", {"num_key_value_heads": 1, "num_attention_heads": 1, "head_dim": 8, "hidden_size": 48,
-                "intermediate_size": 64}),
+    ("gemma3_text", {"num_key_value_heads": 1, "num_attention_heads": 1, "head_dim": 8, "hidden_size": 48,
+                     "intermediate_size": 64}),
 ]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize(("arch", "overrides"), FUSION_CASES, ids=[*ARCHS, "llama-biases", "gemma3-h48"])
+@pytest.mark.parametrize(("arch", "overrides"), FUSION_CASES, ids=[*ARCHITECTURES, "llama-biases", "gemma3-h48"])
 def test_fused_projections_match_the_separate_products(arch: str, overrides: dict, dtype: str) -> None:
     """q/k/v and gate/up fused into one product each (opt-in) give the separate products' prefill and decode
     logits within rounding (fp32: 1e-5 relative; bf16: 2% of the logit scale), share the weights (memory

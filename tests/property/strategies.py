@@ -5,11 +5,12 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from infer.config import ModelConfig
+from infer.families import ARCHITECTURES
 from tests.helpers import tiny_config
 
 
 @st.composite
-def model_configs(draw: st.DrawFn, model_types: tuple[str, ...] = ("llama", "qwen3", "gemma3_text")) -> ModelConfig:
+def model_configs(draw: st.DrawFn, model_types: tuple[str, ...] = ARCHITECTURES) -> ModelConfig:
     """A tiny config: KV heads and a group factor are drawn, so heads are always a multiple of KV heads."""
     model_type = draw(st.sampled_from(model_types))
     num_kv_heads = draw(st.integers(1, 3))

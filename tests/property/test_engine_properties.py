@@ -1,6 +1,6 @@
 """The batched engine, as properties: every request equals its solo run, whatever it is batched with.
 
-Hypothesis draws a model shape (all three architectures), request sets (prompt lengths, greedy or seeded
+Hypothesis draws a model shape (every architecture), request sets (prompt lengths, greedy or seeded
 sampling with per-request parameters, arrival steps, aborts), pools small enough to force preemption,
 block sizes, `max_num_seqs` and token budgets. Each request's tokens must equal `infer.generate` run on it
 alone, and its logits at every step the solo cached run's (teacher-forced on the same tokens) within fp32
