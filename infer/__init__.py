@@ -1,4 +1,4 @@
-"""infer: a small KV-cached LLM inference engine for Llama 3, Qwen 3 and Gemma 3 checkpoints.
+"""infer: a small KV-cached LLM inference engine for Llama 3, Qwen 2/2.5, Qwen 3 and Gemma 3 checkpoints.
 
 The engine works on token ids; `Tokenizer` turns text into ids and back. Nothing here needs
 `transformers`.

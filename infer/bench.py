@@ -37,6 +37,7 @@ from infer.bench_memory import MemorySpec
 from infer.bench_memory import measure as measure_memory
 from infer.cli_args import add_model_args, check_model_args, load_with_args
 from infer.config import ModelConfig
+from infer.families import ARCHITECTURES
 from infer.kernels.native import native_kernels
 from infer.memory import available_memory, empty_on_huge_pages
 from infer.models import Transformer
@@ -364,7 +365,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark generation (optionally against Hugging Face)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_model_args(p, dtype="bfloat16")  # --model: default the bench-sized --arch checkpoint
-    p.add_argument("--arch", default="llama", choices=["llama", "qwen3", "gemma3"],
+    p.add_argument("--arch", default="llama", choices=list(ARCHITECTURES),
                    help="which bench-sized random checkpoint to build and use when --model is not given")
     p.add_argument("--size", default="1b", choices=["1b", "150m"], help="bench checkpoint size (150m: llama only)")
     p.add_argument("--cache", default="contiguous", choices=sorted(CACHE_KINDS), help="KV-cache kind")
