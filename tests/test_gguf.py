@@ -1,16 +1,31 @@
-"""GGUF files: dequantization of each block type against llama.cpp's reference (`gguf.quants`)."""
+"""GGUF files: dequantization against llama.cpp's reference, the tiny checkpoints written as GGUF against their
+safetensors originals, and one clear error for each kind of bad file."""
 
 from __future__ import annotations
+
+import dataclasses
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
 
+import infer
+from infer.config import ModelConfig
+from infer.errors import CheckpointError
+from infer.gguf import GGUFFile, find_gguf, unpermute_rope_rows
 from infer.gguf_quants import BLOCK_TYPES, dequantize
+from infer.sampling import SamplingParams
+from reference.checkpoints import ARCHS, build_checkpoint
 
 gguf = pytest.importorskip("gguf")
+from reference.gguf_convert import hf_to_gguf, permute_for_rope, quantize_roundtrip  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------------------
 # Dequantization, block type by block type, bit for bit against gguf.quants (llama.cpp's reference in Python).
@@ -55,3 +70,282 @@ def test_dequantize_keeps_rows_in_order() -> None:
     got = dequantize(torch.from_numpy(data), "Q8_0", (6, 64))
     assert np.array_equal(got.numpy(), gguf.quants.dequantize(data, gguf.GGMLQuantizationType.Q8_0))
     assert (got - weight).abs().max() < weight.abs().max() / 100
+
+
+def test_rope_unpermutation_inverts_the_converters_permutation() -> None:
+    for heads, shape in ((4, (64, 8)), (2, (32,)), (3, (48, 5))):  # weights and biases
+        w = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+        permuted = torch.from_numpy(permute_for_rope(w, heads))
+        assert not torch.equal(permuted, torch.from_numpy(w))
+        assert torch.equal(unpermute_rope_rows(permuted, heads), torch.from_numpy(w))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The tiny checkpoints written as GGUF (by reference/gguf_convert.py, as llama.cpp writes them) load as the
+# safetensors originals do.
+
+
+def gguf_overrides(arch: str) -> dict[str, Any]:
+    """Checkpoint overrides a GGUF can express: llama.cpp derives Gemma 3's query scale from its head size, and
+    Llama 3's RoPE scaling (tested on its own below) travels as factors that round differently."""
+    if arch.startswith("gemma"):
+        return {"query_pre_attn_scalar": ModelConfig.from_file(build_checkpoint(arch)).head_dim}
+    if arch == "llama":
+        return {"rope_scaling": None}
+    return {}
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[Path, Path]]:
+    """(checkpoint directory, its GGUF) for an arch, a ggml type and checkpoint overrides; written once."""
+    made: dict[str, tuple[Path, Path]] = {}
+    root = tmp_path_factory.mktemp("gguf")
+
+    def make(arch: str, kind: str = "F32", **overrides: Any) -> tuple[Path, Path]:
+        key = f"{arch}-{kind}-{sorted(overrides.items())}"
+        if key not in made:
+            path = build_checkpoint(arch, **overrides)
+            out = root / f"{len(made)}-{arch}-{kind}.gguf"
+            made[key] = (path, hf_to_gguf(path, out, kind))
+        return made[key]
+
+    return make
+
+
+def load(path: Path, **kwargs: Any) -> infer.Transformer:
+    return infer.load_model(path, decode_gemv="linear", **kwargs)
+
+
+def logits(model: infer.Transformer, seed: int = 1) -> torch.Tensor:
+    ids = torch.randint(0, model.config.vocab_size, (2, 37), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model(ids)
+
+
+def assert_same_weights(ours: infer.Transformer, expected: infer.Transformer) -> None:
+    got = ours.state_dict()
+    for name, tensor in expected.state_dict().items():
+        if expected.config.model_type.startswith("gemma") and name.endswith("norm.weight"):
+            # GGUF stores Gemma's norms as 1 + w: w comes back rounded, 1 + w (what the model uses) exactly.
+            assert torch.equal(1.0 + got[name], 1.0 + tensor), name
+        else:
+            assert torch.equal(got[name], tensor), name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_f32_gguf_is_the_checkpoint(arch: str, tiny_gguf: Callable[..., tuple[Path, Path]]) -> None:
+    path, file = tiny_gguf(arch, "F32", **gguf_overrides(arch))
+    ours, expected = load(file), load(path)
+    assert_same_weights(ours, expected)
+    assert torch.equal(logits(ours), logits(expected))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_q8_0_gguf_is_the_checkpoint_with_dequantized_weights(
+    arch: str, tiny_gguf: Callable[..., tuple[Path, Path]], tmp_path: Path
+) -> None:
+    path, file = tiny_gguf(arch, "Q8_0", **gguf_overrides(arch))
+    # The oracle: the checkpoint with every matrix through gguf.quants' Q8_0 and back (norms, biases stay F32).
+    for item in path.iterdir():
+        if item.suffix != ".safetensors" and item.is_file():
+            shutil.copy(item, tmp_path / item.name)
+    state = load_file(str(path / "model.safetensors"))
+    save_file({n: quantize_roundtrip(t, "Q8_0") if t.dim() == 2 else t for n, t in state.items()},
+              str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    ours, expected = load(file), load(tmp_path)
+    assert_same_weights(ours, expected)
+    assert torch.equal(logits(ours), logits(expected))
+    assert not torch.equal(logits(ours), logits(load(path)))  # Q8_0 did change the model
+
+
+def test_llama3_rope_scaling_comes_back_from_rope_freqs(tiny_gguf: Callable[..., tuple[Path, Path]]) -> None:
+    """llama.cpp stores Llama 3's scaling as one divisor per frequency, computed in float64: the frequencies
+    between the two bands round differently from Hugging Face's float32 formula, by an ulp or so."""
+    path, file = tiny_gguf("llama", "F32")
+    ours, expected = load(file), load(path)
+    assert ours.config.rope.freq_factors is not None and expected.config.rope.rope_type == "llama3"
+    ours_freq, hf_freq = (m.inv_freq["full_attention"] for m in (ours, expected))
+    assert torch.allclose(ours_freq, hf_freq, rtol=1e-6, atol=0)
+    assert not torch.equal(ours_freq, ours.config.rope.theta ** -(torch.arange(0, 16, 2) / 16))  # scaled
+    reference = logits(expected)
+    assert (logits(ours) - reference).abs().max() <= 1e-5 * reference.abs().max()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gguf_config_is_the_checkpoints(arch: str, tiny_gguf: Callable[..., tuple[Path, Path]]) -> None:
+    path, file = tiny_gguf(arch, "F32", **gguf_overrides(arch))
+    ours, expected = load(file).config, ModelConfig.from_file(path)
+    # GGUF stores floats in float32, and names one eos token (plus an end-of-turn token, where it has one).
+    assert ours.rms_norm_eps == float(np.float32(expected.rms_norm_eps))
+    assert ours.eos_token_ids[0] in expected.eos_token_ids
+    same = dataclasses.replace(ours, rms_norm_eps=expected.rms_norm_eps, eos_token_ids=expected.eos_token_ids)
+    assert same == expected
+
+
+TEXTS = ["Hello world, the lighthouse keeper", " leading spaces  and\ttabs\n\nnew lines", "don't 3.14159 $19.99",
+         "naïve café 日本語 🙂 2024-07-26", "<think>hm</think> <|im_start|> <bos>", "",
+         "def greedy(model, ids, steps):"]  # the last splits differently under GPT-2's regex (a pre-tokenizer check)
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"}],
+]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gguf_tokenizer_is_the_checkpoints(arch: str, tiny_gguf: Callable[..., tuple[Path, Path]]) -> None:
+    path, file = tiny_gguf(arch, "F32", **gguf_overrides(arch))
+    ours, expected = infer.Tokenizer(file), infer.Tokenizer(path)
+    for text in TEXTS:
+        ids = expected.encode(text)
+        assert ours.encode(text) == ids, text
+        assert ours.encode(text, add_special_tokens=False) == expected.encode(text, add_special_tokens=False)
+        assert ours.decode(ids) == expected.decode(ids)
+        assert ours.decode(ids, skip_special_tokens=True) == expected.decode(ids, skip_special_tokens=True)
+    for chat in CHATS[:1] + CHATS[2:]:
+        for prompt in (True, False):
+            assert ours.apply_chat_template(chat, add_generation_prompt=prompt) == \
+                expected.apply_chat_template(chat, add_generation_prompt=prompt)
+    # A tokenizer without BOS (Qwen) gets config.json's bos_token_id in the file, as llama.cpp converts it.
+    bos = expected.bos_token_id if expected.bos_token_id is not None else ModelConfig.from_file(path).bos_token_id
+    assert ours.bos_token_id == bos and ours.vocab_size == expected.vocab_size
+    assert {k: v for k, v in ours.special_tokens.items() if k != "bos_token"} == \
+        {k: v for k, v in expected.special_tokens.items() if k != "bos_token"}
+    assert ours.eos_token_ids == expected.eos_token_ids[:1]
+
+
+def test_a_directory_holding_one_gguf_loads(tiny_gguf: Callable[..., tuple[Path, Path]], tmp_path: Path) -> None:
+    path, file = tiny_gguf("qwen3", "F32")
+    shutil.copy(file, tmp_path / "model.gguf")
+    assert find_gguf(tmp_path) == tmp_path / "model.gguf" and find_gguf(path) is None  # config.json: safetensors
+    assert torch.equal(logits(load(tmp_path)), logits(load(file)))
+    assert infer.Tokenizer(tmp_path).encode(TEXTS[0]) == infer.Tokenizer(path).encode(TEXTS[0])
+    shutil.copy(file, tmp_path / "other.gguf")
+    with pytest.raises(CheckpointError, match=r"holds 2 GGUF files \(model.gguf, other.gguf\); pass the one"):
+        load(tmp_path)
+
+
+def test_the_loaders_options_apply_to_gguf(tiny_gguf: Callable[..., tuple[Path, Path]]) -> None:
+    path, file = tiny_gguf("gemma3" if "gemma3" in ARCHS else ARCHS[-1], "Q8_0", **gguf_overrides(ARCHS[-1]))
+    fp32 = load(file)
+    bf16 = infer.load_model(file, dtype="bfloat16", decode_gemv="mv", huge_pages=False, check_finite=False)
+    assert bf16.embed_tokens.weight.dtype == torch.bfloat16 and bf16.decode_gemv == "mv"
+    assert torch.equal(bf16.embed_tokens.weight, fp32.embed_tokens.weight.bfloat16())
+    assert bf16.eos_token_ids == fp32.config.eos_token_ids
+    prompt = infer.Tokenizer(file).apply_chat_template(CHATS[0])
+    out = infer.generate(bf16, None, prompt, SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True))
+    assert len(out.token_ids) == 5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad files: one CheckpointError each, naming the culprit.
+
+
+def rewrite(src: Path, dst: Path, *, arch: str | None = None, drop: tuple[str, ...] = (),
+            values: dict[str, Any] | None = None, added: dict[str, str | int] | None = None,
+            kinds: dict[str, str] | None = None) -> Path:
+    """A copy of GGUF `src` with another architecture, keys dropped, changed (same type) or added (a str or a
+    uint32), or tensors re-encoded as another ggml type."""
+    reader = gguf.GGUFReader(str(src))
+    old_arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch or old_arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in drop:
+            continue
+        value = (values or {}).get(key, field.contents())
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key.replace(f"{old_arch}.", f"{arch or old_arch}.", 1), value, field.types[0], sub_type)
+    for key, value in (added or {}).items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_uint32(key, value)
+    for tensor in reader.tensors:
+        kind = (kinds or {}).get(tensor.name)
+        if kind is None:
+            writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+        else:
+            values_f32 = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+            qtype = gguf.GGMLQuantizationType[kind]
+            writer.add_tensor(tensor.name, gguf.quants.quantize(values_f32, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+@pytest.fixture
+def llama_gguf(tiny_gguf: Callable[..., tuple[Path, Path]]) -> Path:
+    return tiny_gguf("llama", "F32", rope_scaling=None)[1]
+
+
+def test_a_rewritten_file_still_loads(llama_gguf: Path, tmp_path: Path) -> None:
+    assert torch.equal(logits(load(rewrite(llama_gguf, tmp_path / "same.gguf"))), logits(load(llama_gguf)))
+
+
+def test_generation_also_stops_at_the_end_of_turn_token(llama_gguf: Path, tmp_path: Path) -> None:
+    eos = GGUFFile(llama_gguf).get("tokenizer.ggml.eos_token_id")
+    eot = infer.Tokenizer(llama_gguf).token_to_id("<|end_of_text|>")
+    file = rewrite(llama_gguf, tmp_path / "eot.gguf", added={"tokenizer.ggml.eot_token_id": eot})
+    assert load(file).eos_token_ids == (eos, eot) and load(llama_gguf).eos_token_ids == (eos,)
+    assert infer.Tokenizer(file).eos_token_ids == [eos, eot]
+
+
+def test_a_truncated_file_names_the_tensor_cut_off(llama_gguf: Path, tmp_path: Path) -> None:
+    data = llama_gguf.read_bytes()
+    last = max(GGUFFile(llama_gguf).tensors.values(), key=lambda t: t.data_offset)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: last.data_offset + 10])
+    with pytest.raises(CheckpointError, match=rf"cut.gguf is truncated: tensor {last.name} needs bytes up to"):
+        load(cut)
+    with pytest.raises(CheckpointError, match="is truncated"):
+        infer.Tokenizer(cut)
+    cut.write_bytes(data[:1000])  # inside the metadata
+    with pytest.raises(CheckpointError, match=r"cut.gguf cannot be read as a GGUF file .*truncated, corrupt or not"):
+        load(cut)
+
+
+def test_not_a_gguf_file(tmp_path: Path) -> None:
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"not a gguf file at all, just some bytes")
+    with pytest.raises(CheckpointError, match="model.gguf cannot be read as a GGUF file"):
+        load(bad)
+
+
+def test_an_unknown_architecture_is_named(llama_gguf: Path, tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"general.architecture='mamba' is not supported; .* llama, qwen2"):
+        load(rewrite(llama_gguf, tmp_path / "m.gguf", arch="mamba"))
+
+
+def test_an_unsupported_tensor_type_is_named(llama_gguf: Path, tmp_path: Path) -> None:
+    bad = rewrite(llama_gguf, tmp_path / "q5.gguf", kinds={"blk.1.ffn_up.weight": "Q5_0"})
+    with pytest.raises(CheckpointError, match=r"tensor blk.1.ffn_up.weight is stored as Q5_0, which this engine"):
+        load(bad)
+
+
+@pytest.mark.parametrize("key", ["llama.block_count", "llama.attention.head_count", "llama.embedding_length",
+                                 "llama.feed_forward_length", "llama.attention.layer_norm_rms_epsilon"])
+def test_a_missing_key_is_named(llama_gguf: Path, tmp_path: Path, key: str) -> None:
+    with pytest.raises(CheckpointError, match=rf"lacks the metadata key {key}, which a GGUF model needs"):
+        load(rewrite(llama_gguf, tmp_path / "k.gguf", drop=(key,)))
+
+
+def test_a_tensor_whose_shape_disagrees_with_the_metadata(llama_gguf: Path, tmp_path: Path) -> None:
+    bad = rewrite(llama_gguf, tmp_path / "kv.gguf", values={"llama.attention.head_count_kv": 4})
+    match = r"tensor layers.0.self_attn.k_proj.weight \(blk.0.attn_k.weight\) .* has shape \(32, 64\), but the meta"
+    with pytest.raises(CheckpointError, match=match):
+        load(bad)
+    with pytest.raises(CheckpointError, match=r"llama.block_count=3, but the file holds blocks 0..1"):
+        load(rewrite(llama_gguf, tmp_path / "blocks.gguf", values={"llama.block_count": 3}))
+    with pytest.raises(CheckpointError, match=r"not a multiple of num_key_value_heads"):
+        load(rewrite(llama_gguf, tmp_path / "heads.gguf", values={"llama.attention.head_count_kv": 3}))
+
+
+def test_unsupported_rope_scaling_and_tokenizer_are_named(llama_gguf: Path, tmp_path: Path) -> None:
+    yarn = rewrite(llama_gguf, tmp_path / "yarn.gguf", added={"llama.rope.scaling.type": "yarn"})
+    with pytest.raises(CheckpointError, match=r"llama.rope.scaling.type='yarn' is not supported"):
+        load(yarn)
+    spm = rewrite(llama_gguf, tmp_path / "spm.gguf", values={"tokenizer.ggml.model": "llama"})
+    with pytest.raises(CheckpointError, match=r"tokenizer.ggml.model='llama' is not supported"):
+        infer.Tokenizer(spm)
