@@ -239,6 +239,18 @@ def test_the_loaders_options_apply_to_gguf(tiny_gguf: Callable[..., tuple[Path, 
     assert len(out.token_ids) == 5
 
 
+def test_the_cli_generates_from_a_gguf_file(tiny_gguf: Callable[..., tuple[Path, Path]],
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from infer.__main__ import main
+
+    path, file = tiny_gguf("qwen3", "F32")
+    args = ["generate", "The lighthouse", "--max-new-tokens", "6", "--temperature", "0", "--ignore-eos"]
+    assert main([*args, "--model", str(file)]) == 0
+    from_gguf = capsys.readouterr().out
+    assert main([*args, "--model", str(path)]) == 0
+    assert from_gguf == capsys.readouterr().out and from_gguf.startswith("The lighthouse")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Bad files: one CheckpointError each, naming the culprit.
 
