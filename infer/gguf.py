@@ -207,6 +207,8 @@ def _rope_scaling(gguf: GGUFFile, arch: str) -> dict[str, Any] | None:
 def _gemma3_keys(gguf: GGUFFile, raw: dict[str, Any]) -> dict[str, Any]:
     """Gemma 3's sliding layers and attention scale, which llama.cpp derives where the file is silent."""
     layers = raw["num_hidden_layers"]
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        raise CheckpointError(f"{gguf.path}: gemma3.block_count={layers!r} is invalid; expected an integer >= 1")
     window = gguf.get("gemma3.attention.sliding_window")
     pattern = gguf.get("gemma3.attention.sliding_window_pattern", GEMMA3_SLIDING_PERIOD)
     if window is None:
