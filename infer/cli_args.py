@@ -16,7 +16,7 @@ from infer.models import Transformer
 
 def add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
     """Add the options `generate` and `bench` share, under the same names; `dtype` is the --dtype default."""
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped small model)")
+    p.add_argument("--model", default=None, help="checkpoint directory or .gguf file (default: the shipped model)")
     p.add_argument("--dtype", default=dtype, help="float32 | bfloat16 | float16")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--compute-dtype", default="auto",
@@ -54,9 +54,9 @@ def check_model_args(args: argparse.Namespace) -> Path | None:
     if args.model is None:
         return None
     path = Path(args.model)
-    if path.is_file():
-        raise CheckpointError(f"--model {path} is a file; pass the checkpoint directory that holds it")
-    if not path.is_dir():
+    if path.is_file() and path.suffix.lower() != ".gguf":
+        raise CheckpointError(f"--model {path} is a file; pass the checkpoint directory that holds it (or a .gguf)")
+    if not path.is_dir() and not path.is_file():
         hub = "/" in args.model and not Path(args.model.split("/")[0]).exists()
         raise CheckpointError(
             f"--model {args.model}: no such directory"

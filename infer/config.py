@@ -35,6 +35,9 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # Per-frequency divisors of the inverse frequencies, as GGUF files carry Llama 3's scaling (llama.cpp's
+    # `rope_freqs` tensor: one factor per rotated pair, applied after `rope_type`'s own scaling); None: none.
+    freq_factors: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
-"""Load a Hugging Face checkpoint directory into a `Transformer`, without `transformers`.
+"""Load a Hugging Face checkpoint directory, or a GGUF file, into a `Transformer`, without `transformers`.
 
-Reads `config.json` and `model.safetensors` or the shards named by `model.safetensors.index.json`.
+Reads `config.json` and `model.safetensors` or the shards named by `model.safetensors.index.json`; or a
+`.gguf` file (infer.gguf gives its config and tensors by Hugging Face name, dequantized as they are read).
 Every tensor the model needs must be present with the right shape; the error names it.
 """
 
@@ -18,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 
 from infer.config import ModelConfig
 from infer.errors import CheckpointError
+from infer.gguf import GGUFTensor, find_gguf, read_gguf
 from infer.memory import check_fits, empty_on_huge_pages, on_huge_pages, resolve_device
 from infer.models import Transformer
 from infer.models.transformer import Linear
@@ -145,6 +147,9 @@ def load_model(
 ) -> Transformer:
     """Load the checkpoint in directory `path` (the shipped default model when None), in eval mode.
 
+    `path` may also be a GGUF file, or a directory holding one `.gguf` and no config.json: its weights are
+    dequantized to `dtype` as they are read.
+
     `dtype` defaults to float32; the weights are cast to it. `compute_dtype` sets the dtype of
     multi-token matmuls (prefill): "auto" (the default, also the CLI's) keeps the weights' dtype unless
     they are half precision on a CPU without units for it, where fp32 is faster (`infer.tuning` says
@@ -161,40 +166,56 @@ def load_model(
     path = DEFAULT_MODEL_DIR if path is None else Path(path)
     torch_dtype = resolve_dtype(dtype)
     target = resolve_device(device)
-    if not path.is_dir():
+    gguf_file = find_gguf(path)
+    if gguf_file is None and not path.is_dir():
         hint = " (only local directories are read; download hub checkpoints first)" if "/" in str(path) and \
             not Path(str(path).split("/")[0]).exists() else ""
         kind = "is a file, not a checkpoint directory" if path.exists() else "does not exist"
         raise CheckpointError(f"checkpoint directory {path} {kind}{hint}")
-    config = ModelConfig.from_file(path)
-    headers = _read_headers(_weight_files(path))
-    _check_layer_count(path, config, headers)
+    gguf: dict[str, GGUFTensor] = {}
+    if gguf_file is not None:
+        config, gguf = read_gguf(gguf_file)
+        shapes = {name: tensor.shape for name, tensor in gguf.items()}
+        implied_by = f"the metadata of {gguf_file.name}"
+    else:
+        config = ModelConfig.from_file(path)
+        headers = _read_headers(_weight_files(path))
+        _check_layer_count(path, config, headers)
+        shapes = {name: header.shape for name, header in headers.items()}
+        implied_by = "config.json"
 
     with torch.device("meta"):
         model = Transformer(config)
     expected = dict(model.state_dict())
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight")
-    missing = sorted(set(expected) - set(headers))
+    missing = sorted(set(expected) - set(shapes))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"checkpoint {path} lacks tensors the model needs: {shown}")
     for name, param in expected.items():
-        if headers[name].shape != tuple(param.shape):
+        if shapes[name] != tuple(param.shape):
+            stored = f" ({gguf[name].name})" if name in gguf else ""
             raise CheckpointError(
-                f"tensor {name} in {path} has shape {headers[name].shape}, "
-                f"but config.json implies {tuple(param.shape)}"
+                f"tensor {name}{stored} in {path} has shape {shapes[name]}, "
+                f"but {implied_by} implies {tuple(param.shape)}"
             )
-    _check_dtypes(path, _declared_dtype(path), headers, list(expected))
+    if gguf_file is None:
+        _check_dtypes(path, _declared_dtype(path), headers, list(expected))
     nbytes = sum(p.numel() for p in expected.values()) * torch_dtype.itemsize
     check_fits(nbytes, target, f"loading {path} in {torch_dtype}")
 
-    state = _read_tensors(headers, expected, target, torch_dtype, huge_pages)
+    if gguf_file is not None:
+        state = _dequantize_tensors(gguf, expected, target, torch_dtype, huge_pages)
+        files = dict.fromkeys(state, gguf_file)
+    else:
+        state = _read_tensors(headers, expected, target, torch_dtype, huge_pages)
+        files = {name: headers[name].file for name in state}
     if check_finite:
         for name, tensor in state.items():
             if not _all_finite(tensor):
                 raise CheckpointError(
-                    f"tensor {name} in {headers[name].file} holds NaN or infinite values (in {torch_dtype}); "
+                    f"tensor {name} in {files[name]} holds NaN or infinite values (in {torch_dtype}); "
                     "the checkpoint is corrupt or overflows this dtype (load_model(..., check_finite=False) skips "
                     "this check)"
                 )
@@ -207,7 +228,7 @@ def load_model(
     model.compute_dtype = _resolve_compute_dtype(compute_dtype, torch_dtype, target)
     model.decode_gemv = choose_decode_gemv(
         [m.weight for m in model.modules() if isinstance(m, Linear)], decode_gemv).value
-    model.eos_token_ids = _generation_eos_ids(path, config.eos_token_ids)
+    model.eos_token_ids = config.eos_token_ids if gguf_file else _generation_eos_ids(path, config.eos_token_ids)
     return model.eval().requires_grad_(False)
 
 
@@ -235,6 +256,16 @@ def _read_tensors(headers: dict[str, _Header], names: dict[str, object], device:
             tensor = on_huge_pages(tensor) if huge_pages else tensor
         tensors[name] = tensor
     return tensors
+
+
+def _dequantize_tensors(tensors: dict[str, GGUFTensor], names: dict[str, object], device: torch.device,
+                        dtype: torch.dtype, huge_pages: bool) -> dict[str, torch.Tensor]:
+    """The GGUF tensors `names`, dequantized one at a time (fp32 on the CPU), then cast and placed."""
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        tensor = tensors[name].load().to(device=device, dtype=dtype)
+        out[name] = on_huge_pages(tensor) if huge_pages else tensor
+    return out
 
 
 def _all_finite(tensor: torch.Tensor, chunk: int = 2**22) -> bool:

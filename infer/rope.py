@@ -18,9 +18,12 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
-        return inv_freq / rope.factor
-    if rope.rope_type == "llama3":
-        return _llama3_scaling(inv_freq, rope)
+        inv_freq = inv_freq / rope.factor
+    elif rope.rope_type == "llama3":
+        inv_freq = _llama3_scaling(inv_freq, rope)
+    if rope.freq_factors is not None:
+        # llama.cpp's form of the scaling (GGUF's `rope_freqs`): theta_i / factor_i.
+        inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32, device="cpu")
     return inv_freq
 
 

@@ -44,21 +44,21 @@ class Tokenizer:
     """A checkpoint's tokenizer: encode, decode, chat template, special token ids."""
 
     def __init__(self, path: str | Path) -> None:
+        """Read the tokenizer of checkpoint directory `path`, or of a GGUF file (or a directory holding one
+        `.gguf` and no tokenizer.json), whose metadata carries it."""
         if not isinstance(path, (str, Path)):
             raise TypeError(f"Tokenizer takes a checkpoint directory (str or Path), got {type(path).__name__}")
         self.path = Path(path)
         tokenizer_file = self.path / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            raise FileNotFoundError(
-                f"{tokenizer_file} not found: the checkpoint needs a fast tokenizer (tokenizer.json). "
-                "Pass the model directory itself; if it only has a slow tokenizer, convert it once with "
-                "transformers: AutoTokenizer.from_pretrained(dir).save_pretrained(dir)."
-            )
-        try:
-            self._backend = _BackendTokenizer.from_file(str(tokenizer_file))
-        except Exception as e:  # the tokenizers library raises a bare Exception for malformed files
-            raise CheckpointError(f"{tokenizer_file} cannot be read as a tokenizer: {e}") from e
-        self._config = _read_json(self.path / "tokenizer_config.json")
+        gguf_eos_ids: list[int] | None = None
+        if not tokenizer_file.is_file() and (gguf_file := _find_gguf(self.path)) is not None:
+            from infer.gguf_tokenizer import read_gguf_tokenizer
+
+            parts = read_gguf_tokenizer(gguf_file)
+            self._backend, self._config, gguf_eos_ids = parts.backend, parts.config, parts.eos_token_ids
+        else:
+            self._backend = _read_tokenizer_json(tokenizer_file)
+            self._config = _read_json(self.path / "tokenizer_config.json")
         self.special_tokens: dict[str, str] = {}
         for name in SPECIAL_TOKEN_NAMES:
             token = _token_content(self._config.get(name))
@@ -69,7 +69,7 @@ class Tokenizer:
         # Compiled now, so a template with a syntax error fails at load rather than at first use.
         self._compiled_template = None if self.chat_template is None else _compile_template(
             self.chat_template, self.path)
-        self._eos_token_ids = self._collect_eos_ids()
+        self._eos_token_ids = self._collect_eos_ids() if gguf_eos_ids is None else gguf_eos_ids
 
     @property
     def bos_token_id(self) -> int | None:
@@ -491,6 +491,25 @@ def _check_ids(ids: list[Any], vocab: int) -> None:
             raise TypeError(f"token ids must be ints, got {i!r} ({type(i).__name__})")
         if not 0 <= i < vocab:
             raise ValueError(f"token id {i} is not in the tokenizer's vocabulary (ids 0..{vocab - 1})")
+
+
+def _find_gguf(path: Path) -> Path | None:
+    from infer.gguf import find_gguf  # torch and the gguf reader load only for GGUF files
+
+    return find_gguf(path)
+
+
+def _read_tokenizer_json(tokenizer_file: Path) -> _BackendTokenizer:
+    if not tokenizer_file.is_file():
+        raise FileNotFoundError(
+            f"{tokenizer_file} not found: the checkpoint needs a fast tokenizer (tokenizer.json), or pass a GGUF "
+            "file. Pass the model directory itself; if it only has a slow tokenizer, convert it once with "
+            "transformers: AutoTokenizer.from_pretrained(dir).save_pretrained(dir)."
+        )
+    try:
+        return _BackendTokenizer.from_file(str(tokenizer_file))
+    except Exception as e:  # the tokenizers library raises a bare Exception for malformed files
+        raise CheckpointError(f"{tokenizer_file} cannot be read as a tokenizer: {e}") from e
 
 
 def _read_json(path: Path) -> dict[str, Any]:

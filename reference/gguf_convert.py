@@ -1,14 +1,17 @@
-"""A Hugging Face Llama checkpoint as a GGUF file, so llama.cpp runs the very weights the engine runs.
+"""A Hugging Face checkpoint as a GGUF file, written the way llama.cpp's `convert_hf_to_gguf.py` writes it.
 
-Written with the `gguf` package (llama.cpp's own writer), after llama.cpp's `convert_hf_to_gguf.py`:
-tensor names `token_embd`, `blk.N.attn_q`, ...; q/k rows permuted from Hugging Face's rotate-half RoPE
-layout to llama.cpp's interleaved one; Llama 3 RoPE scaling as a `rope_freqs` tensor. The bench feeds
-token ids, so the vocabulary is placeholder strings (`<t0>`, `<t1>`, ...) of the model's size. Only Llama:
-Qwen 3 and Gemma 3 are refused with a clear error.
+Written with the `gguf` package (llama.cpp's own writer), for Llama, Qwen 2, Qwen 3 and Gemma 3: tensor names
+`token_embd`, `blk.N.attn_q`, ...; Llama's q/k rows (and biases) permuted from Hugging Face's rotate-half RoPE
+layout to llama.cpp's interleaved one; Llama 3 RoPE scaling as a `rope_freqs` tensor; Gemma's norms stored as
+`1 + weight`; 2-D weights in the asked type (F32, F16, BF16, or a block type such as Q8_0, quantized by
+`gguf.quants`), norms and biases in F32. The tokenizer (byte-level BPE) goes in as llama.cpp's metadata: tokens,
+merges, token types, special token ids, BOS/EOS flags and the chat template. Both llama.cpp (the bench) and
+`infer.load_model` (the GGUF tests) read the result.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -18,9 +21,17 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from infer.config import ModelConfig
+from infer.config import SLIDING_ATTENTION, ModelConfig
+from reference.tiny_tokenizer import LLAMA3_SPLIT, QWEN_SPLIT
 
 DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+# model_type -> GGUF general.architecture
+ARCHES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0",
+              "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1"}
+# A tokenizer.json split regex -> llama.cpp's name for that pre-tokenizer (tokenizer.ggml.pre).
+PRE_TOKENIZERS = {LLAMA3_SPLIT: "llama-bpe", QWEN_SPLIT: "qwen2"}
+GEMMA3_SLIDING_PERIOD = 6  # what llama.cpp assumes for Gemma 3 when the file names no pattern
 
 
 def permute_for_rope(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -58,19 +69,45 @@ def llama3_rope_factors(config: ModelConfig) -> np.ndarray | None:
     return np.asarray(factors, dtype=np.float32)
 
 
-def hf_to_gguf(path: str | Path, out: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write the checkpoint at `path` as a GGUF file `out` with weights in `dtype` (bf16, f16 or f32)."""
+def quantize_roundtrip(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """`weight` as a GGUF of type `kind` stores it, read back by llama.cpp's reference (`gguf.quants`): what a
+    model loaded from that file holds."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    data = gguf.quants.quantize(weight.float().numpy(), qtype)
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, qtype))).reshape(weight.shape)
+
+
+def hf_to_gguf(path: str | Path, out: str | Path, dtype: torch.dtype | str = torch.bfloat16) -> Path:
+    """Write the checkpoint at `path` as a GGUF file `out` with 2-D weights in `dtype`: a torch dtype (bf16,
+    f16, f32) or a ggml type name ("Q8_0", "Q4_0", "Q4_1", ...)."""
     import gguf
 
     path, out = Path(path), Path(out)
     config = ModelConfig.from_file(path)
-    if config.model_type != "llama":
-        raise ValueError(f"GGUF conversion supports Llama checkpoints only, got {config.model_type!r}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype}")
-    kind = getattr(gguf.GGMLQuantizationType, DTYPES[dtype])
-    writer = gguf.GGUFWriter(str(out), "llama")
-    writer.add_name(path.name)
+    kind = DTYPES.get(dtype, dtype) if isinstance(dtype, torch.dtype) else dtype
+    if not isinstance(kind, str) or kind not in FILE_TYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)} or {list(FILE_TYPES)}, got {dtype}")
+    if config.model_type not in ARCHES:
+        raise ValueError(f"GGUF conversion supports {list(ARCHES)}, got {config.model_type!r}")
+    arch = ARCHES[config.model_type]
+    writer = gguf.GGUFWriter(str(out), arch)
+    _write_config(writer, config, path.name)
+    writer.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[kind]))
+    _write_tokenizer(writer, path, config)
+    _write_tensors(writer, config, tensor_reader(path), gguf.GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _write_config(writer: Any, config: ModelConfig, name: str) -> None:
+    import gguf
+
+    writer.add_name(name)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -79,54 +116,145 @@ def hf_to_gguf(path: str | Path, out: str | Path, dtype: torch.dtype = torch.bfl
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    writer.add_rope_dimension_count(config.head_dim)
     writer.add_rope_freq_base(config.rope.theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
-    writer.add_file_type({"BF16": gguf.LlamaFileType.MOSTLY_BF16, "F16": gguf.LlamaFileType.MOSTLY_F16,
-                          "F32": gguf.LlamaFileType.ALL_F32}[DTYPES[dtype]])
+    if config.model_type == "llama":
+        writer.add_rope_dimension_count(config.head_dim)
+    if config.rope.rope_type == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(config.rope.factor)
+    if config.final_logit_softcapping is not None:
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if config.attn_logit_softcapping is not None:
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+    if config.model_type == "gemma3_text":
+        _write_gemma3(writer, config)
+    elif config.has_sliding_layers:
+        raise ValueError(f"{config.model_type} with sliding-window layers has no GGUF form here")
+
+
+def _write_gemma3(writer: Any, config: ModelConfig) -> None:
+    """Gemma 3's window and layer pattern; its attention scale and local RoPE base only where llama.cpp's
+    defaults (head_dim, 10000) give them, since llama.cpp derives both rather than reading them."""
+    derived = (config.hidden_size // config.num_attention_heads if config.num_hidden_layers == 62
+               else config.head_dim)
+    if config.query_pre_attn_scalar != derived:
+        raise ValueError(
+            f"query_pre_attn_scalar={config.query_pre_attn_scalar:g}: llama.cpp derives it for Gemma 3 ({derived} "
+            "here) and a GGUF cannot carry another; build the checkpoint with query_pre_attn_scalar=head_dim"
+        )
+    if config.sliding_window is not None:
+        writer.add_sliding_window(config.sliding_window)
+    sliding = [t == SLIDING_ATTENTION for t in config.layer_types]
+    if sliding != [(i + 1) % GEMMA3_SLIDING_PERIOD != 0 for i in range(config.num_hidden_layers)]:
+        writer.add_sliding_window_pattern(sliding)
+    if config.rope_local is not None and config.rope_local.theta != 10000.0:
+        writer.add_rope_freq_base_swa(config.rope_local.theta)
+
+
+def _write_tokenizer(writer: Any, path: Path, config: ModelConfig) -> None:
+    """tokenizer.json / tokenizer_config.json as llama.cpp's `gpt2` vocabulary metadata, padded with
+    `[PADn]` tokens up to the model's vocab_size (as convert_hf_to_gguf.py pads)."""
+    import gguf
+
+    spec = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
+    settings = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    vocab = dict(spec["model"]["vocab"])
+    specials = {t["content"]: t["special"] for t in spec["added_tokens"]}
+    vocab |= {t["content"]: t["id"] for t in spec["added_tokens"]}
+    by_id = {i: token for token, i in vocab.items()}
+    tokens, types = [], []
+    for i in range(config.vocab_size):
+        token = by_id.get(i)
+        tokens.append(f"[PAD{i}]" if token is None else token)
+        types.append(gguf.TokenType.UNUSED if token is None else gguf.TokenType.CONTROL if specials.get(token)
+                     else gguf.TokenType.USER_DEFINED if token in specials else gguf.TokenType.NORMAL)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list([f"<t{i}>" for i in range(config.vocab_size)])
-    writer.add_token_types([gguf.TokenType.NORMAL] * config.vocab_size)
-    writer.add_token_merges(["<t0> <t1>"])  # llama.cpp needs the key; ids are fed, never text
-    writer.add_bos_token_id(config.bos_token_id if config.bos_token_id is not None else 0)
-    writer.add_eos_token_id(config.eos_token_ids[0] if config.eos_token_ids else 0)
+    writer.add_tokenizer_pre(_pre_tokenizer_name(spec["pre_tokenizer"]))
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    ids = {name: vocab[settings[name]] for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+           if isinstance(settings.get(name), str)}
+    # As llama.cpp's SpecialVocab: config.json's bos_token_id where the tokenizer names no BOS (Qwen).
+    bos = ids.get("bos_token", config.bos_token_id)
+    if bos is not None:
+        writer.add_bos_token_id(bos)
+    if "eos_token" in ids:
+        writer.add_eos_token_id(ids["eos_token"])
+    if "unk_token" in ids:
+        writer.add_unk_token_id(ids["unk_token"])
+    if "pad_token" in ids:
+        writer.add_pad_token_id(ids["pad_token"])
+    for flag in ("add_bos_token", "add_eos_token"):
+        if isinstance(settings.get(flag), bool):
+            getattr(writer, f"add_{flag}")(settings[flag])
+    if settings.get("chat_template"):
+        writer.add_chat_template(settings["chat_template"])
 
-    def put(name: str, tensor: torch.Tensor, keep_f32: bool = False) -> None:
-        data = tensor.float().numpy()
-        if keep_f32 or kind == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(name, data.astype(np.float32))
+
+def _pre_tokenizer_name(pre: dict[str, Any]) -> str:
+    if pre["type"] == "ByteLevel" and pre.get("use_regex", True):
+        return "gpt-2"
+    pieces = pre.get("pretokenizers", [])
+    regex = pieces[0].get("pattern", {}).get("Regex") if pieces and pieces[0]["type"] == "Split" else None
+    if regex not in PRE_TOKENIZERS:
+        raise ValueError(f"no llama.cpp pre-tokenizer name known for {json.dumps(pre)[:200]}")
+    return PRE_TOKENIZERS[regex]
+
+
+# Hugging Face module name (after "model.layers.N.") -> GGUF tensor name (after "blk.N.")
+BLOCK_TENSORS = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}
+GEMMA3_BLOCK_TENSORS = {**BLOCK_TENSORS, "post_attention_layernorm": "post_attention_norm",
+                        "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def gguf_name(hf_name: str, model_type: str) -> str:
+    """The GGUF name convert_hf_to_gguf.py gives Hugging Face tensor `hf_name` (with its `model.` prefix)."""
+    name = hf_name.removeprefix("model.")
+    leaf = name.rsplit(".", 1)[1]
+    if name.startswith("layers."):
+        _, layer, rest = name.split(".", 2)
+        table = GEMMA3_BLOCK_TENSORS if model_type == "gemma3_text" else BLOCK_TENSORS
+        return f"blk.{layer}.{table[rest.rsplit('.', 1)[0]]}.{leaf}"
+    return {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}[name.rsplit(".", 1)[0]] + \
+        f".{leaf}"
+
+
+def _write_tensors(writer: Any, config: ModelConfig, weights: Callable[[str], torch.Tensor], kind: Any) -> None:
+    import gguf
+
+    names = sorted(_hf_names(config))
+    for name in names:
+        data = weights(name).float().numpy()
+        if config.model_type == "llama" and (".q_proj." in name or ".k_proj." in name):
+            heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+            data = permute_for_rope(data, heads)
+        if config.model_type == "gemma3_text" and name.endswith("norm.weight"):
+            data = data + 1.0  # llama.cpp's Gemma kernels multiply by the stored norm weight itself
+        if data.ndim == 1 or kind == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name(name, config.model_type), data.astype(np.float32))
         else:
-            writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
-
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    weights = tensor_reader(path)
-    put("token_embd.weight", weights("model.embed_tokens.weight"))
-    for i in range(config.num_hidden_layers):
-        pre = f"model.layers.{i}."
-        q = permute_for_rope(weights(pre + "self_attn.q_proj.weight").float().numpy(), heads)
-        k = permute_for_rope(weights(pre + "self_attn.k_proj.weight").float().numpy(), kv_heads)
-        put(f"blk.{i}.attn_q.weight", torch.from_numpy(q))
-        put(f"blk.{i}.attn_k.weight", torch.from_numpy(k))
-        put(f"blk.{i}.attn_v.weight", weights(pre + "self_attn.v_proj.weight"))
-        put(f"blk.{i}.attn_output.weight", weights(pre + "self_attn.o_proj.weight"))
-        put(f"blk.{i}.ffn_gate.weight", weights(pre + "mlp.gate_proj.weight"))
-        put(f"blk.{i}.ffn_up.weight", weights(pre + "mlp.up_proj.weight"))
-        put(f"blk.{i}.ffn_down.weight", weights(pre + "mlp.down_proj.weight"))
-        put(f"blk.{i}.attn_norm.weight", weights(pre + "input_layernorm.weight"), keep_f32=True)
-        put(f"blk.{i}.ffn_norm.weight", weights(pre + "post_attention_layernorm.weight"), keep_f32=True)
-    put("output_norm.weight", weights("model.norm.weight"), keep_f32=True)
-    if not config.tie_word_embeddings:
-        put("output.weight", weights("lm_head.weight"))
+            writer.add_tensor(gguf_name(name, config.model_type), gguf.quants.quantize(data, kind), raw_dtype=kind)
     factors = llama3_rope_factors(config)
     if factors is not None:
         writer.add_tensor("rope_freqs.weight", factors)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
+
+
+def _hf_names(config: ModelConfig) -> list[str]:
+    """The checkpoint tensors the model uses, with their `model.` prefix."""
+    from infer.models import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(config)
+    names = [n for n in model.state_dict() if not (n == "lm_head.weight" and config.tie_word_embeddings)]
+    return [n if n.startswith("lm_head.") else f"model.{n}" for n in names]
 
 
 def tensor_reader(path: Path) -> Callable[[str], torch.Tensor]:
@@ -140,10 +268,11 @@ def tensor_reader(path: Path) -> Callable[[str], torch.Tensor]:
     return lambda name: index[name].get_tensor(name)
 
 
-def cached_gguf(path: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+def cached_gguf(path: str | Path, dtype: torch.dtype | str = torch.bfloat16) -> Path:
     """The checkpoint's GGUF beside it (built on first use; rebuilt when the weights are newer)."""
     path = Path(path)
-    out = path / f"model-{DTYPES.get(dtype, 'X').lower()}.gguf"
+    kind = DTYPES.get(dtype, "X") if isinstance(dtype, torch.dtype) else dtype
+    out = path / f"model-{kind.lower()}.gguf"
     newest = max(f.stat().st_mtime for f in path.glob("*.safetensors"))
     if not out.exists() or out.stat().st_mtime < newest:
         tmp = out.with_suffix(".gguf.tmp")

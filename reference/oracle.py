@@ -29,10 +29,12 @@ class Oracle:
     """
 
     def __init__(self, path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 attention: str = "eager") -> None:
+                 attention: str = "eager", gguf_file: str | None = None) -> None:
         self.path = Path(path)
         self.device = torch.device(device)
-        model = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype, attn_implementation=attention)
+        # gguf_file: the name of a GGUF file in directory `path`, which transformers dequantizes at load.
+        extra = {} if gguf_file is None else {"gguf_file": gguf_file}
+        model = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype, attn_implementation=attention, **extra)
         # functools.wraps on PreTrainedModel.to hides the bound self from mypy.
         self.model = model.to(self.device).eval().requires_grad_(False)  # type: ignore[arg-type]
 

@@ -58,9 +58,12 @@ def test_conversion_keeps_every_weight_and_the_config(tmp_path: Path, dtype: tor
     assert len(tensors) - ("rope_freqs.weight" in tensors) == expected
 
 
-def test_other_architectures_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="Llama checkpoints only"):
-        hf_to_gguf(build_checkpoint("qwen3"), tmp_path / "q.gguf")
+def test_what_a_gguf_cannot_carry_is_refused(tmp_path: Path) -> None:
+    # llama.cpp derives Gemma 3's query scale from its head size; the tiny checkpoint's differs.
+    with pytest.raises(ValueError, match="query_pre_attn_scalar=32: llama.cpp derives it"):
+        hf_to_gguf(build_checkpoint("gemma3_text"), tmp_path / "g.gguf")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        hf_to_gguf(build_checkpoint("llama"), tmp_path / "l.gguf", "Q2_K")
 
 
 def test_llamacpp_generates_the_engines_greedy_tokens(tmp_path: Path) -> None:
