@@ -149,7 +149,9 @@ def config_dict(gguf: GGUFFile) -> dict[str, Any]:
         "vocab_size": _vocab_size(gguf, arch),
         # llama.cpp writes the output projection only when it is not the embedding matrix.
         "tie_word_embeddings": "output.weight" not in names,
-        "attention_bias": "blk.0.attn_q.bias" in names,
+        # Llama's attention_bias puts biases on all four projections; Qwen 2's fixed q/k/v biases (a family
+        # trait) leave o_proj without one, so the output projection's bias is what tells them apart.
+        "attention_bias": "blk.0.attn_output.bias" in names,
         "mlp_bias": "blk.0.ffn_up.bias" in names,
         "bos_token_id": gguf.get("tokenizer.ggml.bos_token_id"),
         # Generation ends on eos and, where the file names one, the end-of-turn token (as llama.cpp stops).
