@@ -20,6 +20,8 @@ from infer.cache import CACHE_KINDS, ErrorBounds
 from infer.cache.snapshot import load_snapshot, save_snapshot
 from infer.families import ARCHITECTURES
 from infer.generation import generate
+from infer.model_store import default_model_path
+from infer.quality import load_text, measure, text_ids
 from infer.sampling import SamplingParams
 from reference import Oracle, build_checkpoint
 from tests.helpers import assert_close
@@ -28,6 +30,8 @@ from tests.property.strategies import splits
 ALL_KINDS = sorted(CACHE_KINDS)
 EXACT_KINDS = [k for k in ALL_KINDS if CACHE_KINDS[k].is_exact]
 LOSSY_KINDS = [k for k in ALL_KINDS if not CACHE_KINDS[k].is_exact]
+# Tokens of each real text the real-model bounds are checked over (fp32, so the suite stays within CI's time).
+REAL_TEXT_TOKENS = 144
 
 
 @functools.cache
@@ -108,13 +112,27 @@ def assert_within(measured: ErrorBounds, bounds: ErrorBounds, what: str) -> None
     assert measured.max_logit_error <= bounds.max_logit_error, report
     assert measured.min_top1_agreement >= bounds.min_top1_agreement, report
     assert measured.max_mean_kl <= bounds.max_mean_kl, report
+    if bounds.max_perplexity_ratio is not None:
+        assert measured.max_perplexity_ratio is not None, report
+        assert measured.max_perplexity_ratio <= bounds.max_perplexity_ratio, report
 
 
-@pytest.mark.parametrize("kind", LOSSY_KINDS)
-def test_lossy_kind_within_its_error_bounds_on_the_trained_model(kind: str) -> None:
-    bounds = CACHE_KINDS[kind].error_bounds
-    assert bounds is not None
-    assert_within(quality(infer.load_model(None, dtype="float32"), kind), bounds, f"{kind}/default model")
+@functools.cache
+def real_model() -> infer.Transformer:
+    return infer.load_model(None, dtype="float32")  # the default model: the real SmolLM2-135M-Instruct
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("text", ["prose", "code"])
+def test_lossy_kinds_within_their_error_bounds_on_the_real_model(text: str) -> None:
+    """Teacher-forced over real text (infer.quality), each lossy kind against the exact cache on the real model."""
+    model = real_model()
+    ids = text_ids(infer.Tokenizer(default_model_path()), load_text(text), REAL_TEXT_TOKENS)
+    for row in measure(model, ids, LOSSY_KINDS, prefill=16):
+        bounds = CACHE_KINDS[row.kind].error_bounds
+        assert bounds is not None
+        measured = ErrorBounds(row.max_logit_error, row.top1_agreement, row.mean_kl, row.perplexity_ratio)
+        assert_within(measured, bounds, f"{row.kind}/real model/{text}")
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -88,9 +88,18 @@ def test_cuda_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_success_prints_the_text_and_a_summary(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run_main(["generate", "Once upon", "--max-new-tokens", "4", "--temperature", "0"], capsys)
+    """Raw text (--no-chat): the prompt, then its continuation."""
+    code, out, err = run_main(["generate", "Once upon", "--max-new-tokens", "4", "--temperature", "0", "--no-chat"],
+                              capsys)
     assert code == 0 and out.startswith("Once upon") and out.endswith("\n")
     assert "4 generated (length)" in err
+
+
+def test_the_default_model_answers_a_question_as_a_chat_model(capsys: pytest.CaptureFixture[str]) -> None:
+    """No --model: the real SmolLM2-135M-Instruct, through its chat template, stopping at its end of turn."""
+    code, out, err = run_main(["generate", "What is the capital of France?", "--temperature", "0"], capsys)
+    assert code == 0 and "Paris" in out and "(eos)" in err
+    assert not out.startswith("What is the capital"), "a chat answer, not the prompt continued"
 
 
 def cli(*args: str) -> subprocess.Popen[bytes]:

@@ -22,12 +22,13 @@ from infer.config import ModelConfig
 
 @dataclass(frozen=True)
 class ErrorBounds:
-    """The error a lossy kind promises against the exact cache, teacher-forced along 128 decode
-    steps (fp32); `tests/test_cache_conformance.py` asserts each figure."""
+    """The error a lossy kind promises against the exact cache, teacher-forced (fp32) as `infer.quality`
+    measures it; `tests/test_cache_conformance.py` asserts each figure."""
 
     max_logit_error: float
     min_top1_agreement: float
     max_mean_kl: float
+    max_perplexity_ratio: float | None = None  # of the text under the kind over the exact cache's
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class CacheKind:
     factory: Callable[..., KVCache]
     is_exact: bool
     description: str
-    error_bounds: ErrorBounds | None = None  # on the trained default checkpoint
+    error_bounds: ErrorBounds | None = None  # on the real default model (SmolLM2-135M-Instruct), real text
     stress_bounds: ErrorBounds | None = None  # on the random-weight checkpoints of every architecture
 
 
@@ -56,9 +57,9 @@ def register_cache_kind(
 ) -> None:
     """Make `factory(config, *, max_seq_len, batch_size, dtype, device, **options)` available by `name`.
 
-    A lossy kind (`is_exact=False`) states its error twice: `error_bounds` on the trained default
-    checkpoint (realistic activations), `stress_bounds` on the random-weight test checkpoints, whose
-    large weights and sharpened QK-norms amplify any K/V perturbation several times over.
+    A lossy kind (`is_exact=False`) states its error twice: `error_bounds` on the real default model over real
+    text (`infer.quality`: prose and code; a trained model's outlier channels), `stress_bounds` on the
+    random-weight test checkpoints, whose large weights and sharpened QK-norms amplify any K/V perturbation.
     """
     if not is_exact and (error_bounds is None or stress_bounds is None):
         raise ValueError(f"cache kind {name!r} is lossy: register it with error_bounds and stress_bounds")
@@ -110,16 +111,19 @@ register_cache_kind(
     is_exact=True,
     description="fixed-size blocks in a shared pool: ref-counted, full prompt blocks shared, copy-on-write",
 )
-# Quantized K/V (infer/cache/quantized.py). Bounds: measured teacher-forced over 2 x 64 steps, with
-# margin. Trained default model: int8 0.15 / 1.000 / 1.6e-5, int4 1.55 / 0.930 / 3.8e-3,
-# fp4 1.91 / 0.898 / 5.7e-3. Worst random-weight checkpoint (Gemma 3 for top-1 and KL): int8
-# 1.19 / 0.922 / 5.3e-3, int4 11.4 / 0.383 / 0.98, fp4 11.3 / 0.359 / 1.13.
+# Quantized K/V (infer/cache/quantized.py). Bounds, with margin, from measurements. Real model (SmolLM2-135M-Instruct,
+# fp32, `python -m infer quality`, 512 tokens, prose / code; max logit error / top-1 / mean KL / ppl ratio):
+# int8 2.07 / 0.990 / 8.7e-4 / 1.003 and 1.28 / 0.982 / 8.8e-4 / 1.006; int4 16.2 / 0.716 / 0.26 / 1.27 and
+# 22.6 / 0.792 / 0.32 / 1.50; fp4 9.9 / 0.810 / 0.11 / 1.11 and 25.9 / 0.831 / 0.18 / 1.21 (the 4-bit kinds lose
+# a real model's outlier key channels: one scale per row). Worst random-weight checkpoint (Gemma 3 for top-1 and
+# KL), 2 x 64 sampled steps: int8 1.19 / 0.922 / 5.3e-3, int4 11.4 / 0.383 / 0.98, fp4 11.3 / 0.359 / 1.13.
 register_cache_kind(
     "int8",
     quantized_cache_factory("int8"),
     is_exact=False,
     description="int8 rows, a bf16 scale per (token, head): 0.52x the bf16 contiguous cache",
-    error_bounds=ErrorBounds(max_logit_error=0.3, min_top1_agreement=0.99, max_mean_kl=1e-4),
+    error_bounds=ErrorBounds(max_logit_error=3.0, min_top1_agreement=0.96, max_mean_kl=3e-3,
+                             max_perplexity_ratio=1.015),
     stress_bounds=ErrorBounds(max_logit_error=2.0, min_top1_agreement=0.88, max_mean_kl=0.01),
 )
 register_cache_kind(
@@ -127,7 +131,7 @@ register_cache_kind(
     quantized_cache_factory("int4"),
     is_exact=False,
     description="int4 rows (-7..7, two per byte), a bf16 scale per (token, head): 0.27x",
-    error_bounds=ErrorBounds(max_logit_error=3.0, min_top1_agreement=0.85, max_mean_kl=0.01),
+    error_bounds=ErrorBounds(max_logit_error=30.0, min_top1_agreement=0.6, max_mean_kl=0.5, max_perplexity_ratio=1.8),
     stress_bounds=ErrorBounds(max_logit_error=16.0, min_top1_agreement=0.3, max_mean_kl=1.5),
 )
 register_cache_kind(
@@ -135,7 +139,7 @@ register_cache_kind(
     quantized_cache_factory("fp4"),
     is_exact=False,
     description="FP4 E2M1 rows (two per byte), a bf16 scale per (token, head): 0.27x",
-    error_bounds=ErrorBounds(max_logit_error=3.5, min_top1_agreement=0.82, max_mean_kl=0.015),
+    error_bounds=ErrorBounds(max_logit_error=32.0, min_top1_agreement=0.7, max_mean_kl=0.3, max_perplexity_ratio=1.4),
     stress_bounds=ErrorBounds(max_logit_error=16.0, min_top1_agreement=0.3, max_mean_kl=1.7),
 )
 
