@@ -69,6 +69,9 @@ class AttentionBackend:
     positions: torch.Tensor  # [T] absolute position of each new token (RoPE reads it)
     # Whether a one-token step may let the storage attend in its own kernel (StepKernels.in_kernel).
     attends_in_kernel: bool = False
+    # Whether the model checks every id against the vocabulary (a reduction per step on the CPU). The engine and
+    # the graph decoders feed only ids already checked when their request was added, and the model's own samples.
+    checks_ids: bool = True
 
     def check(self, input_ids: torch.Tensor, num_layers: int) -> None:
         """Raise a ValueError/TypeError if `input_ids` `[B, T]` cannot run over this storage."""
@@ -164,6 +167,8 @@ class CacheBackend(AttentionBackend):
 
 
 class StaticBackend(AttentionBackend):
+    checks_ids = False  # generate's own ids (checked prompt, sampled tokens); and no host sync in a capture
+
     """A one-token step into a contiguous cache's tensors `k_cache`, `v_cache` `[L, B, Hkv, S, D]` at
     `position` (a `[1]` tensor): the slot written by index, every slot read, the ones past the position and
     outside a window masked. The caller checks capacity and advances the cache."""
@@ -184,6 +189,8 @@ class StaticBackend(AttentionBackend):
 
 
 class PagedBackend(AttentionBackend):
+    checks_ids = False  # the engine checked every prompt id when it added the request; the rest are samples
+
     """The engine's ragged batch: `layers[i]` is (the batch metadata layer i reads, its K blocks, its V blocks
     `[num_blocks, Hkv, block_size, D]`). All layers share positions and sampled rows; they may use different
     block tables, as the ring-bounded sliding layers do. The input is one flat row `[1, N]`."""

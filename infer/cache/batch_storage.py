@@ -99,6 +99,7 @@ class BatchStorage:
     table_sets: list[TableSet]
     ring_layers: list[int]
     pool_layers: list[int]
+    _layer_blocks: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     @classmethod
     def allocate(cls, config: ModelConfig, windows: Sequence[int | None], *, dtype: torch.dtype,
@@ -143,10 +144,12 @@ class BatchStorage:
         return self.pool.memory_bytes + (self.ring.memory_bytes if self.ring is not None else 0)
 
     def layer_blocks(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """Per model layer, in order: (its table set, its K blocks, its V blocks)."""
-        layers = {layer: (s, ts.k[j], ts.v[j]) for s, ts in enumerate(self.table_sets)
-                  for j, layer in enumerate(ts.layers)}
-        return [layers[i] for i in range(len(layers))]
+        """Per model layer, in order: (its table set, its K blocks, its V blocks); views made once."""
+        if not self._layer_blocks:
+            layers = {layer: (s, ts.k[j], ts.v[j]) for s, ts in enumerate(self.table_sets)
+                      for j, layer in enumerate(ts.layers)}
+            self._layer_blocks = [layers[i] for i in range(len(layers))]
+        return self._layer_blocks
 
     def schedule(self, preempted: Sequence[int], chunks: Sequence[ScheduledChunk]) -> None:
         """Follow a step's plan: preempted requests give their rings back, scheduled ones get one."""

@@ -372,7 +372,8 @@ class Transformer(nn.Module):
     def _backend_for(self, input_ids: torch.Tensor, kv_cache: KVCache | AttentionBackend | None,
                      all_logits: bool | None) -> AttentionBackend:
         """The backend a forward attends through (a KVCache, or none, is wrapped), once the input is checked."""
-        self._check_input(input_ids)
+        self._check_input(input_ids, ids_in_vocab=not isinstance(kv_cache, AttentionBackend)
+                          or kv_cache.checks_ids)
         if isinstance(kv_cache, AttentionBackend):
             backend = kv_cache
         elif kv_cache is None or isinstance(kv_cache, KVCache):
@@ -426,7 +427,7 @@ class Transformer(nn.Module):
             freq = self.inv_freq[layer_type] = freq.to(device)
         return freq
 
-    def _check_input(self, input_ids: torch.Tensor) -> None:
+    def _check_input(self, input_ids: torch.Tensor, ids_in_vocab: bool = True) -> None:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError("input_ids must be a 2-D tensor [batch, seq_len] of token ids")
         if input_ids.dtype not in (torch.int64, torch.int32):
@@ -439,7 +440,7 @@ class Transformer(nn.Module):
             raise ValueError(f"input_ids are on {input_ids.device} but the model is on {weights}; "
                              f"move them with input_ids.to('{weights}')")
         # Checked on the CPU only: on a GPU the check would synchronise every decode step.
-        if input_ids.device.type == "cpu":
+        if ids_in_vocab and input_ids.device.type == "cpu":
             lo, hi = int(input_ids.min()), int(input_ids.max())
             if lo < 0 or hi >= self.config.vocab_size:
                 raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got min {lo} max {hi}")
