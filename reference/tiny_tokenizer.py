@@ -8,7 +8,7 @@ the engine's tokenizer and chat handling can be checked against `transformers` w
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -250,22 +250,6 @@ SPECS: dict[str, TokenizerSpec] = {
         generation_eos_tokens=("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"),
         chat_template=LLAMA3_CHAT_TEMPLATE,
     ),
-    # Qwen 2.5: Qwen 3's special tokens and BOS rule, its own (real, whole) template, no think tags; its
-    # tool-call tags are added tokens that are not special, as in the real vocabulary.
-    "qwen2": TokenizerSpec(
-        special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-        specials_first=False,
-        split_pattern=QWEN_SPLIT,
-        bos_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token=None,
-        add_bos_token=None,
-        generation_eos_tokens=("<|im_end|>", "<|endoftext|>"),
-        chat_template=QWEN2_CHAT_TEMPLATE,
-        plain_added_tokens=("<tool_call>", "</tool_call>"),
-        nfc=True,
-    ),
     "qwen3": TokenizerSpec(
         special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
         specials_first=False,
@@ -293,6 +277,10 @@ SPECS: dict[str, TokenizerSpec] = {
         chat_template=GEMMA3_CHAT_TEMPLATE,
     ),
 }
+# Qwen 2.5: Qwen 3's special tokens and BOS rule, its own (real, whole) template, no think tags; its tool-call
+# tags are added tokens that are not special, as in the real vocabulary.
+SPECS["qwen2"] = replace(SPECS["qwen3"], chat_template=QWEN2_CHAT_TEMPLATE,
+                         plain_added_tokens=("<tool_call>", "</tool_call>"))
 
 
 @dataclass(frozen=True)
