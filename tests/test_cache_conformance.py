@@ -21,7 +21,7 @@ from infer.cache.snapshot import load_snapshot, save_snapshot
 from infer.families import ARCHITECTURES
 from infer.generation import generate
 from infer.model_store import default_model_path
-from infer.quality import load_text, measure, text_ids
+from infer.quality import compare, load_text, measure, teacher_forced_logits, text_ids
 from infer.sampling import SamplingParams
 from reference import Oracle, build_checkpoint
 from tests.helpers import assert_close
@@ -77,33 +77,20 @@ def test_exact_kind_greedy_equals_oracle(arch: str, kind: str) -> None:
     assert result.token_ids == Oracle(build_checkpoint(arch)).greedy(prompt, n)
 
 
-def teacher_forced_logits(model: infer.Transformer, kind: str, ids: torch.Tensor, prefill: int) -> torch.Tensor:
-    """Logits of each decode step [steps, vocab] after prefilling `prefill` tokens of `ids` [1, T]."""
-    cache = infer.create_cache(kind, model.config, max_seq_len=ids.shape[1])
-    with torch.no_grad():
-        steps = [model(ids[:, :prefill], cache)[0, -1]]
-        steps += [model(ids[:, t : t + 1], cache)[0, -1] for t in range(prefill, ids.shape[1] - 1)]
-    return torch.stack(steps)
-
-
 def quality(model: infer.Transformer, kind: str, seeds: tuple[int, ...] = (11, 12), steps: int = 64) -> ErrorBounds:
     """Max logit error, top-1 agreement and mean KL(exact || lossy) of `kind` against the exact cache,
     both forced along the same sampled continuations of random prompts (so every step compares alike)."""
-    exact_all, lossy_all = [], []
+    exact_all, lossy_all, targets = [], [], []
     for seed in seeds:
         prompt = ids_for(model, 1, 16, seed=seed)[0].tolist()
         run = generate(model, None, prompt, SamplingParams(max_new_tokens=steps, temperature=1.0, seed=seed,
                                                            ignore_eos=True))
-        ids = torch.tensor([prompt + run.token_ids])
-        exact_all.append(teacher_forced_logits(model, "contiguous", ids, len(prompt)))
-        lossy_all.append(teacher_forced_logits(model, kind, ids, len(prompt)))
-    exact, lossy = torch.cat(exact_all), torch.cat(lossy_all)
-    kl = torch.nn.functional.kl_div(lossy.log_softmax(-1), exact.log_softmax(-1), log_target=True, reduction="none")
-    return ErrorBounds(
-        max_logit_error=(exact - lossy).abs().max().item(),
-        min_top1_agreement=(exact.argmax(-1) == lossy.argmax(-1)).float().mean().item(),
-        max_mean_kl=kl.sum(-1).mean().item(),
-    )
+        ids = prompt + run.token_ids
+        exact_all.append(teacher_forced_logits(model, "contiguous", ids, len(prompt))[0])
+        lossy_all.append(teacher_forced_logits(model, kind, ids, len(prompt))[0])
+        targets.append(torch.tensor(ids[len(prompt):]))
+    row = compare(kind, torch.cat(exact_all), torch.cat(lossy_all), torch.cat(targets), 1, 1)
+    return ErrorBounds(row.max_logit_error, row.top1_agreement, row.mean_kl)
 
 
 def assert_within(measured: ErrorBounds, bounds: ErrorBounds, what: str) -> None:

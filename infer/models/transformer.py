@@ -12,6 +12,7 @@ Module names are Hugging Face's, so checkpoint keys load without renaming.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -142,16 +143,19 @@ class MLP(nn.Module):
         return self.down_proj(gate * up)
 
 
+@dataclass(frozen=True)
 class StepContext:
     """Per-forward state shared by every layer (explicit, never global): the RoPE tables of the step's
     positions, the attention backend holding K/V, and the kernels chosen for the step."""
 
-    def __init__(self, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend,
-                 kernels: StepKernels) -> None:
-        self.rope = rope  # layer type -> (cos, sin) [T, D]
-        self.backend = backend
-        self.kernels = kernels
-        self.native = kernels.native
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer type -> (cos, sin) [T, D]
+    backend: AttentionBackend
+    kernels: StepKernels
+
+    @property
+    def native(self) -> NativeKernels | None:
+        """The native kernels of a one-token step's small ops, or None for PyTorch's."""
+        return self.kernels.native
 
 
 class Attention(nn.Module):
