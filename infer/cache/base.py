@@ -230,10 +230,12 @@ FLOAT = None  # in `check_snapshot_tensors`: any real floating dtype (it is cast
 
 
 def check_snapshot_tensors(
-    snapshot: CacheSnapshot, expected: dict[str, tuple[tuple[int, ...], torch.dtype | None]]
-) -> None:
+    snapshot: CacheSnapshot, expected: dict[str, tuple[tuple[int, ...], torch.dtype | None]], device: torch.device
+) -> dict[str, torch.Tensor]:
     """Raise a ValueError unless the snapshot holds exactly the named tensors with exactly these shapes
-    and dtypes (`FLOAT`: any real floating dtype). Checked before a restore writes anything."""
+    and dtypes (`FLOAT`: any real floating dtype); then the tensors on the cache's `device` (a snapshot read from
+    disk is on the CPU, and indexed writes need their source where the cache is). Checked and moved before a
+    restore writes anything."""
     names = set(snapshot.tensors)
     if names != set(expected):
         raise ValueError(
@@ -255,3 +257,4 @@ def check_snapshot_tensors(
                 f"snapshot tensor {name!r} has dtype {t.dtype}, expected "
                 f"{'a floating-point dtype' if dtype is FLOAT else dtype}: the file is corrupt or edited"
             )
+    return {name: snapshot.tensors[name].to(device) for name in expected}

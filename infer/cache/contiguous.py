@@ -93,8 +93,8 @@ class ContiguousCache:
         """Load a snapshot of a contiguous cache with the same layers, batch, heads and head size."""
         check_snapshot(snapshot, "contiguous", self.max_seq_len)
         shape = (*self.k_cache.shape[:3], snapshot.offset, self.head_dim)
-        check_snapshot_tensors(snapshot, {"k": (shape, FLOAT), "v": (shape, FLOAT)})
-        k, v = snapshot.tensors["k"], snapshot.tensors["v"]
+        t = check_snapshot_tensors(snapshot, {"k": (shape, FLOAT), "v": (shape, FLOAT)}, self.k_cache.device)
+        k, v = t["k"], t["v"]
         n = snapshot.offset
         self.k_cache[:, :, :, :n] = k
         self.v_cache[:, :, :, :n] = v

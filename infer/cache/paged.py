@@ -281,8 +281,8 @@ class PagedCache:
         pool, manager = self.pool, self.pool.manager
         n = snapshot.offset
         expected = (pool.num_layers, self.batch_size, pool.num_kv_heads, n, pool.head_dim)
-        check_snapshot_tensors(snapshot, {"k": (expected, FLOAT), "v": (expected, FLOAT)})
-        k, v = snapshot.tensors["k"], snapshot.tensors["v"]
+        t = check_snapshot_tensors(snapshot, {"k": (expected, FLOAT), "v": (expected, FLOAT)}, pool.k_blocks.device)
+        k, v = t["k"], t["v"]
         known = snapshot.token_ids
         if known is not None and (
             len(known) != n or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in known)

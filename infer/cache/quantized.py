@@ -258,15 +258,14 @@ class QuantizedCache:
                 f"the snapshot was taken with residual_window, residual_block = {window}, this cache has "
                 f"{(self.residual_window, self.residual_block)}; restore into a cache built the same way"
             )
-        t = snapshot.tensors
         n = snapshot.offset
         q = self.num_quantized(n)
         lbh = tuple(self.k_data.shape[:3])
         data = ((*lbh, q, self.k_data.shape[-1]), self.k_data.dtype)
         scale = ((*lbh, q), self.k_scale.dtype)
         recent = ((*lbh, n - q, self.head_dim), FLOAT)
-        check_snapshot_tensors(snapshot, {"k_data": data, "v_data": data, "k_scale": scale, "v_scale": scale,
-                                          "k_recent": recent, "v_recent": recent})
+        t = check_snapshot_tensors(snapshot, {"k_data": data, "v_data": data, "k_scale": scale, "v_scale": scale,
+                                              "k_recent": recent, "v_recent": recent}, self.k_data.device)
         self._pending.commit()
         self.k_data[:, :, :, :q] = t["k_data"]
         self.v_data[:, :, :, :q] = t["v_data"]

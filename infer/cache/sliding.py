@@ -162,13 +162,13 @@ class SlidingWindowCache:
         n = snapshot.offset
         full = (*self.full_k.shape[:3], n, self.head_dim)
         ring = (*self.ring_k.shape[:3], min(n, self.window), self.head_dim)
-        check_snapshot_tensors(snapshot, {"ring_k": (ring, FLOAT), "ring_v": (ring, FLOAT),
-                                          "full_k": (full, FLOAT), "full_v": (full, FLOAT)})
+        t = check_snapshot_tensors(snapshot, {"ring_k": (ring, FLOAT), "ring_v": (ring, FLOAT),
+                                              "full_k": (full, FLOAT), "full_v": (full, FLOAT)}, self.ring_k.device)
         self._pending.commit()
         m = min(n, self.ring_size)  # this ring may be shorter than the snapshot's (a smaller max_seq_len)
         slots = self._ring_slots(n, m)
-        self.ring_k[:, :, :, slots] = snapshot.tensors["ring_k"][:, :, :, ring[3] - m :]
-        self.ring_v[:, :, :, slots] = snapshot.tensors["ring_v"][:, :, :, ring[3] - m :]
-        self.full_k[:, :, :, :n] = snapshot.tensors["full_k"]
-        self.full_v[:, :, :, :n] = snapshot.tensors["full_v"]
+        self.ring_k[:, :, :, slots] = t["ring_k"][:, :, :, ring[3] - m :]
+        self.ring_v[:, :, :, slots] = t["ring_v"][:, :, :, ring[3] - m :]
+        self.full_k[:, :, :, :n] = t["full_k"]
+        self.full_v[:, :, :, :n] = t["full_v"]
         self._offset = n
