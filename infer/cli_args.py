@@ -24,7 +24,7 @@ def add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
                    help="dtype of prefill matmuls: auto (float32 for half weights on CPU), exact, or a dtype")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads (0: the faster of 1 and all, timed on this model at load)")
-    p.add_argument("--decode-gemv", default="auto", choices=["auto", "linear", "mv", "native"],
+    p.add_argument("--decode-gemv", default="auto", choices=["auto", "linear", "mv", "native", "triton"],
                    help="kernel of one-token products (auto: the fastest, timed on this model's weights at load)")
     p.add_argument("--no-huge-pages", action="store_true",
                    help="keep CPU weights on ordinary pages (default: transparent huge pages where the kernel has"

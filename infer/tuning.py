@@ -19,6 +19,7 @@ import torch
 
 from infer.cache import create_cache
 from infer.config import ModelConfig
+from infer.kernels import triton_available
 from infer.kernels.native import NativeKernels, native_kernels, unavailable_reason
 from infer.memory import huge_pages_mode
 from infer.models import Transformer
@@ -112,11 +113,11 @@ def _time_prefill_matmul(dtype: torch.dtype, tokens: int = 128, size: int = 1024
 
 
 def choose_decode_gemv(weights: list[torch.Tensor], forced: str = "auto") -> Choice:
-    """The kernel of one-token decode products: `F.linear`, `torch.mv` or the native kernel (infer/kernels/
-    cpu_decode.c), whichever streams this model's weights fastest here. Timed as a decode step reads them: a sweep
-    over the weights in model order (at least twice the last-level cache where the model is that large, so a
-    sweep measures memory, not cache), the forms alternating; another form must beat F.linear by 3% to replace
-    it. `forced` skips the timing."""
+    """The kernel of one-token decode products: `F.linear`, `torch.mv`, the native kernel (infer/kernels/
+    cpu_decode.c) on a CPU or the Triton one (infer/kernels/gemv.py) on CUDA, whichever streams this model's
+    weights fastest here. Timed as a decode step reads them: a sweep over the weights in model order (at least
+    twice the last-level cache where the model is that large, so a sweep measures memory, not cache), the forms
+    alternating; another form must beat F.linear by 3% to replace it. `forced` skips the timing."""
     name = "decode GEMV form"
     if forced != "auto":
         if forced not in GEMV_FORMS:
@@ -124,6 +125,8 @@ def choose_decode_gemv(weights: list[torch.Tensor], forced: str = "auto") -> Cho
                              f"got {forced!r}")
         if forced == "native" and native_kernels() is None:
             raise ValueError(f"decode_gemv='native' is unavailable here: {unavailable_reason()}; use 'auto'")
+        if forced == "triton" and not (weights and triton_available(weights[0].device.type)):
+            raise ValueError("decode_gemv='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1); use 'auto'")
         return record(Choice(name, forced, "forced by the caller"))
     sweep = _sweep_weights(weights)
     device = sweep[0].device
@@ -135,10 +138,15 @@ def choose_decode_gemv(weights: list[torch.Tensor], forced: str = "auto") -> Cho
     kernels = native_kernels() if device.type == "cpu" else None
     if kernels is not None and all(kernels.supports(w) for w in sweep):
         forms["native"] = lambda: [kernels.gemv(w, inputs[w.shape[1]]) for w in sweep]
+    if device.type == "cuda" and triton_available("cuda"):
+        from infer.kernels.gemv import triton_gemv
+
+        forms["triton"] = lambda: [triton_gemv(w, inputs[w.shape[1]]) for w in sweep]
     times = _time_alternately(forms, device, repeats=5)
     best = min(times, key=times.__getitem__)
     value = best if times[best] < 0.97 * times["linear"] else "linear"  # a clear win only
-    labels = {"linear": "F.linear", "mv": "torch.mv", "native": f"native ({kernels.isa if kernels else ''})"}
+    labels = {"linear": "F.linear", "mv": "torch.mv", "native": f"native ({kernels.isa if kernels else ''})",
+              "triton": "Triton"}
     timed = ", ".join(f"{labels[k]} {t * 1e3:.2f} ms" for k, t in times.items())
     if "native" not in forms:
         timed += f"; native not tried ({_native_absence(kernels, device)})"
@@ -209,7 +217,6 @@ def choose_decode_attention(config: ModelConfig, dtype: torch.dtype, device: tor
     sequences of 256 keys, timed alternately); `forced` ("sdpa", "matmul", or "per-sequence": no batching,
     the check; "triton": the paged kernel) skips that; on CUDA with Triton the kernel is the choice. On a 2-core
     EPYC the matmul form measured 2.3x faster in bf16."""
-    from infer.kernels import triton_available
 
     name = "batched decode attention"
     if forced != "auto":

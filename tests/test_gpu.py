@@ -183,3 +183,20 @@ def test_hf_compiled_static_contender_runs_on_cuda() -> None:
     for _ in range(2):
         trial = contender.run()
         assert len(trial.step_times_s) == 7
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_attention_off_cudnn_gives_the_cudnn_tokens_and_logits(arch: str) -> None:
+    """The forward keeps SDPA off cuDNN on CUDA (a plan per new shape); PyTorch's own choice is the check."""
+    model = infer.load_model(build_checkpoint(arch), dtype="bfloat16", device="cuda")
+    ids = random_ids(model.config.vocab_size, 24, seed=3).cuda()
+    logits = {}
+    for cudnn in (False, True):
+        model.cudnn_attention = cudnn
+        cache = infer.create_cache("contiguous", model.config, max_seq_len=28, dtype=torch.bfloat16, device="cuda")
+        with torch.no_grad():
+            prefill = model(ids[:, :20], cache, all_logits=True)
+            steps = [model(ids[:, t : t + 1], cache) for t in range(20, 24)]
+        logits[cudnn] = torch.cat([prefill, *steps], 1).float().cpu()
+    scale = logits[True].abs().max().item()
+    assert_close(logits[False], logits[True], 3e-2 * scale, f"{arch}: bf16 logits, cuDNN off vs PyTorch's choice")

@@ -298,7 +298,53 @@ def test_quantized_cache_attention_choice_is_validated() -> None:
     from reference import build_checkpoint
 
     config = ModelConfig.from_file(build_checkpoint("llama"))
-    auto = infer.create_cache("int8", config, max_seq_len=8)
+    auto = infer.create_cache("int8", config, max_seq_len=8, device=DEVICE)
     assert auto.attention == ("triton" if torch.cuda.is_available() and DEVICE == "cuda" else "dequantize")
     with pytest.raises(ValueError, match="attention must be 'auto', 'triton' or 'dequantize'"):
         infer.create_cache("int8", config, max_seq_len=8, attention="flash")
+
+
+# Shapes crossing the block edges in both directions; small, since the interpreter runs each program in Python.
+@given(st.integers(1, 70), st.integers(1, 600), st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       st.none() | st.sampled_from([(2, 64), (4, 128), (16, 512)]), st.integers(0, 2**31 - 1))
+def test_triton_gemv_equals_torch_mv(n: int, k: int, dtype: torch.dtype, blocks: tuple[int, int] | None,
+                                     seed: int) -> None:
+    from infer.kernels.gemv import triton_gemv
+
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=gen).to(DEVICE, dtype)
+    x = torch.randn(k, generator=gen).to(DEVICE, dtype)
+    # The formula in fp64: both kernels sum in fp32 in their own order, then round once to `dtype`.
+    exact = torch.mv(weight.double(), x.double())
+    ours = triton_gemv(weight, x, blocks)
+    assert ours.dtype == dtype and ours.shape == (n,)
+    ulp = {torch.float32: 2e-6 * k**0.5, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+    assert_close(ours.double(), exact, atol=ulp * (exact.abs().max().item() + 1), what="triton_gemv")
+
+
+def test_triton_gemv_refuses_a_strided_weight() -> None:
+    from infer.kernels.gemv import triton_gemv
+
+    with pytest.raises(ValueError, match="row-major"):
+        triton_gemv(torch.ones(8, 4, device=DEVICE).t(), torch.ones(8, device=DEVICE))
+
+
+# Under the interpreter two architectures (the plain and the most different one) keep CI's time; all on CUDA.
+@pytest.mark.parametrize("arch", ARCHITECTURES if DEVICE == "cuda" else ["llama", "gemma3_text"])
+def test_decode_with_the_triton_gemv_gives_the_oracle_logits(arch: str) -> None:
+    import infer
+    from reference import Oracle, build_checkpoint
+
+    path = build_checkpoint(arch)
+    model = infer.load_model(path, device=DEVICE, decode_gemv="triton")
+    assert model.decode_gemv == "triton"
+    oracle = Oracle(path, device=DEVICE)
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
+    cache = infer.create_cache("contiguous", model.config, max_seq_len=8, device=DEVICE)
+    with torch.no_grad():
+        model(ids[:, :6].to(DEVICE), cache)
+        steps = torch.cat([model(ids[:, t : t + 1].to(DEVICE), cache) for t in range(6, 8)], 1)
+    truth = oracle.logits(ids)[:, 6:]
+    # Within 1e-5 of the logit scale, as the native CPU GEMV: fp32 sums in another order than HF's GEMM.
+    assert_close(steps, truth, atol=1e-5 * max(1.0, truth.abs().max().item()),
+                 what=f"{arch} decode steps through triton_gemv")

@@ -19,16 +19,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infer.attention import sdpa_backends
 from infer.backends import AttentionBackend, CacheBackend, StaticBackend, StepKernels
 from infer.cache.base import KVCache
 from infer.config import SLIDING_ATTENTION, ModelConfig, RopeConfig
 from infer.families import FAMILIES
+from infer.kernels import triton_available
 from infer.kernels.native import NativeKernels, native_gemv, native_kernels, unavailable_reason
 from infer.memory import empty_on_huge_pages
 from infer.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
 # Kernels of one-row (decode) products; "linear" is the unoptimised form, the others are chosen by measurement.
-GEMV_FORMS = ("linear", "mv", "native")
+GEMV_FORMS = ("linear", "mv", "native", "triton")
 
 
 class Linear(nn.Linear):
@@ -43,7 +45,7 @@ class Linear(nn.Linear):
     """
 
     upcast: torch.dtype | None = None
-    gemv: str = "linear"  # "linear" | "mv" | "native": the kernel of a one-row product
+    gemv: str = "linear"  # "linear" | "mv" | "native" | "triton": the kernel of a one-row product
     # A fused Linear (fuse_linears) computes its parts' products: all of them, or only one-row native ones.
     all_rows: bool = True
 
@@ -62,6 +64,11 @@ class Linear(nn.Linear):
             # One row: the matrix-vector product itself, without the GEMM machinery.
             if self.gemv == "native":
                 out = native_gemv(self.weight, x, self.bias)
+            elif self.gemv == "triton":
+                from infer.kernels.gemv import triton_gemv  # imported where Triton is (decode_gemv's setter)
+
+                out = triton_gemv(self.weight, x.reshape(-1))
+                out = out if self.bias is None else out + self.bias
             else:
                 out = torch.mv(self.weight, x.reshape(-1))
                 out = out if self.bias is None else out + self.bias
@@ -259,6 +266,7 @@ class Transformer(nn.Module):
         # Layer type -> (its first layer, its window): a cache's masks are built per type from that layer's keys.
         self._mask_layers = {lt: (config.layer_types.index(lt), self._window_of(lt)) for lt in self.inv_freq}
         self.use_reference_attention = False  # the unoptimised path, for checking `attention`
+        self.cudnn_attention = False  # True: PyTorch may pick cuDNN's SDPA on CUDA (infer.attention.sdpa_backends)
         self._decode_gemv = "linear"  # Transformer.decode_gemv
         self.huge_pages = False  # weights on transparent huge pages (set by the loader; fusing keeps it)
         # One-token steps under the native GEMV run their norms, rotations and gated activation as native calls
@@ -319,8 +327,9 @@ class Transformer(nn.Module):
 
     @property
     def decode_gemv(self) -> str:
-        """Kernel of one-row (decode) products: "linear" (F.linear), "mv" (torch.mv) or "native" (the compiled
-        kernel of infer/kernels/cpu_decode.c; a weight it cannot take keeps F.linear). Sums in another order than
+        """Kernel of one-row (decode) products: "linear" (F.linear), "mv" (torch.mv), "native" (the compiled
+        kernel of infer/kernels/cpu_decode.c; a weight it cannot take keeps F.linear) or "triton" (a GPU's,
+        infer/kernels/gemv.py). Sums in another order than
         F.linear: equal within rounding."""
         return self._decode_gemv
 
@@ -334,6 +343,9 @@ class Transformer(nn.Module):
         device = self.lm_head.weight.device
         if form == "native" and device.type != "cpu":
             raise ValueError(f"decode_gemv='native' runs on the CPU; this model is on {device.type}: use 'auto'")
+        if form == "triton" and not triton_available(device.type):
+            raise ValueError(f"decode_gemv='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1); "
+                             f"this model is on {device.type}: use 'auto'")
         self._decode_gemv = form
         self._lay_out_fused(self.fused_projections)
         for module in self._linears():
@@ -366,8 +378,9 @@ class Transformer(nn.Module):
                 for lt in self.inv_freq}
         ctx = StepContext(rope, backend, kernels)
         try:
-            for layer in self.layers:
-                x = layer(x, ctx)
+            with sdpa_backends(x.device, self.cudnn_attention):
+                for layer in self.layers:
+                    x = layer(x, ctx)
         except BaseException:  # Ctrl-C too: the storage must not keep half a step
             backend.abort()
             raise
