@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= 2.13.0
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: setup generate test
+.PHONY: setup generate test gpu-check
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -28,3 +28,10 @@ generate: setup
 
 test: setup
 	$(PY) -m pytest -n auto
+
+# On a CUDA machine, with its own Python (the one holding CUDA torch, Triton, transformers, pytest, hypothesis):
+# the GPU tests, the oracle suites on CUDA and the GPU benches, one report in bench_results/gpu/.
+GPU_PY ?= python3
+gpu-check:
+	$(GPU_PY) -m pip install -q --no-deps --no-build-isolation --no-index -e .
+	$(GPU_PY) tests/gpu_check.py

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,39 @@ from hypothesis import settings
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import infer
+import reference
+from infer.cache.paged import PagedKVPool
 from reference import build_checkpoint
+from tests.helpers import TEST_DEVICE
+
+# INFER_TEST_DEVICE=cuda (tests/gpu_check.py sets it): every model, cache and oracle a test makes without
+# naming a device is made there, so the oracle suites (properties, conformance, engine, sampling, stopping,
+# chat) hold the CUDA path to Hugging Face as they hold the CPU path. The defaults of the factories are
+# switched, nothing else: a test that names "cpu" stays on the CPU.
+if TEST_DEVICE != "cpu":
+    if not torch.device(TEST_DEVICE).type == "cuda" or not torch.cuda.is_available():
+        raise pytest.UsageError(f"INFER_TEST_DEVICE={TEST_DEVICE}: only 'cpu' or an available CUDA device")
+    # fp32 is compared with the oracle at 1e-5: no TF32 anywhere.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    for factory in (infer.load_model, infer.create_cache, PagedKVPool.__init__, reference.Oracle.__init__):
+        defaults = factory.__kwdefaults__ or {}
+        if "device" not in defaults:
+            raise pytest.UsageError(f"{factory.__qualname__} has no keyword-only `device` to switch")
+        defaults["device"] = TEST_DEVICE
+
+    # Token ids a test builds on the CPU go to the model's device when the test itself calls the model; ids
+    # the library passes are left alone, so a library path that feeds CPU ids to a CUDA model still fails.
+    module_call = infer.Transformer.__call__
+
+    def call_from_tests(self: infer.Transformer, input_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller.startswith("tests.") and isinstance(input_ids, torch.Tensor):
+            input_ids = input_ids.to(self.embed_tokens.weight.device)
+        return module_call(self, input_ids, *args, **kwargs)
+
+    infer.Transformer.__call__ = call_from_tests  # type: ignore[method-assign]
 
 # One intra-op thread per test process: the models are tiny, and with xdist workers (or other load) on few
 # cores, OpenMP threads waiting on each other made a 5 ms forward take 500 ms.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +20,10 @@ from infer.models import Transformer
 # Chat rendering is pinned to the transformers this suite was checked against: older releases differ
 # (5.17 maps a Literal tool argument to "object", does not alias `thinking`, keeps a None `name`).
 CHAT_ORACLE_VERSION = "5.23"
+
+# Where the suites put models and caches: "cpu", or "cuda" under tests/gpu_check.py (conftest switches the
+# factories' defaults to it).
+TEST_DEVICE = os.environ.get("INFER_TEST_DEVICE", "cpu")
 
 
 def chat_oracle_version_ok() -> bool:
@@ -57,7 +62,7 @@ def time_limit(seconds: float, what: str) -> Iterator[None]:
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, what: str = "tensors") -> None:
     """Assert |actual - expected| <= atol everywhere; the message gives max and mean difference."""
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    diff = (actual.float() - expected.float()).abs()
+    diff = (actual.float().cpu() - expected.float().cpu()).abs()
     worst = diff.max().item() if diff.numel() else 0.0
     assert worst <= atol, (
         f"{what}: max |diff| {worst:.3e} > {atol:.1e} (mean {diff.mean().item():.3e}, "
@@ -117,7 +122,7 @@ def random_model(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + base)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    return model.to(dtype).eval().requires_grad_(False)
+    return model.to(dtype=dtype, device=TEST_DEVICE).eval().requires_grad_(False)
 
 
 def check_pool_invariants(manager: BlockManager, tokens: dict[int, list[int]] | None = None) -> None:

@@ -28,6 +28,7 @@ from reference.checkpoints import ARCHS, build_checkpoint
 
 gguf = pytest.importorskip("gguf")
 from reference.gguf_convert import hf_to_gguf, permute_for_rope, quantize_roundtrip  # noqa: E402
+from tests.helpers import chat_oracle_version_ok  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------------------
 # Dequantization, block type by block type, bit for bit against gguf.quants (llama.cpp's reference in Python).
@@ -447,7 +448,9 @@ def test_real_tokenizer_is_transformers(smollm2: Path, hf_smollm2_tokenizer: Any
             expected = hf.apply_chat_template(chat, add_generation_prompt=prompt, tokenize=True)
             expected = expected["input_ids"] if hasattr(expected, "keys") else expected
             assert ours.apply_chat_template(chat, add_generation_prompt=prompt) == list(expected), (chat, prompt)
-    assert ours.bos_token_id == hf.bos_token_id and ours.pad_token_id == hf.pad_token_id
+    assert ours.bos_token_id == hf.bos_token_id
+    if chat_oracle_version_ok():  # transformers before 5.23 leaves the file's padding_token_id unread (None)
+        assert ours.pad_token_id == hf.pad_token_id
     assert ours.eos_token_ids == [hf.eos_token_id] and ours.vocab_size == len(hf)
 
 
@@ -458,7 +461,7 @@ def test_real_fp32_logits_are_transformers(smollm2: Path, our_smollm2: infer.Tra
          {"role": "user", "content": "Explain in two sentences why the sky is blue, and name one other colour."}])
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        ours = our_smollm2(ids)
+        ours = our_smollm2(ids).cpu()
     expected = hf_smollm2.logits(ids)
     scale = expected.abs().max().item()
     error = (ours - expected).abs().max().item()

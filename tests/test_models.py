@@ -80,9 +80,9 @@ def test_half_precision(arch: str, dtype: torch.dtype) -> None:
     hf_half = Oracle(path, dtype=dtype).logits(ids)
     fp32 = Oracle(path).logits(ids)
     with torch.no_grad():
-        fast = model(ids)
+        fast = model(ids).cpu()
         model.use_reference_attention = True
-        formula = model(ids)
+        formula = model(ids).cpu()
     assert fast.dtype == dtype
     assert torch.equal(formula, hf_half), f"{arch} {dtype}: reference path differs from HF eager"
     hf_error = (hf_half.float() - fp32).abs().max().item()

@@ -21,7 +21,7 @@ from infer.cache.paged import PagedCache, PagedKVPool
 from infer.config import ModelConfig
 from infer.families import ARCHITECTURES
 from infer.models import Transformer
-from tests.helpers import assert_close, random_model, tiny_config
+from tests.helpers import TEST_DEVICE, assert_close, random_model, tiny_config
 
 ALPHABET = st.integers(0, 1)  # two token ids: prompts share prefixes (and hashes collide) often
 
@@ -502,8 +502,8 @@ def test_update_returns_exactly_what_was_written(split: list[int], batch: int, b
     cache = infer.create_cache("paged", config, max_seq_len=total, batch_size=batch, pool=pool)
     neighbour = pool.new_sequence(max_seq_len=total)  # writes between our steps, so block ids interleave
     gen = torch.Generator().manual_seed(seed)
-    k_all = torch.randn(2, batch + 1, 2, total, 4, generator=gen)  # row `batch` is the neighbour's
-    v_all = torch.randn(2, batch + 1, 2, total, 4, generator=gen)
+    k_all = torch.randn(2, batch + 1, 2, total, 4, generator=gen).to(TEST_DEVICE)  # row `batch`: the neighbour's
+    v_all = torch.randn(2, batch + 1, 2, total, 4, generator=gen).to(TEST_DEVICE)
     start = 0
     for n in split:
         for c, rows in ((cache, slice(0, batch)), (neighbour, slice(batch, batch + 1))):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from infer import create_cache
 from infer.errors import CacheFullError
-from tests.helpers import tiny_config
+from tests.helpers import TEST_DEVICE, tiny_config
 from tests.property.strategies import splits
 
 
@@ -20,8 +20,8 @@ def test_contiguous_returns_everything_written(split: list[int], batch: int, see
     cache = create_cache("contiguous", config, max_seq_len=total, batch_size=batch)
     gen = torch.Generator().manual_seed(seed)
     # Distinct K/V per layer, row, head and position, so a misplaced write cannot go unseen.
-    k_all = torch.randn(2, batch, 2, total, 4, generator=gen)
-    v_all = torch.randn(2, batch, 2, total, 4, generator=gen)
+    k_all = torch.randn(2, batch, 2, total, 4, generator=gen).to(TEST_DEVICE)
+    v_all = torch.randn(2, batch, 2, total, 4, generator=gen).to(TEST_DEVICE)
     start = 0
     for n in split:
         for layer in range(2):

@@ -1,0 +1,246 @@
+"""The whole harness on a CUDA machine in one command (`make gpu-check`), and one report of what it found.
+
+Stages, each in its own process and time limit, so one that fails or hangs still leaves the others' results:
+
+- kernels: tests/test_gpu.py, the Triton kernels compiled (not interpreted) against their formulas, graph
+  capture and replay (tests/test_graphs.py);
+- oracle: the property, conformance, engine, sampling, stopping, chat and real-model suites with every model,
+  cache and oracle on CUDA (INFER_TEST_DEVICE=cuda; fp32 with TF32 off);
+- bench-*: batch-1 decode against Hugging Face (eager dynamic, static, static + torch.compile) at the
+  Llama-3.2-1B and Qwen3-1.7B shapes with the fraction of measured read bandwidth; the batched engine on the
+  mixed workload at 64 and 256 requests against HF static batching; quantized KV against bf16 at 8k and 32k.
+
+The report (markdown and JSON: device, driver, versions, every figure, every failure with its test id) goes to
+--out. Without CUDA it says so in one line and exits 2.
+
+    python tests/gpu_check.py [--out DIR] [--only kernels,oracle,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+KERNEL_TESTS = ["tests/test_gpu.py", "tests/test_triton_kernels.py", "tests/test_graphs.py"]
+# The suites that hold the CPU path to the oracle, run again with models on CUDA.
+ORACLE_TESTS = ["tests/property", "tests/test_cache_conformance.py", "tests/test_engine.py",
+                "tests/test_sampling_oracle.py", "tests/test_stopping.py", "tests/test_chat.py",
+                "tests/test_generate.py", "tests/test_models.py", "tests/test_paged.py", "tests/test_sliding.py",
+                "tests/test_prompt_cache.py", "tests/test_real_model.py"]
+
+BENCH = ["-m", "infer", "bench", "--device", "cuda", "--no-memory"]
+SINGLE = ["--prompt-len", "512", "--max-new-tokens", "128", "--against-hf", "--trials", "3"]
+BENCHES: dict[str, list[str]] = {
+    "bench-llama-1b": [*BENCH, "--arch", "llama", *SINGLE],
+    "bench-qwen3-1.7b": [*BENCH, "--arch", "qwen3", *SINGLE],
+    "bench-batched-64": [*BENCH, "--arch", "llama", "--batched", "--requests", "64", "--against-hf",
+                         "--batch-size", "32", "--no-one-by-one", "--trials", "2"],
+    "bench-batched-256": [*BENCH, "--arch", "llama", "--batched", "--requests", "256", "--against-hf",
+                          "--batch-size", "32", "--no-one-by-one", "--trials", "1"],
+    "bench-kv": [*BENCH, "--arch", "llama", "--cache-table", "contiguous,int8,int4,fp4", "--contexts",
+                 "8192,32768", "--max-new-tokens", "64"],
+}
+TIME_LIMITS = {"kernels": 200, "oracle": 300, "bench-llama-1b": 150, "bench-qwen3-1.7b": 180,
+               "bench-batched-64": 120, "bench-batched-256": 150, "bench-kv": 120}
+
+
+@dataclass
+class Stage:
+    """One stage's outcome: its command, exit status, time, and what it measured or found."""
+
+    name: str
+    command: list[str]
+    returncode: int | None = None  # None: ran past its time limit
+    seconds: float = 0.0
+    counts: dict[str, int] = field(default_factory=dict)
+    failures: list[dict[str, str]] = field(default_factory=list)
+    figures: Any = None
+    log_tail: str = ""
+
+
+def environment() -> dict[str, Any]:
+    """Device, driver and the versions every figure depends on."""
+    import torch
+
+    env: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                           "python": platform.python_version(),
+                           "torch": torch.__version__, "cuda": torch.version.cuda}
+    for name in ("triton", "transformers", "hypothesis"):
+        try:
+            env[name] = __import__(name).__version__
+        except ImportError:
+            env[name] = None
+    env["device"] = torch.cuda.get_device_name(0)
+    props = torch.cuda.get_device_properties(0)
+    env["memory_gib"] = round(props.total_memory / 2**30, 1)
+    env["multiprocessors"] = props.multi_processor_count
+    try:
+        env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                       capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        env["driver"] = None
+    from infer.model_store import stored_path
+
+    model = stored_path()
+    env["real_model"] = str(model) if model.is_file() else None  # None: not in the store, its tests left out
+    try:
+        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                       text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        env["commit"] = None
+    return env
+
+
+def run_stage(stage: Stage, limit: float, env: dict[str, str], log: Path) -> None:
+    """Run one stage's command with a time limit; its whole output goes to `log`."""
+    print(f"[gpu-check] {stage.name}: {' '.join(stage.command[1:])}", flush=True)
+    start = time.perf_counter()
+    with log.open("w") as out:
+        try:
+            stage.returncode = subprocess.run(stage.command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                              timeout=limit).returncode
+        except subprocess.TimeoutExpired:
+            stage.returncode = None
+    stage.seconds = time.perf_counter() - start
+    stage.log_tail = log.read_text(errors="replace")[-3000:]
+    status = "timed out" if stage.returncode is None else f"exit {stage.returncode}"
+    print(f"[gpu-check] {stage.name}: {status} after {stage.seconds:.0f} s", flush=True)
+
+
+def read_junit(path: Path, stage: Stage) -> None:
+    """Counts and every failure (test id and the first lines of its message) from pytest's JUnit XML."""
+    if not path.exists():
+        return
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        test_id = f"{case.get('classname', '')}::{case.get('name', '')}"
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome = "failed" if child.tag == "failure" else "errors"
+                message = (child.get("message") or child.text or "").strip().splitlines()
+                stage.failures.append({"test": test_id, "kind": child.tag, "message": " ".join(message[:3])[:400]})
+            elif child.tag == "skipped":
+                outcome = "skipped"
+        counts[outcome] += 1
+    stage.counts = counts
+
+
+def bench_figures(name: str, report: Any) -> Any:
+    """The figures a person reads from one bench JSON."""
+    if name == "bench-kv":
+        return report
+    keep = ("name", "decode_tok_s", "step_p50_ms", "roofline_fraction", "ttft_ms", "tok_s", "req_s", "wall_s",
+            "ttft_p50_ms", "latency_p50_ms")
+    rows = [{k: r[k] for k in keep if k in r} for r in report.get("results", [])]
+    extra = {k: report[k] for k in ("bandwidth_bytes_s", "bytes_per_decode_step", "ratios", "model")
+             if k in report}
+    return {"rows": rows, **extra}
+
+
+def markdown(env: dict[str, Any], stages: list[Stage]) -> str:
+    """The report a person reads."""
+    lines = ["# GPU check", "", " | ".join(f"{k}: {v}" for k, v in env.items()), "",
+             "| stage | result | seconds | passed | failed | errors | skipped |", "|---|---|---:|---:|---:|---:|---:|"]
+    for s in stages:
+        result = "timed out" if s.returncode is None else ("ok" if s.returncode == 0 else f"exit {s.returncode}")
+        c = s.counts
+        lines.append(f"| {s.name} | {result} | {s.seconds:.0f} | {c.get('passed', '')} | {c.get('failed', '')} | "
+                     f"{c.get('errors', '')} | {c.get('skipped', '')} |")
+    for s in stages:
+        if s.failures:
+            lines += ["", f"## Failures in {s.name}", ""]
+            lines += [f"- `{f['test']}` ({f['kind']}): {f['message']}" for f in s.failures]
+    for s in stages:
+        if not s.figures:
+            continue
+        lines += ["", f"## {s.name}", ""]
+        rows = s.figures if isinstance(s.figures, list) else s.figures["rows"]
+        if rows:
+            keys = list(rows[0])
+            lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+            lines += ["| " + " | ".join(f"{r.get(k):.4g}" if isinstance(r.get(k), float) else str(r.get(k))
+                                        for k in keys) + " |" for r in rows]
+        if isinstance(s.figures, dict):
+            for k in ("bandwidth_bytes_s", "bytes_per_decode_step"):
+                if k in s.figures:
+                    lines.append(f"\n{k}: {s.figures[k]:.4g}")
+            lines += [f"\n{r}" for r in s.figures.get("ratios", [])]
+    for s in stages:
+        if s.returncode != 0:
+            lines += ["", f"## Log tail of {s.name}", "", "```", s.log_tail[-1500:], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(ROOT / "bench_results" / "gpu"), help="folder of the report")
+    parser.add_argument("--only", default=None, help="comma-separated stages (default: all): kernels, oracle, "
+                        + ", ".join(BENCHES))
+    parser.add_argument("--workers", type=int, default=8, help="pytest-xdist workers sharing the GPU")
+    parser.add_argument("--limit", action="append", default=[], metavar="STAGE=SECONDS",
+                        help="another time limit for a stage (repeatable)")
+    args = parser.parse_args(argv)
+    limits = dict(TIME_LIMITS)
+    for item in args.limit:
+        stage_name, _, seconds = item.partition("=")
+        if stage_name not in limits or not seconds.isdigit():
+            parser.error(f"--limit {item!r}: expected STAGE=SECONDS with STAGE one of {list(limits)}")
+        limits[stage_name] = int(seconds)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu-check: no CUDA device here (torch.cuda.is_available() is False); run it on a machine with one")
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = ["kernels", "oracle", *BENCHES]
+    chosen = names if args.only is None else args.only.split(",")
+    unknown = sorted(set(chosen) - set(names))
+    if unknown:
+        parser.error(f"--only: unknown stage(s) {unknown}; choose from {names}")
+    base_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
+    base_env.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interpreter
+    env = environment()
+    stages: list[Stage] = []
+    for name in names:
+        if name not in chosen:
+            continue
+        junit = out / f"{name}.xml"
+        if name in ("kernels", "oracle"):
+            paths = KERNEL_TESTS if name == "kernels" else ORACLE_TESTS
+            # The real model cannot be fetched on a machine without a network: its tests are left out, and the
+            # report says so, unless the file is in the store already.
+            deselect = [] if env["real_model"] else ["-m", "not real_model"]
+            stage = Stage(name, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n",
+                                 str(args.workers), "-rfE", f"--junitxml={junit}", *deselect, *paths])
+            stage_env = base_env | ({"INFER_TEST_DEVICE": "cuda"} if name == "oracle" else {})
+        else:
+            stage = Stage(name, [sys.executable, *BENCHES[name], "--json", str(out / f"{name}.json")])
+            stage_env = base_env
+        run_stage(stage, limits[name], stage_env, out / f"{name}.log")
+        if name in ("kernels", "oracle"):
+            read_junit(junit, stage)
+        elif (out / f"{name}.json").exists():
+            stage.figures = bench_figures(name, json.loads((out / f"{name}.json").read_text()))
+        stages.append(stage)
+        (out / "gpu_report.json").write_text(json.dumps({"environment": env, "stages": [asdict(s) for s in stages]},
+                                                        indent=1))
+        (out / "gpu_report.md").write_text(markdown(env, stages))
+    print(markdown(env, stages))
+    return 0 if all(s.returncode == 0 for s in stages) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
