@@ -1,0 +1,52 @@
+"""tests/gpu_check.py where no GPU is: one line and a non-zero exit, and its report from pytest's JUnit XML."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import gpu_check
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_without_cuda_it_says_so_in_one_line_and_exits_non_zero(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert gpu_check.main(["--out", str(tmp_path)]) == 2
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "no CUDA device" in out[0]
+    assert not any(tmp_path.iterdir()), "nothing is written when nothing ran"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_the_cuda_test_switch_refuses_a_machine_without_cuda() -> None:
+    env = {**os.environ, "INFER_TEST_DEVICE": "cuda"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
+                          "tests/test_gpu_check.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "INFER_TEST_DEVICE=cuda" in run.stdout + run.stderr
+
+
+def test_the_report_counts_every_outcome_and_names_each_failure(tmp_path: Path) -> None:
+    junit = tmp_path / "oracle.xml"
+    junit.write_text(
+        '<?xml version="1.0"?><testsuites><testsuite>'
+        '<testcase classname="tests.test_a" name="test_ok"/>'
+        '<testcase classname="tests.test_a" name="test_bad[llama]"><failure message="assert 1 == 2">tb</failure>'
+        '</testcase>'
+        '<testcase classname="tests.test_b" name="test_broken"><error message="fixture failed">tb</error></testcase>'
+        '<testcase classname="tests.test_b" name="test_gpu"><skipped message="needs CUDA"/></testcase>'
+        '</testsuite></testsuites>')
+    stage = gpu_check.Stage("oracle", ["pytest"], returncode=1, seconds=3.0)
+    gpu_check.read_junit(junit, stage)
+    assert stage.counts == {"passed": 1, "failed": 1, "errors": 1, "skipped": 1}
+    assert [f["test"] for f in stage.failures] == ["tests.test_a::test_bad[llama]", "tests.test_b::test_broken"]
+    report = gpu_check.markdown({"device": "test"}, [stage])
+    assert "| oracle | exit 1 | 3 | 1 | 1 | 1 | 1 |" in report
+    assert "`tests.test_a::test_bad[llama]` (failure): assert 1 == 2" in report
