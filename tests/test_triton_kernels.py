@@ -242,7 +242,8 @@ def test_quantized_caches_decode_through_the_kernel_as_through_pytorch(arch: str
     model = infer.load_model(build_checkpoint(arch), decode_gemv="linear").to(DEVICE)
     ids = torch.randint(0, 400, (2, 40), generator=torch.Generator().manual_seed(11)).to(DEVICE)
     caches = {attention: infer.create_cache(kind, model.config, max_seq_len=40, batch_size=2, device=DEVICE,
-                                            residual_window=residual_window, attention=attention)
+                                            residual_window=residual_window, attention=attention,
+                                            key_scales="row", sink_tokens=0)  # the layout the kernel reads
               for attention in ("dequantize", "triton")}
     assert caches["triton"].attends_in_kernel and not caches["dequantize"].attends_in_kernel
     with torch.no_grad():
@@ -289,7 +290,8 @@ def test_quantized_cache_decode_attention_equals_update_then_attend(kind: str) -
 def _quantized_cache(kind: str, config: object, batch: int) -> object:
     import infer
 
-    return infer.create_cache(kind, config, max_seq_len=24, batch_size=batch, device=DEVICE)
+    return infer.create_cache(kind, config, max_seq_len=24, batch_size=batch, device=DEVICE, key_scales="row",
+                              sink_tokens=0)
 
 
 def test_quantized_cache_attention_choice_is_validated() -> None:
@@ -298,8 +300,12 @@ def test_quantized_cache_attention_choice_is_validated() -> None:
     from reference import build_checkpoint
 
     config = ModelConfig.from_file(build_checkpoint("llama"))
-    auto = infer.create_cache("int8", config, max_seq_len=8, device=DEVICE)
+    auto = infer.create_cache("int8", config, max_seq_len=8, device=DEVICE, key_scales="row", sink_tokens=0)
     assert auto.attention == ("triton" if torch.cuda.is_available() and DEVICE == "cuda" else "dequantize")
+    # Keys scaled per channel (the registered kinds' default) attend by dequantizing: the kernel reads row scales.
+    assert infer.create_cache("int8", config, max_seq_len=8, device=DEVICE).attention == "dequantize"
+    with pytest.raises(ValueError, match="key_scales=.channel. or sink_tokens use .auto. or .dequantize."):
+        infer.create_cache("int8", config, max_seq_len=8, device=DEVICE, attention="triton")
     with pytest.raises(ValueError, match="attention must be 'auto', 'triton' or 'dequantize'"):
         infer.create_cache("int8", config, max_seq_len=8, attention="flash")
 

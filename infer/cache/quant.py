@@ -153,3 +153,32 @@ def dequantize_fp4(
     """packed uint8 [..., D/2], scale [...] -> values [..., D] in `dtype`."""
     values = fp4_code_table(packed.device)[unpack_nibbles(packed).long()]
     return _times_scale(values, scale, dtype)
+
+
+# --- per-channel scales (keys) --------------------------------------------------------------------
+
+QMAX = {"int8": INT8_MAX, "int4": INT4_MAX, "fp4": FP4_MAX}
+
+
+def quantize_channels(x: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block of keys x [..., S, D] -> (codes laid out as `scheme`'s rows [..., S, D or D/2], scale [..., D]):
+    one scale per channel over the block's S tokens (KIVI), so a channel of outliers keeps its own range instead
+    of rounding the rest of its row to zero."""
+    by_channel = x.transpose(-1, -2)  # [..., D, S]: a channel's values as one row
+    scale = row_scale(by_channel, QMAX[scheme])
+    scaled = _divide_by_scale(by_channel, scale).transpose(-1, -2)
+    if scheme == "int8":
+        return torch.round(scaled).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+    _check_even(x, scheme)
+    if scheme == "int4":
+        codes = torch.round(scaled).clamp(-INT4_MAX, INT4_MAX).to(torch.int16)
+        return pack_nibbles((codes & 0x0F).to(torch.uint8)), scale
+    return pack_nibbles(fp4_codes(scaled)), scale
+
+
+def dequantize_channels(codes: torch.Tensor, scale: torch.Tensor, scheme: str,
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """codes [..., S, D or D/2] as `quantize_channels` writes them, scale [..., D] -> values [..., S, D]."""
+    ones = torch.ones(codes.shape[:-1], dtype=SCALE_DTYPE, device=codes.device)
+    decode = {"int8": dequantize_int8, "int4": dequantize_int4, "fp4": dequantize_fp4}[scheme]
+    return (decode(codes, ones, torch.float32) * scale.float().unsqueeze(-2)).to(dtype)
