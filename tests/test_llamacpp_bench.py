@@ -89,3 +89,20 @@ def test_llamacpp_generates_the_engines_greedy_tokens(tmp_path: Path) -> None:
         tokens.append(next_token(llm))
         llm.eval([tokens[-1]])
     assert tokens == expected
+
+
+@pytest.mark.real_model
+def test_llamacpp_teacher_forced_logits_line_up_with_ours() -> None:
+    """reference/llamacpp_quality.py reads llama.cpp's logits position by position: on the real model with its
+    exact (f16) cache they predict the tokens ours predict (an off-by-one would agree at chance)."""
+    pytest.importorskip("llama_cpp")
+    from infer.model_store import default_model_path
+    from infer.quality import load_text, teacher_forced_logits, text_ids
+    from reference.llamacpp_quality import llamacpp_logits
+
+    path = default_model_path()
+    ids = text_ids(infer.Tokenizer(path), load_text("prose"), 64)
+    theirs = llamacpp_logits(path, ids, 16, "f16", threads=1)
+    ours, _ = teacher_forced_logits(infer.load_model(path), "contiguous", ids, 16)
+    assert theirs.shape == ours.shape
+    assert (theirs.argmax(-1) == ours.argmax(-1)).float().mean() >= 0.9
