@@ -37,10 +37,13 @@ from infer.attention import (
     decode_attention_matmul,
 )
 from infer.cache.base import AttendsInKernel, KVCache
+from infer.cache.paged_quantized import QuantizedPoolLayer
 from infer.kernels.native import NativeKernels
 from infer.ragged import DecodeGroup, RaggedBatch, SeqSlice
 
 Attend = Callable[..., torch.Tensor]
+# Keys and values `[B, Hkv, length, D]` of block tables `[B, nb]` (all their slots without a length).
+Gather = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 class AttentionLayer(Protocol):
@@ -195,7 +198,8 @@ class PagedBackend(AttentionBackend):
     `[num_blocks, Hkv, block_size, D]`). All layers share positions and sampled rows; they may use different
     block tables, as the ring-bounded sliding layers do. The input is one flat row `[1, N]`."""
 
-    def __init__(self, layers: Sequence[tuple[RaggedBatch, torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, layers: Sequence[tuple[RaggedBatch, torch.Tensor | QuantizedPoolLayer,
+                                              torch.Tensor | QuantizedPoolLayer]]) -> None:
         if not layers:
             raise ValueError("layers must give one (batch, k_blocks, v_blocks) per model layer, got none")
         self.layers = layers
@@ -228,8 +232,8 @@ def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_blocks: torch.Tensor,
-    v_blocks: torch.Tensor,
+    k_blocks: torch.Tensor | QuantizedPoolLayer,
+    v_blocks: torch.Tensor | QuantizedPoolLayer,
     batch: RaggedBatch,
     window: int | None,
     scale: float,
@@ -237,39 +241,40 @@ def paged_attention(
     reference: bool = False,
     wide: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Write this step's `k`, `v` `[1, Hkv, N, D]` into one layer's blocks `[num_blocks, Hkv, bs, D]`, then
-    attend each sequence's queries (rows of `q` `[1, H, N, D]`) to its own keys; returns `[1, H, N, D]`.
+    """Write this step's `k`, `v` `[1, Hkv, N, D]` into one layer's blocks `[num_blocks, Hkv, bs, D]` (or a
+    quantized pool's layer, which stages and quantizes them itself), then attend each sequence's queries (rows of
+    `q` `[1, H, N, D]`) to its own keys; returns `[1, H, N, D]`.
 
     `reference`: every call is `attention_reference` (the model's check); `wide`: the dtype a multi-token
     chunk computes in (the model's compute_dtype), as in a solo prefill."""
     attend: Attend = partial(attention_reference if reference else attention, scale=scale, softcap=softcap)
-    # A block a sequence starts is zeroed first, so its unwritten slots never hold a previous owner's
-    # values (the batched decode reads them, masked: a stale NaN would still poison its sum).
-    # (index_fill_ with a scalar: no host value copied to the device, so a CUDA graph can capture it.)
-    k_blocks.index_fill_(0, batch.fresh_blocks, 0)
-    v_blocks.index_fill_(0, batch.fresh_blocks, 0)
-    # Index tensors around the head slice put N first: the target is [N, Hkv, D].
-    k_blocks[batch.slot_blocks, :, batch.slot_offsets] = k[0].transpose(0, 1).to(k_blocks.dtype)
-    v_blocks[batch.slot_blocks, :, batch.slot_offsets] = v[0].transpose(0, 1).to(v_blocks.dtype)
+    gather: Gather
+    if isinstance(k_blocks, QuantizedPoolLayer):
+        k_blocks.write(batch, k, v)
+        gather = k_blocks.gather
+    else:
+        _write_blocks(k, v, k_blocks, cast(torch.Tensor, v_blocks), batch)
+        gather = partial(_gather_kv, k_blocks, cast(torch.Tensor, v_blocks))
     if batch.decode is None and len(batch.seqs) == 1:  # one sequence: no scatter
         seq = batch.seqs[0]
-        return _attend_one(q[:, :, seq.row : seq.row + seq.num_tokens], k_blocks, v_blocks, seq, batch.block_size,
-                           window, attend, wide)
+        return _attend_one(q[:, :, seq.row : seq.row + seq.num_tokens], gather, seq, window, attend, wide)
     out = torch.empty_like(q)
     for seq in batch.seqs:
         out[:, :, seq.row : seq.row + seq.num_tokens] = _attend_one(
-            q[:, :, seq.row : seq.row + seq.num_tokens], k_blocks, v_blocks, seq, batch.block_size, window, attend,
-            wide)
+            q[:, :, seq.row : seq.row + seq.num_tokens], gather, seq, window, attend, wide)
     group = batch.decode
     if group is not None and group.kernel == "triton" and not reference:
         from infer.kernels.paged_attention import paged_decode_attention
 
+        if not isinstance(k_blocks, torch.Tensor) or not isinstance(v_blocks, torch.Tensor):
+            raise ValueError("the Triton paged kernel reads exact blocks; a quantized pool attends by 'sdpa' or "
+                             "'matmul'")
         queries = q[0, :, group.rows].transpose(0, 1)  # [B, H, D]
         attended = paged_decode_attention(queries.contiguous(), k_blocks, v_blocks, group.tables, group.lengths,
                                           scale, softcap, window)
         out[0, :, group.rows] = attended.transpose(0, 1)
     elif group is not None:
-        keys, values = gather_blocks(k_blocks, group.tables), gather_blocks(v_blocks, group.tables)
+        keys, values = gather(group.tables)
         queries = q[0, :, group.rows, None].transpose(0, 1)  # [B, H, 1, D]
         mask = _group_mask(group, window, keys.shape[2])
         if group.kernel == "matmul" and not reference:
@@ -278,6 +283,23 @@ def paged_attention(
             attended = attend(queries, keys, values, mask)
         out[0, :, group.rows] = attended[:, :, 0].transpose(0, 1)
     return out
+
+
+def _write_blocks(k: torch.Tensor, v: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                  batch: RaggedBatch) -> None:
+    # A block a sequence starts is zeroed first, so its unwritten slots never hold a previous owner's
+    # values (the batched decode reads them, masked: a stale NaN would still poison its sum).
+    # (index_fill_ with a scalar: no host value copied to the device, so a CUDA graph can capture it.)
+    k_blocks.index_fill_(0, batch.fresh_blocks, 0)
+    v_blocks.index_fill_(0, batch.fresh_blocks, 0)
+    # Index tensors around the head slice put N first: the target is [N, Hkv, D].
+    k_blocks[batch.slot_blocks, :, batch.slot_offsets] = k[0].transpose(0, 1).to(k_blocks.dtype)
+    v_blocks[batch.slot_blocks, :, batch.slot_offsets] = v[0].transpose(0, 1).to(v_blocks.dtype)
+
+
+def _gather_kv(k_blocks: torch.Tensor, v_blocks: torch.Tensor, tables: torch.Tensor, length: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    return gather_blocks(k_blocks, tables, length), gather_blocks(v_blocks, tables, length)
 
 
 def _group_mask(group: DecodeGroup, window: int | None, num_keys: int) -> torch.Tensor:
@@ -292,11 +314,10 @@ def _group_mask(group: DecodeGroup, window: int | None, num_keys: int) -> torch.
     return visible[:, None, None, :]
 
 
-def _attend_one(queries: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, seq: SeqSlice,
-                block_size: int, window: int | None, attend: Attend, wide: torch.dtype | None) -> torch.Tensor:
+def _attend_one(queries: torch.Tensor, gather: Gather, seq: SeqSlice, window: int | None, attend: Attend,
+                wide: torch.dtype | None) -> torch.Tensor:
     """One sequence's queries `[1, H, T, D]` over its own keys, with the shapes and mask of a solo run."""
-    keys = gather_blocks(k_blocks, seq.blocks[None], seq.context_len - seq.first_key)
-    values = gather_blocks(v_blocks, seq.blocks[None], seq.context_len - seq.first_key)
+    keys, values = gather(seq.blocks[None], seq.context_len - seq.first_key)
     mask = seq.masks[window]
     if wide is not None and seq.num_tokens > 1 and queries.dtype != wide:
         return attend(queries.to(wide), keys.to(wide), values.to(wide), mask).to(queries.dtype)

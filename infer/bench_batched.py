@@ -20,10 +20,12 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from infer.bench_common import format_table, machine_info, percentile, speed_ratio
+from infer.cache.paged_quantized import KV_CACHE_DTYPES
 from infer.models import Transformer
 from infer.ragged import DECODE_KERNELS
 from infer.sampling import SamplingParams
@@ -93,10 +95,17 @@ def run_engine(model: Transformer, work: list[BatchRequest], name: str = "infer 
     stats = {"steps": s.steps, "preemptions": s.preemptions, "prefix_hit_rate": s.prefix_hit_rate,
              "pool_blocks": pool.num_blocks, "block_size": pool.block_size, "peak_blocks_used": s.peak_blocks_used,
              "peak_blocks_shared": s.peak_blocks_shared, "max_waste_slots_per_running_seq": s.max_waste_per_running_seq,
-             "graph_steps": s.graph_steps, "graph_shapes": shapes, "graph_capture_s": capture_s}
+             "graph_steps": s.graph_steps, "graph_shapes": shapes, "graph_capture_s": capture_s,
+             "kv_memory_bytes": engine.memory_bytes}
     return BatchedRun(name, wall, [r.time_to_first_token_s for r in results],
                       [r.time_to_first_token_s + sum(r.decode_times_s) for r in results],
                       sum(len(r.token_ids) for r in results), stats)
+
+
+def run_quantized(model: Transformer, name: str, engine_args: dict[str, Any], work: list[BatchRequest]
+                  ) -> BatchedRun:
+    """`run_engine` with the arguments first (a runner of the workload alone)."""
+    return run_engine(model, work, name, **engine_args)
 
 
 def run_one_by_one(model: Transformer, work: list[BatchRequest], cache: str = "contiguous") -> BatchedRun:
@@ -142,12 +151,17 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
     dtype = model.embed_tokens.weight.dtype
     device = model.embed_tokens.weight.device
     engine_args = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens", "decode_attention",
-                                                          "num_blocks")
+                                                          "num_blocks", "cache_memory")
                    if getattr(args, name) is not None}  # unset: the Engine's own defaults
     if args.no_decode_graphs:
         engine_args["decode_graphs"] = False
     runners: list[tuple[str, Callable[[list[BatchRequest]], BatchedRun]]] = [
         ("infer engine", lambda w: run_engine(model, w, **engine_args))]
+    for kv in args.kv_cache_dtype:  # the same engine with its pool quantized, in the same memory
+        # (the Triton paged kernel reads exact blocks only: a quantized pool takes the engine's other choice)
+        quantized = {k: v for k, v in engine_args.items() if (k, v) != ("decode_attention", "triton")}
+        quantized["kv_cache_dtype"] = kv
+        runners.append((f"infer engine[{kv}]", partial(run_quantized, model, f"infer engine[{kv}]", quantized)))
     if not args.no_one_by_one:
         runners.append(("infer one by one", lambda w: run_one_by_one(model, w)))
     for make in others:
@@ -176,6 +190,12 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
               f"{speed_ratio(float(engine['tok_s']) / float(row['tok_s']))}" for row in rows[1:]]
     for line in ratios:
         print(line)
+    engines = [m for m in medians if m.stats]
+    if len(engines) > 1:  # the pool kinds side by side: what the same memory holds, and what it runs
+        mean_len = sum(len(r.prompt_ids) + r.max_new_tokens for r in work) / len(work)
+        print(format_table([pool_row(m, mean_len) for m in engines],
+                           ["name", "kv_mib", "blocks", "requests_fit", "tok_s", "preemptions"]))
+        print(f"requests_fit: requests of the workload's mean length ({mean_len:.0f} tokens) the pool holds at once")
     pool = medians[0].stats
     print(f"pool: {pool['pool_blocks']:.0f} blocks of {pool['block_size']:.0f} tokens; peak used "
           f"{pool['peak_blocks_used']:.0f}, peak shared {pool['peak_blocks_shared']:.0f}; worst waste "
@@ -197,6 +217,14 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
     return 0
 
 
+def pool_row(run: BatchedRun, mean_len: float) -> dict[str, float | str]:
+    """An engine's pool: its memory, blocks, the requests of `mean_len` tokens it holds at once, its throughput."""
+    s = run.stats
+    return {"name": run.name, "kv_mib": s["kv_memory_bytes"] / 2**20, "blocks": s["pool_blocks"],
+            "requests_fit": s["pool_blocks"] // -(-mean_len // s["block_size"]),
+            "tok_s": run.new_tokens / run.wall_s, "preemptions": s["preemptions"]}
+
+
 def check_batched_args(args: argparse.Namespace) -> None:
     """Refuse bad `--batched` options before any model loads."""
     for name in ("requests", "batch_size", "max_num_seqs", "max_num_batched_tokens", "num_blocks", "trials"):
@@ -204,6 +232,27 @@ def check_batched_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.shared_prefix < 0:
         raise ValueError(f"--shared-prefix must be >= 0, got {args.shared_prefix}")
+    if args.cache_memory is not None and args.num_blocks is not None:
+        raise ValueError("give --cache-memory or --num-blocks, not both")
+    if args.cache_memory is not None and args.cache_memory < 1:
+        raise ValueError(f"--cache-memory must be >= 1 MiB, got {args.cache_memory / 2**20:g}")
+
+
+def mebibytes(text: str) -> int:
+    """'64' -> 64 MiB in bytes, for argparse."""
+    try:
+        return int(float(text) * 2**20)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size in MiB such as 64, got {text!r}") from None
+
+
+def kv_dtypes(text: str) -> list[str]:
+    """'int8,int4' -> ['int8', 'int4'], each a quantized pool kind, for argparse."""
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in KV_CACHE_DTYPES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown KV cache dtype {bad[0]!r}; use {', '.join(KV_CACHE_DTYPES)}")
+    return kinds
 
 
 def length_range(text: str) -> tuple[int, int]:
@@ -237,6 +286,12 @@ def add_batched_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-blocks", type=int, default=None,
                    help="the engine's pool size in blocks of 16 tokens (default: sized for the machine); a small "
                         "pool shows preemption")
+    g.add_argument("--cache-memory", type=mebibytes, default=None, metavar="MIB",
+                   help="the engines' KV memory in MiB (default: sized for the machine); with --kv-cache-dtype, "
+                        "the same budget for every pool kind")
+    g.add_argument("--kv-cache-dtype", type=kv_dtypes, default=[], metavar="KINDS",
+                   help=f"also run the engine with its pool's blocks quantized, comma-separated "
+                        f"({', '.join(KV_CACHE_DTYPES)}): blocks, requests that fit and throughput side by side")
     g.add_argument("--decode-attention", default=None, choices=["auto", *DECODE_KERNELS],
                    help="how the engine's decode steps attend (default: auto: the Triton kernel on CUDA, else "
                         "measured)")

@@ -36,7 +36,7 @@ from infer.generation import (
 )
 from infer.graphs import BatchedDecodeGraphs
 from infer.models import Transformer
-from infer.ragged import RaggedBatch, SeqChunk, build_ragged_batch
+from infer.ragged import SeqChunk, build_ragged_batch
 from infer.sampling import SamplingParams, sample_next
 from infer.scheduler import Request, Scheduler, SchedulerOutput
 from infer.tokenizer import Tokenizer
@@ -107,6 +107,7 @@ class Engine:
         decode_attention: str = "auto",
         bound_sliding_layers: bool = True,
         decode_graphs: bool | None = None,
+        kv_cache_dtype: str | None = None,
     ) -> None:
         _check_model(model, tokenizer)
         if num_blocks is not None and cache_memory is not None:
@@ -126,6 +127,15 @@ class Engine:
         # The decode steps of a forward attend in one padded call, by the kernel measured fastest here
         # ("per-sequence": one call each, the check).
         self.decode_attention = choose_decode_attention(config, weight.dtype, self.device, decode_attention).value
+        # A quantized pool (kv_cache_dtype "int8" | "int4" | "fp4") is read by dequantizing gathers: not by the
+        # Triton paged kernel, nor at a graph's static shapes (its staging is planned per step on the host).
+        if kv_cache_dtype is not None:
+            if decode_attention == "triton" or decode_graphs:
+                raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} attends by dequantizing gathers: drop "
+                                 "decode_attention='triton' / decode_graphs=True")
+            if self.decode_attention == "triton":
+                self.decode_attention = "sdpa"
+            decode_graphs = False
         graphs = _use_decode_graphs(decode_graphs, model, self.device, self.decode_attention)
         spare = 1 if graphs else 0  # the block the padded rows of a graph's steps write (BatchedDecodeGraphs)
         windows = [layer.self_attn.window for layer in model._decoder_layers()]
@@ -138,7 +148,8 @@ class Engine:
             cache_memory=cache_memory, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             bound_sliding_layers=bound_sliding_layers and isinstance(max_num_seqs, int)
             and isinstance(max_num_batched_tokens, int),
-            spare_blocks=spare)
+            spare_blocks=spare, kv_cache_dtype=kv_cache_dtype)
+        self.kv_cache_dtype = kv_cache_dtype
         self.pool, self.ring = self.storage.pool, self.storage.ring
         if self.ring is not None:
             enable_prefix_caching = False
@@ -151,7 +162,8 @@ class Engine:
         self.graphs: BatchedDecodeGraphs | None = None
         if graphs:
             self.graphs = BatchedDecodeGraphs(
-                model, self.storage.layer_blocks(), [cast(int, ts.spare) for ts in self.storage.table_sets],
+                model, cast(list[tuple[int, torch.Tensor, torch.Tensor]], self.storage.layer_blocks()),
+                [cast(int, ts.spare) for ts in self.storage.table_sets],
                 block_size=block_size, kernel=self.decode_attention, max_batch=max_num_seqs,
                 max_blocks=-(-config.max_position_embeddings // block_size))
         self.stats = EngineStats()
@@ -301,8 +313,10 @@ class Engine:
                 if logits is None:  # not a pure-decode step (or beyond the largest shape)
                     logits = self._forward_ragged(token_ids, chunk_sets, sample)
         except BaseException:
+            self.storage.abort_step()
             self.scheduler.discard(plan.chunks)
             raise
+        self.storage.commit_step()
         self.scheduler.computed(plan.chunks)
         return logits
 
@@ -312,8 +326,7 @@ class Engine:
         batches = [build_ragged_batch(chunks, sample, block_size=self.pool.block_size, windows=ts.windows,
                                       device=self.device, decode_kernel=self.decode_attention)
                    for chunks, ts in zip(chunk_sets, self.storage.table_sets, strict=True)]
-        layers: list[tuple[RaggedBatch, torch.Tensor, torch.Tensor]] = [
-            (batches[s], k, v) for s, k, v in self.storage.layer_blocks()]
+        layers = [(batches[s], k, v) for s, k, v in self.storage.layer_blocks()]
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         return self.model(input_ids, PagedBackend(layers))
 

@@ -17,10 +17,14 @@ import torch
 
 from infer.cache.base import allocate_zeros
 from infer.cache.paged import PagedKVPool
+from infer.cache.paged_quantized import KV_CACHE_DTYPES, QuantizedPagedPool, QuantizedPoolLayer, staging_for
 from infer.config import ModelConfig
 from infer.memory import available_memory
 from infer.ragged import SeqChunk
 from infer.scheduler import PoolTooSmall, ScheduledChunk
+
+# One layer's blocks: K and V tensors `[blocks, Hkv, block_size, D]`, or a quantized pool's layer (both).
+LayerBlocks = torch.Tensor | QuantizedPoolLayer
 
 # Share of the memory left on the device that a default pool takes (the rest: activations, other work),
 # and on a CPU at most 4 GiB (vLLM's CPU default), which holds thousands of blocks for the shapes served here.
@@ -83,8 +87,8 @@ class TableSet:
     layers reading it, their distinct windows (None: full attention), and its spare block (the last one, that
     no sequence owns) when graph steps need one."""
 
-    k: torch.Tensor
-    v: torch.Tensor
+    k: torch.Tensor | list[QuantizedPoolLayer]  # a quantized pool: its layers (which hold K and V), as v too
+    v: torch.Tensor | list[QuantizedPoolLayer]
     layers: list[int]
     windows: list[int | None]
     spare: int | None
@@ -94,21 +98,25 @@ class TableSet:
 class BatchStorage:
     """The pool, the rings (if any) and their table sets, built by `allocate`."""
 
-    pool: PagedKVPool
+    pool: PagedKVPool | QuantizedPagedPool
     ring: SlidingRings | None
     table_sets: list[TableSet]
     ring_layers: list[int]
     pool_layers: list[int]
-    _layer_blocks: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    _layer_blocks: list[tuple[int, LayerBlocks, LayerBlocks]] = field(default_factory=list)
 
     @classmethod
     def allocate(cls, config: ModelConfig, windows: Sequence[int | None], *, dtype: torch.dtype,
                  device: torch.device, block_size: int, num_blocks: int | None, cache_memory: int | None,
                  max_num_seqs: int, max_num_batched_tokens: int, bound_sliding_layers: bool,
-                 spare_blocks: int = 0) -> BatchStorage:
+                 spare_blocks: int = 0, kv_cache_dtype: str | None = None) -> BatchStorage:
         """Storage for a model whose layer i has sliding window `windows[i]`: rings for the sliding layers
         when `bound_sliding_layers`, the pool for the rest, `num_blocks` blocks or as many as `cache_memory`
-        bytes hold after the rings (default: `default_num_blocks`). `spare_blocks` more in each set."""
+        bytes hold after the rings (default: `default_num_blocks`). `spare_blocks` more in each set.
+        `kv_cache_dtype` ("int8", "int4", "fp4"): the pool's blocks quantized (`QuantizedPagedPool`, with its
+        staging counted in `cache_memory`); the rings stay exact."""
+        if kv_cache_dtype is not None and spare_blocks:
+            raise ValueError("a quantized pool has no spare block for graph-captured steps; run them eagerly")
         ring_layers = [i for i, w in enumerate(windows) if w is not None] if bound_sliding_layers else []
         pool_layers = [i for i in range(len(windows)) if i not in ring_layers]
         ring = None
@@ -119,20 +127,38 @@ class BatchStorage:
                                          spare_blocks)
         block_bytes = (2 * len(pool_layers) * config.num_key_value_heads * block_size * config.head_dim
                        * dtype.itemsize) or 1
+        stage_slots, scratch_slots = staging_for(max(max_num_seqs, 1), max(max_num_batched_tokens, 1), block_size)
+        stage_bytes = 0
+        if kv_cache_dtype is not None:
+            if kv_cache_dtype not in KV_CACHE_DTYPES:
+                raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))} or None "
+                                 f"(the model's dtype), got {kv_cache_dtype!r}")
+            # A slot holds one exact block in every layer; a scratch row one layer's.
+            stage_bytes = stage_slots * block_bytes + scratch_slots * block_bytes // max(len(pool_layers), 1)
+            block_bytes = QuantizedPagedPool.block_bytes(config, kv_cache_dtype, block_size, len(pool_layers)) or 1
         if num_blocks is None:
-            ring_bytes = ring.memory_bytes if ring is not None else 0
+            # Fixed costs first: the sliding layers' rings, a quantized pool's staging.
+            ring_bytes = (ring.memory_bytes if ring is not None else 0) + stage_bytes
             if ring_bytes and cache_memory is not None and cache_memory - ring_bytes < block_bytes:
-                raise ValueError(f"cache_memory={cache_memory} bytes does not hold the sliding layers' rings "
-                                 f"({ring_bytes} bytes) and one KV block of {block_bytes}; raise it")
+                raise ValueError(f"cache_memory={cache_memory} bytes does not hold the sliding layers' rings and "
+                                 f"the quantized pool's staging ({ring_bytes} bytes) and one KV block of "
+                                 f"{block_bytes}; raise it")
             num_blocks = default_num_blocks(block_bytes, block_size, config.max_position_embeddings,
                                             max_num_seqs, device,
                                             None if cache_memory is None else cache_memory - ring_bytes)
-        pool = PagedKVPool(config, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device,
-                           num_layers=len(pool_layers), spare_blocks=spare_blocks)
+        pool_windows = sorted({windows[i] for i in pool_layers}, key=lambda w: -1 if w is None else w)
         spare = (lambda k: k.shape[1] - 1) if spare_blocks else (lambda k: None)
-        sets = [TableSet(pool.k_blocks, pool.v_blocks, pool_layers,
-                         sorted({windows[i] for i in pool_layers}, key=lambda w: -1 if w is None else w),
-                         spare(pool.k_blocks))]
+        pool: PagedKVPool | QuantizedPagedPool
+        if kv_cache_dtype is not None:
+            pool = QuantizedPagedPool(config, scheme=kv_cache_dtype, num_blocks=num_blocks, block_size=block_size,
+                                      stage_slots=stage_slots, scratch_slots=scratch_slots, dtype=dtype,
+                                      device=device,
+                                      num_layers=len(pool_layers))
+            sets = [TableSet(pool.layers, pool.layers, pool_layers, pool_windows, None)]
+        else:
+            pool = PagedKVPool(config, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device,
+                               num_layers=len(pool_layers), spare_blocks=spare_blocks)
+            sets = [TableSet(pool.k_blocks, pool.v_blocks, pool_layers, pool_windows, spare(pool.k_blocks))]
         if ring is not None:
             ring_windows: list[int | None] = [*sorted({w for i in ring_layers if (w := windows[i]) is not None})]
             sets.append(TableSet(ring.k, ring.v, ring_layers, ring_windows, spare(ring.k)))
@@ -143,7 +169,7 @@ class BatchStorage:
         """Bytes of the KV storage: the pool, and the sliding layers' rings."""
         return self.pool.memory_bytes + (self.ring.memory_bytes if self.ring is not None else 0)
 
-    def layer_blocks(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    def layer_blocks(self) -> list[tuple[int, LayerBlocks, LayerBlocks]]:
         """Per model layer, in order: (its table set, its K blocks, its V blocks); views made once."""
         if not self._layer_blocks:
             layers = {layer: (s, ts.k[j], ts.v[j]) for s, ts in enumerate(self.table_sets)
@@ -152,7 +178,10 @@ class BatchStorage:
         return self._layer_blocks
 
     def schedule(self, preempted: Sequence[int], chunks: Sequence[ScheduledChunk]) -> None:
-        """Follow a step's plan: preempted requests give their rings back, scheduled ones get one."""
+        """Follow a step's plan: preempted requests give their rings back (and a quantized pool the staging of
+        their blocks), scheduled ones get one."""
+        if isinstance(self.pool, QuantizedPagedPool):
+            self.pool.release_unheld()
         if self.ring is not None:
             for rid in preempted:
                 self.ring.release(rid)
@@ -160,19 +189,36 @@ class BatchStorage:
                 self.ring.acquire(chunk.request_id)
 
     def release(self, request_id: int) -> None:
-        """A finished request gives its ring back (its pool blocks go through the scheduler)."""
+        """A finished request gives its ring back, and a quantized pool the staging of its blocks (its pool blocks
+        go through the scheduler)."""
+        if isinstance(self.pool, QuantizedPagedPool):
+            self.pool.release_unheld()
         if self.ring is not None:
             self.ring.release(request_id)
 
     def block_tables(self, chunks: Sequence[ScheduledChunk]) -> list[list[SeqChunk]]:
-        """Per table set, each chunk with its block table there: the pool's, then the rings'."""
+        """Per table set, each chunk with its block table there: the pool's, then the rings'. A quantized pool
+        plans its staging for the step here (`commit_step` / `abort_step` end it)."""
         manager = self.pool.manager
         sets = [[SeqChunk(c.start, c.num_tokens, manager.block_table(c.request_id)) for c in chunks]]
+        if isinstance(self.pool, QuantizedPagedPool):
+            sets[0] = self.pool.plan_step(sets[0])
         if self.ring is not None:
             ring = self.ring
             sets.append([SeqChunk(c.start, c.num_tokens, ring.table(c.request_id, c.start + c.num_tokens))
                          for c in chunks])
         return sets
+
+
+    def commit_step(self) -> None:
+        """The step planned by `block_tables` ran."""
+        if isinstance(self.pool, QuantizedPagedPool):
+            self.pool.commit_step()
+
+    def abort_step(self) -> None:
+        """The step planned by `block_tables` raised: undo its plan."""
+        if isinstance(self.pool, QuantizedPagedPool):
+            self.pool.abort_step()
 
 
 def default_num_blocks(block_bytes: int, block_size: int, context: int, max_num_seqs: int, device: torch.device,

@@ -1,0 +1,296 @@
+"""The batched engine's pool with quantized blocks: int8, int4 or FP4 codes in the quantized cache's layout.
+
+A full block holds its keys as codes with one bf16 scale per channel over the block's tokens (KIVI: a real model's
+keys have outlier channels that a scale per row cannot hold) and its values as codes with one scale per (token,
+head). A block not yet full has no channel scales yet: its K/V sit exact, in the model dtype, in a staging slot
+(KIVI's full-precision residual), and are quantized in the step that fills the block. Block tables name a staged
+block `num_blocks + slot` (`plan_step`), so the ragged batch's writes land in staging and its gathers read codes
+or staging block by block (`QuantizedPoolLayer`).
+
+The host side is pure Python and all-or-nothing. Each step:
+  `plan_step(chunks)`  every block the step writes gets a staging slot, zeroed when written from its first slot
+                       (a full block written in the middle, a prompt's recomputed last token, keeps its codes);
+                       the tables come back with the blocks still partly filled after the step remapped, and the
+                       blocks the step fills are listed;
+  the forward          each layer zeroes its fresh slots, writes the new K/V there, quantizes the filled blocks into
+                       codes (read as codes from this step on, as the quantized cache does), then attends;
+  `commit_step()`      filled blocks give their slots back; `abort_step()` gives back the slots `plan_step` took.
+A staged block no sequence holds any more (its request finished or was preempted) gives its slot back at the next
+plan. Sliding-window layers keep their exact rings (infer/cache/batch_storage.py): they are bounded by the window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from infer.cache import quant
+from infer.cache.base import allocate_zeros, check_counts
+from infer.cache.block_manager import BlockManager, BlockStats, CopyOnWrite
+from infer.cache.paged import BLOCK_BOOKKEEPING_BYTES
+from infer.cache.quantized import SCHEMES
+from infer.config import ModelConfig
+from infer.errors import CacheFullError
+from infer.ragged import RaggedBatch, SeqChunk
+
+KV_CACHE_DTYPES = tuple(SCHEMES)
+_NO_INTS = torch.empty(0, dtype=torch.long)
+
+
+@dataclass
+class StepPlan:
+    """Where a step's layers write each new token (a staging slot), which slots start empty, and which blocks
+    they quantize from their slot after the writes (`fill`: (slot, block) pairs, and as device tensors)."""
+
+    fill: list[tuple[int, int]] = field(default_factory=list)
+    taken: list[int] = field(default_factory=list)  # blocks given a slot by this plan (undone on abort)
+    fill_slots: torch.Tensor = field(default_factory=lambda: _NO_INTS)
+    fill_blocks: torch.Tensor = field(default_factory=lambda: _NO_INTS)
+    write_slots: torch.Tensor | None = None  # [N] the staging slot of each new token, in batch order; None: unplanned
+    fresh_slots: torch.Tensor = field(default_factory=lambda: _NO_INTS)  # slots written from their first slot
+
+
+class QuantizedPagedPool:
+    """Codes and scales for `num_blocks` blocks of `num_layers` layers, staging for the blocks being filled, and
+    the `BlockManager` deciding who owns which block (as `PagedKVPool`, which holds exact blocks)."""
+
+    def __init__(self, config: ModelConfig, *, scheme: str, num_blocks: int, block_size: int, stage_slots: int,
+                 scratch_slots: int, dtype: torch.dtype, device: torch.device | str,
+                 num_layers: int | None = None) -> None:
+        if scheme not in SCHEMES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))} (or None for "
+                             f"the model's dtype), got {scheme!r}")
+        check_counts(num_blocks=num_blocks, block_size=block_size, stage_slots=stage_slots,
+                     scratch_slots=scratch_slots)
+        _, _, per_element, code_dtype = SCHEMES[scheme]
+        if config.head_dim % per_element:
+            raise ValueError(f"kv_cache_dtype={scheme!r} packs two values per byte and needs an even head_dim, got "
+                             f"{config.head_dim}; use 'int8'")
+        self.scheme, self.dtype = scheme, dtype
+        self.num_layers = config.num_hidden_layers if num_layers is None else num_layers
+        self.num_blocks, self.block_size, self.stage_slots = num_blocks, block_size, stage_slots
+        self.scratch_slots = scratch_slots
+        lnh = (self.num_layers, num_blocks, config.num_key_value_heads)
+        codes = ((*lnh, block_size, config.head_dim // per_element), code_dtype)
+        # Staging rows: `stage_slots` per layer for blocks that stay partly filled between steps (row layer * P +
+        # slot), then `scratch_slots` that every layer reuses within its step: blocks a step writes whole and fills
+        # (row L * P + t), and the last one, where writes that must change nothing go (see plan_step).
+        stage = ((self.num_layers * stage_slots + scratch_slots, config.num_key_value_heads, block_size,
+                  config.head_dim), dtype)
+        # k_codes, v_codes: [L, N, Hkv, bs, D or D/2]; k_scale [L, N, Hkv, D] (per channel over the block's tokens);
+        # v_scale [L, N, Hkv, bs] (per token); k_stage, v_stage [L * P + T, Hkv, bs, D] exact.
+        (self.k_codes, self.v_codes, self.k_scale, self.v_scale, self.k_stage, self.v_stage) = allocate_zeros(
+            f"an {scheme} paged pool", device, codes, codes, ((*lnh, config.head_dim), quant.SCALE_DTYPE),
+            ((*lnh, block_size), quant.SCALE_DTYPE), stage, stage,
+            extra_bytes=num_blocks * BLOCK_BOOKKEEPING_BYTES)
+        self.manager = BlockManager(num_blocks, block_size)
+        self._staged: dict[int, int] = {}  # block -> staging slot
+        self._free_slots = list(range(stage_slots - 1, -1, -1))
+        # Persistent staging by layer: [L, P, Hkv, bs, D] views.
+        self.k_persistent = self.k_stage[: self.num_layers * stage_slots].view(self.num_layers, stage_slots,
+                                                                              *self.k_stage.shape[1:])
+        self.v_persistent = self.v_stage[: self.num_layers * stage_slots].view(self.num_layers, stage_slots,
+                                                                              *self.v_stage.shape[1:])
+        self.plan = StepPlan()
+        self.layers = [QuantizedPoolLayer(self, i) for i in range(self.num_layers)]
+
+    @staticmethod
+    def block_bytes(config: ModelConfig, scheme: str, block_size: int, num_layers: int) -> int:
+        """Bytes one block takes in every layer: K and V codes, the keys' channel scales, the values' row scales."""
+        _, _, per_element, code_dtype = SCHEMES[scheme]
+        codes = block_size * (config.head_dim // per_element) * code_dtype.itemsize
+        scales = (config.head_dim + block_size) * quant.SCALE_DTYPE.itemsize
+        return num_layers * config.num_key_value_heads * (2 * codes + scales)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the tensors live."""
+        return self.k_codes.device
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of codes, scales and staging."""
+        return sum(t.nbytes for t in (self.k_codes, self.v_codes, self.k_scale, self.v_scale, self.k_stage,
+                                      self.v_stage))
+
+    def stats(self) -> BlockStats:
+        """Blocks free, used, shared and cached, and unfilled slots in used blocks."""
+        return self.manager.stats()
+
+    def stage_rows(self, slots: torch.Tensor, layer: int) -> torch.Tensor:
+        """Rows of the staging tensors for a plan's slots in `layer`: slot s < P is the layer's own row
+        `layer * P + s`; P + t is scratch row `L * P + t`, which every layer shares."""
+        P = self.stage_slots
+        return slots + torch.where(slots < P, layer * P, (self.num_layers - 1) * P)
+
+    @property
+    def staged_blocks(self) -> dict[int, int]:
+        """Block -> staging slot of the blocks held exact (a copy)."""
+        return dict(self._staged)
+
+    # ---- host side: which block is staged where --------------------------------------------------
+
+    def plan_step(self, chunks: Sequence[SeqChunk]) -> list[SeqChunk]:
+        """Stage every block the chunks write (see the module docstring); return the chunks with the blocks that
+        stay staged after the step named `num_blocks + slot` (the blocks the step fills are read as codes, as the
+        quantized cache reads a block in the step that fills it). Raises `CacheFullError`, changing nothing, when
+        staging runs out (the engine sizes it so that it cannot)."""
+        bs, n, P = self.block_size, self.num_blocks, self.stage_slots
+        self.release_unheld()
+        # Blocks a chunk writes from their first slot: staged across steps unless the step fills them (scratch).
+        spans = [(c, j, max(c.start, j * bs), min(c.start + c.num_tokens, (j + 1) * bs)) for c in chunks
+                 for j in range(c.start // bs, -(-(c.start + c.num_tokens) // bs))]
+        starting = [(c.block_table[j], last == (j + 1) * bs) for c, j, first, last in spans
+                    if first == j * bs and c.block_table[j] not in self._staged]
+        persistent = sum(1 for _, fills in starting if not fills)
+        if persistent > len(self._free_slots) or len(starting) - persistent >= self.scratch_slots:
+            raise CacheFullError(f"the step starts {persistent} blocks that stay partly filled and fills "
+                                 f"{len(starting) - persistent} whole, but {len(self._free_slots)} of "
+                                 f"{self.stage_slots} staging slots and {self.scratch_slots - 1} scratch slots are "
+                                 "free; raise stage_slots / scratch_slots")
+        plan = StepPlan()
+        write_slots: list[int] = []
+        fresh: list[int] = []
+        discard, scratch = P + self.scratch_slots - 1, P
+        for c, j, first, last in spans:
+            block = c.block_table[j]
+            fills = last == (j + 1) * bs
+            if block in self._staged:
+                slot = self._staged[block]
+                if first == j * bs:  # a block taken afresh that its last owner left staged: start it empty
+                    fresh.append(slot)
+            elif first > j * bs:
+                # An unstaged block written in the middle is full and holds these very tokens: the last token of a
+                # prompt found whole in the prefix cache, recomputed for its logits. Its codes stay (the write goes
+                # to the discard row), so the request reads what the prefix's first run stored.
+                write_slots += [discard] * (last - first)
+                continue
+            elif fills:  # written whole by this step: quantized from a scratch row
+                slot, scratch = scratch, scratch + 1
+            else:
+                slot = self._staged[block] = self._free_slots.pop()
+                plan.taken.append(block)
+                fresh.append(slot)
+            write_slots += [slot] * (last - first)
+            if fills:
+                plan.fill.append((slot, block))
+        device = self.device
+
+        def ints(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        plan.fill_slots, plan.fill_blocks = ints([f[0] for f in plan.fill]), ints([f[1] for f in plan.fill])
+        plan.write_slots, plan.fresh_slots = ints(write_slots), ints(fresh)
+        self.plan = plan
+        stays = dict(self._staged)
+        for _, block in plan.fill:
+            stays.pop(block, None)  # a block written whole was never staged
+        return [SeqChunk(c.start, c.num_tokens, [n + stays[b] if b in stays else b for b in c.block_table])
+                for c in chunks]
+
+    def release_unheld(self) -> None:
+        """Staged blocks no sequence holds any more (their request finished or was preempted) give their slots
+        back."""
+        for block in [b for b in self._staged if self.manager.ref_count(b) == 0]:
+            self._free_slots.append(self._staged.pop(block))
+
+    def commit_step(self) -> None:
+        """The step ran: the blocks it filled are codes now and give their slots back."""
+        for slot, block in self.plan.fill:
+            if slot < self.stage_slots and self._staged.get(block) == slot:
+                del self._staged[block]
+                self._free_slots.append(slot)
+        self.plan = StepPlan()
+
+    def abort_step(self) -> None:
+        """The step raised: give back the slots it took (its blocks are as they were: staged ones still hold
+        their tokens, the rest their codes)."""
+        for block in self.plan.taken:
+            self._free_slots.append(self._staged.pop(block))
+        self.plan = StepPlan()
+
+    def copy_blocks(self, copies: Sequence[CopyOnWrite]) -> None:
+        """Do the allocator's copy-on-write copies: codes and scales in every layer, and the staging of a staged
+        source (a block copied while partly filled stays exact in its copy). Raises `CacheFullError`, copying
+        nothing, when a staged source finds no free slot."""
+        if not copies:
+            return
+        for c in copies:  # the destination was free: a slot it kept is stale
+            if c.dst in self._staged:
+                self._free_slots.append(self._staged.pop(c.dst))
+        staged_src = [c for c in copies if c.src in self._staged]
+        if len(staged_src) > len(self._free_slots):
+            raise CacheFullError(f"copy-on-write of {len(staged_src)} partly filled blocks needs as many staging "
+                                 f"slots; {len(self._free_slots)} are free")
+        src = torch.tensor([c.src for c in copies], device=self.device)
+        dst = torch.tensor([c.dst for c in copies], device=self.device)
+        for t in (self.k_codes, self.v_codes, self.k_scale, self.v_scale):
+            t[:, dst] = t[:, src]
+        for c in staged_src:
+            slot = self._free_slots.pop()
+            self._staged[c.dst] = slot
+            self.k_persistent[:, slot] = self.k_persistent[:, self._staged[c.src]]
+            self.v_persistent[:, slot] = self.v_persistent[:, self._staged[c.src]]
+
+
+class QuantizedPoolLayer:
+    """One layer of a `QuantizedPagedPool`, as the ragged batch's attention reads and writes it."""
+
+    def __init__(self, pool: QuantizedPagedPool, layer: int) -> None:
+        self.pool, self.layer = pool, layer
+
+    def write(self, batch: RaggedBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stage this step's `k`, `v` `[1, Hkv, N, D]` where `plan_step` put each token, then quantize the blocks
+        the step fills."""
+        pool, plan, i = self.pool, self.pool.plan, self.layer
+        if plan.write_slots is None or plan.write_slots.shape[0] != k.shape[2]:
+            raise ValueError(f"the step's {k.shape[2]} tokens were not planned (QuantizedPagedPool.plan_step)")
+        rows = pool.stage_rows(plan.write_slots, i)
+        pool.k_stage.index_fill_(0, plan.fresh_slots + i * pool.stage_slots, 0)
+        pool.v_stage.index_fill_(0, plan.fresh_slots + i * pool.stage_slots, 0)
+        # Index tensors around the head slice put N first: the target is [N, Hkv, D].
+        pool.k_stage[rows, :, batch.slot_offsets] = k[0].transpose(0, 1).to(pool.dtype)
+        pool.v_stage[rows, :, batch.slot_offsets] = v[0].transpose(0, 1).to(pool.dtype)
+        if plan.fill:
+            filled = pool.stage_rows(plan.fill_slots, i)
+            codes, scales = quant.quantize_channels(pool.k_stage[filled], pool.scheme)
+            pool.k_codes[i][plan.fill_blocks], pool.k_scale[i][plan.fill_blocks] = codes, scales
+            codes, scales = SCHEMES[pool.scheme][0](pool.v_stage[filled])
+            pool.v_codes[i][plan.fill_blocks], pool.v_scale[i][plan.fill_blocks] = codes, scales
+
+    def gather(self, tables: torch.Tensor, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of block tables `[B, nb]` in position order, `[B, Hkv, length, D]` each: codes
+        dequantized, staged blocks exact."""
+        pool, i = self.pool, self.layer
+        ids = tables.reshape(-1)
+        staged = ids >= pool.num_blocks
+        code_ids = torch.where(staged, torch.zeros_like(ids), ids)
+        slot_ids = torch.where(staged, ids - pool.num_blocks, torch.zeros_like(ids))
+        where = staged[:, None, None, None]
+        keys = torch.where(where, pool.k_persistent[i].index_select(0, slot_ids),
+                           quant.dequantize_channels(pool.k_codes[i].index_select(0, code_ids),
+                                                     pool.k_scale[i].index_select(0, code_ids), pool.scheme,
+                                                     pool.dtype))
+        values = torch.where(where, pool.v_persistent[i].index_select(0, slot_ids),
+                             _dequantize_rows(pool, pool.v_codes[i].index_select(0, code_ids),
+                                              pool.v_scale[i].index_select(0, code_ids)))
+        B, nb = tables.shape
+        Hkv, bs, D = keys.shape[1:]
+
+        def in_order(blocks: torch.Tensor) -> torch.Tensor:
+            return blocks.view(B, nb, Hkv, bs, D).transpose(1, 2).reshape(B, Hkv, nb * bs, D)[:, :, :length]
+
+        return in_order(keys), in_order(values)
+
+
+def _dequantize_rows(pool: QuantizedPagedPool, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return SCHEMES[pool.scheme][1](codes, scales, pool.dtype)
+
+
+def staging_for(max_num_seqs: int, max_num_batched_tokens: int, block_size: int) -> tuple[int, int]:
+    """(stage_slots, scratch_slots) that never run out. A request holds one partly filled block between steps and
+    at most two during one (the one it fills and the next it starts); a step writes at most a block's worth of
+    tokens into each block it fills whole; one more scratch row takes the writes that change nothing."""
+    return 2 * max_num_seqs, max_num_batched_tokens // block_size + 1

@@ -1,0 +1,185 @@
+"""The batched engine with quantized blocks (`Engine(kv_cache_dtype=...)`), as properties.
+
+The contract: a request's K/V go through the pool exactly as through the single-request quantized cache with the
+same layout (`QuantizedCache(key_scales="channel", residual_block=block_size)`: keys one scale per channel over each
+block of tokens, values one per row, a block quantized in the step that fills it and exact until then), whatever
+else is batched with it, shares its prefix, preempts it or copies its blocks. A key is read quantized from the step
+in which its block fills, so the reference replays the engine's chunks: token by token when the engine runs one
+token per step, the engine's own chunk sizes for a lone request. Logits must then agree within fp32 rounding: a
+scale not copied on copy-on-write, a block quantized a step late or read from stale staging shows up at once,
+where a lossy bound would hide it (tests/test_quantized_pool.py holds the pool to the exact cache by the bounds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+from hypothesis import event, given
+from hypothesis import strategies as st
+
+from infer.cache.paged_quantized import KV_CACHE_DTYPES
+from infer.cache.quantized import QuantizedCache
+from infer.config import ModelConfig
+from infer.engine import Engine
+from infer.models import Transformer
+from infer.sampling import SamplingParams
+from tests.helpers import assert_close, check_pool_invariants, random_model, solo_logits
+from tests.property.strategies import model_configs
+
+
+def quantized_solo_logits(model: Transformer, scheme: str, block_size: int, prompt: list[int], tokens: list[int],
+                          chunks: Sequence[int] | None = None) -> torch.Tensor:
+    """Logits predicting each of `tokens` from a solo run over the single-request quantized cache with the pool's
+    layout, fed `prompt + tokens` in `chunks` (default: one token at a time)."""
+    sequence = prompt + tokens[:-1]
+    cache = QuantizedCache(model.config, max_seq_len=len(sequence), scheme=scheme, key_scales="channel",
+                           residual_block=block_size, sink_tokens=0, residual_window=0,
+                           device=model.embed_tokens.weight.device)
+    sizes = list(chunks) if chunks is not None else [1] * len(sequence)
+    sizes += [1] * (len(sequence) - sum(sizes))
+    rows, start = [], 0
+    with torch.inference_mode():
+        for n in sizes:
+            ids = torch.tensor([sequence[start : start + n]], device=cache.k_data.device)
+            out = model(ids, cache)[0, -1]
+            start += n
+            if start >= len(prompt):
+                rows.append(out)
+    return torch.stack(rows)
+
+
+def check_against_solo(engine: Engine, model: Transformer, scheme: str, block_size: int,
+                       prompts: list[list[int]], ids: list[int], chunks: Sequence[int] | None = None) -> None:
+    """Each request's logits are its solo quantized run's. Quantization is a step function: where the batch's
+    fp32 rounding moves a key across a rounding boundary one code differs by one step, so the tolerance is fp32
+    rounding plus 2% of what quantizing did to the logits (a wrong scale, a stale or unquantized block, moves
+    them by about all of it)."""
+    for i, (prompt, rid) in enumerate(zip(prompts, ids, strict=True)):
+        result = engine.result(rid)
+        assert result.logits is not None
+        expected = quantized_solo_logits(model, scheme, block_size, prompt, result.token_ids, chunks)
+        exact = solo_logits(model, prompt, result.token_ids)
+        lossy = (expected - exact).abs().max().item()
+        assert_close(result.logits, expected, 1e-5 * max(1.0, expected.abs().max().item()) + 0.02 * lossy,
+                     f"request {i} ({scheme}, block {block_size})")
+
+
+def even_head_dim(config: ModelConfig) -> ModelConfig:
+    """The 4-bit schemes pack two values per byte (the pool refuses an odd head_dim, tests/test_quantized_pool.py)."""
+    return replace(config, head_dim=config.head_dim + config.head_dim % 2)
+
+
+@st.composite
+def token_by_token_workloads(draw: st.DrawFn, config: ModelConfig) -> dict:
+    """Requests that share prefixes (some whole prompts: a cached last block is recomputed into), arrive at
+    different steps, in a pool that may force preemption; one token per step."""
+    shared = draw(st.lists(st.integers(0, config.vocab_size - 1), min_size=0, max_size=9))
+    prompts = []
+    for _ in range(draw(st.integers(1, 4))):
+        tail = draw(st.lists(st.integers(0, config.vocab_size - 1), min_size=0, max_size=5))
+        prompts.append((shared + tail) or [0])
+    block_size = draw(st.integers(1, 4))
+    new = draw(st.integers(1, 6))
+    longest = max(len(p) for p in prompts) + new
+    min_blocks = -(-longest // block_size) + 1
+    return {"prompts": prompts, "block_size": block_size, "new": new,
+            "arrivals": [draw(st.integers(0, 3)) for _ in prompts],
+            "num_blocks": draw(st.integers(min_blocks, min_blocks + 4)),
+            "max_num_seqs": draw(st.integers(1, 4)),
+            "scheme": draw(st.sampled_from(KV_CACHE_DTYPES))}
+
+
+@given(data=st.data(), config=model_configs(), seed=st.integers(0, 999))
+def test_one_token_per_step_equals_the_quantized_cache(data: st.DataObject, config: ModelConfig, seed: int) -> None:
+    """Prefix sharing, copy-on-write, preemption with recompute and interleaving: each request's logits are its
+    token-by-token run over the single-request quantized cache."""
+    config = even_head_dim(config)
+    model = random_model(config, seed=seed)
+    w = data.draw(token_by_token_workloads(config))
+    engine = Engine(model, None, num_blocks=w["num_blocks"], block_size=w["block_size"],
+                    max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=1, keep_logits=True,
+                    kv_cache_dtype=w["scheme"], bound_sliding_layers=False, decode_attention="sdpa")
+    params = SamplingParams(max_new_tokens=w["new"], temperature=0.0)
+    ids: dict[int, int] = {}
+    step = 0
+    while step < 1000 and (step <= 3 or engine.has_unfinished()):
+        for i, arrival in enumerate(w["arrivals"]):
+            if arrival == step:
+                ids[i] = engine.add_request(w["prompts"][i], params)
+        engine.step()
+        check_pool_invariants(engine.pool.manager)
+        step += 1
+    assert not engine.has_unfinished()
+    event(f"preempted: {engine.stats.preemptions > 0}")
+    event(f"prefix hits: {engine.stats.prefix_hit_tokens > 0}")
+    check_against_solo(engine, model, w["scheme"], w["block_size"], w["prompts"], [ids[i] for i in range(len(ids))])
+
+
+@given(config=model_configs(), seed=st.integers(0, 999), scheme=st.sampled_from(KV_CACHE_DTYPES),
+       block_size=st.integers(1, 5), n=st.integers(2, 5), new=st.integers(1, 12),
+       kernel=st.sampled_from(["sdpa", "matmul", "per-sequence"]))
+def test_batched_decode_steps_equal_the_quantized_cache(config: ModelConfig, seed: int, scheme: str, block_size: int,
+                                                        n: int, new: int, kernel: str) -> None:
+    """One-token prompts, so every step is a batch of one-token chunks read by one padded gather of codes and
+    staging (or one sequence at a time): each request is its token-by-token quantized run."""
+    config = even_head_dim(config)
+    model = random_model(config, seed=seed)
+    prompts = [[(7 * i + 3) % config.vocab_size] for i in range(n)]
+    engine = Engine(model, None, num_blocks=n * (-(-(new + 1) // block_size)), block_size=block_size,
+                    max_num_seqs=n, max_num_batched_tokens=n, keep_logits=True, kv_cache_dtype=scheme,
+                    bound_sliding_layers=False, decode_attention=kernel)
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=new, temperature=0.0)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    check_against_solo(engine, model, scheme, block_size, prompts, ids)
+
+
+@given(config=model_configs(), seed=st.integers(0, 999), scheme=st.sampled_from(KV_CACHE_DTYPES),
+       block_size=st.integers(1, 6), budget=st.integers(2, 9), length=st.integers(2, 20), new=st.integers(1, 6))
+def test_chunked_prefill_equals_the_quantized_cache_fed_the_same_chunks(
+        config: ModelConfig, seed: int, scheme: str, block_size: int, budget: int, length: int, new: int) -> None:
+    """A lone request prefilled in chunks of the token budget: multi-token writes fill blocks mid-step, and its
+    logits are the quantized cache's fed the same chunks."""
+    config = even_head_dim(config)
+    model = random_model(config, seed=seed)
+    prompt = [(5 * i + 1) % config.vocab_size for i in range(length)]
+    engine = Engine(model, None, num_blocks=-(-(length + new) // block_size) + 1, block_size=block_size,
+                    max_num_seqs=1, max_num_batched_tokens=budget, keep_logits=True, kv_cache_dtype=scheme,
+                    bound_sliding_layers=False)
+    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=new, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+    chunks = [budget] * (length // budget) + ([length % budget] if length % budget else [])
+    check_against_solo(engine, model, scheme, block_size, [prompt], [rid], chunks)
+
+
+@given(config=model_configs(), seed=st.integers(0, 999), scheme=st.sampled_from(KV_CACHE_DTYPES),
+       block_size=st.integers(2, 4), blocks=st.integers(1, 3), followers=st.integers(1, 3), new=st.integers(2, 8),
+       kernel=st.sampled_from(["sdpa", "matmul", "per-sequence"]))
+def test_copy_on_write_of_a_quantized_block_keeps_its_codes_and_scales(
+        config: ModelConfig, seed: int, scheme: str, block_size: int, blocks: int, followers: int, new: int,
+        kernel: str) -> None:
+    """A prompt of whole blocks, prefilled in one chunk, then asked again while it runs: the followers hit every
+    block but recompute the last token, whose write into a copy of the shared last block must leave the
+    copied codes and scales as they were. Every request is the quantized cache fed the prompt in one chunk, then
+    one token at a time."""
+    config = even_head_dim(config)
+    model = random_model(config, seed=seed)
+    prompt = [(3 * i + 2) % config.vocab_size for i in range(blocks * block_size)]
+    engine = Engine(model, None, num_blocks=(followers + 1) * (blocks + -(-new // block_size) + 1),
+                    block_size=block_size, max_num_seqs=followers + 1, max_num_batched_tokens=len(prompt) + followers,
+                    keep_logits=True, kv_cache_dtype=scheme, bound_sliding_layers=False, decode_attention=kernel)
+    params = SamplingParams(max_new_tokens=new, temperature=0.0)
+    copied: list[object] = []
+    copy_blocks = engine.pool.copy_blocks
+    engine.pool.copy_blocks = lambda copies: (copied.extend(copies), copy_blocks(copies))[1]  # type: ignore
+    ids = [engine.add_request(prompt, params)]
+    engine.step()
+    ids += [engine.add_request(prompt, params) for _ in range(followers)]
+    while engine.has_unfinished():
+        engine.step()
+    assert len(copied) == followers, "each follower copies the shared last block once"
+    assert all(engine.result(rid).num_prefix_hit_tokens == len(prompt) - 1 for rid in ids[1:])
+    check_against_solo(engine, model, scheme, block_size, [prompt] * len(ids), ids, [len(prompt)])

@@ -1,0 +1,160 @@
+"""The engine's pool with quantized blocks (`Engine(kv_cache_dtype="int8" | "int4" | "fp4")`) against the exact
+cache: each request's logits within the kind's registered error bounds of its exact solo run, on the random-weight
+models (every architecture, Gemma 3's sliding layers in their exact rings, prefix sharing, chunked prefill,
+preemption) and on the real model; tokens equal wherever the exact run's margin exceeds twice the bound; how many
+more blocks the same memory holds; refusals; a step that raises leaves the pool as it was.
+(tests/property/test_quantized_pool_properties.py holds the pool to the single-request quantized cache exactly.)"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+import torch
+
+import infer
+from infer.cache import CACHE_KINDS, ErrorBounds
+from infer.cache.paged_quantized import KV_CACHE_DTYPES
+from infer.engine import Engine
+from infer.families import ARCHITECTURES
+from infer.models import Transformer
+from infer.sampling import SamplingParams
+from tests.helpers import random_model, solo_logits, tiny_config
+
+
+def check_within_bounds(engine: Engine, model: Transformer, prompts: list[list[int]], ids: list[int],
+                        bounds: ErrorBounds) -> None:
+    """Each request's logits against its exact solo run, teacher-forced on the request's own tokens: max error
+    within the bound, top-1 agreement (pooled) at least the bound's, and every token the exact argmax wherever
+    the exact run's top-2 margin is wider than twice the bound."""
+    agree, total = 0, 0
+    for i, (prompt, rid) in enumerate(zip(prompts, ids, strict=True)):
+        result = engine.result(rid)
+        assert result.finish_reason == "length", f"request {i}: {result.error}"
+        assert result.logits is not None
+        exact = solo_logits(model, prompt, result.token_ids).float().cpu()
+        lossy = result.logits.float()
+        worst = (lossy - exact).abs().max().item()
+        assert worst <= bounds.max_logit_error, f"request {i}: logit error {worst:.3f} > {bounds.max_logit_error}"
+        top2 = exact.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * bounds.max_logit_error
+        tokens = torch.tensor(result.token_ids)
+        assert torch.equal(tokens[clear], exact.argmax(-1)[clear]), f"request {i}: a token differs at a clear margin"
+        agree += int((lossy.argmax(-1) == exact.argmax(-1)).sum())
+        total += len(tokens)
+    assert agree / total >= bounds.min_top1_agreement, f"top-1 agreement {agree / total:.3f}"
+
+
+@pytest.mark.parametrize("scheme", KV_CACHE_DTYPES)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_each_request_stays_within_the_kinds_bounds_of_its_exact_run(arch: str, scheme: str) -> None:
+    """Shared prefixes, chunked prefill (8-token budget), a pool small enough to preempt, the engine's default
+    rings for Gemma 3's sliding layers."""
+    config = tiny_config(arch, num_layers=3, head_dim=16, hidden_size=32, vocab_size=64, sliding_window=6)
+    model = random_model(config, seed=3)
+    gen = torch.Generator().manual_seed(1)
+    shared = torch.randint(0, 64, (9,), generator=gen).tolist()
+    prompts = [shared + torch.randint(0, 64, (n,), generator=gen).tolist() for n in (3, 11, 0, 6)]
+    engine = Engine(model, None, num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
+                    keep_logits=True, kv_cache_dtype=scheme)
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=16, temperature=0.0)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats.preemptions > 0 or arch == "gemma3_text"  # Gemma's rings keep the pool small
+    bounds = CACHE_KINDS[scheme].stress_bounds
+    assert bounds is not None
+    check_within_bounds(engine, model, prompts, ids, bounds)
+    assert engine.pool.manager.num_free == engine.pool.num_blocks
+    assert not engine.pool.staged_blocks, "a finished request left a block staged"
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_real_model_requests_stay_within_the_kinds_bounds(scheme: str) -> None:
+    from infer.model_store import default_model_path
+
+    path: Path = default_model_path()
+    model = infer.load_model(path, dtype="float32")
+    tokenizer = infer.Tokenizer(path)
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "Name three prime numbers."]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+               for q in questions]
+    engine = Engine(model, tokenizer, num_blocks=64, block_size=16, max_num_batched_tokens=32, keep_logits=True,
+                    kv_cache_dtype=scheme)
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True))
+           for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    bounds = CACHE_KINDS[scheme].error_bounds
+    assert bounds is not None
+    check_within_bounds(engine, model, prompts, ids, bounds)
+
+
+def test_the_same_memory_holds_more_quantized_blocks() -> None:
+    """At head_dim 64 and blocks of 16 a bf16 block is 4096 bytes per layer and KV head; int8 2208 (0.54x),
+    4-bit 1184 (0.29x): the pool holds that many more blocks, after its fixed staging."""
+    config = tiny_config("llama", num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64, hidden_size=64)
+    model = random_model(config, dtype=torch.bfloat16)
+    memory = 2**22
+    exact = Engine(model, None, cache_memory=memory, max_num_seqs=4, max_num_batched_tokens=32)
+    for scheme, ratio in (("int8", 4096 / 2208), ("int4", 4096 / 1184), ("fp4", 4096 / 1184)):
+        engine = Engine(model, None, cache_memory=memory, max_num_seqs=4, max_num_batched_tokens=32,
+                        kv_cache_dtype=scheme)
+        assert engine.memory_bytes <= memory
+        staging = engine.pool.k_stage.nbytes + engine.pool.v_stage.nbytes
+        expected = exact.pool.num_blocks * (memory - staging) / memory * ratio
+        assert abs(engine.pool.num_blocks - expected) <= 0.01 * expected + 1, scheme
+
+
+def test_refusals_name_the_argument() -> None:
+    model = random_model(tiny_config("llama", head_dim=8))
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        Engine(model, None, num_blocks=8, kv_cache_dtype="bf16")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        Engine(model, None, num_blocks=8, kv_cache_dtype=8)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="decode_attention='triton'"):
+        Engine(model, None, num_blocks=8, kv_cache_dtype="int8", decode_attention="triton")
+    with pytest.raises(ValueError, match="decode_graphs=True"):
+        Engine(model, None, num_blocks=8, kv_cache_dtype="int8", decode_graphs=True)
+    odd = random_model(tiny_config("llama", num_heads=2, num_kv_heads=1, head_dim=5, hidden_size=10))
+    with pytest.raises(ValueError, match="even head_dim"):
+        Engine(odd, None, num_blocks=8, kv_cache_dtype="int4")
+    Engine(odd, None, num_blocks=8, kv_cache_dtype="int8")  # int8 takes any head_dim
+
+
+def test_a_step_that_raises_leaves_the_pool_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward interrupted in its last layer (after the first layers staged and quantized) changes nothing the
+    next step sees: the run ends exactly as one never interrupted, and every staging slot comes back."""
+    model = random_model(tiny_config("llama", num_layers=2, head_dim=8), seed=2)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 9]]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+
+    def run(fail_at: int | None) -> list[torch.Tensor]:
+        engine = Engine(model, None, num_blocks=16, block_size=2, max_num_batched_tokens=5, keep_logits=True,
+                        kv_cache_dtype="int4")
+        free_slots = len(engine.pool._free_slots)
+        ids = [engine.add_request(p, params) for p in prompts]
+        layer = model.layers[-1].self_attn
+        forward = type(layer).forward
+        calls = 0
+
+        def failing(self: object, *args: object, **kwargs: object) -> object:
+            nonlocal calls
+            calls += 1
+            if calls == fail_at:
+                raise RuntimeError("injected")
+            return forward(self, *args, **kwargs)  # type: ignore[arg-type]
+
+        with monkeypatch.context() as m:
+            m.setattr(type(layer), "forward", failing)
+            while engine.has_unfinished():
+                with contextlib.suppress(RuntimeError):
+                    engine.step()
+        assert len(engine.pool._free_slots) == free_slots
+        return [engine.result(i).logits for i in ids]  # type: ignore[misc]
+
+    clean = run(None)
+    for fail_at in (1, 2, 4):
+        for a, b in zip(run(fail_at), clean, strict=True):
+            assert torch.equal(a, b)
