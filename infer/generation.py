@@ -7,6 +7,7 @@ tokens can only come from the cache.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 import weakref
@@ -169,6 +170,8 @@ def _token_steps(
                 logits = graphed.step(next_input)[:, -1]
             else:
                 logits = model(next_input, kv_cache)[:, -1]
+            if kv_cache is not None:
+                _note_fed(kv_cache, all_ids)
             token = sample_next(logits, params, seen, generator)
             token_id = int(token.item())  # the sync point: the host needs the id to decide to stop
             elapsed = time.perf_counter() - start
@@ -203,9 +206,11 @@ def _prepare_cache(
                 f"the given cache (batch {kv_cache.batch_size}, max_seq_len {kv_cache.max_seq_len}) cannot hold "
                 f"{max_len} tokens of one sequence; make it larger or lower max_new_tokens"
             )
-        held = getattr(kv_cache, "token_ids", None)  # the paged cache knows the tokens it holds
+        # Checked as far as the ids are known: a cache the caller filled through the model itself is taken on
+        # the documented promise that its first `offset` tokens are the prompt's.
         n = kv_cache.offset
-        if held is not None and list(held[:n]) != prompt_ids[: min(n, len(held))]:
+        known = (_known_tokens(kv_cache) or [])[:n]
+        if known != prompt_ids[: len(known)]:
             raise ValueError(
                 "the given cache holds other tokens than the prompt's first ones; its K/V cannot be reused for "
                 "this prompt (release it and pass a fresh cache, or a cache kind name)"
@@ -218,6 +223,28 @@ def _prepare_cache(
             "must extend what is cached by at least one token"
         )
     return kv_cache
+
+
+# The ids whose K/V `generate` put in a cache: its all_ids row, and the cache's offset when it last fed it. A cache
+# given again is reused only for tokens known to be the prompt's (a paged cache also tracks its own).
+_FED: weakref.WeakKeyDictionary[KVCache, tuple[torch.Tensor, int]] = weakref.WeakKeyDictionary()
+
+
+def _note_fed(cache: KVCache, all_ids: torch.Tensor) -> None:
+    with contextlib.suppress(TypeError):  # a cache class that cannot be weakly referenced: its tokens stay unknown
+        _FED[cache] = (all_ids, cache.offset)
+
+
+def _known_tokens(cache: KVCache) -> list[int] | None:
+    """The ids of the tokens `cache` holds, as far as known: the paged cache's own record, else what generate
+    fed it (while its offset has not moved since)."""
+    held = getattr(cache, "token_ids", None)
+    if held is not None and len(held) >= cache.offset:
+        return list(held)
+    fed = _FED.get(cache)
+    if fed is not None and fed[1] == cache.offset:
+        return [int(t) for t in fed[0][0, : cache.offset].tolist()]
+    return None if held is None else list(held)  # a paged cache told only its first tokens
 
 
 _FINGERPRINTS: weakref.WeakKeyDictionary[Transformer, str] = weakref.WeakKeyDictionary()

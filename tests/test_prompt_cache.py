@@ -126,3 +126,43 @@ def test_a_paged_cache_holding_other_tokens_is_refused() -> None:
     extended = first + [7, 8]
     assert generate(model, None, extended, PARAMS, cache=stale).token_ids == Oracle(
         build_checkpoint("llama")).greedy(extended, PARAMS.max_new_tokens)
+
+
+@pytest.mark.parametrize("kind", sorted(CACHE_KINDS))
+def test_a_cache_is_reused_only_for_the_tokens_it_holds(kind: str) -> None:
+    """A cache generate filled (any kind, which keeps no token ids of its own) given again with a prompt that
+    does not start with what it holds is refused before anything changes; one that extends it continues as the
+    oracle does from the whole prompt (exact kinds)."""
+    path = build_checkpoint("llama")
+    model = infer.load_model(path)
+    first = ids(model, 7, seed=2)
+    cache = create_cache(kind, model.config, max_seq_len=64)
+    result = generate(model, None, first, PARAMS, cache=cache)
+    held = first + result.token_ids[:-1]  # the last sampled token was never fed
+    assert cache.offset == len(held)
+    before = cache.snapshot()
+    changed = held[:3] + [(held[3] + 1) % model.config.vocab_size] + held[4:] + [5]
+    with pytest.raises(ValueError, match="holds other tokens than the prompt's first ones"):
+        generate(model, None, changed, PARAMS, cache=cache)
+    after = cache.snapshot()
+    assert after.offset == before.offset
+    assert all(torch.equal(after.tensors[name], t) for name, t in before.tensors.items())
+    extended = held + [5, 6]
+    again = generate(model, None, extended, PARAMS, cache=cache)
+    if CACHE_KINDS[kind].is_exact:
+        assert again.token_ids == Oracle(path).greedy(extended, PARAMS.max_new_tokens)
+
+
+def test_a_paged_cache_told_only_its_first_tokens_is_checked_on_what_generate_fed_it() -> None:
+    """The paged cache's own record may stop short of its offset (ids given through extend_token_ids for part of
+    what was fed); what generate fed it fills the rest, so a prompt that differs past the told part is refused."""
+    model = infer.load_model(build_checkpoint("llama"))
+    pool = PagedKVPool(model.config, num_blocks=16, block_size=4)
+    first = ids(model, 9, seed=4)
+    cache = pool.new_batch(1, max_seq_len=48)
+    result = generate(model, None, first, PARAMS, cache=cache)
+    cache.extend_token_ids(first[:2])
+    held = first + result.token_ids[:-1]
+    changed = held[:-1] + [(held[-1] + 1) % model.config.vocab_size, 3]
+    with pytest.raises(ValueError, match="holds other tokens than the prompt's first ones"):
+        generate(model, None, changed, PARAMS, cache=cache)
