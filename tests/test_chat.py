@@ -276,3 +276,28 @@ def test_raise_exception_in_a_template_is_a_value_error(tmp_path: Path) -> None:
     assert isinstance(caught.value, ValueError)
     with pytest.raises(Exception, match="one message only"):  # noqa: B017 (HF raises jinja2's TemplateError)
         AutoTokenizer.from_pretrained(path).apply_chat_template(two, tokenize=False)
+
+
+CONTENT_PARTS = {
+    "one text part": [{"role": "user", "content": [{"type": "text", "text": "Hello there"}]}],
+    "parts with spaces": [{"role": "system", "content": [{"type": "text", "text": " Be brief. "}]},
+                          {"role": "user",
+                           "content": [{"type": "text", "text": "A"}, {"type": "text", "text": " B "}]}],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONTENT_PARTS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_content_given_as_parts_renders_as_transformers_renders_it(family: str, name: str) -> None:
+    """OpenAI-style content parts reach the template as transformers hands them over: the templates that iterate
+    parts (Gemma 3's) render their text, the ones that print content print what transformers prints, and the
+    ones that cannot take a list fail for us as a ChatTemplateError where transformers fails too."""
+    tok, hf = real(family)
+    messages = CONTENT_PARTS[name]
+    try:
+        hf_render(hf, messages, add_generation_prompt=True, **DATE)
+    except Exception:  # noqa: BLE001 - whatever transformers raises, ours must refuse by name
+        with pytest.raises(ChatTemplateError):
+            tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **DATE)
+        return
+    assert_same_render(tok, hf, messages, add_generation_prompt=True, **DATE)
