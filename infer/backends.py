@@ -154,6 +154,9 @@ class CacheBackend(AttentionBackend):
                                                                       layer.softcap, layer.window)
         if self.cache is not None:
             k, v = self.cache.update(layer.layer_idx, k, v)  # k, v: [B, Hkv, S, D]
+            if k.dtype != q.dtype:  # (the forward raising discards the step: the cache is left as it was)
+                raise ValueError(f"the cache holds K/V in {k.dtype} but the model computes in {q.dtype}: create the "
+                                 f"cache with dtype={q.dtype} (the model's), or load the model in {k.dtype}")
         return attend_dense(q, k, v, self.masks[layer.layer_type], layer, kernels)
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:

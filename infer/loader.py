@@ -54,8 +54,13 @@ def _weight_files(path: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{index} is not a valid safetensors index (no weight_map): {e}") from e
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and v.endswith(".safetensors") and v == Path(v).name
+                for k, v in weight_map.items()):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names in the same "
+                                  "folder ('model-00001-of-00002.safetensors'); rewrite it or remove the index")
         files = sorted({path / name for name in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:

@@ -53,8 +53,14 @@ class SamplingParams:
             raise bad("min_p", self.min_p, "it must lie in [0, 1] (0 turns it off)")
         if not self.repetition_penalty > 0:
             raise bad("repetition_penalty", self.repetition_penalty, "it must be > 0 (1 turns it off)")
+        if not PENALTY_RANGE[0] <= self.repetition_penalty <= PENALTY_RANGE[1]:
+            # fp32 logits divided by a smaller one (or times a larger one) overflow to inf, and sampling to NaN.
+            raise bad("repetition_penalty", self.repetition_penalty,
+                      f"it must lie in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}] (1 turns it off)")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise TypeError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise bad("seed", self.seed, "it must fit in 64 bits: -2**63 <= seed < 2**64 (a generator's seed)")
         # Accept a single string or any iterable; store a tuple so the caller's list is never shared.
         if not isinstance(self.stop, (str, list, tuple)):
             raise TypeError(f"SamplingParams.stop must be a string or a list of strings, got {self.stop!r}")
@@ -79,6 +85,9 @@ class SamplingParams:
         """Whether the next token is the argmax: temperature 0, or below GREEDY_BELOW, where dividing the
         logits would overflow to inf and NaN probabilities (vLLM draws the same line)."""
         return self.temperature < GREEDY_BELOW
+
+
+PENALTY_RANGE = (1e-30, 1e30)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penalty: float) -> torch.Tensor:

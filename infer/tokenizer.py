@@ -97,6 +97,7 @@ class Tokenizer:
         """Token ids of `text`; `add_special_tokens` applies tokenizer.json's post-processor (e.g. BOS)."""
         if not isinstance(text, str):
             raise TypeError(f"encode takes a str, got {type(text).__name__} (decode bytes to text first)")
+        _check_encodable(text)
         return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
@@ -483,6 +484,15 @@ def _documents(documents: Sequence[Mapping[str, Any]] | None) -> list[Mapping[st
     if any(not isinstance(d, Mapping) for d in documents):
         raise TypeError("documents must be a list of dicts (with 'title' and 'text' keys)")
     return list(documents)
+
+
+def _check_encodable(text: str) -> None:
+    """Text must be valid Unicode to encode: a lone surrogate (from a bad decode upstream) has no UTF-8 form."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text holds a lone surrogate {text[e.start]!r} at index {e.start}, which is not valid "
+                         "Unicode: decode the source with errors='replace' (or fix it) first") from None
 
 
 def _check_ids(ids: list[Any], vocab: int) -> None:

@@ -284,10 +284,11 @@ def tensor_reader(path: Path) -> Callable[[str], torch.Tensor]:
 
 
 def cached_gguf(path: str | Path, dtype: torch.dtype | str = torch.bfloat16) -> Path:
-    """The checkpoint's GGUF beside it (built on first use; rebuilt when the weights are newer)."""
+    """The checkpoint's GGUF next to its folder, `<folder>.<kind>.gguf` (built on first use; rebuilt when the weights
+    are newer). Not inside the folder: a GGUF there would be what `load_model` reads once config.json is gone."""
     path = Path(path)
     kind = DTYPES.get(dtype, "X") if isinstance(dtype, torch.dtype) else dtype
-    out = path / f"model-{kind.lower()}.gguf"
+    out = path.parent / f"{path.name}.{kind.lower()}.gguf"
     newest = max(f.stat().st_mtime for f in path.glob("*.safetensors"))
     if not out.exists() or out.stat().st_mtime < newest:
         tmp = out.with_suffix(".gguf.tmp")

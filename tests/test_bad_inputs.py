@@ -364,3 +364,63 @@ def test_snapshot_file_api(tmp_path_factory: pytest.TempPathFactory, path: Any, 
 def test_tokenizer_path(path: Any) -> None:
     kind, _ = outcome(lambda: Tokenizer(path), ("Tokenizer takes", "tokenizer.json", "not found"))
     assert kind == "error"
+
+
+# --- the last hostile values: out of range for torch, invalid text, a cache of another dtype, broken indexes -----
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**70, -(2**63) - 1])
+def test_a_seed_beyond_64_bits_is_refused_by_name(seed: int) -> None:
+    with pytest.raises(ValueError, match="seed=.*64 bits"):
+        SamplingParams(seed=seed)
+    SamplingParams(seed=2**64 - 1), SamplingParams(seed=-(2**63))  # the generator's whole range is taken
+
+
+@pytest.mark.parametrize("penalty", [1e-45, 1e-300, 1e31, 1e300])
+def test_a_repetition_penalty_that_would_overflow_fp32_is_refused(penalty: float) -> None:
+    """Logits divided by 1e-45 (or times 1e300) are inf in fp32 and sampling turns them into NaN."""
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=penalty)
+
+
+@pytest.mark.parametrize("at", [0, 3])
+def test_text_with_a_lone_surrogate_is_refused_with_its_position(at: int) -> None:
+    model, tok, _ = model_and_tokenizer()
+    text = "abc"[:at] + "\ud800" + "def"
+    for call in (lambda: tok.encode(text), lambda: generate(model, tok, text, SamplingParams(max_new_tokens=1))):
+        with pytest.raises(ValueError, match=f"lone surrogate .* at index {at}"):
+            call()
+    assert tok.encode("abc\U0001f642") == tok.encode("abc\U0001f642")  # a real astral character is fine
+
+
+@pytest.mark.parametrize("kind", sorted(CACHE_KINDS))
+def test_a_cache_of_another_dtype_is_refused_and_left_as_it_was(kind: str) -> None:
+    """An fp32 model given a float16 cache: one error naming both dtypes, the cache unchanged and still usable by a
+    model of its dtype."""
+    model, _, before_weights = model_and_tokenizer()
+    cache = create_cache(kind, model.config, max_seq_len=24, dtype=torch.float16)
+    before = state_of(cache)
+    with pytest.raises(ValueError, match=r"cache holds K/V in torch.float16 but the model computes in torch.float32"):
+        generate(model, None, [1, 2, 3], SamplingParams(max_new_tokens=2), cache=cache)
+    assert unchanged(cache, before)
+    assert same_weights(model, before_weights)
+    half = infer.load_model(build_checkpoint("llama"), dtype="float16")
+    assert generate(half, None, [1, 2, 3], SamplingParams(max_new_tokens=2), cache=cache).token_ids
+
+
+@pytest.mark.parametrize("index", ["[]", '{"weight_map": 5}', '{"weight_map": {"a": 7}}',
+                                   '{"weight_map": {"a": "../model.safetensors"}}', '{"weight_map": {"a": "x.bin"}}',
+                                   '{"weight_map": ["model.safetensors"]}'])
+def test_a_malformed_safetensors_index_names_the_file(tmp_path: Any, index: str) -> None:
+    import shutil
+
+    from infer.errors import CheckpointError
+
+    target = tmp_path / "model"
+    shutil.copytree(build_checkpoint("llama"), target)
+    for gguf in target.glob("*.gguf"):  # the folder's GGUF would be read instead of the safetensors
+        gguf.unlink()
+    shutil.copy(target / "model.safetensors", tmp_path)  # a shard path leaving the folder would find a file
+    (target / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json"):
+        infer.load_model(target)
