@@ -119,7 +119,15 @@ def broken_snapshots(good: CacheSnapshot) -> dict[str, CacheSnapshot]:
         return CacheSnapshot(good.kind, good.offset, tensors, good.token_ids, dict(good.meta))
 
     t = good.tensors[last]
+    floats = sorted(n for n, x in good.tensors.items() if x.numel() and x.dtype.is_floating_point)
+    scales = [n for n in floats if n.endswith("_scale")]
+    poisoned = {f"{n} holding a NaN": with_tensors(**{n: good.tensors[n].clone().view(-1).index_fill(
+        0, torch.tensor([0]), float("nan")).view(good.tensors[n].shape)}) for n in floats}
+    poisoned |= {f"{n} holding an inf": with_tensors(**{n: good.tensors[n].clone().fill_(float("inf"))})
+                 for n in floats[:1]}
+    poisoned |= {f"{n} negative": with_tensors(**{n: -good.tensors[n].abs() - 1}) for n in scales}
     return {
+        **poisoned,
         "last tensor missing": with_tensors(**{last: None}),
         "last tensor misshaped": with_tensors(**{last: t[..., :-1]}),
         "last tensor one token short": with_tensors(**{last: t.narrow(3, 0, t.shape[3] - 1)}),
@@ -250,3 +258,23 @@ def test_a_stopped_step_after_a_whole_block_prefix_hit_changes_nothing(monkeypat
     with torch.no_grad():  # and the step then runs
         model(torch.tensor([prompt[7:]]), second)
     assert second.offset == 8
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp4"])
+def test_a_quantized_snapshot_with_negative_or_poisoned_scales_is_refused(kind: str) -> None:
+    """Scales are absmax / qmax: a negative one (or a NaN) can only come from an edited file, and would flip or
+    poison the keys it scales. Blocks of 4 tokens, so a short sequence already holds quantized blocks."""
+    model = model_of("llama")
+    cache = infer.create_cache(kind, model.config, max_seq_len=32, residual_block=4)
+    with torch.no_grad():
+        model(ids_for(model, 13, seed=3), cache)
+    good = cache.snapshot()
+    assert good.tensors["k_scale"].numel() and good.tensors["v_scale"].numel()
+    for name in ("k_scale", "v_scale"):
+        for value in (-1.0, float("nan")):
+            tensors = {**good.tensors, name: good.tensors[name].clone().view(-1).index_fill(
+                0, torch.tensor([0]), value).view(good.tensors[name].shape)}
+            before = state(cache)
+            with pytest.raises(ValueError, match=name):
+                cache.restore(CacheSnapshot(good.kind, good.offset, tensors, good.token_ids, dict(good.meta)))
+            assert same_state(state(cache), before)

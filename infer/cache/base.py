@@ -257,4 +257,7 @@ def check_snapshot_tensors(
                 f"snapshot tensor {name!r} has dtype {t.dtype}, expected "
                 f"{'a floating-point dtype' if dtype is FLOAT else dtype}: the file is corrupt or edited"
             )
+        if t.dtype.is_floating_point and t.numel() and not bool(torch.isfinite(t).all()):
+            # A cache never holds NaN or inf: restored, it would turn every later logit into NaN.
+            raise ValueError(f"snapshot tensor {name!r} holds NaN or inf values: the file is corrupt or edited")
     return {name: snapshot.tensors[name].to(device) for name in expected}

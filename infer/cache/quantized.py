@@ -349,6 +349,9 @@ class QuantizedCache:
         t = check_snapshot_tensors(snapshot, {"k_data": data, "v_data": data, "k_scale": k_scale, "v_scale": scale,
                                               "k_recent": recent, "v_recent": recent, "k_sink": sinks,
                                               "v_sink": sinks}, self.k_data.device)
+        for name in ("k_scale", "v_scale"):  # absmax / qmax: never negative (a negative one flips signs)
+            if t[name].numel() and bool((t[name] < 0).any()):
+                raise ValueError(f"snapshot tensor {name!r} holds negative scales: the file is corrupt or edited")
         self._pending.commit()
         self.k_data[:, :, :, :q] = t["k_data"]
         self.v_data[:, :, :, :q] = t["v_data"]
