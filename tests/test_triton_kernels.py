@@ -300,13 +300,17 @@ def test_quantized_cache_attention_choice_is_validated() -> None:
     from reference import build_checkpoint
 
     config = ModelConfig.from_file(build_checkpoint("llama"))
+    from infer.kernels.native import native_kernels
+
+    on_cpu = "native" if native_kernels() is not None else "dequantize"  # the CPU kernel reads every layout
     auto = infer.create_cache("int8", config, max_seq_len=8, device=DEVICE, key_scales="row", sink_tokens=0)
-    assert auto.attention == ("triton" if torch.cuda.is_available() and DEVICE == "cuda" else "dequantize")
-    # Keys scaled per channel (the registered kinds' default) attend by dequantizing: the kernel reads row scales.
-    assert infer.create_cache("int8", config, max_seq_len=8, device=DEVICE).attention == "dequantize"
+    assert auto.attention == ("triton" if torch.cuda.is_available() and DEVICE == "cuda" else on_cpu)
+    # Keys scaled per channel (the registered kinds' default): the Triton kernel reads row scales only.
+    expected = "dequantize" if DEVICE == "cuda" else on_cpu
+    assert infer.create_cache("int8", config, max_seq_len=8, device=DEVICE).attention == expected
     with pytest.raises(ValueError, match="key_scales=.channel. or sink_tokens use .auto. or .dequantize."):
         infer.create_cache("int8", config, max_seq_len=8, device=DEVICE, attention="triton")
-    with pytest.raises(ValueError, match="attention must be 'auto', 'triton' or 'dequantize'"):
+    with pytest.raises(ValueError, match="attention must be 'auto', 'triton', 'native' or 'dequantize'"):
         infer.create_cache("int8", config, max_seq_len=8, attention="flash")
 
 

@@ -154,7 +154,7 @@ class QuantizedCache:
     def attends_in_kernel(self) -> bool:
         """Whether one-token steps attend through `decode_attention` (codes dequantized in the Triton kernel)
         rather than `update`'s dequantized history (the PyTorch path, the check and the CPU path)."""
-        return self.attention == "triton"
+        return self.attention in ("triton", "native")
 
     def num_quantized(self, num_tokens: int) -> int:
         """How many of the oldest of `num_tokens` tokens past the sinks are held quantized."""
@@ -182,17 +182,39 @@ class QuantizedCache:
         (infer/kernels/quantized_attention.py): no dequantized copy of the history. `[B, H, 1, D]`."""
         from infer.kernels.quantized_attention import quantized_decode_attention
 
+        if q.shape[2] != 1 or k.shape[2] != 1:
+            raise ValueError(f"decode_attention takes one token, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+        if self.attention == "native":
+            return self._native_attention(layer, q, k, v, scale, softcap, window)
         if self.key_scales != "row" or self.sink_tokens:
             raise ValueError("decode_attention's kernel reads one scale per key row and no sink tokens; this cache "
                              "has key_scales='channel' or sink_tokens: read it through `update`")
-        if q.shape[2] != 1 or k.shape[2] != 1:
-            raise ValueError(f"decode_attention takes one token, got q {tuple(q.shape)} and k {tuple(k.shape)}")
         end = self._store(layer, k, v)
         lengths = torch.full((self.batch_size,), end, dtype=torch.int32, device=q.device)
         out = quantized_decode_attention(
             q[:, :, 0], (self.k_data[layer], self.v_data[layer]), (self.k_scale[layer], self.v_scale[layer]),
             (self.k_recent[layer], self.v_recent[layer]), lengths, self.num_quantized(end), self.scheme, scale,
             softcap, window)
+        return out[:, :, None]
+
+    def _native_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                          softcap: float | None, window: int | None) -> torch.Tensor:
+        """`decode_attention` through the native CPU kernel (infer/kernels/cpu_decode.c, `infer_qattn`): every
+        layout (keys by row or channel, sinks, a residual window), codes read where they lie."""
+        from infer.kernels.native import native_kernels
+
+        kernels = native_kernels()
+        if kernels is None:
+            raise ValueError("attention='native' needs the native CPU kernels, which did not build here; use 'auto'")
+        end = self._store(layer, k, v)
+        stream = self._in_stream(end)
+        quantized = self.num_quantized(stream)
+        # The ring's writes of this step are pending until advance: the kernel reads them where they are.
+        out = kernels.quantized_attention(
+            q[:, :, 0], (self.k_sink[layer], self.v_sink[layer]), end - stream,
+            (self.k_data[layer], self.v_data[layer]), (self.k_scale[layer], self.v_scale[layer]), quantized,
+            self.residual_block, self.scheme, self.key_scales == "channel",
+            (self.k_recent[layer], self.v_recent[layer]), stream - quantized, scale, softcap, window)
         return out[:, :, None]
 
     def _key_scale_rows(self, num_quantized: int) -> int:
@@ -366,14 +388,19 @@ class QuantizedCache:
 
 
 def _attention_path(attention: str, device: torch.device, kernel_reads_it: bool = True) -> str:
-    """"triton" or "dequantize" for `attention` ("auto": the kernel on CUDA with Triton, else dequantize; a layout
-    the kernel does not read, keys scaled per channel or sink tokens, always dequantizes)."""
+    """"triton", "native" or "dequantize" for `attention` ("auto": on CUDA the Triton kernel where it reads the
+    layout (keys by row, no sinks), on the CPU the native kernel where it built, else dequantize)."""
     from infer.kernels import triton_available
 
     if attention == "auto":
-        return "triton" if device.type == "cuda" and triton_available("cuda") and kernel_reads_it else "dequantize"
-    if attention not in ("triton", "dequantize"):
-        raise ValueError(f"attention must be 'auto', 'triton' or 'dequantize', got {attention!r}")
+        if device.type == "cuda":
+            return "triton" if triton_available("cuda") and kernel_reads_it else "dequantize"
+        return "native" if device.type == "cpu" and _native_available() else "dequantize"
+    if attention not in ("triton", "native", "dequantize"):
+        raise ValueError(f"attention must be 'auto', 'triton', 'native' or 'dequantize', got {attention!r}")
+    if attention == "native" and (device.type != "cpu" or not _native_available()):
+        raise ValueError(f"attention='native' runs on the CPU with the native kernels built; this cache is on "
+                         f"{device.type}{'' if device.type != 'cpu' else ' and they did not build'}: use 'auto'")
     if attention == "triton" and not kernel_reads_it:
         raise ValueError("attention='triton' reads one scale per key row and no sink tokens; with "
                          "key_scales='channel' or sink_tokens use 'auto' or 'dequantize'")
@@ -381,6 +408,12 @@ def _attention_path(attention: str, device: torch.device, kernel_reads_it: bool 
         raise ValueError(f"attention='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 on the CPU, "
                          f"for tests); this cache is on {device.type}: use 'auto'")
     return attention
+
+
+def _native_available() -> bool:
+    from infer.kernels.native import native_kernels
+
+    return native_kernels() is not None
 
 
 def quantized_cache_factory(scheme: str) -> Callable[..., QuantizedCache]:

@@ -367,3 +367,263 @@ double infer_read(const void *p, int64_t nbytes, int threads) {
     }
     return total;
 }
+
+/* ---- one-token attention over a quantized KV cache, reading the codes where they lie ----
+ * The layout of infer/cache/quantized.py: the first `ns` tokens exact (sinks), then `nq` tokens as codes
+ * (int8; int4 or FP4 two per byte, element 2i in the low nibble) with values scaled per row and keys per row
+ * or per channel over blocks of `block` tokens, then `nr` newest tokens exact in a ring of `ring` slots (stream
+ * index s at slot s % ring). Per (sequence, KV head) the G query heads that share it are scored against every key
+ * row decoded once, in fp32: q.k = sum_d (q_d * channel_scale_d) * code_d (or (q . code) * row_scale); softmax
+ * in fp32; values summed as sum_t (p_t * row_scale_t) * code_t. No dequantized copy of the cache is made: each
+ * code is read once per step. Keys outside `window` (> 0) of the query's position are skipped, `softcap` (> 0)
+ * applies softcap * tanh(s / softcap). Exact parts and q/out are of `dtype`; scales are bf16. */
+enum { Q_INT8 = 0, Q_INT4 = 1, Q_FP4 = 2 };
+static const float FP4_VALUES[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                     -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+static inline void decode_codes(int scheme, const uint8_t *c, float *out, int64_t d) {
+    if (scheme == Q_INT8) {
+        const int8_t *s = (const int8_t *)c;
+#pragma omp simd
+        for (int64_t i = 0; i < d; i++) out[i] = (float)s[i];
+    } else if (scheme == Q_INT4) {
+#pragma omp simd
+        for (int64_t i = 0; i < d / 2; i++) {
+            out[2 * i] = (float)((int8_t)(uint8_t)(c[i] << 4) >> 4);
+            out[2 * i + 1] = (float)((int8_t)c[i] >> 4);
+        }
+    } else {
+        for (int64_t i = 0; i < d / 2; i++) {
+            out[2 * i] = FP4_VALUES[c[i] & 15];
+            out[2 * i + 1] = FP4_VALUES[c[i] >> 4];
+        }
+    }
+}
+
+/* exp(x) for x <= 0 (a softmax's shifted scores) by Cephes' expf: x = k ln2 + r, |r| <= ln2 / 2, a degree-6
+ * polynomial for e^r, 2^k by the exponent bits; within 2 ulp of libm's expf, and branch-free, so a loop of it
+ * vectorizes (libm's expf is a call per element: 4096 keys x 4 heads of them cost more than the dot products). */
+static inline float exp_nonpositive(float x) {
+    x = fmaxf(x, -87.0f);
+    float k = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float two_k;
+    memcpy(&two_k, &bits, 4);
+    return p * two_k;
+}
+
+static inline float dot_f32(const float *a, const float *b, int64_t d) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < d; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* The fast path (head_dim a multiple of 32): 32 elements of a row at a time as two 16-lane vectors A and B. int8:
+ * A, B = elements 0-15, 16-31; two per byte: A = the low nibbles (even elements), B = the high ones (odd). The
+ * queries and the value sums are kept in that order (`permute`), so the codes are widened in registers and never
+ * reordered; each key costs one horizontal sum per query head. */
+typedef float qv16 __attribute__((vector_size(64)));
+typedef int8_t qi8x16 __attribute__((vector_size(16)));
+
+static inline void permute(int scheme, const float *x, float *out, int64_t d) {
+    for (int64_t c = 0; c < d / 32; c++)
+        for (int64_t j = 0; j < 16; j++) {
+            out[32 * c + j] = x[32 * c + (scheme == Q_INT8 ? j : 2 * j)];
+            out[32 * c + 16 + j] = x[32 * c + (scheme == Q_INT8 ? 16 + j : 2 * j + 1)];
+        }
+}
+
+static inline void unpermute_add(int scheme, const float *x, float *out, int64_t d) {
+    for (int64_t c = 0; c < d / 32; c++)
+        for (int64_t j = 0; j < 16; j++) {
+            out[32 * c + (scheme == Q_INT8 ? j : 2 * j)] += x[32 * c + j];
+            out[32 * c + (scheme == Q_INT8 ? 16 + j : 2 * j + 1)] += x[32 * c + 16 + j];
+        }
+}
+
+/* Chunk c of a code row as (A, B). */
+static inline void widen(int scheme, const uint8_t *row, int64_t c, qv16 *a, qv16 *b) {
+    if (scheme == Q_INT8) {
+        qi8x16 x0, x1;
+        memcpy(&x0, row + 32 * c, 16);
+        memcpy(&x1, row + 32 * c + 16, 16);
+        *a = __builtin_convertvector(x0, qv16);
+        *b = __builtin_convertvector(x1, qv16);
+    } else if (scheme == Q_INT4) {
+        qi8x16 x;
+        memcpy(&x, row + 16 * c, 16);
+        *a = __builtin_convertvector((qi8x16)(x << 4) >> 4, qv16);
+        *b = __builtin_convertvector(x >> 4, qv16);
+    } else {
+        for (int j = 0; j < 16; j++) {
+            uint8_t byte = row[16 * c + j];
+            (*a)[j] = FP4_VALUES[byte & 15];
+            (*b)[j] = FP4_VALUES[byte >> 4];
+        }
+    }
+}
+
+typedef float qv8 __attribute__((vector_size(32)));
+typedef float qv4 __attribute__((vector_size(16)));
+
+/* The 16 lanes' sum as a tree of halves: a few shuffles and adds instead of 15 dependent ones. */
+static inline float hsum16(qv16 v) {
+#if defined(HAVE_AVX512)
+    return _mm512_reduce_add_ps((__m512)v);
+#endif
+    qv8 lo, hi;
+    memcpy(&lo, &v, 32);
+    memcpy(&hi, (const char *)&v + 32, 32);
+    qv8 s8 = lo + hi;
+    qv4 a, b;
+    memcpy(&a, &s8, 16);
+    memcpy(&b, (const char *)&s8 + 16, 16);
+    qv4 s4 = a + b;
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const void *k_sink, const void *v_sink,
+                const uint8_t *k_codes, const uint8_t *v_codes, const uint16_t *k_scale, const uint16_t *v_scale,
+                const void *k_recent, const void *v_recent, void *out, int64_t batch, int64_t heads,
+                int64_t kv_heads, int64_t d, int64_t ns, int64_t ns_cap, int64_t nq, int64_t nq_cap,
+                int64_t block, int64_t scale_rows, int64_t nr, int64_t ring, float scale, float softcap,
+                int64_t window, int threads) {
+    int64_t esize = dtype == F32 ? 4 : 2, groups = heads / kv_heads, n = ns + nq + nr;
+    int64_t dp = scheme == Q_INT8 ? d : d / 2, qpos = ns_cap + nq + nr - 1;
+    int fast = d % 32 == 0; /* whole 32-element chunks: the vector path */
+    if (ns < ns_cap) qpos = ns - 1; /* everything so far is a sink */
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        /* scores [G, n]; queries natural qf, scaled qs, permuted qp [G, d]; sums acc (natural), accp (permuted)
+         * [G, d]; one decoded row. Vectors first, so they stay 64-byte aligned. */
+        size_t floats = (size_t)(groups * (5 * d + n) + d);
+        float *buf = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < batch * kv_heads; bh++) {
+            if (!buf) continue;
+            int64_t b = bh / kv_heads;
+            float *qp = buf, *accp = qp + groups * d, *row = accp + groups * d, *qf = row + d, *qs = qf + groups * d;
+            float *acc = qs + groups * d, *sc = acc + groups * d;
+            for (int64_t g = 0; g < groups; g++)
+                for (int64_t i = 0; i < d; i++)
+                    qf[g * d + i] = load_scalar(dtype, q, ((b * heads) + bh % kv_heads * groups + g) * d + i) * scale;
+            const char *ks = (const char *)k_sink + bh * ns_cap * d * esize;
+            const char *kr = (const char *)k_recent + bh * ring * d * esize;
+            const uint8_t *kc = k_codes + bh * nq_cap * dp;
+            /* scores: sinks, codes, ring */
+            for (int64_t t = 0; t < ns; t++) {
+                for (int64_t i = 0; i < d; i++) row[i] = load_scalar(dtype, ks, t * d + i);
+                for (int64_t g = 0; g < groups; g++) sc[g * n + t] = dot_f32(qf + g * d, row, d);
+            }
+            for (int64_t t = 0; t < nq; t++) {
+                int new_block = channel_keys ? t % block == 0 : t == 0;
+                if (new_block) { /* this block's channel scales folded into the queries (row scales: q as is) */
+                    const uint16_t *s = k_scale + (bh * scale_rows + t / block) * d;
+                    for (int64_t g = 0; g < groups; g++) {
+                        for (int64_t i = 0; i < d; i++)
+                            qs[g * d + i] = channel_keys ? qf[g * d + i] * bf16_to_f32(s[i]) : qf[g * d + i];
+                        if (fast) permute(scheme, qs + g * d, qp + g * d, d);
+                    }
+                }
+                const uint8_t *codes = kc + t * dp;
+                float rs = channel_keys ? 1.f : bf16_to_f32(k_scale[bh * nq_cap + t]);
+                if (fast) {
+                    qv16 *rv = (qv16 *)row;
+                    for (int64_t c = 0; c < d / 32; c++) widen(scheme, codes, c, rv + 2 * c, rv + 2 * c + 1);
+                    for (int64_t g = 0; g < groups; g++) {
+                        const qv16 *qv = (const qv16 *)(qp + g * d);
+                        qv16 a = {0};
+                        for (int64_t c = 0; c < d / 16; c++) a += qv[c] * rv[c];
+                        sc[g * n + ns + t] = hsum16(a) * rs;
+                    }
+                } else {
+                    decode_codes(scheme, codes, row, d);
+                    for (int64_t g = 0; g < groups; g++) sc[g * n + ns + t] = dot_f32(qs + g * d, row, d) * rs;
+                }
+            }
+            for (int64_t t = 0; t < nr; t++) {
+                int64_t slot = (nq + t) % ring;
+                for (int64_t i = 0; i < d; i++) row[i] = load_scalar(dtype, kr, slot * d + i);
+                for (int64_t g = 0; g < groups; g++) sc[g * n + ns + nq + t] = dot_f32(qf + g * d, row, d);
+            }
+            /* softmax per query head, with the window and the softcap */
+            for (int64_t g = 0; g < groups; g++) {
+                float *s = sc + g * n, top = -INFINITY, sum = 0.f;
+                for (int64_t t = 0; t < n; t++) {
+                    int64_t pos = t < ns ? t : ns_cap + (t - ns);
+                    if (softcap > 0.f) s[t] = softcap * tanhf(s[t] / softcap);
+                    if (window > 0 && pos <= qpos - window) s[t] = -INFINITY;
+                    if (s[t] > top) top = s[t];
+                }
+#pragma omp simd
+                for (int64_t t = 0; t < n; t++) {
+                    float e = exp_nonpositive(s[t] - top);
+                    s[t] = s[t] > -INFINITY ? e : 0.f;
+                }
+#pragma omp simd reduction(+ : sum)
+                for (int64_t t = 0; t < n; t++) sum += s[t];
+                float inv = 1.0f / sum;
+#pragma omp simd
+                for (int64_t t = 0; t < n; t++) s[t] *= inv;
+            }
+            /* values: exact rows into acc, code rows into accp (the permuted order on the fast path) */
+            memset(acc, 0, sizeof(float) * (size_t)(groups * d));
+            memset(accp, 0, sizeof(float) * (size_t)(groups * d));
+            const char *vs = (const char *)v_sink + bh * ns_cap * d * esize;
+            const char *vr = (const char *)v_recent + bh * ring * d * esize;
+            const uint8_t *vc = v_codes + bh * nq_cap * dp;
+            for (int64_t t = 0; t < n; t++) {
+                int coded = t >= ns && t < ns + nq;
+                if (t < ns) {
+                    for (int64_t i = 0; i < d; i++) row[i] = load_scalar(dtype, vs, t * d + i);
+                } else if (coded && fast) {
+                    qv16 *rv = (qv16 *)row;
+                    for (int64_t c = 0; c < d / 32; c++)
+                        widen(scheme, vc + (t - ns) * dp, c, rv + 2 * c, rv + 2 * c + 1);
+                } else if (coded) {
+                    decode_codes(scheme, vc + (t - ns) * dp, row, d);
+                } else {
+                    int64_t slot = (t - ns) % ring;
+                    for (int64_t i = 0; i < d; i++) row[i] = load_scalar(dtype, vr, slot * d + i);
+                }
+                float rs = coded ? bf16_to_f32(v_scale[bh * nq_cap + (t - ns)]) : 1.f;
+                for (int64_t g = 0; g < groups; g++) {
+                    float w = sc[g * n + t] * rs;
+                    if (w == 0.f) continue;
+                    if (coded && fast) {
+                        qv16 *a = (qv16 *)(accp + g * d);
+                        const qv16 *rv = (const qv16 *)row;
+                        for (int64_t c = 0; c < d / 16; c++) a[c] += w * rv[c];
+                    } else {
+                        float *a = acc + g * d;
+#pragma omp simd
+                        for (int64_t i = 0; i < d; i++) a[i] += w * row[i];
+                    }
+                }
+            }
+            for (int64_t g = 0; g < groups; g++) {
+                if (fast) unpermute_add(scheme, accp + g * d, acc + g * d, d);
+                else
+                    for (int64_t i = 0; i < d; i++) acc[g * d + i] += accp[g * d + i];
+                for (int64_t i = 0; i < d; i++)
+                    store_scalar(dtype, out, ((b * heads) + bh % kv_heads * groups + g) * d + i, acc[g * d + i]);
+            }
+        }
+        free(buf);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,154 @@
+"""One-token attention over the quantized cache's codes in the native CPU kernel (`infer_qattn` in
+infer/kernels/cpu_decode.c, `QuantizedCache(attention="native")`, the CPU default) held to the dequantize-then-attend
+formula: every layout (keys by row or by channel over blocks, sinks, a residual window, a ring that wrapped), every
+scheme, grouped query heads, sliding windows and softcaps, every instruction-set path the CPU runs; the cache stores
+what `update` stores; a model decoding over it gives the logits of the dequantizing path."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import infer
+from infer.attention import attention_mask, attention_reference
+from infer.cache.quantized import QuantizedCache
+from infer.families import ARCHITECTURES
+from infer.kernels import native
+from infer.kernels.native import native_kernels, unavailable_reason
+from tests.helpers import assert_close, tiny_config
+from tests.test_native_kernels import FLAVOURS_HERE
+
+needs_build = pytest.mark.skipif(native_kernels() is None, reason=f"no native build here: {unavailable_reason()}")
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> dict[str, Any]:
+    kv_heads = draw(st.integers(1, 3))
+    return {
+        "scheme": draw(st.sampled_from(["int8", "int4", "fp4"])),
+        "key_scales": draw(st.sampled_from(["row", "channel"])),
+        "sink_tokens": draw(st.integers(0, 4)),
+        "residual_window": draw(st.integers(0, 6)),
+        "residual_block": draw(st.integers(1, 8)),
+        "batch": draw(st.integers(1, 2)),
+        "kv_heads": kv_heads,
+        "heads": kv_heads * draw(st.integers(1, 3)),
+        "head_dim": draw(st.sampled_from([2, 6, 8, 20, 32, 64])),  # multiples of 32: the vector path
+        "length": draw(st.integers(0, 70)),  # tokens cached before the step
+        "window": draw(st.none() | st.integers(1, 12)),
+        "softcap": draw(st.none() | st.just(5.0)),
+        "outliers": draw(st.booleans()),  # a key channel 30x the rest, as real models have
+        "flavour": draw(st.sampled_from(FLAVOURS_HERE or ["native"])),
+    }
+
+
+def filled(p: dict[str, Any], dtype: torch.dtype, attention: str, seed: int = 0,
+           values_in: torch.dtype | None = None) -> QuantizedCache:
+    """A cache of `dtype` holding `p["length"]` random tokens (drawn in `values_in`, default `dtype`)."""
+    config = tiny_config("llama", num_layers=1, num_heads=p["heads"], num_kv_heads=p["kv_heads"],
+                         head_dim=p["head_dim"], hidden_size=16)
+    cache = QuantizedCache(config, max_seq_len=p["length"] + 1, batch_size=p["batch"], dtype=dtype,
+                           scheme=p["scheme"], key_scales=p["key_scales"], sink_tokens=p["sink_tokens"],
+                           residual_window=p["residual_window"], residual_block=p["residual_block"],
+                           attention=attention)
+    gen = torch.Generator().manual_seed(seed)
+    done = 0
+    while done < p["length"]:  # a prefill, then chunks: the ring wraps and blocks age out on the way
+        n = min(p["length"] - done, 1 + done % 9)
+        k = torch.randn(p["batch"], p["kv_heads"], n, p["head_dim"], generator=gen)
+        if p["outliers"]:
+            k[..., 0] *= 30
+        v = torch.randn(k.shape, generator=gen)
+        cache.update(0, *(t.to(values_in or dtype).to(dtype) for t in (k, v)))
+        cache.advance(n)
+        done += n
+    return cache
+
+
+def one_step(p: dict[str, Any], dtype: torch.dtype, seed: int = 1) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(p["batch"], p["heads"], 1, p["head_dim"], generator=gen).to(dtype)
+    k = torch.randn(p["batch"], p["kv_heads"], 1, p["head_dim"], generator=gen).to(dtype)
+    return q, k, torch.randn(k.shape, generator=gen).to(dtype)
+
+
+def formula(cache: QuantizedCache, p: dict[str, Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+            ) -> torch.Tensor:
+    """Dequantize (update), then attend by the formula, in fp32."""
+    keys, values = cache.update(0, k, v)
+    positions = torch.arange(keys.shape[2])
+    mask = attention_mask(positions[-1:], positions, p["window"])
+    return attention_reference(q.float(), keys.float(), values.float(), mask, 0.3, p["softcap"])
+
+
+@needs_build
+@settings(max_examples=60, deadline=None)
+@given(p=layouts())
+def test_native_quantized_attention_is_the_dequantized_formula(p: dict[str, Any]) -> None:
+    """fp32: within 1e-5 of the formula over the same cache, on the drawn instruction-set path; and it stores
+    exactly what `update` stores."""
+    reference = filled(p, torch.float32, "dequantize")
+    cache = copy.deepcopy(reference)
+    cache.attention = "native"
+    q, k, v = one_step(p, torch.float32)
+    flavour = native_kernels(p["flavour"])
+    with mock.patch.object(native, "native_kernels", lambda *args: flavour):
+        out = cache.decode_attention(0, q, k, v, 0.3, p["softcap"], p["window"])
+    expected = formula(reference, p, q, k, v)
+    assert_close(out, expected, 1e-5 * max(1.0, expected.abs().max().item()), f"{p}")
+    cache.advance(1), reference.advance(1)
+    for name in ("k_data", "v_data", "k_scale", "v_scale", "k_recent", "v_recent", "k_sink", "v_sink"):
+        assert torch.equal(getattr(cache, name).float(), getattr(reference, name).float()), name
+
+
+@needs_build
+@settings(max_examples=30, deadline=None)
+@given(p=layouts(), dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_half_precision_caches_are_the_fp32_formula_rounded_once(p: dict[str, Any], dtype: torch.dtype) -> None:
+    """bf16 / fp16 K/V: the kernel sums in fp32 from the codes, so it is the fp32 formula over the same codes (a
+    twin cache in fp32 fed the same values holds the same codes and scales) up to the output's rounding."""
+    half, wide = filled(p, dtype, "native"), filled(p, torch.float32, "dequantize", values_in=dtype)
+    q, k, v = one_step(p, dtype)
+    out = half.decode_attention(0, q, k, v, 0.3, p["softcap"], p["window"])
+    expected = formula(wide, p, q.float(), k.float(), v.float())
+    ulp = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+    assert_close(out.float(), expected, ulp * max(1.0, expected.abs().max().item()) + 1e-5, f"{p}")
+
+
+@needs_build
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp4"])
+def test_a_model_decodes_over_the_codes_as_over_the_dequantized_cache(arch: str, kind: str) -> None:
+    """The registered kinds' layout (keys by channel, sinks), Gemma past its sliding window: every one-token step's
+    fp32 logits from the native kernel equal the dequantizing path's from the same cache state within 1e-5."""
+    from reference import build_checkpoint
+
+    model = infer.load_model(build_checkpoint(arch), decode_gemv="linear")
+    ids = torch.randint(0, 400, (2, 48), generator=torch.Generator().manual_seed(11))
+    caches = {a: infer.create_cache(kind, model.config, max_seq_len=48, batch_size=2, attention=a, residual_window=2)
+              for a in ("dequantize", "native")}
+    assert caches["native"].attends_in_kernel and not caches["dequantize"].attends_in_kernel
+    with torch.no_grad():
+        model(ids[:, :36], caches["dequantize"])
+        for i in range(36, 48):
+            caches["native"].restore(caches["dequantize"].snapshot())
+            kernel = model(ids[:, i : i + 1], caches["native"])
+            torch_path = model(ids[:, i : i + 1], caches["dequantize"])
+            assert_close(kernel, torch_path, 1e-5 * max(1.0, torch_path.abs().max().item()), f"{arch} {kind} {i}")
+
+
+def test_the_attention_choice_is_validated() -> None:
+    config = tiny_config("llama")
+    expected = "native" if native_kernels() is not None else "dequantize"
+    assert infer.create_cache("int8", config, max_seq_len=8).attention == expected
+    with pytest.raises(ValueError, match="attention must be 'auto', 'triton', 'native' or 'dequantize'"):
+        infer.create_cache("int8", config, max_seq_len=8, attention="flash")
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="attention='native' runs on the CPU"):
+            infer.create_cache("int8", config, max_seq_len=8, attention="native", device="cuda")
