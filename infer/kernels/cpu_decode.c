@@ -491,6 +491,34 @@ static inline float hsum16(qv16 v) {
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
+typedef int32_t qi32x16 __attribute__((vector_size(64)));
+
+/* Lanes of a where mask (a vector comparison: all ones) is set, else of b (C has no vector ?:). */
+static inline qv16 select16(qi32x16 mask, qv16 a, qv16 b) {
+    return (qv16)(((qi32x16)a & mask) | ((qi32x16)b & ~mask));
+}
+
+/* exp_nonpositive on 16 lanes, the same steps: floor by truncation corrected where it rounded up, 2^k by the
+ * exponent bits (a vector cast reinterprets them). */
+static inline qv16 exp16_nonpositive(qv16 x) {
+    const qv16 lo = {-87.f, -87.f, -87.f, -87.f, -87.f, -87.f, -87.f, -87.f,
+                     -87.f, -87.f, -87.f, -87.f, -87.f, -87.f, -87.f, -87.f};
+    x = select16(x < lo, lo, x);
+    qv16 y = x * 1.44269504088896341f + 0.5f;
+    qi32x16 ki = __builtin_convertvector(y, qi32x16);
+    qv16 t = __builtin_convertvector(ki, qv16);
+    ki += (qi32x16)(y < t); /* truncation went up for negative y: one less */
+    qv16 k = __builtin_convertvector(ki, qv16);
+    qv16 r = x - k * 0.693359375f + k * 2.12194440e-4f;
+    qv16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * (qv16)((ki + 127) << 23);
+}
+
 int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const void *k_sink, const void *v_sink,
                 const uint8_t *k_codes, const uint8_t *v_codes, const uint16_t *k_scale, const uint16_t *v_scale,
                 const void *k_recent, const void *v_recent, void *out, int64_t batch, int64_t heads,
@@ -569,11 +597,15 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
                     if (window > 0 && pos <= qpos - window) s[t] = -INFINITY;
                     if (s[t] > top) top = s[t];
                 }
-#pragma omp simd
-                for (int64_t t = 0; t < n; t++) {
-                    float e = exp_nonpositive(s[t] - top);
-                    s[t] = s[t] > -INFINITY ? e : 0.f;
+                int64_t t = 0;
+                for (; t + 16 <= n; t += 16) {
+                    qv16 v;
+                    memcpy(&v, s + t, 64);
+                    qv16 e = exp16_nonpositive(v - top);
+                    e = select16(v > -INFINITY, e, (qv16){0});
+                    memcpy(s + t, &e, 64);
                 }
+                for (; t < n; t++) s[t] = s[t] > -INFINITY ? exp_nonpositive(s[t] - top) : 0.f;
 #pragma omp simd reduction(+ : sum)
                 for (int64_t t = 0; t < n; t++) sum += s[t];
                 float inv = 1.0f / sum;
