@@ -13,6 +13,7 @@ import torch
 
 import infer
 from infer.__main__ import main
+from infer.cache import create_cache
 from infer.model_store import default_model_path
 from infer.quality import TEXTS, compare, load_text, measure, text_ids
 
@@ -49,8 +50,12 @@ def test_exact_kinds_measure_exact_and_lossy_ones_do_not() -> None:
     for kind in ("contiguous", "paged", "sliding"):
         assert rows[kind].top1_agreement == 1.0 and rows[kind].max_logit_error == 0.0, kind
         assert rows[kind].perplexity_ratio == 1.0, kind
-    assert rows["int4"].max_logit_error > 0 and rows["int4"].bytes_ratio < 0.3
+    # At 64 tokens the exact sinks and the newest, unfilled block are much of an int4 cache; at 4k they are not.
+    assert rows["int4"].max_logit_error > 0 and rows["int4"].bytes_ratio < 0.7
     assert rows["int4"].steps == 64 - 8
+    exact, int4 = (create_cache(kind, model.config, max_seq_len=4096, dtype=torch.bfloat16).memory_bytes
+                   for kind in ("contiguous", "int4"))
+    assert int4 / exact < 0.3
 
 
 def test_shipped_texts_are_real_text() -> None:
