@@ -1,0 +1,62 @@
+"""The benches' statistics held to their definitions, computed independently: percentiles as numpy's linear
+interpolation; a one-by-one run's times measured from the workload's start (every request arrives at once), so a
+request's time to first token includes waiting for every earlier request, and its latency is when it finished."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from infer.bench_batched import BatchRequest, run_one_by_one, summarize_batched
+from infer.bench_common import percentile
+from infer.generation import GenerationResult
+
+
+@given(values=st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=40), q=st.floats(0, 100))
+def test_percentile_is_numpys_linear_interpolation(values: list[float], q: float) -> None:
+    expected = float(np.percentile(np.array(values, dtype=np.float64), q))
+    assert percentile(values, q) == pytest.approx(expected, rel=1e-12, abs=1e-9)
+
+
+def test_percentile_of_nothing_is_nan_and_the_input_is_not_reordered() -> None:
+    assert np.isnan(percentile([], 50))
+    values = [3.0, 1.0, 2.0]
+    assert percentile(values, 0) == 1.0 and percentile(values, 100) == 3.0 and percentile(values, 50) == 2.0
+    assert values == [3.0, 1.0, 2.0]
+
+
+def test_one_by_one_times_count_from_the_workloads_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fake generate taking known times (prefill P, then decode steps D each): request i's first token comes after
+    every earlier request's whole run and its own prefill; it finishes after its own whole run."""
+    prefill, step = 0.02, 0.01
+    work = [BatchRequest([1, 2], n) for n in (3, 1, 2)]
+
+    def fake_generate(model: Any, tokenizer: Any, prompt: Any, params: Any, cache: str = "contiguous"
+                      ) -> GenerationResult:
+        time.sleep(prefill)
+        decode = []
+        for _ in range(params.max_new_tokens - 1):
+            time.sleep(step)
+            decode.append(step)
+        return GenerationResult(prompt_ids=list(prompt), token_ids=[0] * params.max_new_tokens, text="",
+                                finish_reason="length", prefill_time_s=prefill, decode_times_s=decode)
+
+    monkeypatch.setattr("infer.generation.generate", fake_generate)
+    run = run_one_by_one(None, work)  # type: ignore[arg-type]
+    durations = [prefill + step * (r.max_new_tokens - 1) for r in work]
+    finished = np.cumsum(durations)
+    slack = 0.015  # sleep overshoot and bookkeeping, per request, accumulated
+    for i in range(len(work)):
+        waited = finished[i] - durations[i]
+        assert waited + prefill <= run.ttft_s[i] <= waited + prefill + slack * (i + 1), f"request {i} ttft"
+        assert finished[i] <= run.latency_s[i] <= finished[i] + slack * (i + 1), f"request {i} latency"
+    assert run.new_tokens == sum(r.max_new_tokens for r in work)
+    row = summarize_batched(run)
+    assert row["ttft_p50_ms"] == pytest.approx(1e3 * float(np.percentile(run.ttft_s, 50)))
+    assert row["latency_p99_ms"] == pytest.approx(1e3 * float(np.percentile(run.latency_s, 99)))
+    assert row["tok_s"] == pytest.approx(run.new_tokens / run.wall_s)
