@@ -7,11 +7,11 @@ plan and the allocator must satisfy the scheduler's promises."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import event, given
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from infer.cache.block_manager import BlockManager
-from infer.scheduler import PoolTooSmall, Request, Scheduler, Status
+from infer.scheduler import PoolTooSmall, Request, Scheduler, SchedulerOutput, Status
 from tests.helpers import check_pool_invariants
 
 
@@ -52,17 +52,22 @@ def simulate(w: dict) -> tuple[Scheduler, dict[int, Request], list[int], int]:
     reqs = {i: Request(i, list(r["prompt"]), max_tokens=len(r["prompt"]) + r["outputs"])
             for i, r in enumerate(w["requests"])}
     first_scheduled: list[int] = []
+    arrival: dict[int, int] = {}  # request -> its place in the order of arrival
     preemptions = 0
     step = 0
     while step < 10_000:
         for i, r in enumerate(w["requests"]):
             if r["arrival"] == step:
                 sched.add(reqs[i])
+                arrival[i] = len(arrival)
             if r["abort_at"] == step and r["arrival"] <= step:
                 sched.finish(i)
         if step > max(r["arrival"] for r in w["requests"]) and not sched.has_unfinished():
             break
+        waiting_before = [r.request_id for r in sched.waiting]
+        known_before = {i: reqs[i].num_tokens for i in reqs}
         plan = sched.schedule()
+        check_policy(plan, waiting_before, known_before, arrival, sched)
         preemptions += len(plan.preempted)
         assert not plan.failed, "every request fits the pool alone"
         assert plan.num_batched_tokens <= w["budget"]
@@ -91,6 +96,31 @@ def simulate(w: dict) -> tuple[Scheduler, dict[int, Request], list[int], int]:
     return sched, reqs, first_scheduled, preemptions
 
 
+def check_policy(plan: SchedulerOutput, waiting_before: list[int], known: dict[int, int], arrival: dict[int, int],
+                 sched: Scheduler) -> None:
+    """The policy beyond each request's own correctness, from the scheduler's contract (module docstring):
+    a chunk samples exactly when it reaches the request's last known token (a request recomputed after preemption
+    samples nowhere before); admission is first come, first served from the head of the queue, and none in a
+    step that had to preempt; the preempted are the youngest, younger than every request the step runs, and wait
+    in the queue in arrival order, ahead of anything that came after them."""
+    for c in plan.chunks:
+        assert c.sample == (c.start + c.num_tokens == known[c.request_id]), f"request {c.request_id} samples wrongly"
+    admitted = [c.request_id for c in plan.chunks if c.request_id in waiting_before]
+    if plan.preempted:
+        assert not admitted, "a request was admitted in a step that had to preempt"
+    assert admitted == waiting_before[: len(admitted)], "admission skipped the head of the queue"
+    ran = [arrival[c.request_id] for c in plan.chunks]
+    for rid in plan.preempted:
+        assert all(arrival[rid] > a for a in ran), f"request {rid} was preempted before a younger one"
+    queue = [arrival[r.request_id] for r in sched.waiting]
+    assert queue == sorted(queue), "the queue left arrival order (preempted requests resume first come, first served)"
+    running = [arrival[r.request_id] for r in sched.running]
+    assert running == sorted(running), "running requests out of arrival order (a resumed one must not count as young)"
+    resumed = [arrival[c.request_id] for c in plan.chunks if c.request_id not in waiting_before]
+    assert resumed == sorted(resumed), "running requests scheduled out of arrival order"
+
+
+@settings(max_examples=300)  # pure Python, milliseconds each: enough draws to reach preemption then resumption
 @given(workloads())
 def test_every_request_finishes_within_the_rules(w: dict) -> None:
     sched, reqs, first_scheduled, preemptions = simulate(w)
