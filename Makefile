@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= 2.13.0
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: setup generate test gpu-check
+.PHONY: setup generate test gpu-check mutation
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -35,3 +35,10 @@ GPU_PY ?= python3
 gpu-check:
 	$(GPU_PY) -m pip install -q --no-deps --no-build-isolation --no-index -e .
 	$(GPU_PY) tests/gpu_check.py
+
+# The suite measured by bugs: the hand-planted realistic ones (tests/mutation_check.py, ~15 min), then mutmut's
+# mechanical ones over the pure-Python core, module by module (tests/mutmut_core.py, ~15 min per module). Not in CI.
+mutation: setup
+	$(PY) -m pip install -q "mutmut==2.4.5"
+	$(PY) tests/mutation_check.py
+	$(PY) tests/mutmut_core.py

@@ -272,6 +272,11 @@ MUTANTS = [
            "decode = _decode_group([chunks[i] for i in decoding], [starts[i] for i in decoding],",
            "decode = _decode_group([chunks[i] for i in decoding], [starts[0] + j for j, i in enumerate(decoding)],",
            ("tests/property/test_ragged_properties.py",)),
+    Mutant("scheduler: a failed step's slots never given back", "infer/scheduler.py",
+           "            request = self.requests.get(chunk.request_id)\n"
+           "            if request is not None and request.status is Status.RUNNING:",
+           "            request = None\n            if request is not None and request.status is Status.RUNNING:",
+           ("tests/test_scheduler.py",)),
     Mutant("quantized pool: a block's scales not copied on copy-on-write", "infer/cache/paged_quantized.py",
            "for t in (self.k_codes, self.v_codes, self.k_scale, self.v_scale):",
            "for t in (self.k_codes, self.v_codes):",

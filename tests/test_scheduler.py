@@ -40,6 +40,7 @@ def workloads(draw: st.DrawFn) -> dict:
         "budget": draw(st.integers(1, 24)),
         "prefix_caching": draw(st.booleans()),
         "requests": requests,
+        "fail_every": draw(st.sampled_from([0, 0, 3, 5])),  # some steps' forwards raise (discarded)
     }
 
 
@@ -83,6 +84,14 @@ def simulate(w: dict) -> tuple[Scheduler, dict[int, Request], list[int], int]:
                 first_scheduled.append(c.request_id)
         if sched.has_unfinished():
             assert plan.chunks or plan.preempted, f"step {step}: requests wait but nothing runs (deadlock)"
+        if w.get("fail_every") and step % w["fail_every"] == 1:  # the forward raised: its slots come back
+            sched.discard(plan.chunks)
+            for c in plan.chunks:
+                if c.request_id in sched.requests:
+                    assert manager.num_tokens(c.request_id) == reqs[c.request_id].num_computed, "slots kept"
+            check_pool_invariants(manager, {i: reqs[i].token_ids for i in manager.seq_ids})
+            step += 1
+            continue
         sched.computed(plan.chunks)
         for c in plan.chunks:
             req = reqs[c.request_id]
@@ -114,6 +123,8 @@ def check_policy(plan: SchedulerOutput, waiting_before: list[int], known: dict[i
         assert all(arrival[rid] > a for a in ran), f"request {rid} was preempted before a younger one"
     queue = [arrival[r.request_id] for r in sched.waiting]
     assert queue == sorted(queue), "the queue left arrival order (preempted requests resume first come, first served)"
+    if plan.num_batched_tokens < sched.max_num_batched_tokens:  # budget left: every running request ran
+        assert {r.request_id for r in sched.running} <= {c.request_id for c in plan.chunks}, "a running request idled"
     running = [arrival[r.request_id] for r in sched.running]
     assert running == sorted(running), "running requests out of arrival order (a resumed one must not count as young)"
     resumed = [arrival[c.request_id] for c in plan.chunks if c.request_id not in waiting_before]
