@@ -479,7 +479,7 @@ typedef float qv4 __attribute__((vector_size(16)));
 static inline float hsum16(qv16 v) {
 #if defined(HAVE_AVX512)
     return _mm512_reduce_add_ps((__m512)v);
-#endif
+#else
     qv8 lo, hi;
     memcpy(&lo, &v, 32);
     memcpy(&hi, (const char *)&v + 32, 32);
@@ -489,6 +489,7 @@ static inline float hsum16(qv16 v) {
     memcpy(&b, (const char *)&s8 + 16, 16);
     qv4 s4 = a + b;
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+#endif
 }
 
 typedef int32_t qi32x16 __attribute__((vector_size(64)));
