@@ -30,9 +30,12 @@ needs_build = pytest.mark.skipif(native_kernels() is None, reason=f"no native bu
 @st.composite
 def layouts(draw: st.DrawFn) -> dict[str, Any]:
     kv_heads = draw(st.integers(1, 3))
+    key_scales = draw(st.sampled_from(["row", "channel"]))
     return {
         "scheme": draw(st.sampled_from(["int8", "int4", "fp4"])),
-        "key_scales": draw(st.sampled_from(["row", "channel"])),
+        "key_scales": key_scales,
+        "key_offsets": key_scales == "channel" and draw(st.booleans()),
+        "rotate_values": draw(st.booleans()),
         "sink_tokens": draw(st.integers(0, 4)),
         "residual_window": draw(st.integers(0, 6)),
         "residual_block": draw(st.integers(1, 8)),
@@ -43,7 +46,7 @@ def layouts(draw: st.DrawFn) -> dict[str, Any]:
         "length": draw(st.integers(0, 70)),  # tokens cached before the step
         "window": draw(st.none() | st.integers(1, 12)),
         "softcap": draw(st.none() | st.just(5.0)),
-        "outliers": draw(st.booleans()),  # a key channel 30x the rest, as real models have
+        "outliers": draw(st.booleans()),  # a key channel 30x the rest and one off-centre, as real models have
         "flavour": draw(st.sampled_from(FLAVOURS_HERE or ["native"])),
     }
 
@@ -56,7 +59,7 @@ def filled(p: dict[str, Any], dtype: torch.dtype, attention: str, seed: int = 0,
     cache = QuantizedCache(config, max_seq_len=p["length"] + 1, batch_size=p["batch"], dtype=dtype,
                            scheme=p["scheme"], key_scales=p["key_scales"], sink_tokens=p["sink_tokens"],
                            residual_window=p["residual_window"], residual_block=p["residual_block"],
-                           attention=attention)
+                           key_offsets=p["key_offsets"], rotate_values=p["rotate_values"], attention=attention)
     gen = torch.Generator().manual_seed(seed)
     done = 0
     while done < p["length"]:  # a prefill, then chunks: the ring wraps and blocks age out on the way
@@ -64,6 +67,7 @@ def filled(p: dict[str, Any], dtype: torch.dtype, attention: str, seed: int = 0,
         k = torch.randn(p["batch"], p["kv_heads"], n, p["head_dim"], generator=gen)
         if p["outliers"]:
             k[..., 0] *= 30
+            k[..., -1] += 4
         v = torch.randn(k.shape, generator=gen)
         cache.update(0, *(t.to(values_in or dtype).to(dtype) for t in (k, v)))
         cache.advance(n)
@@ -103,7 +107,7 @@ def test_native_quantized_attention_is_the_dequantized_formula(p: dict[str, Any]
     expected = formula(reference, p, q, k, v)
     assert_close(out, expected, 1e-5 * max(1.0, expected.abs().max().item()), f"{p}")
     cache.advance(1), reference.advance(1)
-    for name in ("k_data", "v_data", "k_scale", "v_scale", "k_recent", "v_recent", "k_sink", "v_sink"):
+    for name in ("k_data", "v_data", "k_scale", "v_scale", "k_offset", "k_recent", "v_recent", "k_sink", "v_sink"):
         assert torch.equal(getattr(cache, name).float(), getattr(reference, name).float()), name
 
 

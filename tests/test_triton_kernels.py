@@ -243,7 +243,8 @@ def test_quantized_caches_decode_through_the_kernel_as_through_pytorch(arch: str
     ids = torch.randint(0, 400, (2, 40), generator=torch.Generator().manual_seed(11)).to(DEVICE)
     caches = {attention: infer.create_cache(kind, model.config, max_seq_len=40, batch_size=2, device=DEVICE,
                                             residual_window=residual_window, attention=attention,
-                                            key_scales="row", sink_tokens=0)  # the layout the kernel reads
+                                            key_scales="row", sink_tokens=0,
+                                            rotate_values=False)  # the layout the kernel reads
               for attention in ("dequantize", "triton")}
     assert caches["triton"].attends_in_kernel and not caches["dequantize"].attends_in_kernel
     with torch.no_grad():
@@ -291,7 +292,7 @@ def _quantized_cache(kind: str, config: object, batch: int) -> object:
     import infer
 
     return infer.create_cache(kind, config, max_seq_len=24, batch_size=batch, device=DEVICE, key_scales="row",
-                              sink_tokens=0)
+                              rotate_values=False, sink_tokens=0)
 
 
 def test_quantized_cache_attention_choice_is_validated() -> None:
@@ -303,13 +304,18 @@ def test_quantized_cache_attention_choice_is_validated() -> None:
     from infer.kernels.native import native_kernels
 
     on_cpu = "native" if native_kernels() is not None else "dequantize"  # the CPU kernel reads every layout
-    auto = infer.create_cache("int8", config, max_seq_len=8, device=DEVICE, key_scales="row", sink_tokens=0)
+    auto = infer.create_cache("int8", config, max_seq_len=8, device=DEVICE, key_scales="row", sink_tokens=0,
+                              rotate_values=False)
     assert auto.attention == ("triton" if torch.cuda.is_available() and DEVICE == "cuda" else on_cpu)
     # Keys scaled per channel (the registered kinds' default): the Triton kernel reads row scales only.
     expected = "dequantize" if DEVICE == "cuda" else on_cpu
     assert infer.create_cache("int8", config, max_seq_len=8, device=DEVICE).attention == expected
-    with pytest.raises(ValueError, match="key_scales=.channel. or sink_tokens use .auto. or .dequantize."):
+    with pytest.raises(ValueError, match="key_scales=.channel., sink_tokens or rotate_values use .auto."):
         infer.create_cache("int8", config, max_seq_len=8, device=DEVICE, attention="triton")
+    # Rotated values (the 4-bit kinds' default) are not the kernel's layout either.
+    with pytest.raises(ValueError, match="key_scales=.channel., sink_tokens or rotate_values use .auto."):
+        infer.create_cache("int4", config, max_seq_len=8, device=DEVICE, attention="triton", key_scales="row",
+                           sink_tokens=0)
     with pytest.raises(ValueError, match="attention must be 'auto', 'triton', 'native' or 'dequantize'"):
         infer.create_cache("int8", config, max_seq_len=8, attention="flash")
 

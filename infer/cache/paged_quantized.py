@@ -2,7 +2,8 @@
 
 A full block holds its keys as codes with one bf16 scale per channel over the block's tokens (KIVI: a real model's
 keys have outlier channels that a scale per row cannot hold) and its values as codes with one scale per (token,
-head). A block not yet full has no channel scales yet: its K/V sit exact, in the model dtype, in a staging slot
+head); the 4-bit schemes also centre each key channel on its midpoint over the block and store value rows rotated
+(`quant.value_rotation`), as the registered quantized caches do. A block not yet full has no channel scales yet: its K/V sit exact, in the model dtype, in a staging slot
 (KIVI's full-precision residual), and are quantized in the step that fills the block. Block tables name a staged
 block `num_blocks + slot` (`plan_step`), so the ragged batch's writes land in staging and its gathers read codes
 or staging block by block (`QuantizedPoolLayer`).
@@ -30,7 +31,7 @@ from infer.cache import quant
 from infer.cache.base import allocate_zeros, check_counts
 from infer.cache.block_manager import BlockManager, BlockStats, CopyOnWrite
 from infer.cache.paged import BLOCK_BOOKKEEPING_BYTES
-from infer.cache.quantized import SCHEMES
+from infer.cache.quantized import DEFAULT_KEY_OFFSETS, DEFAULT_ROTATE_VALUES, SCHEMES
 from infer.config import ModelConfig
 from infer.errors import CacheFullError
 from infer.ragged import RaggedBatch, SeqChunk
@@ -69,6 +70,8 @@ class QuantizedPagedPool:
             raise ValueError(f"kv_cache_dtype={scheme!r} packs two values per byte and needs an even head_dim, got "
                              f"{config.head_dim}; use 'int8'")
         self.scheme, self.dtype = scheme, dtype
+        self.key_offsets = DEFAULT_KEY_OFFSETS[scheme]
+        self.rotation = quant.value_rotation(config.head_dim, device) if DEFAULT_ROTATE_VALUES[scheme] else None
         self.num_layers = config.num_hidden_layers if num_layers is None else num_layers
         self.num_blocks, self.block_size, self.stage_slots = num_blocks, block_size, stage_slots
         self.scratch_slots = scratch_slots
@@ -80,10 +83,13 @@ class QuantizedPagedPool:
         stage = ((self.num_layers * stage_slots + scratch_slots, config.num_key_value_heads, block_size,
                   config.head_dim), dtype)
         # k_codes, v_codes: [L, N, Hkv, bs, D or D/2]; k_scale [L, N, Hkv, D] (per channel over the block's tokens);
-        # v_scale [L, N, Hkv, bs] (per token); k_stage, v_stage [L * P + T, Hkv, bs, D] exact.
-        (self.k_codes, self.v_codes, self.k_scale, self.v_scale, self.k_stage, self.v_stage) = allocate_zeros(
+        # v_scale [L, N, Hkv, bs] (per token); k_stage, v_stage [L * P + T, Hkv, bs, D] exact; k_offset as k_scale
+        # (empty where the scheme takes none).
+        (self.k_codes, self.v_codes, self.k_scale, self.v_scale, self.k_stage, self.v_stage,
+         self.k_offset) = allocate_zeros(
             f"an {scheme} paged pool", device, codes, codes, ((*lnh, config.head_dim), quant.SCALE_DTYPE),
             ((*lnh, block_size), quant.SCALE_DTYPE), stage, stage,
+            ((*lnh, config.head_dim if self.key_offsets else 0), quant.SCALE_DTYPE),
             extra_bytes=num_blocks * BLOCK_BOOKKEEPING_BYTES)
         self.manager = BlockManager(num_blocks, block_size)
         self._staged: dict[int, int] = {}  # block -> staging slot
@@ -98,10 +104,12 @@ class QuantizedPagedPool:
 
     @staticmethod
     def block_bytes(config: ModelConfig, scheme: str, block_size: int, num_layers: int) -> int:
-        """Bytes one block takes in every layer: K and V codes, the keys' channel scales, the values' row scales."""
+        """Bytes one block takes in every layer: K and V codes, the keys' channel scales (and offsets), the values'
+        row scales."""
         _, _, per_element, code_dtype = SCHEMES[scheme]
         codes = block_size * (config.head_dim // per_element) * code_dtype.itemsize
-        scales = (config.head_dim + block_size) * quant.SCALE_DTYPE.itemsize
+        key_rows = 2 if DEFAULT_KEY_OFFSETS[scheme] else 1
+        scales = (key_rows * config.head_dim + block_size) * quant.SCALE_DTYPE.itemsize
         return num_layers * config.num_key_value_heads * (2 * codes + scales)
 
     @property
@@ -112,8 +120,8 @@ class QuantizedPagedPool:
     @property
     def memory_bytes(self) -> int:
         """Bytes of codes, scales and staging."""
-        return sum(t.nbytes for t in (self.k_codes, self.v_codes, self.k_scale, self.v_scale, self.k_stage,
-                                      self.v_stage))
+        return sum(t.nbytes for t in (self.k_codes, self.v_codes, self.k_scale, self.v_scale, self.k_offset,
+                                      self.k_stage, self.v_stage))
 
     def stats(self) -> BlockStats:
         """Blocks free, used, shared and cached, and unfilled slots in used blocks."""
@@ -212,7 +220,7 @@ class QuantizedPagedPool:
         self.plan = StepPlan()
 
     def copy_blocks(self, copies: Sequence[CopyOnWrite]) -> None:
-        """Do the allocator's copy-on-write copies: codes and scales in every layer, and the staging of a staged
+        """Do the allocator's copy-on-write copies: codes, scales and offsets in every layer, and the staging of a staged
         source (a block copied while partly filled stays exact in its copy). Raises `CacheFullError`, copying
         nothing, when a staged source finds no free slot."""
         if not copies:
@@ -226,7 +234,7 @@ class QuantizedPagedPool:
                                  f"slots; {len(self._free_slots)} are free")
         src = torch.tensor([c.src for c in copies], device=self.device)
         dst = torch.tensor([c.dst for c in copies], device=self.device)
-        for t in (self.k_codes, self.v_codes, self.k_scale, self.v_scale):
+        for t in (self.k_codes, self.v_codes, self.k_scale, self.v_scale, self.k_offset):
             t[:, dst] = t[:, src]
         for c in staged_src:
             slot = self._free_slots.pop()
@@ -255,9 +263,15 @@ class QuantizedPoolLayer:
         pool.v_stage[rows, :, batch.slot_offsets] = v[0].transpose(0, 1).to(pool.dtype)
         if plan.fill:
             filled = pool.stage_rows(plan.fill_slots, i)
-            codes, scales = quant.quantize_channels(pool.k_stage[filled], pool.scheme)
+            keys = pool.k_stage[filled]
+            centres = quant.channel_offsets(keys) if pool.key_offsets else None
+            codes, scales = quant.quantize_channels(keys, pool.scheme, centres)
             pool.k_codes[i][plan.fill_blocks], pool.k_scale[i][plan.fill_blocks] = codes, scales
-            codes, scales = SCHEMES[pool.scheme][0](pool.v_stage[filled])
+            if centres is not None:
+                pool.k_offset[i][plan.fill_blocks] = centres
+            values = pool.v_stage[filled]
+            codes, scales = SCHEMES[pool.scheme][0](values if pool.rotation is None
+                                                    else quant.rotate(values, pool.rotation))
             pool.v_codes[i][plan.fill_blocks], pool.v_scale[i][plan.fill_blocks] = codes, scales
 
     def gather(self, tables: torch.Tensor, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,7 +286,8 @@ class QuantizedPoolLayer:
         keys = torch.where(where, pool.k_persistent[i].index_select(0, slot_ids),
                            quant.dequantize_channels(pool.k_codes[i].index_select(0, code_ids),
                                                      pool.k_scale[i].index_select(0, code_ids), pool.scheme,
-                                                     pool.dtype))
+                                                     pool.dtype, pool.k_offset[i].index_select(0, code_ids)
+                                                     if pool.key_offsets else None))
         values = torch.where(where, pool.v_persistent[i].index_select(0, slot_ids),
                              _dequantize_rows(pool, pool.v_codes[i].index_select(0, code_ids),
                                               pool.v_scale[i].index_select(0, code_ids)))
@@ -286,7 +301,10 @@ class QuantizedPoolLayer:
 
 
 def _dequantize_rows(pool: QuantizedPagedPool, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return SCHEMES[pool.scheme][1](codes, scales, pool.dtype)
+    """Value rows of blocks, rotated back where the scheme stores them rotated."""
+    if pool.rotation is None:
+        return SCHEMES[pool.scheme][1](codes, scales, pool.dtype)
+    return quant.rotate(SCHEMES[pool.scheme][1](codes, scales, torch.float32), pool.rotation).to(pool.dtype)
 
 
 def staging_for(max_num_seqs: int, max_num_batched_tokens: int, block_size: int) -> tuple[int, int]:

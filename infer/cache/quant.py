@@ -160,10 +160,21 @@ def dequantize_fp4(
 QMAX = {"int8": INT8_MAX, "int4": INT4_MAX, "fp4": FP4_MAX}
 
 
-def quantize_channels(x: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
+def channel_offsets(x: torch.Tensor) -> torch.Tensor:
+    """A block of keys x [..., S, D] -> one offset per channel [..., D], the midpoint of the channel's range over
+    the block in `SCALE_DTYPE`. Keys after RoPE sit off-centre within a block (a channel's values drift with
+    position), and a symmetric code around zero spends half its levels on values that never occur."""
+    return ((x.float().amax(dim=-2) + x.float().amin(dim=-2)) / 2).to(SCALE_DTYPE)
+
+
+def quantize_channels(x: torch.Tensor, scheme: str, offsets: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """A block of keys x [..., S, D] -> (codes laid out as `scheme`'s rows [..., S, D or D/2], scale [..., D]):
     one scale per channel over the block's S tokens (KIVI), so a channel of outliers keeps its own range instead
-    of rounding the rest of its row to zero."""
+    of rounding the rest of its row to zero. With `offsets` [..., D] (`channel_offsets`) the codes hold
+    `x - offsets`."""
+    if offsets is not None:
+        x = x.float() - offsets.float().unsqueeze(-2)
     by_channel = x.transpose(-1, -2)  # [..., D, S]: a channel's values as one row
     scale = row_scale(by_channel, QMAX[scheme])
     scaled = _divide_by_scale(by_channel, scale).transpose(-1, -2)
@@ -177,8 +188,32 @@ def quantize_channels(x: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch
 
 
 def dequantize_channels(codes: torch.Tensor, scale: torch.Tensor, scheme: str,
-                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """codes [..., S, D or D/2] as `quantize_channels` writes them, scale [..., D] -> values [..., S, D]."""
+                        dtype: torch.dtype = torch.float32, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """codes [..., S, D or D/2] as `quantize_channels` writes them, scale [..., D] (and the `offsets` [..., D]
+    they were written with) -> values [..., S, D]."""
     ones = torch.ones(codes.shape[:-1], dtype=SCALE_DTYPE, device=codes.device)
     decode = {"int8": dequantize_int8, "int4": dequantize_int4, "fp4": dequantize_fp4}[scheme]
-    return (decode(codes, ones, torch.float32) * scale.float().unsqueeze(-2)).to(dtype)
+    values = decode(codes, ones, torch.float32) * scale.float().unsqueeze(-2)
+    if offsets is not None:
+        values = values + offsets.float().unsqueeze(-2)
+    return values.to(dtype)
+
+
+# --- rotated values -------------------------------------------------------------------------------
+
+
+def value_rotation(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """An orthonormal, symmetric [d, d] fp32 matrix H (so H @ H = I): a normalised Walsh-Hadamard matrix on
+    blocks of the largest power of two dividing d (QuaRot). A value row v is stored as codes of `v @ H` and read
+    back as `decoded @ H`: rotated, a row's few large channels spread over all of them, so one scale per row
+    fits the rest better."""
+    n = d & -d  # the largest power of two dividing d
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return torch.block_diag(*[h / n**0.5] * (d // n)).to(device)
+
+
+def rotate(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
+    """`x @ rotation` over the last dim in fp32 (`x` in fp32 as is when `rotation` is None)."""
+    return x.float() if rotation is None else x.float() @ rotation

@@ -522,7 +522,7 @@ static inline qv16 exp16_nonpositive(qv16 x) {
 
 int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const void *k_sink, const void *v_sink,
                 const uint8_t *k_codes, const uint8_t *v_codes, const uint16_t *k_scale, const uint16_t *v_scale,
-                const void *k_recent, const void *v_recent, void *out, int64_t batch, int64_t heads,
+                const uint16_t *k_offset, const float *v_rot, const void *k_recent, const void *v_recent, void *out, int64_t batch, int64_t heads,
                 int64_t kv_heads, int64_t d, int64_t ns, int64_t ns_cap, int64_t nq, int64_t nq_cap,
                 int64_t block, int64_t scale_rows, int64_t nr, int64_t ring, float scale, float softcap,
                 int64_t window, int threads) {
@@ -533,9 +533,10 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        /* scores [G, n]; queries natural qf, scaled qs, permuted qp [G, d]; sums acc (natural), accp (permuted)
-         * [G, d]; one decoded row. Vectors first, so they stay 64-byte aligned. */
-        size_t floats = (size_t)(groups * (5 * d + n) + d);
+        /* scores [G, n]; queries natural qf, scaled qs, permuted qp [G, d]; sums acc (natural), accp (code rows:
+         * permuted on the fast path, rotated with v_rot) [G, d]; one decoded row; q . offsets qo [G]. Vectors
+         * first, so they stay 64-byte aligned. */
+        size_t floats = (size_t)(groups * (5 * d + n + 1) + d);
         float *buf = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
         if (!buf) {
 #pragma omp atomic write
@@ -546,7 +547,7 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
             if (!buf) continue;
             int64_t b = bh / kv_heads;
             float *qp = buf, *accp = qp + groups * d, *row = accp + groups * d, *qf = row + d, *qs = qf + groups * d;
-            float *acc = qs + groups * d, *sc = acc + groups * d;
+            float *acc = qs + groups * d, *sc = acc + groups * d, *qo = sc + groups * n;
             for (int64_t g = 0; g < groups; g++)
                 for (int64_t i = 0; i < d; i++)
                     qf[g * d + i] = load_scalar(dtype, q, ((b * heads) + bh % kv_heads * groups + g) * d + i) * scale;
@@ -562,7 +563,12 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
                 int new_block = channel_keys ? t % block == 0 : t == 0;
                 if (new_block) { /* this block's channel scales folded into the queries (row scales: q as is) */
                     const uint16_t *s = k_scale + (bh * scale_rows + t / block) * d;
+                    /* keys = codes * scales + offsets: q . offsets is the same for the block's every key */
+                    const uint16_t *o = k_offset ? k_offset + (bh * scale_rows + t / block) * d : 0;
                     for (int64_t g = 0; g < groups; g++) {
+                        qo[g] = 0.f;
+                        if (o)
+                            for (int64_t i = 0; i < d; i++) qo[g] += qf[g * d + i] * bf16_to_f32(o[i]);
                         for (int64_t i = 0; i < d; i++)
                             qs[g * d + i] = channel_keys ? qf[g * d + i] * bf16_to_f32(s[i]) : qf[g * d + i];
                         if (fast) permute(scheme, qs + g * d, qp + g * d, d);
@@ -577,11 +583,12 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
                         const qv16 *qv = (const qv16 *)(qp + g * d);
                         qv16 a = {0};
                         for (int64_t c = 0; c < d / 16; c++) a += qv[c] * rv[c];
-                        sc[g * n + ns + t] = hsum16(a) * rs;
+                        sc[g * n + ns + t] = hsum16(a) * rs + qo[g];
                     }
                 } else {
                     decode_codes(scheme, codes, row, d);
-                    for (int64_t g = 0; g < groups; g++) sc[g * n + ns + t] = dot_f32(qs + g * d, row, d) * rs;
+                    for (int64_t g = 0; g < groups; g++)
+                        sc[g * n + ns + t] = dot_f32(qs + g * d, row, d) * rs + qo[g];
                 }
             }
             for (int64_t t = 0; t < nr; t++) {
@@ -642,16 +649,28 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
                         const qv16 *rv = (const qv16 *)row;
                         for (int64_t c = 0; c < d / 16; c++) a[c] += w * rv[c];
                     } else {
-                        float *a = acc + g * d;
+                        float *a = (coded ? accp : acc) + g * d;
 #pragma omp simd
                         for (int64_t i = 0; i < d; i++) a[i] += w * row[i];
                     }
                 }
             }
             for (int64_t g = 0; g < groups; g++) {
-                if (fast) unpermute_add(scheme, accp + g * d, acc + g * d, d);
+                float *code_sum = accp + g * d;
+                if (fast) { /* back to the natural order, in row (free now) */
+                    memset(row, 0, sizeof(float) * (size_t)d);
+                    unpermute_add(scheme, accp + g * d, row, d);
+                    code_sum = row;
+                }
+                if (v_rot) /* stored rows were v @ H: the sum of decoded rows times H (symmetric) */
+                    for (int64_t j = 0; j < d; j++) {
+                        float x = code_sum[j];
+                        if (x == 0.f) continue;
+#pragma omp simd
+                        for (int64_t i = 0; i < d; i++) acc[g * d + i] += x * v_rot[j * d + i];
+                    }
                 else
-                    for (int64_t i = 0; i < d; i++) acc[g * d + i] += accp[g * d + i];
+                    for (int64_t i = 0; i < d; i++) acc[g * d + i] += code_sum[i];
                 for (int64_t i = 0; i < d; i++)
                     store_scalar(dtype, out, ((b * heads) + bh % kv_heads * groups + g) * d + i, acc[g * d + i]);
             }

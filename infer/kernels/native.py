@@ -61,7 +61,7 @@ class NativeKernels:
         lib.infer_gated.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
         for fn in (lib.infer_rms_norm, lib.infer_rope, lib.infer_gated):
             fn.restype = None
-        lib.infer_qattn.argtypes = ([ctypes.c_int] * 3 + [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 12
+        lib.infer_qattn.argtypes = ([ctypes.c_int] * 3 + [ctypes.c_void_p] * 12 + [ctypes.c_int64] * 12
                                     + [ctypes.c_float] * 2 + [ctypes.c_int64, ctypes.c_int])
         lib.infer_qattn.restype = ctypes.c_int
         self._qattn = lib.infer_qattn
@@ -129,21 +129,32 @@ class NativeKernels:
                             codes: tuple[torch.Tensor, torch.Tensor], scales: tuple[torch.Tensor, torch.Tensor],
                             num_quantized: int, block: int, scheme: str, channel_keys: bool,
                             recent: tuple[torch.Tensor, torch.Tensor], num_recent: int, scale: float,
-                            softcap: float | None, window: int | None) -> torch.Tensor:
+                            softcap: float | None, window: int | None, key_offsets: torch.Tensor | None = None,
+                            value_rotation: torch.Tensor | None = None) -> torch.Tensor:
         """One query row per head `q` `[B, H, D]` attending over one layer of the quantized cache's layout
         (infer/cache/quantized.py): `num_sinks` exact tokens of `sinks` `[B, Hkv, S0, D]`, `num_quantized` tokens of
         `codes` `[B, Hkv, Sq, D or D/2]` with bf16 `scales` (keys `[B, Hkv, Sq / block, D]` by channel or
-        `[B, Hkv, Sq]` by row; values `[B, Hkv, Sq]`), then `num_recent` exact tokens of the ring `recent`
-        `[B, Hkv, R, D]`. `[B, H, D]` in q's dtype; no dequantized copy of the cache is made."""
+        `[B, Hkv, Sq]` by row; values `[B, Hkv, Sq]`) and, keys by channel, bf16 `key_offsets` shaped as their
+        scales (or None), value rows stored rotated by `value_rotation` `[D, D]` (symmetric; or None), then
+        `num_recent` exact tokens of the ring `recent` `[B, Hkv, R, D]`. `[B, H, D]` in q's dtype; no dequantized
+        copy of the cache is made."""
         scheme_code = {"int8": 0, "int4": 1, "fp4": 2}[scheme]
         q = _dense(q.to(sinks[0].dtype))
         parts = [_dense(t) for t in (*sinks, *codes, *scales, *recent)]
         k_sink, v_sink, k_codes, v_codes, k_scale, v_scale, k_recent, v_recent = parts
         B, H, D = q.shape
+        if key_offsets is not None and (not channel_keys or key_offsets.shape != k_scale.shape):
+            raise ValueError(f"key_offsets {tuple(key_offsets.shape)} must match channel key scales "
+                             f"{tuple(k_scale.shape)}")
+        if value_rotation is not None and tuple(value_rotation.shape) != (D, D):
+            raise ValueError(f"value_rotation must be [{D}, {D}], got {tuple(value_rotation.shape)}")
+        offsets = None if key_offsets is None else _dense(key_offsets.to(torch.bfloat16))
+        rotation = None if value_rotation is None else _dense(value_rotation.float())
         out = torch.empty_like(q)
         if self._qattn(DTYPE_CODES[q.dtype], scheme_code, int(channel_keys), q.data_ptr(), k_sink.data_ptr(),
                        v_sink.data_ptr(), k_codes.data_ptr(), v_codes.data_ptr(), k_scale.data_ptr(),
-                       v_scale.data_ptr(), k_recent.data_ptr(), v_recent.data_ptr(), out.data_ptr(), B, H,
+                       v_scale.data_ptr(), None if offsets is None else offsets.data_ptr(),
+                       None if rotation is None else rotation.data_ptr(), k_recent.data_ptr(), v_recent.data_ptr(), out.data_ptr(), B, H,
                        k_codes.shape[1], D, num_sinks, k_sink.shape[2], num_quantized, k_codes.shape[2], block,
                        k_scale.shape[2], num_recent, max(k_recent.shape[2], 1), scale, softcap or 0.0, window or 0,
                        torch.get_num_threads()):

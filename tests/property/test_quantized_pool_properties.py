@@ -2,7 +2,7 @@
 
 The contract: a request's K/V go through the pool exactly as through the single-request quantized cache with the
 same layout (`QuantizedCache(key_scales="channel", residual_block=block_size)`: keys one scale per channel over each
-block of tokens, values one per row, a block quantized in the step that fills it and exact until then), whatever
+block of tokens (4-bit: around each channel's midpoint), values one per row (4-bit: rotated), a block quantized in the step that fills it and exact until then), whatever
 else is batched with it, shares its prefix, preempts it or copies its blocks. A key is read quantized from the step
 in which its block fills, so the reference replays the engine's chunks: token by token when the engine runs one
 token per step, the engine's own chunk sizes for a lone request. Logits must then agree within fp32 rounding: a
@@ -20,7 +20,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from infer.cache.paged_quantized import KV_CACHE_DTYPES
-from infer.cache.quantized import QuantizedCache
+from infer.cache.quantized import DEFAULT_KEY_OFFSETS, DEFAULT_ROTATE_VALUES, QuantizedCache
 from infer.config import ModelConfig
 from infer.engine import Engine
 from infer.models import Transformer
@@ -36,6 +36,7 @@ def quantized_solo_logits(model: Transformer, scheme: str, block_size: int, prom
     sequence = prompt + tokens[:-1]
     cache = QuantizedCache(model.config, max_seq_len=len(sequence), scheme=scheme, key_scales="channel",
                            residual_block=block_size, sink_tokens=0, residual_window=0,
+                           key_offsets=DEFAULT_KEY_OFFSETS[scheme], rotate_values=DEFAULT_ROTATE_VALUES[scheme],
                            device=model.embed_tokens.weight.device)
     sizes = list(chunks) if chunks is not None else [1] * len(sequence)
     sizes += [1] * (len(sequence) - sum(sizes))
@@ -54,7 +55,7 @@ def check_against_solo(engine: Engine, model: Transformer, scheme: str, block_si
                        prompts: list[list[int]], ids: list[int], chunks: Sequence[int] | None = None) -> None:
     """Each request's logits are its solo quantized run's. Quantization is a step function: where the batch's
     fp32 rounding moves a key across a rounding boundary one code differs by one step, so the tolerance is fp32
-    rounding plus 2% of what quantizing did to the logits (a wrong scale, a stale or unquantized block, moves
+    rounding plus 5% of what quantizing did to the logits (a wrong scale, a stale or unquantized block, moves
     them by about all of it)."""
     for i, (prompt, rid) in enumerate(zip(prompts, ids, strict=True)):
         result = engine.result(rid)
@@ -62,7 +63,9 @@ def check_against_solo(engine: Engine, model: Transformer, scheme: str, block_si
         expected = quantized_solo_logits(model, scheme, block_size, prompt, result.token_ids, chunks)
         exact = solo_logits(model, prompt, result.token_ids)
         lossy = (expected - exact).abs().max().item()
-        assert_close(result.logits, expected, 1e-5 * max(1.0, expected.abs().max().item()) + 0.02 * lossy,
+        # 5%: at head_dim 4 one int8 code a step off (a key on a rounding boundary) moved a logit by 4.4% of what
+        # quantizing did (Hypothesis found it); a missing scale or a stale block moves it by about all of it.
+        assert_close(result.logits, expected, 1e-5 * max(1.0, expected.abs().max().item()) + 0.05 * lossy,
                      f"request {i} ({scheme}, block {block_size})")
 
 
