@@ -3,8 +3,8 @@
 A full block holds its keys as codes with one bf16 scale per channel over the block's tokens (KIVI: a real model's
 keys have outlier channels that a scale per row cannot hold) and its values as codes with one scale per (token,
 head); the 4-bit schemes also centre each key channel on its midpoint over the block and store value rows rotated
-(`quant.value_rotation`), as the registered quantized caches do. A block not yet full has no channel scales yet: its K/V sit exact, in the model dtype, in a staging slot
-(KIVI's full-precision residual), and are quantized in the step that fills the block. Block tables name a staged
+(`quant.value_rotation`), as the registered quantized caches do. A block not yet full has no channel scales yet: its
+K/V sit exact, in the model dtype, in a staging slot (KIVI's full-precision residual), and are quantized in the step that fills the block. Block tables name a staged
 block `num_blocks + slot` (`plan_step`), so the ragged batch's writes land in staging and its gathers read codes
 or staging block by block (`QuantizedPoolLayer`).
 
@@ -220,9 +220,9 @@ class QuantizedPagedPool:
         self.plan = StepPlan()
 
     def copy_blocks(self, copies: Sequence[CopyOnWrite]) -> None:
-        """Do the allocator's copy-on-write copies: codes, scales and offsets in every layer, and the staging of a staged
-        source (a block copied while partly filled stays exact in its copy). Raises `CacheFullError`, copying
-        nothing, when a staged source finds no free slot."""
+        """Do the allocator's copy-on-write copies: codes, scales and offsets in every layer, and the staging of a
+        staged source (a block copied while partly filled stays exact in its copy). Raises `CacheFullError`,
+        copying nothing, when a staged source finds no free slot."""
         if not copies:
             return
         for c in copies:  # the destination was free: a slot it kept is stale

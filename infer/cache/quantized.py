@@ -10,7 +10,8 @@ and rotates it back on reading. The registered 4-bit kinds take both (README, "C
 
 Storage is pre-allocated like the contiguous cache, but packed: `[L, B, Hkv, S, D]` int8 or
 `[L, B, Hkv, S, D/2]` uint8 (two 4-bit codes per byte), plus bfloat16 scales `[L, B, Hkv, S]` (keys by channel:
-`[L, B, Hkv, S / block, D]`, and as many offsets with `key_offsets`). `update` returns the dequantized K/V in the model dtype, so attention is unchanged.
+`[L, B, Hkv, S / block, D]`, and as many offsets with `key_offsets`). `update` returns the dequantized K/V in the
+model dtype, so attention is unchanged.
 
 After the sinks the tokens form a stream. With `residual_window=N` the newest tokens stay in full precision in a
 small ring buffer and are quantized a block at a time as they age: after `n` stream tokens the oldest
@@ -309,7 +310,7 @@ class QuantizedCache:
                 codes, channel_scales = quant.quantize_channels(blocks, self.scheme, centres)
                 data[:, :, old_quantized:new_quantized] = codes.flatten(2, 3)
                 scale[:, :, old_quantized // block : new_quantized // block] = channel_scales
-                if offsets is not None:
+                if offsets is not None and centres is not None:
                     offsets[:, :, old_quantized // block : new_quantized // block] = centres
             else:
                 codes, row_scales = self._quantize(aged if rotation is None else quant.rotate(aged, rotation))

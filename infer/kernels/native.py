@@ -154,7 +154,8 @@ class NativeKernels:
         if self._qattn(DTYPE_CODES[q.dtype], scheme_code, int(channel_keys), q.data_ptr(), k_sink.data_ptr(),
                        v_sink.data_ptr(), k_codes.data_ptr(), v_codes.data_ptr(), k_scale.data_ptr(),
                        v_scale.data_ptr(), None if offsets is None else offsets.data_ptr(),
-                       None if rotation is None else rotation.data_ptr(), k_recent.data_ptr(), v_recent.data_ptr(), out.data_ptr(), B, H,
+                       None if rotation is None else rotation.data_ptr(), k_recent.data_ptr(), v_recent.data_ptr(),
+                       out.data_ptr(), B, H,
                        k_codes.shape[1], D, num_sinks, k_sink.shape[2], num_quantized, k_codes.shape[2], block,
                        k_scale.shape[2], num_recent, max(k_recent.shape[2], 1), scale, softcap or 0.0, window or 0,
                        torch.get_num_threads()):
