@@ -1,12 +1,12 @@
 """The batched engine's pool with quantized blocks: int8, int4 or FP4 codes in the quantized cache's layout.
 
 A full block holds its keys as codes with one bf16 scale per channel over the block's tokens (KIVI: a real model's
-keys have outlier channels that a scale per row cannot hold) and its values as codes with one scale per (token,
-head); the 4-bit schemes also centre each key channel on its midpoint over the block and store value rows rotated
+keys have outlier channels that a scale per row cannot hold) and its values as codes with one scale per (token, head);
+the 4-bit schemes also centre each key channel on its midpoint over the block and store value rows rotated
 (`quant.value_rotation`), as the registered quantized caches do. A block not yet full has no channel scales yet: its
-K/V sit exact, in the model dtype, in a staging slot (KIVI's full-precision residual), and are quantized in the step that fills the block. Block tables name a staged
-block `num_blocks + slot` (`plan_step`), so the ragged batch's writes land in staging and its gathers read codes
-or staging block by block (`QuantizedPoolLayer`).
+K/V sit exact, in the model dtype, in a staging slot (KIVI's full-precision residual), and are quantized in the step
+that fills the block. Block tables name a staged block `num_blocks + slot` (`plan_step`), so the ragged batch's writes
+land in staging and its gathers read codes or staging block by block (`QuantizedPoolLayer`).
 
 The host side is pure Python and all-or-nothing. Each step:
   `plan_step(chunks)`  every block the step writes gets a staging slot, zeroed when written from its first slot
