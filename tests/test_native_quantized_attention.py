@@ -38,16 +38,17 @@ def layouts(draw: st.DrawFn) -> dict[str, Any]:
         "rotate_values": draw(st.booleans()),
         "sink_tokens": draw(st.integers(0, 4)),
         "residual_window": draw(st.integers(0, 6)),
-        "residual_block": draw(st.integers(1, 8)),
+        "residual_block": draw(st.integers(1, 8) | st.sampled_from([16, 32])),  # 16+: whole tiles of 16 keys
         "batch": draw(st.integers(1, 2)),
         "kv_heads": kv_heads,
         "heads": kv_heads * draw(st.integers(1, 3)),
         "head_dim": draw(st.sampled_from([2, 6, 8, 20, 32, 64])),  # multiples of 32: the vector path
-        "length": draw(st.integers(0, 70)),  # tokens cached before the step
+        "length": draw(st.integers(0, 110)),  # tokens cached before the step
         "window": draw(st.none() | st.integers(1, 12)),
         "softcap": draw(st.none() | st.just(5.0)),
         "outliers": draw(st.booleans()),  # a key channel 30x the rest and one off-centre, as real models have
         "flavour": draw(st.sampled_from(FLAVOURS_HERE or ["native"])),
+        "tiles": draw(st.booleans()),  # INFER_QATTN_TILES: 16 keys scored at once, or one at a time
     }
 
 
@@ -102,7 +103,8 @@ def test_native_quantized_attention_is_the_dequantized_formula(p: dict[str, Any]
     cache.attention = "native"
     q, k, v = one_step(p, torch.float32)
     flavour = native_kernels(p["flavour"])
-    with mock.patch.object(native, "native_kernels", lambda *args: flavour):
+    with mock.patch.object(native, "native_kernels", lambda *args: flavour), \
+            mock.patch.dict("os.environ", {"INFER_QATTN_TILES": "1" if p["tiles"] else "0"}):
         out = cache.decode_attention(0, q, k, v, 0.3, p["softcap"], p["window"])
     expected = formula(reference, p, q, k, v)
     assert_close(out, expected, 1e-5 * max(1.0, expected.abs().max().item()), f"{p}")

@@ -450,25 +450,55 @@ static inline void unpermute_add(int scheme, const float *x, float *out, int64_t
         }
 }
 
+typedef int32_t qi32x16 __attribute__((vector_size(64)));
+
+/* 16 int8 lanes to fp32. gcc 12 turns a convertvector from int8 into one byte extract and one scalar convert per
+ * lane (a third of the kernel's time), so the sign extension is spelled out where the instructions exist. */
+static inline qv16 i8_to_f32(qi8x16 x) {
+#if defined(__AVX512F__)
+    return (qv16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32((__m128i)x));
+#elif defined(__AVX2__)
+    __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32((__m128i)x));
+    __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128((__m128i)x, 8)));
+    qv16 out;
+    memcpy(&out, &lo, 32);
+    memcpy((char *)&out + 32, &hi, 32);
+    return out;
+#else
+    return __builtin_convertvector(__builtin_convertvector(x, qi32x16), qv16);
+#endif
+}
+
+/* 16 four-bit codes (one per byte, 0-15) to their FP4 values: one in-register table lookup per lane. */
+static inline qv16 fp4_to_f32(qi8x16 nibbles) {
+#if defined(__AVX512F__)
+    const __m512 table = _mm512_loadu_ps(FP4_VALUES);
+    return (qv16)_mm512_permutexvar_ps(_mm512_cvtepu8_epi32((__m128i)nibbles), table);
+#else
+    qv16 out;
+    for (int j = 0; j < 16; j++) out[j] = FP4_VALUES[(uint8_t)nibbles[j]];
+    return out;
+#endif
+}
+
 /* Chunk c of a code row as (A, B). */
 static inline void widen(int scheme, const uint8_t *row, int64_t c, qv16 *a, qv16 *b) {
     if (scheme == Q_INT8) {
         qi8x16 x0, x1;
         memcpy(&x0, row + 32 * c, 16);
         memcpy(&x1, row + 32 * c + 16, 16);
-        *a = __builtin_convertvector(x0, qv16);
-        *b = __builtin_convertvector(x1, qv16);
+        *a = i8_to_f32(x0);
+        *b = i8_to_f32(x1);
     } else if (scheme == Q_INT4) {
         qi8x16 x;
         memcpy(&x, row + 16 * c, 16);
-        *a = __builtin_convertvector((qi8x16)(x << 4) >> 4, qv16);
-        *b = __builtin_convertvector(x >> 4, qv16);
+        *a = i8_to_f32((qi8x16)(x << 4) >> 4);
+        *b = i8_to_f32(x >> 4);
     } else {
-        for (int j = 0; j < 16; j++) {
-            uint8_t byte = row[16 * c + j];
-            (*a)[j] = FP4_VALUES[byte & 15];
-            (*b)[j] = FP4_VALUES[byte >> 4];
-        }
+        qi8x16 x;
+        memcpy(&x, row + 16 * c, 16);
+        *a = fp4_to_f32(x & 15);
+        *b = fp4_to_f32((qi8x16)((uint8_t __attribute__((vector_size(16))))x >> 4));
     }
 }
 
@@ -492,7 +522,29 @@ static inline float hsum16(qv16 v) {
 #endif
 }
 
-typedef int32_t qi32x16 __attribute__((vector_size(64)));
+/* Two vectors' lanes picked by constant indices 0-31 (a's lanes, then b's). */
+#if defined(__clang__)
+#define SHUFFLE2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE2(a, b, ...) __builtin_shuffle(a, b, (qi32x16){__VA_ARGS__})
+#endif
+
+/* Sixteen vectors' lane sums at once, lane j the sum of v[j]: a transposing tree (pairs of vectors fold halves
+ * into one vector, four times), 15 adds and 30 shuffles where 16 horizontal sums take about 64 dependent ops. */
+static inline qv16 sum16x16(const qv16 *v) {
+    qv16 r[8], s[4], u[2];
+    for (int j = 0; j < 8; j++) /* lanes 0-7: v[2j]'s 8 partial sums, 8-15: v[2j+1]'s */
+        r[j] = SHUFFLE2(v[2 * j], v[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + SHUFFLE2(v[2 * j], v[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int j = 0; j < 4; j++) /* four lanes each of v[4j .. 4j+3] */
+        s[j] = SHUFFLE2(r[2 * j], r[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+             + SHUFFLE2(r[2 * j], r[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int j = 0; j < 2; j++) /* two lanes each of v[8j .. 8j+7] */
+        u[j] = SHUFFLE2(s[2 * j], s[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+             + SHUFFLE2(s[2 * j], s[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return SHUFFLE2(u[0], u[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + SHUFFLE2(u[0], u[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
 
 /* Lanes of a where mask (a vector comparison: all ones) is set, else of b (C has no vector ?:). */
 static inline qv16 select16(qi32x16 mask, qv16 a, qv16 b) {
@@ -520,6 +572,12 @@ static inline qv16 exp16_nonpositive(qv16 x) {
     return p * (qv16)((ki + 127) << 23);
 }
 
+/* INFER_QATTN_TILES=0 scores one key at a time (the plain path, kept as the tiles' check). */
+static int qattn_tiles(void) {
+    const char *v = getenv("INFER_QATTN_TILES");
+    return !(v && v[0] == '0');
+}
+
 int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const void *k_sink, const void *v_sink,
                 const uint8_t *k_codes, const uint8_t *v_codes, const uint16_t *k_scale, const uint16_t *v_scale,
                 const uint16_t *k_offset, const float *v_rot, const void *k_recent, const void *v_recent, void *out, int64_t batch, int64_t heads,
@@ -529,6 +587,7 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
     int64_t esize = dtype == F32 ? 4 : 2, groups = heads / kv_heads, n = ns + nq + nr;
     int64_t dp = scheme == Q_INT8 ? d : d / 2, qpos = ns_cap + nq + nr - 1;
     int fast = d % 32 == 0; /* whole 32-element chunks: the vector path */
+    int tiles = qattn_tiles();
     if (ns < ns_cap) qpos = ns - 1; /* everything so far is a sink */
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -536,7 +595,7 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
         /* scores [G, n]; queries natural qf, scaled qs, permuted qp [G, d]; sums acc (natural), accp (code rows:
          * permuted on the fast path, rotated with v_rot) [G, d]; one decoded row; q . offsets qo [G]. Vectors
          * first, so they stay 64-byte aligned. */
-        size_t floats = (size_t)(groups * (5 * d + n + 1) + d);
+        size_t floats = (size_t)(groups * (5 * d + n + 1) + 17 * d);
         float *buf = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
         if (!buf) {
 #pragma omp atomic write
@@ -547,7 +606,7 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
             if (!buf) continue;
             int64_t b = bh / kv_heads;
             float *qp = buf, *accp = qp + groups * d, *row = accp + groups * d, *qf = row + d, *qs = qf + groups * d;
-            float *acc = qs + groups * d, *sc = acc + groups * d, *qo = sc + groups * n;
+            float *acc = qs + groups * d, *tile = acc + groups * d, *sc = tile + 16 * d, *qo = sc + groups * n;
             for (int64_t g = 0; g < groups; g++)
                 for (int64_t i = 0; i < d; i++)
                     qf[g * d + i] = load_scalar(dtype, q, ((b * heads) + bh % kv_heads * groups + g) * d + i) * scale;
@@ -561,6 +620,8 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
             }
             for (int64_t t = 0; t < nq; t++) {
                 int new_block = channel_keys ? t % block == 0 : t == 0;
+                /* 16 keys of one block at once: decoded into a tile, scored per query head, summed by sum16x16 */
+                int whole_tile = fast && tiles && t + 16 <= nq && (!channel_keys || t % block + 16 <= block);
                 if (new_block) { /* this block's channel scales folded into the queries (row scales: q as is) */
                     const uint16_t *s = k_scale + (bh * scale_rows + t / block) * d;
                     /* keys = codes * scales + offsets: q . offsets is the same for the block's every key */
@@ -576,7 +637,25 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
                 }
                 const uint8_t *codes = kc + t * dp;
                 float rs = channel_keys ? 1.f : bf16_to_f32(k_scale[bh * nq_cap + t]);
-                if (fast) {
+                if (whole_tile) {
+                    qv16 *tv = (qv16 *)tile, rsv;
+                    for (int j = 0; j < 16; j++) {
+                        for (int64_t c = 0; c < d / 32; c++)
+                            widen(scheme, codes + j * dp, c, tv + j * (d / 16) + 2 * c, tv + j * (d / 16) + 2 * c + 1);
+                        rsv[j] = channel_keys ? 1.f : bf16_to_f32(k_scale[bh * nq_cap + t + j]);
+                    }
+                    for (int64_t g = 0; g < groups; g++) {
+                        const qv16 *qv = (const qv16 *)(qp + g * d);
+                        qv16 a[16];
+                        for (int j = 0; j < 16; j++) {
+                            a[j] = qv[0] * tv[j * (d / 16)];
+                            for (int64_t c = 1; c < d / 16; c++) a[j] += qv[c] * tv[j * (d / 16) + c];
+                        }
+                        qv16 scores = sum16x16(a) * rsv + qo[g];
+                        memcpy(sc + g * n + ns + t, &scores, 64);
+                    }
+                    t += 15;
+                } else if (fast) {
                     qv16 *rv = (qv16 *)row;
                     for (int64_t c = 0; c < d / 32; c++) widen(scheme, codes, c, rv + 2 * c, rv + 2 * c + 1);
                     for (int64_t g = 0; g < groups; g++) {
