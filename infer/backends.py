@@ -276,6 +276,10 @@ def paged_attention(
         attended = paged_decode_attention(queries.contiguous(), k_blocks, v_blocks, group.tables, group.lengths,
                                           scale, softcap, window)
         out[0, :, group.rows] = attended.transpose(0, 1)
+    elif group is not None and isinstance(k_blocks, QuantizedPoolLayer) and k_blocks.pool.native_decode \
+            and not reference:
+        queries = q[0, :, group.rows].transpose(0, 1)  # [B, H, D]
+        out[0, :, group.rows] = k_blocks.decode_attention(group, queries, scale, softcap, window).transpose(0, 1)
     elif group is not None:
         keys, values = gather(group.tables)
         queries = q[0, :, group.rows, None].transpose(0, 1)  # [B, H, 1, D]

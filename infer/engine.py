@@ -25,6 +25,7 @@ from infer.backends import PagedBackend
 from infer.cache.batch_storage import BatchStorage
 from infer.cache.block_manager import BlockStats
 from infer.cache.paged import DEFAULT_BLOCK_SIZE
+from infer.cache.paged_quantized import QuantizedPagedPool
 from infer.generation import (
     GenerationResult,
     OutputStream,
@@ -151,6 +152,8 @@ class Engine:
             spare_blocks=spare, kv_cache_dtype=kv_cache_dtype)
         self.kv_cache_dtype = kv_cache_dtype
         self.pool, self.ring = self.storage.pool, self.storage.ring
+        if isinstance(self.pool, QuantizedPagedPool) and decode_attention in ("sdpa", "matmul"):
+            self.pool.native_decode = False  # asked for by name: the dequantizing gathers
         if self.ring is not None:
             enable_prefix_caching = False
         self.prefix_caching = enable_prefix_caching

@@ -59,6 +59,7 @@ class DecodeGroup:
     tables: torch.Tensor  # [B, nb] block tables, padded with the sequence's own first block (masked out)
     lengths: torch.Tensor  # [B] keys of each sequence, this step's included
     masks: dict[int | None, torch.Tensor]  # window -> [B, 1, 1, nb * block_size] bool: which keys each row sees
+    starts: torch.Tensor | None = None  # [B] position of each table's first key (0 unless a window cut it)
 
 
 @dataclass
@@ -166,7 +167,8 @@ def _decode_group(chunks: Sequence[SeqChunk], rows: Sequence[int], block_size: i
                 visible &= k_pos > lens - 1 - w
             masks[w] = visible[:, None, None, :]
     return DecodeGroup(kernel, torch.tensor(list(rows), dtype=torch.long, device=device),
-                       torch.tensor(tables, dtype=torch.long, device=device), lens[:, 0], masks)
+                       torch.tensor(tables, dtype=torch.long, device=device), lens[:, 0], masks,
+                       torch.tensor(firsts, dtype=torch.long, device=device) * block_size)
 
 
 def padded_table(blocks: Sequence[int], width: int) -> list[int]:

@@ -265,16 +265,17 @@ def test_a_quantized_snapshot_with_negative_or_poisoned_scales_is_refused(kind: 
     """Scales are absmax / qmax: a negative one (or a NaN) can only come from an edited file, and would flip or
     poison the keys it scales. Blocks of 4 tokens, so a short sequence already holds quantized blocks."""
     model = model_of("llama")
-    cache = infer.create_cache(kind, model.config, max_seq_len=32, residual_block=4)
+    cache = infer.create_cache(kind, model.config, max_seq_len=32, residual_block=4, residual_window=0)
     with torch.no_grad():
         model(ids_for(model, 13, seed=3), cache)
     good = cache.snapshot()
     assert good.tensors["k_scale"].numel() and good.tensors["v_scale"].numel()
-    for name in ("k_scale", "v_scale"):
-        for value in (-1.0, float("nan")):
-            tensors = {**good.tensors, name: good.tensors[name].clone().view(-1).index_fill(
-                0, torch.tensor([0]), value).view(good.tensors[name].shape)}
-            before = state(cache)
-            with pytest.raises(ValueError, match=name):
-                cache.restore(CacheSnapshot(good.kind, good.offset, tensors, good.token_ids, dict(good.meta)))
-            assert same_state(state(cache), before)
+    # The 4-bit kinds' key offsets may be negative (a channel's midpoint), never NaN.
+    offsets = [("k_offset", float("nan"))] if good.tensors["k_offset"].numel() else []
+    for name, value in [(n, v) for n in ("k_scale", "v_scale") for v in (-1.0, float("nan"))] + offsets:
+        tensors = {**good.tensors, name: good.tensors[name].clone().view(-1).index_fill(
+            0, torch.tensor([0]), value).view(good.tensors[name].shape)}
+        before = state(cache)
+        with pytest.raises(ValueError, match=name):
+            cache.restore(CacheSnapshot(good.kind, good.offset, tensors, good.token_ids, dict(good.meta)))
+        assert same_state(state(cache), before)

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 import infer
 from infer.attention import attention_mask, attention_reference
-from infer.cache.quantized import QuantizedCache
+from infer.cache import quant
+from infer.cache.quantized import SCHEMES, QuantizedCache
 from infer.families import ARCHITECTURES
 from infer.kernels import native
 from infer.kernels.native import native_kernels, unavailable_reason
@@ -158,3 +159,80 @@ def test_the_attention_choice_is_validated() -> None:
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="attention='native' runs on the CPU"):
             infer.create_cache("int8", config, max_seq_len=8, attention="native", device="cuda")
+
+
+@st.composite
+def pool_layouts(draw: st.DrawFn) -> dict[str, Any]:
+    kv_heads = draw(st.integers(1, 2))
+    block_size = draw(st.sampled_from([1, 3, 4, 16, 32]))
+    return {
+        "scheme": draw(st.sampled_from(["int8", "int4", "fp4"])),
+        "kv_heads": kv_heads,
+        "heads": kv_heads * draw(st.integers(1, 3)),
+        "head_dim": draw(st.sampled_from([4, 8, 32, 64])),
+        "block_size": block_size,
+        "lengths": draw(st.lists(st.integers(1, 80), min_size=1, max_size=3)),
+        "cut": draw(st.booleans()),  # tables that start past the first block, as a window lets them
+        "window": draw(st.none() | st.integers(1, 20)),
+        "softcap": draw(st.none() | st.just(5.0)),
+        "dtype": draw(st.sampled_from([torch.float32, torch.bfloat16])),
+        "tiles": draw(st.booleans()),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+@needs_build
+@settings(max_examples=60, deadline=None)
+@given(p=pool_layouts())
+def test_native_paged_kernel_is_the_gathered_formula(p: dict[str, Any]) -> None:
+    """The engine's quantized pool read in place (infer_qattn_paged) against its dequantizing gather, then the
+    formula: random codes, scales and offsets in every block, some blocks staged exact, tables in any order and
+    starting past the first block, windows and softcaps; fp32 within 1e-5 (bf16 staging: the fp32 formula over
+    the same values, rounded once)."""
+    from infer.cache.paged_quantized import QuantizedPagedPool
+    from infer.ragged import DecodeGroup
+
+    config = tiny_config("llama", num_layers=1, num_heads=p["heads"], num_kv_heads=p["kv_heads"],
+                         head_dim=p["head_dim"], hidden_size=16)
+    bs, gen = p["block_size"], torch.Generator().manual_seed(p["seed"])
+    need = [-(-n // bs) for n in p["lengths"]]
+    pool = QuantizedPagedPool(config, scheme=p["scheme"], num_blocks=sum(need) + 2, block_size=bs,
+                              stage_slots=len(need), scratch_slots=1, dtype=p["dtype"], device="cpu")
+    # Every block filled with codes of random keys (outlier and off-centre channels) and values, as a step would.
+    keys = torch.randn(pool.num_blocks, p["kv_heads"], bs, p["head_dim"], generator=gen) * 2
+    keys[..., 0] *= 20
+    keys[..., -1] += 5
+    values = torch.randn(keys.shape, generator=gen)
+    centres = quant.channel_offsets(keys) if pool.key_offsets else None
+    pool.k_codes[0], pool.k_scale[0] = quant.quantize_channels(keys, p["scheme"], centres)
+    if centres is not None:
+        pool.k_offset[0] = centres
+    pool.v_codes[0], pool.v_scale[0] = SCHEMES[p["scheme"]][0](quant.rotate(values, pool.rotation))
+    pool.k_persistent[0].copy_(torch.randn(pool.k_persistent[0].shape, generator=gen))
+    pool.v_persistent[0].copy_(torch.randn(pool.v_persistent[0].shape, generator=gen))
+    order = torch.randperm(pool.num_blocks, generator=gen).tolist()
+    tables, starts, used = [], [], 0
+    for b, n in enumerate(p["lengths"]):
+        first = (n - 1) // bs // 2 if p["cut"] else 0  # the table starts at this block of the sequence
+        blocks = order[used : used + need[b]][first:]
+        used += need[b]
+        blocks[-1] = pool.num_blocks + b  # the newest block staged, exact
+        tables.append(blocks)
+        starts.append(first * bs)
+    nb = max(len(t) for t in tables)
+    table = torch.tensor([t + [t[0]] * (nb - len(t)) for t in tables])
+    lengths, start = torch.tensor(p["lengths"]), torch.tensor(starts)
+    group = DecodeGroup("sdpa", torch.arange(len(tables)), table, lengths, {}, start)
+    q = torch.randn(len(tables), p["heads"], p["head_dim"], generator=gen).to(p["dtype"])
+    with mock.patch.dict("os.environ", {"INFER_QATTN_TILES": "1" if p["tiles"] else "0"}):
+        out = pool.layers[0].decode_attention(group, q, 0.3, p["softcap"], p["window"])
+    pool.dtype = torch.float32  # the gather dequantizes into fp32: the kernel sums the codes in fp32
+    k_all, v_all = pool.layers[0].gather(table)
+    for b in range(len(tables)):
+        n = p["lengths"][b] - starts[b]
+        positions = starts[b] + torch.arange(n)
+        mask = attention_mask(positions[-1:], positions, p["window"])
+        expected = attention_reference(q[b : b + 1, :, None].float(), k_all[b : b + 1, :, :n].float(),
+                                       v_all[b : b + 1, :, :n].float(), mask, 0.3, p["softcap"])[0, :, 0]
+        ulp = 1e-5 if p["dtype"] == torch.float32 else 2.0**-8
+        assert_close(out[b].float(), expected, ulp * max(1.0, expected.abs().max().item()) + 1e-6, f"{p} seq {b}")

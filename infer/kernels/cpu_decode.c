@@ -758,3 +758,187 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
     }
     return failed ? -1 : 0;
 }
+
+/* Score one code row (fast path: permuted queries qp) for every query head: sc[g * n + t]. */
+static inline void score_code_row(int scheme, int fast, const uint8_t *codes, const float *qp, const float *qs,
+                                  const float *qo, float *row, float *sc, int64_t groups, int64_t n, int64_t t,
+                                  int64_t d) {
+    if (fast) {
+        qv16 *rv = (qv16 *)row;
+        for (int64_t c = 0; c < d / 32; c++) widen(scheme, codes, c, rv + 2 * c, rv + 2 * c + 1);
+        for (int64_t g = 0; g < groups; g++) {
+            const qv16 *qv = (const qv16 *)(qp + g * d);
+            qv16 a = {0};
+            for (int64_t c = 0; c < d / 16; c++) a += qv[c] * rv[c];
+            sc[g * n + t] = hsum16(a) + qo[g];
+        }
+    } else {
+        decode_codes(scheme, codes, row, d);
+        for (int64_t g = 0; g < groups; g++) sc[g * n + t] = dot_f32(qs + g * d, row, d) + qo[g];
+    }
+}
+
+/* Score 16 consecutive code rows of one block at once (fast path): decoded into `tile`, summed by sum16x16. */
+static inline void score_code_tile(int scheme, int64_t dp, const uint8_t *codes, const float *qp, const float *qo,
+                                   float *tile, float *sc, int64_t groups, int64_t n, int64_t t, int64_t d) {
+    qv16 *tv = (qv16 *)tile;
+    for (int j = 0; j < 16; j++)
+        for (int64_t c = 0; c < d / 32; c++)
+            widen(scheme, codes + j * dp, c, tv + j * (d / 16) + 2 * c, tv + j * (d / 16) + 2 * c + 1);
+    for (int64_t g = 0; g < groups; g++) {
+        const qv16 *qv = (const qv16 *)(qp + g * d);
+        qv16 a[16];
+        for (int j = 0; j < 16; j++) {
+            a[j] = qv[0] * tv[j * (d / 16)];
+            for (int64_t c = 1; c < d / 16; c++) a[j] += qv[c] * tv[j * (d / 16) + c];
+        }
+        qv16 scores = sum16x16(a) + qo[g];
+        memcpy(sc + g * n + t, &scores, 64);
+    }
+}
+
+/* The engine's quantized pool (infer/cache/paged_quantized.py), one-token queries of B sequences read through
+ * their block tables: q [B, H, D]; a full block's codes [N, Hkv, bs, D or D/2] with channel scales (and offsets)
+ * [N, Hkv, D] for keys and row scales [N, Hkv, bs] for values (rows stored rotated with v_rot); a table entry
+ * >= num_blocks names a staged block, exact in stage [P, Hkv, bs, D] at slot entry - num_blocks. Sequence b's keys
+ * are positions starts[b] .. lengths[b] - 1, its table's blocks in order; the query sits at the last. */
+int infer_qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_codes, const uint8_t *v_codes,
+                      const uint16_t *k_scale, const uint16_t *v_scale, const uint16_t *k_offset,
+                      const float *v_rot, const void *k_stage, const void *v_stage, const int64_t *tables,
+                      const int64_t *lengths, const int64_t *starts, void *out, int64_t batch, int64_t heads,
+                      int64_t kv_heads, int64_t d, int64_t bs, int64_t nb, int64_t num_blocks, float scale,
+                      float softcap, int64_t window, int threads) {
+    int64_t esize = dtype == F32 ? 4 : 2, groups = heads / kv_heads;
+    int64_t dp = scheme == Q_INT8 ? d : d / 2, nmax = 1;
+    int fast = d % 32 == 0, tiles = qattn_tiles();
+    for (int64_t b = 0; b < batch; b++)
+        if (lengths[b] - starts[b] > nmax) nmax = lengths[b] - starts[b];
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        size_t floats = (size_t)(groups * (5 * d + nmax + 1) + 17 * d);
+        float *buf = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < batch * kv_heads; bh++) {
+            if (!buf) continue;
+            int64_t b = bh / kv_heads, h = bh % kv_heads, n = lengths[b] - starts[b], qpos = lengths[b] - 1;
+            float *qp = buf, *accp = qp + groups * d, *row = accp + groups * d, *qf = row + d, *qs = qf + groups * d;
+            float *acc = qs + groups * d, *tile = acc + groups * d, *sc = tile + 16 * d, *qo = sc + groups * n;
+            const int64_t *table = tables + b * nb;
+            for (int64_t g = 0; g < groups; g++)
+                for (int64_t i = 0; i < d; i++)
+                    qf[g * d + i] = load_scalar(dtype, q, ((b * heads) + h * groups + g) * d + i) * scale;
+            /* scores, block by block */
+            for (int64_t j = 0; j * bs < n; j++) {
+                int64_t id = table[j], rows = n - j * bs < bs ? n - j * bs : bs, t0 = j * bs;
+                if (id >= num_blocks) { /* staged: exact rows */
+                    const char *ks = (const char *)k_stage + ((id - num_blocks) * kv_heads + h) * bs * d * esize;
+                    for (int64_t r = 0; r < rows; r++) {
+                        for (int64_t i = 0; i < d; i++) row[i] = load_scalar(dtype, ks, r * d + i);
+                        for (int64_t g = 0; g < groups; g++) sc[g * n + t0 + r] = dot_f32(qf + g * d, row, d);
+                    }
+                    continue;
+                }
+                const uint16_t *s = k_scale + (id * kv_heads + h) * d;
+                const uint16_t *o = k_offset ? k_offset + (id * kv_heads + h) * d : 0;
+                for (int64_t g = 0; g < groups; g++) { /* channel scales folded into the queries */
+                    qo[g] = 0.f;
+                    for (int64_t i = 0; i < d; i++) {
+                        qs[g * d + i] = qf[g * d + i] * bf16_to_f32(s[i]);
+                        if (o) qo[g] += qf[g * d + i] * bf16_to_f32(o[i]);
+                    }
+                    if (fast) permute(scheme, qs + g * d, qp + g * d, d);
+                }
+                const uint8_t *codes = k_codes + (id * kv_heads + h) * bs * dp;
+                int64_t r = 0;
+                if (fast && tiles)
+                    for (; r + 16 <= rows; r += 16)
+                        score_code_tile(scheme, dp, codes + r * dp, qp, qo, tile, sc, groups, n, t0 + r, d);
+                for (; r < rows; r++)
+                    score_code_row(scheme, fast, codes + r * dp, qp, qs, qo, row, sc, groups, n, t0 + r, d);
+            }
+            /* softmax per query head, with the window and the softcap */
+            for (int64_t g = 0; g < groups; g++) {
+                float *sg = sc + g * n, top = -INFINITY, sum = 0.f;
+                for (int64_t t = 0; t < n; t++) {
+                    if (softcap > 0.f) sg[t] = softcap * tanhf(sg[t] / softcap);
+                    if (window > 0 && starts[b] + t <= qpos - window) sg[t] = -INFINITY;
+                    if (sg[t] > top) top = sg[t];
+                }
+                int64_t t = 0;
+                for (; t + 16 <= n; t += 16) {
+                    qv16 v;
+                    memcpy(&v, sg + t, 64);
+                    qv16 e = exp16_nonpositive(v - top);
+                    e = select16(v > -INFINITY, e, (qv16){0});
+                    memcpy(sg + t, &e, 64);
+                }
+                for (; t < n; t++) sg[t] = sg[t] > -INFINITY ? exp_nonpositive(sg[t] - top) : 0.f;
+                for (t = 0; t < n; t++) sum += sg[t];
+                float inv = 1.0f / sum;
+                for (t = 0; t < n; t++) sg[t] *= inv;
+            }
+            /* values: exact rows into acc, code rows into accp */
+            memset(acc, 0, sizeof(float) * (size_t)(groups * d));
+            memset(accp, 0, sizeof(float) * (size_t)(groups * d));
+            for (int64_t j = 0; j * bs < n; j++) {
+                int64_t id = table[j], rows = n - j * bs < bs ? n - j * bs : bs, t0 = j * bs;
+                int coded = id < num_blocks;
+                const char *vs = coded ? 0 : (const char *)v_stage + ((id - num_blocks) * kv_heads + h) * bs * d * esize;
+                for (int64_t r = 0; r < rows; r++) {
+                    float rs = 1.f;
+                    if (!coded) {
+                        for (int64_t i = 0; i < d; i++) row[i] = load_scalar(dtype, vs, r * d + i);
+                    } else {
+                        const uint8_t *codes = v_codes + ((id * kv_heads + h) * bs + r) * dp;
+                        rs = bf16_to_f32(v_scale[(id * kv_heads + h) * bs + r]);
+                        if (fast) {
+                            qv16 *rv = (qv16 *)row;
+                            for (int64_t c = 0; c < d / 32; c++) widen(scheme, codes, c, rv + 2 * c, rv + 2 * c + 1);
+                        } else {
+                            decode_codes(scheme, codes, row, d);
+                        }
+                    }
+                    for (int64_t g = 0; g < groups; g++) {
+                        float w = sc[g * n + t0 + r] * rs;
+                        if (w == 0.f) continue;
+                        if (coded && fast) {
+                            qv16 *a = (qv16 *)(accp + g * d);
+                            const qv16 *rv = (const qv16 *)row;
+                            for (int64_t c = 0; c < d / 16; c++) a[c] += w * rv[c];
+                        } else {
+                            float *a = (coded ? accp : acc) + g * d;
+#pragma omp simd
+                            for (int64_t i = 0; i < d; i++) a[i] += w * row[i];
+                        }
+                    }
+                }
+            }
+            for (int64_t g = 0; g < groups; g++) {
+                float *code_sum = accp + g * d;
+                if (fast) {
+                    memset(row, 0, sizeof(float) * (size_t)d);
+                    unpermute_add(scheme, accp + g * d, row, d);
+                    code_sum = row;
+                }
+                if (v_rot)
+                    for (int64_t jj = 0; jj < d; jj++) {
+                        float x = code_sum[jj];
+                        if (x == 0.f) continue;
+#pragma omp simd
+                        for (int64_t i = 0; i < d; i++) acc[g * d + i] += x * v_rot[jj * d + i];
+                    }
+                else
+                    for (int64_t i = 0; i < d; i++) acc[g * d + i] += code_sum[i];
+                for (int64_t i = 0; i < d; i++)
+                    store_scalar(dtype, out, ((b * heads) + h * groups + g) * d + i, acc[g * d + i]);
+            }
+        }
+        free(buf);
+    }
+    return failed ? -1 : 0;
+}

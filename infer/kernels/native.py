@@ -65,6 +65,10 @@ class NativeKernels:
                                     + [ctypes.c_float] * 2 + [ctypes.c_int64, ctypes.c_int])
         lib.infer_qattn.restype = ctypes.c_int
         self._qattn = lib.infer_qattn
+        lib.infer_qattn_paged.argtypes = ([ctypes.c_int] * 2 + [ctypes.c_void_p] * 13 + [ctypes.c_int64] * 7
+                                          + [ctypes.c_float] * 2 + [ctypes.c_int64, ctypes.c_int])
+        lib.infer_qattn_paged.restype = ctypes.c_int
+        self._qattn_paged = lib.infer_qattn_paged
         self._rms_norm, self._rope, self._gated = lib.infer_rms_norm, lib.infer_rope, lib.infer_gated
         self._gemv = lib.infer_gemv
         self._read = lib.infer_read
@@ -160,6 +164,35 @@ class NativeKernels:
                        k_scale.shape[2], num_recent, max(k_recent.shape[2], 1), scale, softcap or 0.0, window or 0,
                        torch.get_num_threads()):
             raise MemoryError("the native quantized attention could not allocate its score buffers")
+        return out
+
+    def quantized_attention_paged(self, q: torch.Tensor, codes: tuple[torch.Tensor, torch.Tensor],
+                                  scales: tuple[torch.Tensor, torch.Tensor], key_offsets: torch.Tensor | None,
+                                  value_rotation: torch.Tensor | None, stage: tuple[torch.Tensor, torch.Tensor],
+                                  tables: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, scheme: str,
+                                  scale: float, softcap: float | None, window: int | None) -> torch.Tensor:
+        """One query row per head `q` `[B, H, D]` of B sequences attending over one layer of the engine's quantized
+        pool (infer/cache/paged_quantized.py) through block tables `[B, nb]`: a full block's `codes`
+        `[N, Hkv, bs, D or D/2]`, `scales` (keys `[N, Hkv, D]` per channel, values `[N, Hkv, bs]` per row), the keys'
+        `key_offsets` `[N, Hkv, D]` or None, value rows stored rotated by `value_rotation` `[D, D]` or None; a table
+        entry `N + s` names staging slot s of `stage` `[P, Hkv, bs, D]` (exact). Sequence b's keys are positions
+        `starts[b]` .. `lengths[b] - 1`. `[B, H, D]` in the staging dtype."""
+        scheme_code = {"int8": 0, "int4": 1, "fp4": 2}[scheme]
+        k_stage, v_stage = (_dense(t) for t in stage)
+        q = _dense(q.to(k_stage.dtype))
+        k_codes, v_codes, k_scale, v_scale = (_dense(t) for t in (*codes, *scales))
+        offsets = None if key_offsets is None else _dense(key_offsets)
+        rotation = None if value_rotation is None else _dense(value_rotation.float())
+        tables, lengths, starts = (_dense(t.to(torch.int64)) for t in (tables, lengths, starts))
+        B, H, D = q.shape
+        out = torch.empty_like(q)
+        if self._qattn_paged(DTYPE_CODES[q.dtype], scheme_code, q.data_ptr(), k_codes.data_ptr(), v_codes.data_ptr(),
+                             k_scale.data_ptr(), v_scale.data_ptr(), None if offsets is None else offsets.data_ptr(),
+                             None if rotation is None else rotation.data_ptr(), k_stage.data_ptr(),
+                             v_stage.data_ptr(), tables.data_ptr(), lengths.data_ptr(), starts.data_ptr(),
+                             out.data_ptr(), B, H, k_codes.shape[1], D, k_codes.shape[2], tables.shape[1],
+                             k_codes.shape[0], scale, softcap or 0.0, window or 0, torch.get_num_threads()):
+            raise MemoryError("the native paged quantized attention could not allocate its score buffers")
         return out
 
     def read(self, buffer: torch.Tensor) -> float:
