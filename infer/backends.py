@@ -276,10 +276,14 @@ def paged_attention(
         attended = paged_decode_attention(queries.contiguous(), k_blocks, v_blocks, group.tables, group.lengths,
                                           scale, softcap, window)
         out[0, :, group.rows] = attended.transpose(0, 1)
-    elif group is not None and isinstance(k_blocks, QuantizedPoolLayer) and k_blocks.pool.native_decode \
-            and not reference:
+    elif group is not None and group.kernel == "native" and not reference:
         queries = q[0, :, group.rows].transpose(0, 1)  # [B, H, D]
-        out[0, :, group.rows] = k_blocks.decode_attention(group, queries, scale, softcap, window).transpose(0, 1)
+        if isinstance(k_blocks, QuantizedPoolLayer):
+            attended = k_blocks.decode_attention(group, queries, scale, softcap, window)
+        else:
+            attended = native_paged_attention(queries, k_blocks, cast(torch.Tensor, v_blocks), group, scale,
+                                              softcap, window)
+        out[0, :, group.rows] = attended.transpose(0, 1)
     elif group is not None:
         keys, values = gather(group.tables)
         queries = q[0, :, group.rows, None].transpose(0, 1)  # [B, H, 1, D]
@@ -290,6 +294,19 @@ def paged_attention(
             attended = attend(queries, keys, values, mask)
         out[0, :, group.rows] = attended[:, :, 0].transpose(0, 1)
     return out
+
+
+def native_paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, group: DecodeGroup,
+                           scale: float, softcap: float | None, window: int | None) -> torch.Tensor:
+    """A decode group's queries `q` `[B, H, D]` over exact blocks `[N, Hkv, bs, D]` in place, in the native CPU
+    kernel (the quantized pool's, every block read as staged): no gather, no padding. `[B, H, D]`."""
+    from infer.kernels.native import native_kernels
+
+    kernels = native_kernels()
+    if kernels is None or group.starts is None:
+        raise ValueError("decode_attention='native' needs the native kernels, which did not build here")
+    return kernels.exact_paged_attention(q, k_blocks, v_blocks, group.tables, group.lengths, group.starts, scale,
+                                         softcap, window).to(q.dtype)
 
 
 def _write_blocks(k: torch.Tensor, v: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,

@@ -25,7 +25,6 @@ from infer.backends import PagedBackend
 from infer.cache.batch_storage import BatchStorage
 from infer.cache.block_manager import BlockStats
 from infer.cache.paged import DEFAULT_BLOCK_SIZE
-from infer.cache.paged_quantized import QuantizedPagedPool
 from infer.generation import (
     GenerationResult,
     OutputStream,
@@ -36,6 +35,7 @@ from infer.generation import (
     encode_prompt,
 )
 from infer.graphs import BatchedDecodeGraphs
+from infer.kernels.native import native_kernels
 from infer.models import Transformer
 from infer.ragged import SeqChunk, build_ragged_batch
 from infer.sampling import SamplingParams, sample_next
@@ -136,6 +136,9 @@ class Engine:
                                  "decode_attention='triton' / decode_graphs=True")
             if self.decode_attention == "triton":
                 self.decode_attention = "sdpa"
+            if decode_attention == "auto" and self.device.type == "cpu" and native_kernels() is not None:
+                # Over codes the native kernel reads them in place; sdpa / matmul would dequantize gathers.
+                self.decode_attention = "native"
             decode_graphs = False
         graphs = _use_decode_graphs(decode_graphs, model, self.device, self.decode_attention)
         spare = 1 if graphs else 0  # the block the padded rows of a graph's steps write (BatchedDecodeGraphs)
@@ -152,8 +155,7 @@ class Engine:
             spare_blocks=spare, kv_cache_dtype=kv_cache_dtype)
         self.kv_cache_dtype = kv_cache_dtype
         self.pool, self.ring = self.storage.pool, self.storage.ring
-        if isinstance(self.pool, QuantizedPagedPool) and decode_attention in ("sdpa", "matmul"):
-            self.pool.native_decode = False  # asked for by name: the dequantizing gathers
+
         if self.ring is not None:
             enable_prefix_caching = False
         self.prefix_caching = enable_prefix_caching

@@ -254,7 +254,8 @@ class BatchedDecodeGraphs:
         ids, positions, sets = _layout(inputs, batch, width, num_sets)
         rows = torch.arange(batch, device=self.device)
         batches = [RaggedBatch(positions, s.slot_blocks, s.slot_offsets, [], rows, self.block_size, s.fresh,
-                               DecodeGroup(self.kernel, rows, s.tables, s.lengths, {})) for s in sets]
+                               DecodeGroup(self.kernel, rows, s.tables, s.lengths, {}, torch.zeros_like(rows)))
+                   for s in sets]
         return _Shape(inputs, ids, batches)
 
     def _forward(self, shape: _Shape) -> torch.Tensor:

@@ -54,7 +54,7 @@ class SeqSlice:
 class DecodeGroup:
     """The one-token chunks of a step, batched: B sequences, their keys padded to `num_blocks` blocks."""
 
-    kernel: str  # "sdpa" (decode_attention), "matmul" (decode_attention_matmul) or "triton" (in place)
+    kernel: str  # "sdpa" (decode_attention), "matmul" (decode_attention_matmul), "native" or "triton" (in place)
     rows: torch.Tensor  # [B] the flat-batch row of each sequence's token
     tables: torch.Tensor  # [B, nb] block tables, padded with the sequence's own first block (masked out)
     lengths: torch.Tensor  # [B] keys of each sequence, this step's included
@@ -87,8 +87,9 @@ def build_ragged_batch(
 ) -> RaggedBatch:
     """The metadata of one forward over `chunks`, in order; `sample[i]`: chunk i wants its last logits.
     `windows`: the sliding windows the model's layers use (None for full attention). `decode_kernel`: how
-    the one-token chunks attend, together in one call when there are at least two ("sdpa", "matmul", or
-    "triton": the paged kernel reading the pool in place), or each on its own ("per-sequence", the check)."""
+    the one-token chunks attend, together in one call when there are at least two ("sdpa", "matmul", or a
+    paged kernel reading the pool in place: "native" on the CPU, "triton"), or each on its own ("per-sequence",
+    the check)."""
     if decode_kernel not in DECODE_KERNELS:
         raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {decode_kernel!r}")
     batch_decode = decode_kernel != "per-sequence"
@@ -157,7 +158,7 @@ def _decode_group(chunks: Sequence[SeqChunk], rows: Sequence[int], block_size: i
               for chunk, n, first in zip(chunks, lengths, firsts, strict=True)]
     lens = torch.tensor(lengths, device=device)[:, None]
     masks: dict[int | None, torch.Tensor] = {}
-    if kernel != "triton":  # the kernel masks by length and window itself
+    if kernel not in ("triton", "native"):  # the kernels mask by length and window themselves
         # Each row's key positions start at its first gathered block.
         k_pos = (torch.tensor(firsts, device=device)[:, None] * block_size
                  + torch.arange(nb * block_size, device=device)[None, :])
@@ -179,4 +180,4 @@ def padded_table(blocks: Sequence[int], width: int) -> list[int]:
 
 
 # How the one-token chunks of a batch attend: the one list (the engine, tuning, the bench and the tests read it).
-DECODE_KERNELS = ("sdpa", "matmul", "triton", "per-sequence")
+DECODE_KERNELS = ("sdpa", "matmul", "native", "triton", "per-sequence")

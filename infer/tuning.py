@@ -212,11 +212,12 @@ def _time_alternately(forms: dict[str, Callable[[], object]], device: torch.devi
 
 def choose_decode_attention(config: ModelConfig, dtype: torch.dtype, device: torch.device,
                             forced: str = "auto") -> Choice:
-    """How the batched engine attends the one-token sequences of a step together: PyTorch's fused SDPA or two
-    batched matmuls (`decode_attention_matmul`), whichever is faster here on this model's head shapes (16
-    sequences of 256 keys, timed alternately); `forced` ("sdpa", "matmul", or "per-sequence": no batching,
-    the check; "triton": the paged kernel) skips that; on CUDA with Triton the kernel is the choice. On a 2-core
-    EPYC the matmul form measured 2.3x faster in bf16."""
+    """How the batched engine attends the one-token sequences of a step together: PyTorch's fused SDPA, two
+    batched matmuls (`decode_attention_matmul`) over gathered blocks, or on the CPU the native paged kernel over the
+    blocks in place, whichever is faster here on this model's head shapes (16 sequences of 256 keys, timed
+    alternately); `forced` ("sdpa", "matmul", "native", or "per-sequence": no batching, the check; "triton": the
+    paged kernel) skips that; on CUDA with Triton the kernel is the choice. On a 2-core EPYC the matmul form
+    measured 2.3x faster than SDPA in bf16."""
 
     name = "batched decode attention"
     if forced != "auto":
@@ -226,29 +227,45 @@ def choose_decode_attention(config: ModelConfig, dtype: torch.dtype, device: tor
         if forced == "triton" and not triton_available(device.type):
             raise ValueError(f"decode_attention='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 on "
                              f"the CPU, for tests); this is {device.type}: use 'auto'")
+        if forced == "native" and (device.type != "cpu" or native_kernels() is None):
+            raise ValueError(f"decode_attention='native' runs on the CPU with the native kernels built; this is "
+                             f"{device.type}{'' if device.type != 'cpu' else ' and they did not build'}: use 'auto'")
         return record(Choice(name, forced, "forced by the caller"))
     if device.type == "cuda" and triton_available("cuda"):
         return record(Choice(name, "triton", "CUDA with Triton: the paged kernel reads the pool in place"))
-    sdpa_s, matmul_s = _time_decode_attention(config.num_attention_heads, config.num_key_value_heads,
-                                              config.head_dim, dtype, device)
-    value = "matmul" if matmul_s < 0.95 * sdpa_s else "sdpa"
-    return record(Choice(name, value, f"16 sequences x 256 keys: SDPA {sdpa_s * 1e3:.2f} ms, matmul "
-                                      f"{matmul_s * 1e3:.2f} ms (medians, alternately)"))
+    times = _time_decode_attention(config.num_attention_heads, config.num_key_value_heads, config.head_dim, dtype,
+                                   device)
+    value = "matmul" if times["matmul"] < 0.95 * times["sdpa"] else "sdpa"
+    if "native" in times and times["native"] < 0.95 * times[value]:
+        value = "native"
+    return record(Choice(name, value, "16 sequences x 256 keys: " + ", ".join(
+        f"{k} {t * 1e3:.2f} ms" for k, t in times.items()) + " (medians, alternately)"))
 
 
 @functools.cache
 def _time_decode_attention(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                           batch: int = 16, keys: int = 256, repeats: int = 7) -> tuple[float, float]:
+                           batch: int = 16, keys: int = 256, repeats: int = 7) -> dict[str, float]:
     from infer.attention import decode_attention, decode_attention_matmul
+    from infer.backends import gather_blocks, native_paged_attention
+    from infer.ragged import DecodeGroup
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(batch, heads, 1, head_dim, generator=gen).to(dtype=dtype, device=device)
-    k = torch.randn(batch, kv_heads, keys, head_dim, generator=gen).to(dtype=dtype, device=device)
-    mask = (torch.arange(keys)[None] < torch.randint(1, keys + 1, (batch, 1), generator=gen))[:, None, None]
-    mask = mask.to(device)
-    times = _time_alternately({"sdpa": lambda: decode_attention(q, k, k, mask, 0.125),
-                               "matmul": lambda: decode_attention_matmul(q, k, k, mask, 0.125)}, device, repeats)
-    return times["sdpa"], times["matmul"]
+    # The keys as the engine holds them, a pool of blocks of 16 with a table per sequence: SDPA and the matmuls
+    # gather them first (timed with them, as each step pays it), the native kernel reads them in place.
+    blocks = torch.randn(batch * keys // 16, kv_heads, 16, head_dim, generator=gen).to(dtype=dtype, device=device)
+    tables = torch.randperm(batch * keys // 16, generator=gen).view(batch, -1).to(device)
+    lengths = torch.randint(1, keys + 1, (batch,), generator=gen).to(device)
+    mask = (torch.arange(keys, device=device)[None] < lengths[:, None])[:, None, None]
+
+    def gathered(attend: Callable[..., torch.Tensor]) -> Callable[[], object]:
+        return lambda: attend(q, gather_blocks(blocks, tables), gather_blocks(blocks, tables), mask, 0.125)
+
+    contenders = {"sdpa": gathered(decode_attention), "matmul": gathered(decode_attention_matmul)}
+    if device.type == "cpu" and native_kernels() is not None:
+        group = DecodeGroup("native", torch.arange(batch), tables, lengths, {}, torch.zeros(batch, dtype=torch.long))
+        contenders["native"] = lambda: native_paged_attention(q[:, :, 0], blocks, blocks, group, 0.125, None, None)
+    return _time_alternately(contenders, device, repeats)
 
 
 def choose_threads(model: Transformer, forced: int = 0, steps: int = 6) -> Choice:

@@ -101,10 +101,6 @@ class QuantizedPagedPool:
                                                                               *self.v_stage.shape[1:])
         self.plan = StepPlan()
         self.layers = [QuantizedPoolLayer(self, i) for i in range(self.num_layers)]
-        # Batched one-token steps attend over the codes where they lie in the native CPU kernel (infer_qattn_paged
-        # in infer/kernels/cpu_decode.c) where it built; False (or decode_attention='sdpa' / 'matmul' given to the
-        # Engine) reads them through dequantizing gathers, the check.
-        self.native_decode = self.device.type == "cpu" and _native_available()
 
     @staticmethod
     def block_bytes(config: ModelConfig, scheme: str, block_size: int, num_layers: int) -> int:
@@ -311,19 +307,12 @@ class QuantizedPoolLayer:
 
         kernels = native_kernels()
         if kernels is None or group.starts is None:
-            raise ValueError("the native paged kernel did not build here (or the group has no starts); "
-                             "set pool.native_decode = False")
+            raise ValueError("decode_attention='native' needs the native kernels, which did not build here")
         pool, i = self.pool, self.layer
         return kernels.quantized_attention_paged(
             q, (pool.k_codes[i], pool.v_codes[i]), (pool.k_scale[i], pool.v_scale[i]),
             pool.k_offset[i] if pool.key_offsets else None, pool.rotation, (pool.k_persistent[i], pool.v_persistent[i]),
             group.tables, group.lengths, group.starts, pool.scheme, scale, softcap, window).to(q.dtype)
-
-
-def _native_available() -> bool:
-    from infer.kernels.native import native_kernels
-
-    return native_kernels() is not None
 
 
 def _dequantize_rows(pool: QuantizedPagedPool, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

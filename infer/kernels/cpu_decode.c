@@ -797,6 +797,42 @@ static inline void score_code_tile(int scheme, int64_t dp, const uint8_t *codes,
     }
 }
 
+typedef uint16_t qu16x16 __attribute__((vector_size(32)));
+
+/* An exact row of d values (fp32, bf16 or fp16) as fp32, 16 lanes at a time where the dtype allows (bf16 is fp32's
+ * upper half: a zero extension and a shift). */
+static inline void load_row(int dtype, const char *src, float *out, int64_t d) {
+    if (dtype == F32) {
+        memcpy(out, src, sizeof(float) * (size_t)d);
+    } else if (dtype == BF16 && d % 16 == 0) {
+        for (int64_t c = 0; c < d / 16; c++) {
+            qu16x16 h;
+            memcpy(&h, src + 32 * c, 32);
+            qi32x16 w = (qi32x16)__builtin_convertvector(h, qi32x16) << 16;
+            memcpy(out + 16 * c, &w, 64);
+        }
+    } else {
+        for (int64_t i = 0; i < d; i++) out[i] = load_scalar(dtype, src, i);
+    }
+}
+
+/* Score 16 consecutive exact rows at once (d a multiple of 16): loaded into `tile`, summed by sum16x16. */
+static inline void score_exact_tile(int dtype, const char *rows, int64_t esize, const float *qf, float *tile,
+                                    float *sc, int64_t groups, int64_t n, int64_t t, int64_t d) {
+    const qv16 *tv = (const qv16 *)tile;
+    for (int j = 0; j < 16; j++) load_row(dtype, rows + j * d * esize, tile + j * d, d);
+    for (int64_t g = 0; g < groups; g++) {
+        const qv16 *qv = (const qv16 *)(qf + g * d);
+        qv16 a[16];
+        for (int j = 0; j < 16; j++) {
+            a[j] = qv[0] * tv[j * (d / 16)];
+            for (int64_t c = 1; c < d / 16; c++) a[j] += qv[c] * tv[j * (d / 16) + c];
+        }
+        qv16 scores = sum16x16(a);
+        memcpy(sc + g * n + t, &scores, 64);
+    }
+}
+
 /* The engine's quantized pool (infer/cache/paged_quantized.py), one-token queries of B sequences read through
  * their block tables: q [B, H, D]; a full block's codes [N, Hkv, bs, D or D/2] with channel scales (and offsets)
  * [N, Hkv, D] for keys and row scales [N, Hkv, bs] for values (rows stored rotated with v_rot); a table entry
@@ -837,8 +873,12 @@ int infer_qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_cod
                 int64_t id = table[j], rows = n - j * bs < bs ? n - j * bs : bs, t0 = j * bs;
                 if (id >= num_blocks) { /* staged: exact rows */
                     const char *ks = (const char *)k_stage + ((id - num_blocks) * kv_heads + h) * bs * d * esize;
-                    for (int64_t r = 0; r < rows; r++) {
-                        for (int64_t i = 0; i < d; i++) row[i] = load_scalar(dtype, ks, r * d + i);
+                    int64_t r = 0;
+                    if (fast && tiles)
+                        for (; r + 16 <= rows; r += 16)
+                            score_exact_tile(dtype, ks + r * d * esize, esize, qf, tile, sc, groups, n, t0 + r, d);
+                    for (; r < rows; r++) {
+                        load_row(dtype, ks + r * d * esize, row, d);
                         for (int64_t g = 0; g < groups; g++) sc[g * n + t0 + r] = dot_f32(qf + g * d, row, d);
                     }
                     continue;
@@ -892,7 +932,7 @@ int infer_qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_cod
                 for (int64_t r = 0; r < rows; r++) {
                     float rs = 1.f;
                     if (!coded) {
-                        for (int64_t i = 0; i < d; i++) row[i] = load_scalar(dtype, vs, r * d + i);
+                        load_row(dtype, vs + r * d * esize, row, d);
                     } else {
                         const uint8_t *codes = v_codes + ((id * kv_heads + h) * bs + r) * dp;
                         rs = bf16_to_f32(v_scale[(id * kv_heads + h) * bs + r]);

@@ -195,6 +195,23 @@ class NativeKernels:
             raise MemoryError("the native paged quantized attention could not allocate its score buffers")
         return out
 
+    def exact_paged_attention(self, q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                              tables: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, scale: float,
+                              softcap: float | None, window: int | None) -> torch.Tensor:
+        """`quantized_attention_paged` over an exact pool `[N, Hkv, bs, D]`: every block read as a staged one (no
+        codes). `[B, H, D]` in the blocks' dtype."""
+        k_blocks, v_blocks = _dense(k_blocks), _dense(v_blocks)
+        q = _dense(q.to(k_blocks.dtype))
+        tables, lengths, starts = (_dense(t.to(torch.int64)) for t in (tables, lengths, starts))
+        B, H, D = q.shape
+        out = torch.empty_like(q)
+        if self._qattn_paged(DTYPE_CODES[q.dtype], 0, q.data_ptr(), None, None, None, None, None, None,
+                             k_blocks.data_ptr(), v_blocks.data_ptr(), tables.data_ptr(), lengths.data_ptr(),
+                             starts.data_ptr(), out.data_ptr(), B, H, k_blocks.shape[1], D, k_blocks.shape[2],
+                             tables.shape[1], 0, scale, softcap or 0.0, window or 0, torch.get_num_threads()):
+            raise MemoryError("the native paged attention could not allocate its score buffers")
+        return out
+
     def read(self, buffer: torch.Tensor) -> float:
         """Read every byte of the contiguous CPU tensor `buffer` once, as `gemv` reads weights (returns their
         float sum, so the read cannot be skipped)."""
