@@ -227,10 +227,16 @@ def test_quantized_kernel_refuses_what_it_cannot_read() -> None:
         quantized_decode_attention(q, codes, scales, recent, lengths, 5, "int8", 0.1, tile=24)
 
 
+ROW_LAYOUT = {"key_scales": "row", "sink_tokens": 0, "rotate_values": False}  # the kernel's first layout
+# The registered layout (keys by channel with offsets, sinks, rotated values) with blocks small enough to fill.
+REGISTERED_LAYOUT = {"residual_block": 4}
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize(("kind", "residual_window"), [("int8", 1), ("int4", 4), ("fp4", 1)])
-def test_quantized_caches_decode_through_the_kernel_as_through_pytorch(arch: str, kind: str,
-                                                                      residual_window: int) -> None:
+@pytest.mark.parametrize("layout", [ROW_LAYOUT, REGISTERED_LAYOUT], ids=["rows", "registered"])
+def test_quantized_caches_decode_through_the_kernel_as_through_pytorch(arch: str, kind: str, residual_window: int,
+                                                                      layout: dict) -> None:
     """Every one-token step of a model on a quantized cache attends in the kernel to the same fp32 logits (within
     1e-5) as the dequantizing PyTorch path from the same cache state (Gemma past its sliding window; codes and
     the exact ring both read). A residual ring keeps each step's own token exact: quantized at once, a
@@ -242,9 +248,7 @@ def test_quantized_caches_decode_through_the_kernel_as_through_pytorch(arch: str
     model = infer.load_model(build_checkpoint(arch), decode_gemv="linear").to(DEVICE)
     ids = torch.randint(0, 400, (2, 40), generator=torch.Generator().manual_seed(11)).to(DEVICE)
     caches = {attention: infer.create_cache(kind, model.config, max_seq_len=40, batch_size=2, device=DEVICE,
-                                            residual_window=residual_window, attention=attention,
-                                            key_scales="row", sink_tokens=0,
-                                            rotate_values=False)  # the layout the kernel reads
+                                            residual_window=residual_window, attention=attention, **layout)
               for attention in ("dequantize", "triton")}
     assert caches["triton"].attends_in_kernel and not caches["dequantize"].attends_in_kernel
     with torch.no_grad():
@@ -258,18 +262,21 @@ def test_quantized_caches_decode_through_the_kernel_as_through_pytorch(arch: str
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4", "fp4"])
-def test_quantized_cache_decode_attention_equals_update_then_attend(kind: str) -> None:
+@pytest.mark.parametrize("layout", [ROW_LAYOUT, REGISTERED_LAYOUT], ids=["rows", "registered"])
+def test_quantized_cache_decode_attention_equals_update_then_attend(kind: str, layout: dict) -> None:
     """From the same state, `decode_attention` (store, then the kernel) gives what `update` then the formula
     gives, in every layer, with every token quantized on arrival; and it stores what `update` stores."""
     import copy
 
+    import infer
     from infer.config import ModelConfig
     from reference import build_checkpoint
 
     config = ModelConfig.from_file(build_checkpoint("gemma3_text"))
     B, H, Hkv, D = 2, config.num_attention_heads, config.num_key_value_heads, config.head_dim
     gen = torch.Generator().manual_seed(12)
-    cache = _quantized_cache(kind, config, B)
+    cache = infer.create_cache(kind, config, max_seq_len=24, batch_size=B, device=DEVICE, residual_window=0,
+                               **layout)
     for _ in range(20):  # a history of 20 steps
         for layer in range(config.num_hidden_layers):
             cache.update(layer, *(torch.randn(B, Hkv, 1, D, generator=gen).to(DEVICE) for _ in range(2)))
@@ -284,15 +291,8 @@ def test_quantized_cache_decode_attention_equals_update_then_attend(kind: str) -
         mask = None if window is None else (torch.arange(21, device=DEVICE) > 20 - window)[None]
         expected = attention_reference(q, keys, values, mask, 0.25)
         assert_close(twin.decode_attention(layer, q, k, v, 0.25, None, window), expected, 1e-5, f"layer {layer}")
-    for name in ("k_data", "v_data", "k_scale", "v_scale"):
+    for name in ("k_data", "v_data", "k_scale", "v_scale", "k_offset", "k_sink"):
         assert torch.equal(getattr(twin, name).float(), getattr(cache, name).float()), f"{name} stored otherwise"
-
-
-def _quantized_cache(kind: str, config: object, batch: int) -> object:
-    import infer
-
-    return infer.create_cache(kind, config, max_seq_len=24, batch_size=batch, device=DEVICE, key_scales="row",
-                              rotate_values=False, sink_tokens=0)
 
 
 def test_quantized_cache_attention_choice_is_validated() -> None:
@@ -307,15 +307,9 @@ def test_quantized_cache_attention_choice_is_validated() -> None:
     auto = infer.create_cache("int8", config, max_seq_len=8, device=DEVICE, key_scales="row", sink_tokens=0,
                               rotate_values=False)
     assert auto.attention == ("triton" if torch.cuda.is_available() and DEVICE == "cuda" else on_cpu)
-    # Keys scaled per channel (the registered kinds' default): the Triton kernel reads row scales only.
-    expected = "dequantize" if DEVICE == "cuda" else on_cpu
-    assert infer.create_cache("int8", config, max_seq_len=8, device=DEVICE).attention == expected
-    with pytest.raises(ValueError, match="key_scales=.channel., sink_tokens or rotate_values use .auto."):
-        infer.create_cache("int8", config, max_seq_len=8, device=DEVICE, attention="triton")
-    # Rotated values (the 4-bit kinds' default) are not the kernel's layout either.
-    with pytest.raises(ValueError, match="key_scales=.channel., sink_tokens or rotate_values use .auto."):
-        infer.create_cache("int4", config, max_seq_len=8, device=DEVICE, attention="triton", key_scales="row",
-                           sink_tokens=0)
+    # The registered kinds' layout (keys by channel, offsets, sinks, rotated values): the kernel reads it too.
+    expected = "triton" if torch.cuda.is_available() and DEVICE == "cuda" else on_cpu
+    assert infer.create_cache("int4", config, max_seq_len=8, device=DEVICE).attention == expected
     with pytest.raises(ValueError, match="attention must be 'auto', 'triton', 'native' or 'dequantize'"):
         infer.create_cache("int8", config, max_seq_len=8, attention="flash")
 

@@ -121,9 +121,7 @@ class QuantizedCache:
                 "residual_window must be >= 0 and residual_block >= 1, "
                 f"got {residual_window} and {residual_block}"
             )
-        self.attention = _attention_path(attention, resolve_device(device, allow_meta=True),
-                                         kernel_reads_it=key_scales == "row" and sink_tokens == 0
-                                         and not rotate_values)
+        self.attention = _attention_path(attention, resolve_device(device, allow_meta=True))
         self.key_scales = key_scales
         self.key_offsets = key_offsets
         # Value rows are stored as codes of `v @ H` and read back as `decoded @ H` (H symmetric, orthonormal).
@@ -212,16 +210,16 @@ class QuantizedCache:
             raise ValueError(f"decode_attention takes one token, got q {tuple(q.shape)} and k {tuple(k.shape)}")
         if self.attention == "native":
             return self._native_attention(layer, q, k, v, scale, softcap, window)
-        if self.key_scales != "row" or self.sink_tokens or self.rotation is not None:
-            raise ValueError("decode_attention's kernel reads one scale per key row, no sink tokens and unrotated "
-                             "values; this cache has key_scales='channel', sink_tokens or rotate_values: read it "
-                             "through `update`")
         end = self._store(layer, k, v)
+        stream = self._in_stream(end)
         lengths = torch.full((self.batch_size,), end, dtype=torch.int32, device=q.device)
+        # The ring's writes of this step are pending until advance: the kernel reads them where they are.
         out = quantized_decode_attention(
             q[:, :, 0], (self.k_data[layer], self.v_data[layer]), (self.k_scale[layer], self.v_scale[layer]),
-            (self.k_recent[layer], self.v_recent[layer]), lengths, self.num_quantized(end), self.scheme, scale,
-            softcap, window)
+            (self.k_recent[layer], self.v_recent[layer]), lengths, self.num_quantized(stream), self.scheme, scale,
+            softcap, window, sinks=(self.k_sink[layer], self.v_sink[layer]), num_sinks=end - stream,
+            channel_block=self.residual_block if self.key_scales == "channel" else None,
+            key_offsets=self.k_offset[layer] if self.key_offsets else None, value_rotation=self.rotation)
         return out[:, :, None]
 
     def _native_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -436,23 +434,20 @@ class QuantizedCache:
         self._offset = n
 
 
-def _attention_path(attention: str, device: torch.device, kernel_reads_it: bool = True) -> str:
-    """"triton", "native" or "dequantize" for `attention` ("auto": on CUDA the Triton kernel where it reads the
-    layout (keys by row, no sinks), on the CPU the native kernel where it built, else dequantize)."""
+def _attention_path(attention: str, device: torch.device) -> str:
+    """"triton", "native" or "dequantize" for `attention` ("auto": on CUDA the Triton kernel, on the CPU the native
+    kernel where it built, else dequantize; both read every layout)."""
     from infer.kernels import triton_available
 
     if attention == "auto":
         if device.type == "cuda":
-            return "triton" if triton_available("cuda") and kernel_reads_it else "dequantize"
+            return "triton" if triton_available("cuda") else "dequantize"
         return "native" if device.type == "cpu" and _native_available() else "dequantize"
     if attention not in ("triton", "native", "dequantize"):
         raise ValueError(f"attention must be 'auto', 'triton', 'native' or 'dequantize', got {attention!r}")
     if attention == "native" and (device.type != "cpu" or not _native_available()):
         raise ValueError(f"attention='native' runs on the CPU with the native kernels built; this cache is on "
                          f"{device.type}{'' if device.type != 'cpu' else ' and they did not build'}: use 'auto'")
-    if attention == "triton" and not kernel_reads_it:
-        raise ValueError("attention='triton' reads one scale per key row, no sink tokens and unrotated values; "
-                         "with key_scales='channel', sink_tokens or rotate_values use 'auto' or 'dequantize'")
     if attention == "triton" and not triton_available(device.type):
         raise ValueError(f"attention='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 on the CPU, "
                          f"for tests); this cache is on {device.type}: use 'auto'")

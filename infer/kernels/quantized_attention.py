@@ -3,13 +3,14 @@ sequence reads int8, int4 or FP4 (E2M1) codes and their per-row scales where the
 materialises the history in the model's dtype, so the lossy kinds cost a quarter to a half of the bytes a
 bf16 cache costs per step instead of adding a dequantized copy on top.
 
-Layout (one layer of `infer.cache.quantized.QuantizedCache`): codes `[B, Hkv, Sq, Dp]` (int8, or uint8 with
-two 4-bit codes per byte, element 2i in the low nibble), scales `[B, Hkv, Sq]` (bf16), and the exact ring of
-the newest tokens `[B, Hkv, R, D]` in the model dtype, position p in slot p % R. Positions below `quantized`
-are read from the codes, the rest up to `length` from the ring. Grid: (sequence, KV head, split); each
-program keeps an online softmax over its split's tiles, with the query heads of a KV group packed into one
-tile (GQA), causal and sliding-window masks and softcap as in infer.kernels.paged_attention, whose split
-combine this shares. The PyTorch path (dequantize, then attention) is the check: tests/test_triton_kernels.py.
+Layout (one layer of `infer.cache.quantized.QuantizedCache`, every one of its layouts): exact sink tokens first,
+then codes `[B, Hkv, Sq, Dp]` (int8, or uint8 with two 4-bit codes per byte, element 2i in the low nibble) with
+bf16 scales (values per row `[B, Hkv, Sq]`; keys per row, or per channel over blocks with optional offsets `[B,
+Hkv, Sq / block, D]`; value rows optionally stored rotated), and the exact ring of the newest tokens `[B, Hkv, R,
+D]` in the model dtype. Each part (sinks, codes, ring) gets its own splits. Grid: (sequence, KV head, split); each
+program keeps an online softmax over its split's tiles, with the query heads of a KV group packed into one tile
+(GQA), causal and sliding-window masks and softcap as in infer.kernels.paged_attention, whose split combine this
+shares. The PyTorch path (dequantize, then attention) is the check: tests/test_triton_kernels.py.
 """
 
 from __future__ import annotations
@@ -43,16 +44,18 @@ def _dequantize(raw, scheme: tl.constexpr, odd):
 
 @triton.jit
 def _quantized_decode_split(
-    Q, K, V, KS, VS, Lengths, Acc, M, L,
+    Q, K, V, KS, VS, KO, Lengths, Acc, M, L,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
+    stride_ksb, stride_ksh, stride_ksr,
     stride_sb, stride_sh,
     stride_ab, stride_ah, stride_as,
     stride_mb, stride_mh,
-    start, stop, ring, split_base,
+    start, stop, ring, base, channel_block, split_base,
     scale, softcap, window,
-    SCHEME: tl.constexpr, PACKED: tl.constexpr, BLOCK_N: tl.constexpr,
+    SCHEME: tl.constexpr, PACKED: tl.constexpr, CHANNEL: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
@@ -79,7 +82,8 @@ def _quantized_decode_split(
         visible = (pos < end) & (pos >= start)
         if HAS_WINDOW:
             visible = visible & (pos > length - 1 - window)
-        row = tl.where(ring > 0, pos % tl.maximum(ring, 1), pos)
+        # The part's rows start at position `base` (the sinks come first); a ring holds stream position p at p % ring.
+        row = tl.where(ring > 0, (pos - base) % tl.maximum(ring, 1), pos - base)
         kv_ok = visible[:, None] & d_ok[None, :]
         k_raw = tl.load(K + b * stride_kb + kvh * stride_kh + row[:, None] * stride_ks + col[None, :],
                         mask=kv_ok, other=0)
@@ -88,9 +92,16 @@ def _quantized_decode_split(
         k = _dequantize(k_raw, SCHEME, odd[None, :])
         v = _dequantize(v_raw, SCHEME, odd[None, :])
         if SCHEME != 3:
-            k_scale = tl.load(KS + b * stride_sb + kvh * stride_sh + row, mask=visible, other=0.0).to(tl.float32)
+            if CHANNEL:  # one scale (and offset) per channel over each block of `channel_block` rows
+                where = b * stride_ksb + kvh * stride_ksh + (row // channel_block)[:, None] * stride_ksr \
+                    + offs_d[None, :]
+                k = k * tl.load(KS + where, mask=kv_ok, other=0.0).to(tl.float32)
+                if HAS_OFFSETS:
+                    k = k + tl.load(KO + where, mask=kv_ok, other=0.0).to(tl.float32)
+            else:
+                k_scale = tl.load(KS + b * stride_ksb + kvh * stride_ksh + row, mask=visible, other=0.0)
+                k = k * k_scale.to(tl.float32)[:, None]
             v_scale = tl.load(VS + b * stride_sb + kvh * stride_sh + row, mask=visible, other=0.0).to(tl.float32)
-            k = k * k_scale[:, None]
             v = v * v_scale[:, None]
         m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP, PRECISION)
 
@@ -114,12 +125,22 @@ def quantized_decode_attention(
     window: int | None = None,
     tile: int = 32,
     tiles_per_split: int | None = None,
+    *,
+    sinks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    num_sinks: int = 0,
+    channel_block: int | None = None,
+    key_offsets: torch.Tensor | None = None,
+    value_rotation: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of one query per sequence, `q` `[B, H, D]`, over positions `0 .. lengths[b]-1`: those below
-    `quantized` from `codes` (k, v) `[B, Hkv, Sq, Dp]` with `scales` `[B, Hkv, Sq]`, the rest from the ring
-    `recent` (k, v) `[B, Hkv, R, D]` (position p in slot p % R). Returns `[B, H, D]` in q's dtype.
-    `scheme`: "int8", "int4" or "fp4". `tile`: positions a program reads at once; `tiles_per_split`: tiles per
-    program (default: enough splits to give a GPU ~2 programs per SM). Every sequence must have length >= 1."""
+    """Attention of one query per sequence, `q` `[B, H, D]`, over positions `0 .. lengths[b]-1`: the first
+    `num_sinks` exact from `sinks` (k, v) `[B, Hkv, S0, D]`, the next `quantized` from `codes` (k, v)
+    `[B, Hkv, Sq, Dp]` with `scales` (keys `[B, Hkv, Sq]` per row, or `[B, Hkv, Sq / channel_block, D]` per channel
+    over blocks of `channel_block` rows, with `key_offsets` shaped alike added when given; values `[B, Hkv, Sq]`),
+    the rest from the ring `recent` (k, v) `[B, Hkv, R, D]` (stream position p = position - num_sinks in slot
+    p % R). Value rows stored rotated (`v @ H`, `value_rotation` H `[D, D]` symmetric) are rotated back once per
+    split, before the splits combine. Returns `[B, H, D]` in q's dtype. `scheme`: "int8", "int4" or "fp4". `tile`:
+    positions a program reads at once; `tiles_per_split`: tiles per program (default: enough splits to give a GPU
+    ~2 programs per SM). Every sequence must have length >= 1."""
     if scheme not in ("int8", "int4", "fp4"):
         raise ValueError(f"scheme must be 'int8', 'int4' or 'fp4', got {scheme!r}")
     if tile < 16 or tile & (tile - 1):
@@ -131,40 +152,54 @@ def quantized_decode_attention(
     if H % Hkv or k_codes.shape != v_codes.shape or k_recent.shape[-1] != D or q.stride(-1) != 1:
         raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, codes {tuple(k_codes.shape)}, "
                          f"ring {tuple(k_recent.shape)}")
+    if num_sinks and sinks is None:
+        raise ValueError(f"num_sinks={num_sinks} needs the sink tensors")
+    if key_offsets is not None and channel_block is None:
+        raise ValueError("key_offsets centre keys scaled per channel: give channel_block")
     longest = int(lengths.max())
     ring = k_recent.shape[2]
-    if longest > quantized and ring == 0:
-        raise ValueError(f"positions {quantized}..{longest - 1} are not quantized, and the cache keeps no ring")
-    parts = [(0, quantized, scheme), (quantized, longest, "none")]
-    parts = [(a, z, s) for a, z, s in parts if z > a]
+    coded = num_sinks + quantized
+    if longest > coded and ring == 0:
+        raise ValueError(f"positions {coded}..{longest - 1} are not quantized, and the cache keeps no ring")
+    k_scales, v_scales = scales
+    # (start, stop, scheme, tensors, ring slots, first row's position)
+    parts = [(0, min(num_sinks, longest), "none", sinks or recent, 0, 0),
+             (num_sinks, coded, scheme, codes, 0, num_sinks),
+             (coded, longest, "none", recent, ring, num_sinks)]
+    parts = [part for part in parts if part[1] > part[0]]
     if tiles_per_split is None:
         target = 2 * torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
-        tiles = max(_cdiv(z - a, tile) for a, z, _ in parts)
+        tiles = max(_cdiv(part[1] - part[0], tile) for part in parts)
         tiles_per_split = _cdiv(tiles, max(1, min(tiles, _cdiv(target, B * Hkv))))
-    splits = [_cdiv(_cdiv(z - a, tile), tiles_per_split) for a, z, _ in parts]
+    splits = [_cdiv(_cdiv(part[1] - part[0], tile), tiles_per_split) for part in parts]
     acc = torch.empty(B, H, sum(splits), D, dtype=torch.float32, device=q.device)
     m = torch.empty(B, H, sum(splits), dtype=torch.float32, device=q.device)
     l_sum = torch.empty_like(m)
     lengths = lengths.to(torch.int32)
-    k_scales, v_scales = scales
+    offsets = k_scales if key_offsets is None else key_offsets  # a placeholder pointer when there are none
+    ks_row = k_scales.stride(2) if channel_block is not None else 0
     base = 0
-    for (start, stop, kind), count in zip(parts, splits, strict=True):
-        k, v = (k_codes, v_codes) if kind != "none" else (k_recent, v_recent)
+    for (start, stop, kind, (k, v), slots, first_row), count in zip(parts, splits, strict=True):
         _quantized_decode_split[(B, Hkv, count)](
-            q, k, v, k_scales, v_scales, lengths, acc, m, l_sum,
+            q, k, v, k_scales, v_scales, offsets, lengths, acc, m, l_sum,
             q.stride(0), q.stride(1),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
-            k_scales.stride(0), k_scales.stride(1),
+            k_scales.stride(0), k_scales.stride(1), ks_row,
+            v_scales.stride(0), v_scales.stride(1),
             acc.stride(0), acc.stride(1), acc.stride(2),
             m.stride(0), m.stride(1),
-            start, stop, ring if kind == "none" else 0, base,
+            start, stop, slots, first_row, channel_block or 1, base,
             float(scale), float(softcap or 1.0), int(window or 0),
-            SCHEME=SCHEME_CODES[kind], PACKED=kind in ("int4", "fp4"), BLOCK_N=tile,
+            SCHEME=SCHEME_CODES[kind], PACKED=kind in ("int4", "fp4"), CHANNEL=channel_block is not None,
+            HAS_OFFSETS=key_offsets is not None, BLOCK_N=tile,
             HEAD_DIM=D, BLOCK_D=_pow2(D), GROUP=H // Hkv, BLOCK_G=_pow2(H // Hkv), TILES_PER_SPLIT=tiles_per_split,
             HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         )
+        if kind != "none" and value_rotation is not None:
+            # The splits' sums of rotated rows, rotated back (linear, so before the combine's weighting).
+            acc[:, :, base : base + count] = acc[:, :, base : base + count] @ value_rotation.to(acc)
         base += count
     return combine_splits(acc, m, l_sum).to(q.dtype)
 
