@@ -12,7 +12,7 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import infer
@@ -177,13 +177,40 @@ def pool_layouts(draw: st.DrawFn) -> dict[str, Any]:
         "softcap": draw(st.none() | st.just(5.0)),
         "dtype": draw(st.sampled_from([torch.float32, torch.bfloat16])),
         "tiles": draw(st.booleans()),
+        "staged": draw(st.sampled_from([0.0, 0.3, 1.0])),  # the share of older blocks staged too (copy-on-write)
         "seed": draw(st.integers(0, 2**16)),
     }
+
+
+REGISTERED = {"key_scales": "channel", "key_offsets": True, "rotate_values": True, "sink_tokens": 4,
+              "residual_window": 3, "batch": 2, "kv_heads": 2, "heads": 6, "head_dim": 64, "length": 100,
+              "window": None, "softcap": None, "outliers": True, "flavour": "native"}
+
+
+@needs_build
+@pytest.mark.parametrize("tiles", [True, False])
+@pytest.mark.parametrize("block", [32, 5])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "fp4"])
+def test_the_registered_layout_through_both_scoring_paths(scheme: str, block: int, tiles: bool) -> None:
+    """Whatever Hypothesis draws: the 4-bit kinds' layout (offsets, rotated values, sinks, a window) at head_dim 64
+    scored 16 keys at a time and one at a time, blocks that hold whole tiles and blocks that do not."""
+    p = {**REGISTERED, "scheme": scheme, "residual_block": block}
+    reference = filled(p, torch.float32, "dequantize")
+    cache = copy.deepcopy(reference)
+    cache.attention = "native"
+    q, k, v = one_step(p, torch.float32)
+    with mock.patch.dict("os.environ", {"INFER_QATTN_TILES": "1" if tiles else "0"}):
+        out = cache.decode_attention(0, q, k, v, 0.3, None, None)
+    expected = formula(reference, p, q, k, v)
+    assert_close(out, expected, 1e-5 * max(1.0, expected.abs().max().item()), f"{p}")
 
 
 @needs_build
 @settings(max_examples=60, deadline=None)
 @given(p=pool_layouts())
+@example(p={"scheme": "int4", "kv_heads": 2, "heads": 4, "head_dim": 64, "block_size": 32, "lengths": [70, 40],
+            "cut": False, "window": None, "softcap": None, "dtype": torch.bfloat16, "tiles": True, "staged": 1.0,
+            "seed": 1})  # every block exact and two tiles per block: the exact rows' tiles land where they belong
 def test_native_paged_kernel_is_the_gathered_formula(p: dict[str, Any]) -> None:
     """The engine's quantized pool read in place (infer_qattn_paged) against its dequantizing gather, then the
     formula: random codes, scales and offsets in every block, some blocks staged exact, tables in any order and
@@ -197,7 +224,7 @@ def test_native_paged_kernel_is_the_gathered_formula(p: dict[str, Any]) -> None:
     bs, gen = p["block_size"], torch.Generator().manual_seed(p["seed"])
     need = [-(-n // bs) for n in p["lengths"]]
     pool = QuantizedPagedPool(config, scheme=p["scheme"], num_blocks=sum(need) + 2, block_size=bs,
-                              stage_slots=len(need), scratch_slots=1, dtype=p["dtype"], device="cpu")
+                              stage_slots=sum(need), scratch_slots=1, dtype=p["dtype"], device="cpu")
     # Every block filled with codes of random keys (outlier and off-centre channels) and values, as a step would.
     keys = torch.randn(pool.num_blocks, p["kv_heads"], bs, p["head_dim"], generator=gen) * 2
     keys[..., 0] *= 20
@@ -212,11 +239,14 @@ def test_native_paged_kernel_is_the_gathered_formula(p: dict[str, Any]) -> None:
     pool.v_persistent[0].copy_(torch.randn(pool.v_persistent[0].shape, generator=gen))
     order = torch.randperm(pool.num_blocks, generator=gen).tolist()
     tables, starts, used = [], [], 0
+    stage = torch.rand(sum(need), generator=gen) < p["staged"]
     for b, n in enumerate(p["lengths"]):
         first = (n - 1) // bs // 2 if p["cut"] else 0  # the table starts at this block of the sequence
-        blocks = order[used : used + need[b]][first:]
+        blocks = order[used : used + need[b]]
+        # The newest block staged (exact), as in every step; older ones too where drawn (slot = table index).
+        blocks = [pool.num_blocks + used + j if j == need[b] - 1 or stage[used + j] else block
+                  for j, block in enumerate(blocks)][first:]
         used += need[b]
-        blocks[-1] = pool.num_blocks + b  # the newest block staged, exact
         tables.append(blocks)
         starts.append(first * bs)
     nb = max(len(t) for t in tables)
