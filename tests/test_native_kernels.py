@@ -67,6 +67,21 @@ def test_every_path_computes_the_product(flavour: str, dtype: torch.dtype, n: in
 
 
 @needs_build
+@needs_build
+@pytest.mark.parametrize("k", [1, 15, 17, 31, 33, 47, 63, 65, 300])
+@pytest.mark.parametrize("flavour", FLAVOURS_HERE or ["native"])
+def test_the_last_value_of_every_row_is_summed(flavour: str, k: int) -> None:
+    """Each path's tail past its last whole vector: only the last value of x is non-zero, so a dropped tail
+    element gives 0 where the product is each row's last weight (the random test can miss it under rounding)."""
+    kernels = native_kernels(flavour)
+    assert kernels is not None
+    for dtype in kernels.dtypes:
+        w = torch.arange(1, 5 * k + 1, dtype=torch.float32).view(5, k).to(dtype)
+        x = torch.zeros(k, dtype=dtype)
+        x[-1] = 1
+        assert torch.equal(kernels.gemv(w, x).float(), w[:, -1].float()), f"{flavour} {dtype} k={k}"
+
+
 @settings(max_examples=20, deadline=None)
 @given(dtype=st.sampled_from([torch.float32, torch.bfloat16]), n=st.integers(2, 90), k=st.integers(1, 200),
        cut=st.integers(1, 89), seed=st.integers(0, 2**16))
