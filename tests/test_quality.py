@@ -50,8 +50,8 @@ def test_exact_kinds_measure_exact_and_lossy_ones_do_not() -> None:
     for kind in ("contiguous", "paged", "sliding"):
         assert rows[kind].top1_agreement == 1.0 and rows[kind].max_logit_error == 0.0, kind
         assert rows[kind].perplexity_ratio == 1.0, kind
-    # At 64 tokens the exact sinks and the newest, unfilled block are much of an int4 cache; at 4k they are not.
-    assert rows["int4"].max_logit_error > 0 and rows["int4"].bytes_ratio < 0.7
+    # At 64 tokens the exact sinks and the ring (16-46 newest tokens) are most of an int4 cache; at 4k they are not.
+    assert rows["int4"].max_logit_error > 0 and rows["int4"].bytes_ratio < 0.9
     assert rows["int4"].steps == 64 - 8
     exact, int4 = (create_cache(kind, model.config, max_seq_len=4096, dtype=torch.bfloat16).memory_bytes
                    for kind in ("contiguous", "int4"))
