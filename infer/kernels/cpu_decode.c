@@ -572,6 +572,177 @@ static inline qv16 exp16_nonpositive(qv16 x) {
     return p * (qv16)((ki + 127) << 23);
 }
 
+/* This block's channel scales `s` folded into the queries (`s` NULL: keys scaled per row, q as is) and, keys being
+ * codes * scales + offsets `o`, q . offsets, the same for the block's every key, into qo; qp: qs permuted (fast). */
+static inline void fold_key_scales(int scheme, int fast, const float *qf, const uint16_t *s, const uint16_t *o,
+                                   float *qs, float *qp, float *qo, int64_t groups, int64_t d) {
+    for (int64_t g = 0; g < groups; g++) {
+        qo[g] = 0.f;
+        if (o)
+            for (int64_t i = 0; i < d; i++) qo[g] += qf[g * d + i] * bf16_to_f32(o[i]);
+        for (int64_t i = 0; i < d; i++) qs[g * d + i] = s ? qf[g * d + i] * bf16_to_f32(s[i]) : qf[g * d + i];
+        if (fast) permute(scheme, qs + g * d, qp + g * d, d);
+    }
+}
+
+/* A code row decoded into `row`: in the permuted order on the fast path, else natural. */
+static inline void decode_row(int scheme, int fast, const uint8_t *codes, float *row, int64_t d) {
+    if (fast) {
+        qv16 *rv = (qv16 *)row;
+        for (int64_t c = 0; c < d / 32; c++) widen(scheme, codes, c, rv + 2 * c, rv + 2 * c + 1);
+    } else {
+        decode_codes(scheme, codes, row, d);
+    }
+}
+
+/* Score one code row with row scale rs for every query head: sc[g * n + t]. */
+static inline void score_code_row(int scheme, int fast, const uint8_t *codes, const float *qp, const float *qs,
+                                  const float *qo, float rs, float *row, float *sc, int64_t groups, int64_t n,
+                                  int64_t t, int64_t d) {
+    decode_row(scheme, fast, codes, row, d);
+    for (int64_t g = 0; g < groups; g++) {
+        if (fast) {
+            const qv16 *qv = (const qv16 *)(qp + g * d), *rv = (const qv16 *)row;
+            qv16 a = {0};
+            for (int64_t c = 0; c < d / 16; c++) a += qv[c] * rv[c];
+            sc[g * n + t] = hsum16(a) * rs + qo[g];
+        } else {
+            sc[g * n + t] = dot_f32(qs + g * d, row, d) * rs + qo[g];
+        }
+    }
+}
+
+/* Score 16 consecutive code rows at once (fast path; `rscale` their 16 row scales, or NULL for channel-scaled
+ * keys): decoded into `tile`, summed by sum16x16. */
+static inline void score_code_tile(int scheme, int64_t dp, const uint8_t *codes, const float *qp, const float *qo,
+                                   const uint16_t *rscale, float *tile, float *sc, int64_t groups, int64_t n,
+                                   int64_t t, int64_t d) {
+    qv16 *tv = (qv16 *)tile, rsv;
+    for (int j = 0; j < 16; j++) {
+        for (int64_t c = 0; c < d / 32; c++)
+            widen(scheme, codes + j * dp, c, tv + j * (d / 16) + 2 * c, tv + j * (d / 16) + 2 * c + 1);
+        rsv[j] = rscale ? bf16_to_f32(rscale[j]) : 1.f;
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        const qv16 *qv = (const qv16 *)(qp + g * d);
+        qv16 a[16];
+        for (int j = 0; j < 16; j++) {
+            a[j] = qv[0] * tv[j * (d / 16)];
+            for (int64_t c = 1; c < d / 16; c++) a[j] += qv[c] * tv[j * (d / 16) + c];
+        }
+        qv16 scores = sum16x16(a) * rsv + qo[g];
+        memcpy(sc + g * n + t, &scores, 64);
+    }
+}
+
+typedef uint16_t qu16x16 __attribute__((vector_size(32)));
+
+/* An exact row of d values (fp32, bf16 or fp16) as fp32, 16 lanes at a time where the dtype allows (bf16 is fp32's
+ * upper half: a zero extension and a shift). */
+static inline void load_row(int dtype, const char *src, float *out, int64_t d) {
+    if (dtype == F32) {
+        memcpy(out, src, sizeof(float) * (size_t)d);
+    } else if (dtype == BF16 && d % 16 == 0) {
+        for (int64_t c = 0; c < d / 16; c++) {
+            qu16x16 h;
+            memcpy(&h, src + 32 * c, 32);
+            qi32x16 w = (qi32x16)__builtin_convertvector(h, qi32x16) << 16;
+            memcpy(out + 16 * c, &w, 64);
+        }
+    } else {
+        for (int64_t i = 0; i < d; i++) out[i] = load_scalar(dtype, src, i);
+    }
+}
+
+/* Score 16 consecutive exact rows at once (d a multiple of 16): loaded into `tile`, summed by sum16x16. */
+static inline void score_exact_tile(int dtype, const char *rows, int64_t esize, const float *qf, float *tile,
+                                    float *sc, int64_t groups, int64_t n, int64_t t, int64_t d) {
+    const qv16 *tv = (const qv16 *)tile;
+    for (int j = 0; j < 16; j++) load_row(dtype, rows + j * d * esize, tile + j * d, d);
+    for (int64_t g = 0; g < groups; g++) {
+        const qv16 *qv = (const qv16 *)(qf + g * d);
+        qv16 a[16];
+        for (int j = 0; j < 16; j++) {
+            a[j] = qv[0] * tv[j * (d / 16)];
+            for (int64_t c = 1; c < d / 16; c++) a[j] += qv[c] * tv[j * (d / 16) + c];
+        }
+        qv16 scores = sum16x16(a);
+        memcpy(sc + g * n + t, &scores, 64);
+    }
+}
+
+/* Each query head's scores turned into probabilities in place, with the softcap and the sliding window: key t sits
+ * at position t (t < split) or t + gap (the rest), the query at qpos. */
+static void softmax_heads(float *sc, int64_t groups, int64_t n, int64_t split, int64_t gap, int64_t qpos,
+                          float softcap, int64_t window) {
+    for (int64_t g = 0; g < groups; g++) {
+        float *s = sc + g * n, top = -INFINITY, sum = 0.f;
+        for (int64_t t = 0; t < n; t++) {
+            int64_t pos = t < split ? t : t + gap;
+            if (softcap > 0.f) s[t] = softcap * tanhf(s[t] / softcap);
+            if (window > 0 && pos <= qpos - window) s[t] = -INFINITY;
+            if (s[t] > top) top = s[t];
+        }
+        int64_t t = 0;
+        for (; t + 16 <= n; t += 16) {
+            qv16 v;
+            memcpy(&v, s + t, 64);
+            qv16 e = exp16_nonpositive(v - top);
+            e = select16(v > -INFINITY, e, (qv16){0});
+            memcpy(s + t, &e, 64);
+        }
+        for (; t < n; t++) s[t] = s[t] > -INFINITY ? exp_nonpositive(s[t] - top) : 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < n; t++) sum += s[t];
+        float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < n; t++) s[t] *= inv;
+    }
+}
+
+/* One value row into every query head's sum with weight sc[g * n + t] * rs: code rows into accp (in the permuted
+ * order on the fast path), exact rows into acc. */
+static inline void add_value_row(int coded, int fast, const float *row, const float *sc, float rs, float *acc,
+                                 float *accp, int64_t groups, int64_t n, int64_t t, int64_t d) {
+    for (int64_t g = 0; g < groups; g++) {
+        float w = sc[g * n + t] * rs;
+        if (w == 0.f) continue;
+        if (coded && fast) {
+            qv16 *a = (qv16 *)(accp + g * d);
+            const qv16 *rv = (const qv16 *)row;
+            for (int64_t c = 0; c < d / 16; c++) a[c] += w * rv[c];
+        } else {
+            float *a = (coded ? accp : acc) + g * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++) a[i] += w * row[i];
+        }
+    }
+}
+
+/* The query heads' outputs, heads first .. first + groups - 1 of `out`: the code rows' sums back in the natural
+ * order (fast path, through `row`) and rotated back (v_rot), added to the exact rows' sums, stored. */
+static void finish_heads(int dtype, int scheme, int fast, const float *v_rot, const float *accp, float *acc,
+                         float *row, int64_t groups, int64_t d, void *out, int64_t first) {
+    for (int64_t g = 0; g < groups; g++) {
+        const float *code_sum = accp + g * d;
+        if (fast) {
+            memset(row, 0, sizeof(float) * (size_t)d);
+            unpermute_add(scheme, accp + g * d, row, d);
+            code_sum = row;
+        }
+        if (v_rot) /* stored rows were v @ H: the sum of decoded rows times H (symmetric) */
+            for (int64_t j = 0; j < d; j++) {
+                float x = code_sum[j];
+                if (x == 0.f) continue;
+#pragma omp simd
+                for (int64_t i = 0; i < d; i++) acc[g * d + i] += x * v_rot[j * d + i];
+            }
+        else
+            for (int64_t i = 0; i < d; i++) acc[g * d + i] += code_sum[i];
+        for (int64_t i = 0; i < d; i++) store_scalar(dtype, out, (first + g) * d + i, acc[g * d + i]);
+    }
+}
+
 /* INFER_QATTN_TILES=0 scores one key at a time (the plain path, kept as the tiles' check). */
 static int qattn_tiles(void) {
     const char *v = getenv("INFER_QATTN_TILES");
@@ -620,54 +791,19 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
             }
             for (int64_t t = 0; t < nq; t++) {
                 int new_block = channel_keys ? t % block == 0 : t == 0;
-                /* 16 keys of one block at once: decoded into a tile, scored per query head, summed by sum16x16 */
-                int whole_tile = fast && tiles && t + 16 <= nq && (!channel_keys || t % block + 16 <= block);
-                if (new_block) { /* this block's channel scales folded into the queries (row scales: q as is) */
-                    const uint16_t *s = k_scale + (bh * scale_rows + t / block) * d;
-                    /* keys = codes * scales + offsets: q . offsets is the same for the block's every key */
-                    const uint16_t *o = k_offset ? k_offset + (bh * scale_rows + t / block) * d : 0;
-                    for (int64_t g = 0; g < groups; g++) {
-                        qo[g] = 0.f;
-                        if (o)
-                            for (int64_t i = 0; i < d; i++) qo[g] += qf[g * d + i] * bf16_to_f32(o[i]);
-                        for (int64_t i = 0; i < d; i++)
-                            qs[g * d + i] = channel_keys ? qf[g * d + i] * bf16_to_f32(s[i]) : qf[g * d + i];
-                        if (fast) permute(scheme, qs + g * d, qp + g * d, d);
-                    }
-                }
+                if (new_block)
+                    fold_key_scales(scheme, fast, qf, channel_keys ? k_scale + (bh * scale_rows + t / block) * d : 0,
+                                    k_offset ? k_offset + (bh * scale_rows + t / block) * d : 0, qs, qp, qo, groups,
+                                    d);
                 const uint8_t *codes = kc + t * dp;
-                float rs = channel_keys ? 1.f : bf16_to_f32(k_scale[bh * nq_cap + t]);
-                if (whole_tile) {
-                    qv16 *tv = (qv16 *)tile, rsv;
-                    for (int j = 0; j < 16; j++) {
-                        for (int64_t c = 0; c < d / 32; c++)
-                            widen(scheme, codes + j * dp, c, tv + j * (d / 16) + 2 * c, tv + j * (d / 16) + 2 * c + 1);
-                        rsv[j] = channel_keys ? 1.f : bf16_to_f32(k_scale[bh * nq_cap + t + j]);
-                    }
-                    for (int64_t g = 0; g < groups; g++) {
-                        const qv16 *qv = (const qv16 *)(qp + g * d);
-                        qv16 a[16];
-                        for (int j = 0; j < 16; j++) {
-                            a[j] = qv[0] * tv[j * (d / 16)];
-                            for (int64_t c = 1; c < d / 16; c++) a[j] += qv[c] * tv[j * (d / 16) + c];
-                        }
-                        qv16 scores = sum16x16(a) * rsv + qo[g];
-                        memcpy(sc + g * n + ns + t, &scores, 64);
-                    }
+                const uint16_t *rscale = channel_keys ? 0 : k_scale + bh * nq_cap + t;
+                /* 16 keys of one block at once where they fit */
+                if (fast && tiles && t + 16 <= nq && (!channel_keys || t % block + 16 <= block)) {
+                    score_code_tile(scheme, dp, codes, qp, qo, rscale, tile, sc, groups, n, ns + t, d);
                     t += 15;
-                } else if (fast) {
-                    qv16 *rv = (qv16 *)row;
-                    for (int64_t c = 0; c < d / 32; c++) widen(scheme, codes, c, rv + 2 * c, rv + 2 * c + 1);
-                    for (int64_t g = 0; g < groups; g++) {
-                        const qv16 *qv = (const qv16 *)(qp + g * d);
-                        qv16 a = {0};
-                        for (int64_t c = 0; c < d / 16; c++) a += qv[c] * rv[c];
-                        sc[g * n + ns + t] = hsum16(a) * rs + qo[g];
-                    }
                 } else {
-                    decode_codes(scheme, codes, row, d);
-                    for (int64_t g = 0; g < groups; g++)
-                        sc[g * n + ns + t] = dot_f32(qs + g * d, row, d) * rs + qo[g];
+                    score_code_row(scheme, fast, codes, qp, qs, qo, rscale ? bf16_to_f32(*rscale) : 1.f, row, sc,
+                                   groups, n, ns + t, d);
                 }
             }
             for (int64_t t = 0; t < nr; t++) {
@@ -675,31 +811,9 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
                 for (int64_t i = 0; i < d; i++) row[i] = load_scalar(dtype, kr, slot * d + i);
                 for (int64_t g = 0; g < groups; g++) sc[g * n + ns + nq + t] = dot_f32(qf + g * d, row, d);
             }
-            /* softmax per query head, with the window and the softcap */
-            for (int64_t g = 0; g < groups; g++) {
-                float *s = sc + g * n, top = -INFINITY, sum = 0.f;
-                for (int64_t t = 0; t < n; t++) {
-                    int64_t pos = t < ns ? t : ns_cap + (t - ns);
-                    if (softcap > 0.f) s[t] = softcap * tanhf(s[t] / softcap);
-                    if (window > 0 && pos <= qpos - window) s[t] = -INFINITY;
-                    if (s[t] > top) top = s[t];
-                }
-                int64_t t = 0;
-                for (; t + 16 <= n; t += 16) {
-                    qv16 v;
-                    memcpy(&v, s + t, 64);
-                    qv16 e = exp16_nonpositive(v - top);
-                    e = select16(v > -INFINITY, e, (qv16){0});
-                    memcpy(s + t, &e, 64);
-                }
-                for (; t < n; t++) s[t] = s[t] > -INFINITY ? exp_nonpositive(s[t] - top) : 0.f;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t t = 0; t < n; t++) sum += s[t];
-                float inv = 1.0f / sum;
-#pragma omp simd
-                for (int64_t t = 0; t < n; t++) s[t] *= inv;
-            }
-            /* values: exact rows into acc, code rows into accp (the permuted order on the fast path) */
+            /* key t: position t for the sinks, then ns_cap + (t - ns) */
+            softmax_heads(sc, groups, n, ns, ns_cap - ns, qpos, softcap, window);
+            /* values: exact rows into acc, code rows into accp */
             memset(acc, 0, sizeof(float) * (size_t)(groups * d));
             memset(accp, 0, sizeof(float) * (size_t)(groups * d));
             const char *vs = (const char *)v_sink + bh * ns_cap * d * esize;
@@ -709,128 +823,20 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
                 int coded = t >= ns && t < ns + nq;
                 if (t < ns) {
                     for (int64_t i = 0; i < d; i++) row[i] = load_scalar(dtype, vs, t * d + i);
-                } else if (coded && fast) {
-                    qv16 *rv = (qv16 *)row;
-                    for (int64_t c = 0; c < d / 32; c++)
-                        widen(scheme, vc + (t - ns) * dp, c, rv + 2 * c, rv + 2 * c + 1);
                 } else if (coded) {
-                    decode_codes(scheme, vc + (t - ns) * dp, row, d);
+                    decode_row(scheme, fast, vc + (t - ns) * dp, row, d);
                 } else {
                     int64_t slot = (t - ns) % ring;
                     for (int64_t i = 0; i < d; i++) row[i] = load_scalar(dtype, vr, slot * d + i);
                 }
                 float rs = coded ? bf16_to_f32(v_scale[bh * nq_cap + (t - ns)]) : 1.f;
-                for (int64_t g = 0; g < groups; g++) {
-                    float w = sc[g * n + t] * rs;
-                    if (w == 0.f) continue;
-                    if (coded && fast) {
-                        qv16 *a = (qv16 *)(accp + g * d);
-                        const qv16 *rv = (const qv16 *)row;
-                        for (int64_t c = 0; c < d / 16; c++) a[c] += w * rv[c];
-                    } else {
-                        float *a = (coded ? accp : acc) + g * d;
-#pragma omp simd
-                        for (int64_t i = 0; i < d; i++) a[i] += w * row[i];
-                    }
-                }
+                add_value_row(coded, fast, row, sc, rs, acc, accp, groups, n, t, d);
             }
-            for (int64_t g = 0; g < groups; g++) {
-                float *code_sum = accp + g * d;
-                if (fast) { /* back to the natural order, in row (free now) */
-                    memset(row, 0, sizeof(float) * (size_t)d);
-                    unpermute_add(scheme, accp + g * d, row, d);
-                    code_sum = row;
-                }
-                if (v_rot) /* stored rows were v @ H: the sum of decoded rows times H (symmetric) */
-                    for (int64_t j = 0; j < d; j++) {
-                        float x = code_sum[j];
-                        if (x == 0.f) continue;
-#pragma omp simd
-                        for (int64_t i = 0; i < d; i++) acc[g * d + i] += x * v_rot[j * d + i];
-                    }
-                else
-                    for (int64_t i = 0; i < d; i++) acc[g * d + i] += code_sum[i];
-                for (int64_t i = 0; i < d; i++)
-                    store_scalar(dtype, out, ((b * heads) + bh % kv_heads * groups + g) * d + i, acc[g * d + i]);
-            }
+            finish_heads(dtype, scheme, fast, v_rot, accp, acc, row, groups, d, out, b * heads + bh % kv_heads * groups);
         }
         free(buf);
     }
     return failed ? -1 : 0;
-}
-
-/* Score one code row (fast path: permuted queries qp) for every query head: sc[g * n + t]. */
-static inline void score_code_row(int scheme, int fast, const uint8_t *codes, const float *qp, const float *qs,
-                                  const float *qo, float *row, float *sc, int64_t groups, int64_t n, int64_t t,
-                                  int64_t d) {
-    if (fast) {
-        qv16 *rv = (qv16 *)row;
-        for (int64_t c = 0; c < d / 32; c++) widen(scheme, codes, c, rv + 2 * c, rv + 2 * c + 1);
-        for (int64_t g = 0; g < groups; g++) {
-            const qv16 *qv = (const qv16 *)(qp + g * d);
-            qv16 a = {0};
-            for (int64_t c = 0; c < d / 16; c++) a += qv[c] * rv[c];
-            sc[g * n + t] = hsum16(a) + qo[g];
-        }
-    } else {
-        decode_codes(scheme, codes, row, d);
-        for (int64_t g = 0; g < groups; g++) sc[g * n + t] = dot_f32(qs + g * d, row, d) + qo[g];
-    }
-}
-
-/* Score 16 consecutive code rows of one block at once (fast path): decoded into `tile`, summed by sum16x16. */
-static inline void score_code_tile(int scheme, int64_t dp, const uint8_t *codes, const float *qp, const float *qo,
-                                   float *tile, float *sc, int64_t groups, int64_t n, int64_t t, int64_t d) {
-    qv16 *tv = (qv16 *)tile;
-    for (int j = 0; j < 16; j++)
-        for (int64_t c = 0; c < d / 32; c++)
-            widen(scheme, codes + j * dp, c, tv + j * (d / 16) + 2 * c, tv + j * (d / 16) + 2 * c + 1);
-    for (int64_t g = 0; g < groups; g++) {
-        const qv16 *qv = (const qv16 *)(qp + g * d);
-        qv16 a[16];
-        for (int j = 0; j < 16; j++) {
-            a[j] = qv[0] * tv[j * (d / 16)];
-            for (int64_t c = 1; c < d / 16; c++) a[j] += qv[c] * tv[j * (d / 16) + c];
-        }
-        qv16 scores = sum16x16(a) + qo[g];
-        memcpy(sc + g * n + t, &scores, 64);
-    }
-}
-
-typedef uint16_t qu16x16 __attribute__((vector_size(32)));
-
-/* An exact row of d values (fp32, bf16 or fp16) as fp32, 16 lanes at a time where the dtype allows (bf16 is fp32's
- * upper half: a zero extension and a shift). */
-static inline void load_row(int dtype, const char *src, float *out, int64_t d) {
-    if (dtype == F32) {
-        memcpy(out, src, sizeof(float) * (size_t)d);
-    } else if (dtype == BF16 && d % 16 == 0) {
-        for (int64_t c = 0; c < d / 16; c++) {
-            qu16x16 h;
-            memcpy(&h, src + 32 * c, 32);
-            qi32x16 w = (qi32x16)__builtin_convertvector(h, qi32x16) << 16;
-            memcpy(out + 16 * c, &w, 64);
-        }
-    } else {
-        for (int64_t i = 0; i < d; i++) out[i] = load_scalar(dtype, src, i);
-    }
-}
-
-/* Score 16 consecutive exact rows at once (d a multiple of 16): loaded into `tile`, summed by sum16x16. */
-static inline void score_exact_tile(int dtype, const char *rows, int64_t esize, const float *qf, float *tile,
-                                    float *sc, int64_t groups, int64_t n, int64_t t, int64_t d) {
-    const qv16 *tv = (const qv16 *)tile;
-    for (int j = 0; j < 16; j++) load_row(dtype, rows + j * d * esize, tile + j * d, d);
-    for (int64_t g = 0; g < groups; g++) {
-        const qv16 *qv = (const qv16 *)(qf + g * d);
-        qv16 a[16];
-        for (int j = 0; j < 16; j++) {
-            a[j] = qv[0] * tv[j * (d / 16)];
-            for (int64_t c = 1; c < d / 16; c++) a[j] += qv[c] * tv[j * (d / 16) + c];
-        }
-        qv16 scores = sum16x16(a);
-        memcpy(sc + g * n + t, &scores, 64);
-    }
 }
 
 /* The engine's quantized pool (infer/cache/paged_quantized.py), one-token queries of B sequences read through
@@ -883,45 +889,17 @@ int infer_qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_cod
                     }
                     continue;
                 }
-                const uint16_t *s = k_scale + (id * kv_heads + h) * d;
-                const uint16_t *o = k_offset ? k_offset + (id * kv_heads + h) * d : 0;
-                for (int64_t g = 0; g < groups; g++) { /* channel scales folded into the queries */
-                    qo[g] = 0.f;
-                    for (int64_t i = 0; i < d; i++) {
-                        qs[g * d + i] = qf[g * d + i] * bf16_to_f32(s[i]);
-                        if (o) qo[g] += qf[g * d + i] * bf16_to_f32(o[i]);
-                    }
-                    if (fast) permute(scheme, qs + g * d, qp + g * d, d);
-                }
+                fold_key_scales(scheme, fast, qf, k_scale + (id * kv_heads + h) * d,
+                                k_offset ? k_offset + (id * kv_heads + h) * d : 0, qs, qp, qo, groups, d);
                 const uint8_t *codes = k_codes + (id * kv_heads + h) * bs * dp;
                 int64_t r = 0;
                 if (fast && tiles)
                     for (; r + 16 <= rows; r += 16)
-                        score_code_tile(scheme, dp, codes + r * dp, qp, qo, tile, sc, groups, n, t0 + r, d);
+                        score_code_tile(scheme, dp, codes + r * dp, qp, qo, 0, tile, sc, groups, n, t0 + r, d);
                 for (; r < rows; r++)
-                    score_code_row(scheme, fast, codes + r * dp, qp, qs, qo, row, sc, groups, n, t0 + r, d);
+                    score_code_row(scheme, fast, codes + r * dp, qp, qs, qo, 1.f, row, sc, groups, n, t0 + r, d);
             }
-            /* softmax per query head, with the window and the softcap */
-            for (int64_t g = 0; g < groups; g++) {
-                float *sg = sc + g * n, top = -INFINITY, sum = 0.f;
-                for (int64_t t = 0; t < n; t++) {
-                    if (softcap > 0.f) sg[t] = softcap * tanhf(sg[t] / softcap);
-                    if (window > 0 && starts[b] + t <= qpos - window) sg[t] = -INFINITY;
-                    if (sg[t] > top) top = sg[t];
-                }
-                int64_t t = 0;
-                for (; t + 16 <= n; t += 16) {
-                    qv16 v;
-                    memcpy(&v, sg + t, 64);
-                    qv16 e = exp16_nonpositive(v - top);
-                    e = select16(v > -INFINITY, e, (qv16){0});
-                    memcpy(sg + t, &e, 64);
-                }
-                for (; t < n; t++) sg[t] = sg[t] > -INFINITY ? exp_nonpositive(sg[t] - top) : 0.f;
-                for (t = 0; t < n; t++) sum += sg[t];
-                float inv = 1.0f / sum;
-                for (t = 0; t < n; t++) sg[t] *= inv;
-            }
+            softmax_heads(sc, groups, n, 0, starts[b], qpos, softcap, window); /* key t at position starts[b] + t */
             /* values: exact rows into acc, code rows into accp */
             memset(acc, 0, sizeof(float) * (size_t)(groups * d));
             memset(accp, 0, sizeof(float) * (size_t)(groups * d));
@@ -931,52 +909,16 @@ int infer_qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_cod
                 const char *vs = coded ? 0 : (const char *)v_stage + ((id - num_blocks) * kv_heads + h) * bs * d * esize;
                 for (int64_t r = 0; r < rows; r++) {
                     float rs = 1.f;
-                    if (!coded) {
-                        load_row(dtype, vs + r * d * esize, row, d);
-                    } else {
-                        const uint8_t *codes = v_codes + ((id * kv_heads + h) * bs + r) * dp;
+                    if (coded) {
+                        decode_row(scheme, fast, v_codes + ((id * kv_heads + h) * bs + r) * dp, row, d);
                         rs = bf16_to_f32(v_scale[(id * kv_heads + h) * bs + r]);
-                        if (fast) {
-                            qv16 *rv = (qv16 *)row;
-                            for (int64_t c = 0; c < d / 32; c++) widen(scheme, codes, c, rv + 2 * c, rv + 2 * c + 1);
-                        } else {
-                            decode_codes(scheme, codes, row, d);
-                        }
+                    } else {
+                        load_row(dtype, vs + r * d * esize, row, d);
                     }
-                    for (int64_t g = 0; g < groups; g++) {
-                        float w = sc[g * n + t0 + r] * rs;
-                        if (w == 0.f) continue;
-                        if (coded && fast) {
-                            qv16 *a = (qv16 *)(accp + g * d);
-                            const qv16 *rv = (const qv16 *)row;
-                            for (int64_t c = 0; c < d / 16; c++) a[c] += w * rv[c];
-                        } else {
-                            float *a = (coded ? accp : acc) + g * d;
-#pragma omp simd
-                            for (int64_t i = 0; i < d; i++) a[i] += w * row[i];
-                        }
-                    }
+                    add_value_row(coded, fast, row, sc, rs, acc, accp, groups, n, t0 + r, d);
                 }
             }
-            for (int64_t g = 0; g < groups; g++) {
-                float *code_sum = accp + g * d;
-                if (fast) {
-                    memset(row, 0, sizeof(float) * (size_t)d);
-                    unpermute_add(scheme, accp + g * d, row, d);
-                    code_sum = row;
-                }
-                if (v_rot)
-                    for (int64_t jj = 0; jj < d; jj++) {
-                        float x = code_sum[jj];
-                        if (x == 0.f) continue;
-#pragma omp simd
-                        for (int64_t i = 0; i < d; i++) acc[g * d + i] += x * v_rot[jj * d + i];
-                    }
-                else
-                    for (int64_t i = 0; i < d; i++) acc[g * d + i] += code_sum[i];
-                for (int64_t i = 0; i < d; i++)
-                    store_scalar(dtype, out, ((b * heads) + h * groups + g) * d + i, acc[g * d + i]);
-            }
+            finish_heads(dtype, scheme, fast, v_rot, accp, acc, row, groups, d, out, b * heads + h * groups);
         }
         free(buf);
     }
