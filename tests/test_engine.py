@@ -203,3 +203,7 @@ def test_decode_attention_choice_is_validated(llama: tuple, monkeypatch: pytest.
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # a CPU without the interpreter cannot run Triton
         with pytest.raises(ValueError, match="decode_attention='triton' needs Triton"):
             Engine(model, tok, num_blocks=8, decode_attention="triton")
+        # The in-place native kernel needs its build: without one the choice is refused by name.
+        monkeypatch.setattr("infer.tuning.native_kernels", lambda *args: None)
+        with pytest.raises(ValueError, match="decode_attention='native' runs on the CPU with the native kernels"):
+            Engine(model, tok, num_blocks=8, decode_attention="native")
