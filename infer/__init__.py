@@ -12,6 +12,7 @@ from infer.generation import GenerationResult, generate, snapshot_prefix, stream
 from infer.loader import load_model
 from infer.models import Transformer
 from infer.sampling import SamplingParams
+from infer.save_quantized import save_quantized
 from infer.tokenizer import Tokenizer
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "generate",
     "load_model",
     "register_cache_kind",
+    "save_quantized",
     "snapshot_prefix",
     "stream_generate",
 ]

@@ -100,9 +100,10 @@ def measure_read_bandwidth(device: torch.device, nbytes: int | None = None,
 def decode_bytes_per_step(model: torch.nn.Module, config: ModelConfig, context: int, kv_bytes_per_elem: int) -> int:
     """Bytes one decode step reads: every weight once (the embedding only as the tied LM head), plus
     K and V of `context` positions in every layer (sliding layers at most their window)."""
-    weights = sum(p.nbytes for name, p in model.named_parameters() if not name.startswith("embed_tokens"))
+    stored = [*model.named_parameters(), *model.named_buffers()]  # a quantized model's codes are buffers
+    weights = sum(p.nbytes for name, p in stored if not name.startswith("embed_tokens"))
     if config.tie_word_embeddings:
-        weights += model.get_parameter("embed_tokens.weight").nbytes
+        weights += sum(p.nbytes for name, p in stored if name.startswith("embed_tokens"))
     kv = 0
     for layer in range(config.num_hidden_layers):
         seen = min(context, config.sliding_window or context) if config.is_sliding(layer) else context
@@ -315,7 +316,7 @@ def cache_kind_table(
     from infer.cache import create_cache
 
     config = model.config
-    weight = model.embed_tokens.weight
+    weight = model.norm.weight  # the activations' dtype and device
     rows: list[dict[str, float | str]] = []
     for context in contexts:
         ids = torch.randint(0, config.vocab_size, (1, context), generator=torch.Generator().manual_seed(seed))

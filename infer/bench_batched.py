@@ -148,8 +148,7 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
     config = model.config
     work = batched_workload(config.vocab_size, num_requests=args.requests, prompt_lens=args.batched_prompt_lens,
                             new_tokens=args.batched_new_tokens, shared_prefix=args.shared_prefix, seed=args.seed)
-    dtype = model.embed_tokens.weight.dtype
-    device = model.embed_tokens.weight.device
+    dtype, device = model.dtype, model.device
     engine_args = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens", "decode_attention",
                                                           "num_blocks", "cache_memory")
                    if getattr(args, name) is not None}  # unset: the Engine's own defaults

@@ -31,6 +31,11 @@ def add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
                         " them)")
     p.add_argument("--no-native-ops", action="store_true",
                    help="run a one-token step's norms, rotations and activation as PyTorch ops, not native calls")
+    p.add_argument("--weights", default="auto", choices=["auto", "int8", "int4", "stored", "dense"],
+                   help="storage of the projections: int8 / int4 quantize at load, stored keeps a GGUF file's or a "
+                        "quantized checkpoint's codes, dense dequantizes (auto: stored where the file is quantized)")
+    p.add_argument("--group-size", type=int, default=32, choices=[32, 64, 128],
+                   help="inputs per scale of --weights int4")
     p.add_argument("--seed", type=int, default=None, help="random seed")
 
 
@@ -70,7 +75,9 @@ def load_with_args(path: Path, args: argparse.Namespace) -> Transformer:
     """The model as the shared options ask (`generate` and `bench` load it the same way)."""
     from infer.loader import load_model
 
+    weights = getattr(args, "weights", "auto")
     model = load_model(path, dtype=args.dtype, device=args.device, compute_dtype=args.compute_dtype,
-                       decode_gemv=args.decode_gemv, huge_pages=not args.no_huge_pages)
+                       decode_gemv=args.decode_gemv, huge_pages=not args.no_huge_pages,
+                       weights="stored" if weights == "auto" else weights, group_size=getattr(args, "group_size", 32))
     model.native_ops = not args.no_native_ops
     return model

@@ -122,12 +122,11 @@ class Engine:
             raise TypeError(f"decode_graphs must be True, False or None (auto), got {decode_graphs!r}")
         self.model = model
         self.tokenizer = tokenizer
-        weight = model.embed_tokens.weight
-        self.device = weight.device
+        self.device = model.device
         config = model.config
         # The decode steps of a forward attend in one padded call, by the kernel measured fastest here
         # ("per-sequence": one call each, the check).
-        self.decode_attention = choose_decode_attention(config, weight.dtype, self.device, decode_attention).value
+        self.decode_attention = choose_decode_attention(config, model.dtype, self.device, decode_attention).value
         # A quantized pool (kv_cache_dtype "int8" | "int4" | "fp4") is read by dequantizing gathers: not by the
         # Triton paged kernel, nor at a graph's static shapes (its staging is planned per step on the host).
         if kv_cache_dtype is not None:
@@ -148,7 +147,7 @@ class Engine:
         # is bounded by window + chunk, not by the context. Their rings hold no shareable prefix, so prefix
         # caching is off for such models (a prefix hit would skip computing K/V the rings need).
         self.storage = BatchStorage.allocate(
-            config, windows, dtype=weight.dtype, device=self.device, block_size=block_size, num_blocks=num_blocks,
+            config, windows, dtype=model.dtype, device=self.device, block_size=block_size, num_blocks=num_blocks,
             cache_memory=cache_memory, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             bound_sliding_layers=bound_sliding_layers and isinstance(max_num_seqs, int)
             and isinstance(max_num_batched_tokens, int),

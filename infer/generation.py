@@ -142,7 +142,7 @@ def _token_steps(
     stats: dict[str, int],
 ) -> Generator[_Step, None, None]:
     """Yield each new token with the time its forward took (prefill for the first)."""
-    device = model.embed_tokens.weight.device
+    device = model.device
     generator = None
     if params.seed is not None:
         generator = torch.Generator(device=device).manual_seed(params.seed)
@@ -194,9 +194,8 @@ def _prepare_cache(
         check_prefix_snapshot(model, prefix, prompt_ids, cache)
     if cache is None or isinstance(cache, str):
         kind = cache if cache is not None else prefix.kind if prefix is not None else "contiguous"
-        weight = model.embed_tokens.weight
         kv_cache = create_cache(
-            kind, model.config, max_seq_len=max_len, batch_size=1, dtype=weight.dtype, device=weight.device,
+            kind, model.config, max_seq_len=max_len, batch_size=1, dtype=model.dtype, device=model.device,
             **cache_options,
         )
     else:
@@ -307,12 +306,11 @@ def snapshot_prefix(
         raise TypeError(f"max_seq_len must be an int or None, got {max_seq_len!r}")
     ids = encode_prompt(tokenizer, prefix, add_generation_prompt=False)
     _check_prompt_ids(model, ids)
-    weight = model.embed_tokens.weight
     kv_cache = create_cache(
-        cache, model.config, max_seq_len=max_seq_len or len(ids), dtype=weight.dtype, device=weight.device
+        cache, model.config, max_seq_len=max_seq_len or len(ids), dtype=model.dtype, device=model.device
     )
     with torch.inference_mode():
-        model(torch.tensor([ids], device=weight.device), kv_cache)
+        model(torch.tensor([ids], device=model.device), kv_cache)
     snapshot = kv_cache.snapshot()
     snapshot.token_ids = ids
     snapshot.meta["model"] = model_fingerprint(model)

@@ -10,21 +10,23 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
 from infer.config import ModelConfig
 from infer.errors import CheckpointError
-from infer.gguf import GGUFTensor, find_gguf, read_gguf
+from infer.gguf import GGUFTensor, find_gguf, read_gguf, unpermute_rope_rows
 from infer.memory import check_fits, empty_on_huge_pages, on_huge_pages, resolve_device
 from infer.model_store import default_model_path
 from infer.models import Transformer
-from infer.models.transformer import Linear
-from infer.tuning import choose_decode_gemv, choose_prefill_dtype, record_weight_pages
+from infer.models.transformer import Linear, QuantizedEmbedding, QuantizedLinear
+from infer.quant_weights import SCHEMES, STORED_KINDS, QuantizedWeight, from_gguf, quantize
+from infer.tuning import choose_decode_gemv, choose_prefill_dtype, choose_quantized_gemv, record_weight_pages
 
 DTYPES = {
     "float32": torch.float32,
@@ -74,6 +76,12 @@ def _weight_files(path: Path) -> list[Path]:
         "the engine loads safetensors checkpoints (convert .bin/.pth files with safetensors first)"
     )
 
+
+# How the projections are stored (load_model's `weights`): quantized as they load, as the file stores them,
+# or dequantized.
+WEIGHT_FORMS = (None, *SCHEMES, "stored", "dense")
+# The dtypes of a quantized checkpoint's codes, scales and mins.
+SAVED_DTYPES = {"I8": torch.int8, "U8": torch.uint8, "F16": torch.float16, "F32": torch.float32}
 
 # safetensors' dtype names; anything else (integers, bool) cannot be a weight of this engine's models.
 FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -149,6 +157,8 @@ def load_model(
     check_finite: bool = True,
     decode_gemv: str = "auto",
     huge_pages: bool = True,
+    weights: str | None = None,
+    group_size: int = 32,
 ) -> Transformer:
     """Load the checkpoint in directory `path` (the default model, SmolLM2-135M-Instruct from
     the local store (infer.model_store), when None), in eval mode.
@@ -166,10 +176,21 @@ def load_model(
     of one-token products ("linear", "mv" or "native"); "auto" times them on this model's weights
     (infer.tuning). `huge_pages` puts CPU weights on transparent huge pages where the kernel allows it (a
     decode step streams them faster; infer.memory.on_huge_pages); False keeps torch's allocation.
+
+    `weights` sets how the projections (and a tied or quantized embedding) are stored (infer/quant_weights.py):
+    "int8" (per output channel) or "int4" (groups of `group_size` inputs) quantize them as they load; "stored"
+    keeps a GGUF file's Q8_0, Q4_0, Q4_1 and Q4_K tensors as they are (other types are dequantized), and a
+    quantized safetensors checkpoint (`infer.save_quantized`) as saved; "dense" dequantizes everything to
+    `dtype`. None: "stored" for a GGUF file loaded without a `dtype` and for a quantized checkpoint (as llama.cpp
+    runs a file), else "dense" (passing `dtype` to a GGUF load dequantizes). Activations, norms and biases are
+    in `dtype` either way.
     """
     if path is not None and not isinstance(path, (str, Path)):
         raise TypeError(f"path must be a checkpoint directory (str or Path), got {type(path).__name__}")
     path = default_model_path() if path is None else Path(path)
+    if weights not in WEIGHT_FORMS:
+        raise ValueError(f"weights must be one of {', '.join(map(repr, WEIGHT_FORMS))}, got {weights!r}")
+    explicit_dtype = dtype is not None
     torch_dtype = resolve_dtype(dtype)
     target = resolve_device(device)
     gguf_file = find_gguf(path)
@@ -179,6 +200,7 @@ def load_model(
         kind = "is a file, not a checkpoint directory" if path.exists() else "does not exist"
         raise CheckpointError(f"checkpoint directory {path} {kind}{hint}")
     gguf: dict[str, GGUFTensor] = {}
+    saved: dict[str, _SavedLayout] = {}
     if gguf_file is not None:
         config, gguf = read_gguf(gguf_file)
         shapes = {name: tensor.shape for name, tensor in gguf.items()}
@@ -188,6 +210,8 @@ def load_model(
         headers = _read_headers(_weight_files(path))
         _check_layer_count(path, config, headers)
         shapes = {name: header.shape for name, header in headers.items()}
+        saved = _saved_quantization(path, headers)
+        shapes.update({f"{prefix}.weight": layout.shape for prefix, layout in saved.items()})
         implied_by = "config.json"
 
     with torch.device("meta"):
@@ -206,22 +230,48 @@ def load_model(
                 f"tensor {name}{stored} in {path} has shape {shapes[name]}, "
                 f"but {implied_by} implies {tuple(param.shape)}"
             )
+    form = weights or ("stored" if (gguf_file is not None and not explicit_dtype) or saved else "dense")
     if gguf_file is None:
-        _check_dtypes(path, _declared_dtype(path), headers, list(expected))
+        _check_dtypes(path, _declared_dtype(path), headers,
+                      [name for name in expected if name.removesuffix(".weight") not in saved])
+    # The 2-D weights that may be stored quantized: every projection, and the embedding where it is the tied LM
+    # head or a GGUF file or a saved checkpoint stores it quantized.
+    linears = [f"{name}.weight" for name, m in model.named_modules() if isinstance(m, Linear) and
+               f"{name}.weight" in expected]
+    embedding = "embed_tokens.weight"
     nbytes = sum(p.numel() for p in expected.values()) * torch_dtype.itemsize
     check_fits(nbytes, target, f"loading {path} in {torch_dtype}")
 
+    quantized: dict[str, QuantizedWeight] = {}
+    files: dict[str, Path]
     if gguf_file is not None:
-        state = _dequantize_tensors(gguf, expected, target, torch_dtype, huge_pages)
-        files = dict.fromkeys(state, gguf_file)
+        if form == "stored":
+            quantized = {name: _stored_gguf(gguf[name]) for name in [*linears, embedding]
+                         if gguf[name].kind in STORED_KINDS}
+        dense = [name for name in expected if name not in quantized]
+        state = _dequantize_tensors(gguf, dense, target, torch_dtype, huge_pages)
+        files = dict.fromkeys([*state, *quantized], gguf_file)
     else:
-        state = _read_tensors(headers, expected, target, torch_dtype, huge_pages)
-        files = {name: headers[name].file for name in state}
+        if saved and form != "dense":
+            quantized = {f"{prefix}.weight": _read_saved(headers, prefix, layout) for prefix, layout in saved.items()}
+        state = _read_tensors(headers, [n for n in expected if n not in quantized and n.removesuffix(".weight")
+                                        not in saved], target, torch_dtype, huge_pages)
+        for prefix, layout in saved.items():  # weights="dense" (or int8/int4) from a quantized checkpoint
+            if f"{prefix}.weight" not in quantized:
+                state[f"{prefix}.weight"] = _read_saved(headers, prefix, layout).dequantize(torch_dtype).to(target)
+        files = {name: headers[name.removesuffix(".weight") + ".codes" if name.removesuffix(".weight") in saved
+                                else name].file for name in [*state, *quantized]}
+    if form in SCHEMES:
+        targets = [*linears, *([embedding] if config.tie_word_embeddings else [])]
+        quantized.update({name: quantize(state.pop(name), form, group_size, name) for name in targets
+                          if name in state})
+    quantized = {name: _placed(q, target, huge_pages) for name, q in quantized.items()}
     if check_finite:
-        for name, tensor in state.items():
-            if not _all_finite(tensor):
+        checked = [*state.items(), *((n, t) for n, q in quantized.items() for t in q.tensors()[1:])]
+        for name, tensor in checked:
+            if tensor.is_floating_point() and not _all_finite(tensor):
                 raise CheckpointError(
-                    f"tensor {name} in {files[name]} holds NaN or infinite values (in {torch_dtype}); "
+                    f"tensor {name} in {files[name]} holds NaN or infinite values (in {tensor.dtype}); "
                     "the checkpoint is corrupt or overflows this dtype (load_model(..., check_finite=False) skips "
                     "this check)"
                 )
@@ -229,16 +279,21 @@ def load_model(
     model.load_state_dict(state, strict=False, assign=True)
     del state  # the modules hold the weights now: re-laying them out (fused products) frees each old copy
     model.huge_pages = huge_pages
-    if config.tie_word_embeddings:
+    _install_quantized(model, quantized, torch_dtype)
+    if config.tie_word_embeddings and isinstance(model.lm_head, Linear):
         model.lm_head.weight = model.embed_tokens.weight
     model.compute_dtype = _resolve_compute_dtype(compute_dtype, torch_dtype, target)
-    model.decode_gemv = choose_decode_gemv(
-        [m.weight for m in model.modules() if isinstance(m, Linear)], decode_gemv).value
+    if model.quantized:
+        model.decode_gemv = choose_quantized_gemv(target, decode_gemv).value
+    else:
+        model.decode_gemv = choose_decode_gemv(
+            [m.weight for m in model.modules() if isinstance(m, Linear)], decode_gemv).value
     model.eos_token_ids = config.eos_token_ids if gguf_file else _generation_eos_ids(path, config.eos_token_ids)
+    model.source = path  # what infer.save_quantized copies the config and tokenizer from
     return model.eval().requires_grad_(False)
 
 
-def _read_tensors(headers: dict[str, _Header], names: dict[str, object], device: torch.device,
+def _read_tensors(headers: dict[str, _Header], names: list[str] | dict[str, object], device: torch.device,
                   dtype: torch.dtype, huge_pages: bool) -> dict[str, torch.Tensor]:
     """The tensors `names`, read from their files straight into their final memory: `dtype` on `device`, on
     transparent huge pages where asked and possible (infer.memory.on_huge_pages). Plain reads, not a map of
@@ -264,7 +319,101 @@ def _read_tensors(headers: dict[str, _Header], names: dict[str, object], device:
     return tensors
 
 
-def _dequantize_tensors(tensors: dict[str, GGUFTensor], names: dict[str, object], device: torch.device,
+@dataclass(frozen=True)
+class _SavedLayout:
+    """How `save_quantized` stored one weight: its scheme, group and dense shape."""
+
+    scheme: str
+    group: int
+    shape: tuple[int, int]
+
+
+QUANTIZED_METADATA = "infer.quantized"  # the safetensors metadata key naming the quantized weights
+
+
+def _saved_quantization(path: Path, headers: dict[str, _Header]) -> dict[str, _SavedLayout]:
+    """Module name -> layout of every weight a quantized checkpoint (`save_quantized`) stores as codes; empty for
+    a plain checkpoint."""
+    codes = sorted(name.removesuffix(".codes") for name in headers if name.endswith(".codes"))
+    if not codes:
+        return {}
+    file = headers[f"{codes[0]}.codes"].file
+    with safe_open(str(file), framework="pt") as f:
+        raw = (f.metadata() or {}).get(QUANTIZED_METADATA)
+    try:
+        table = json.loads(raw) if raw else None
+        layouts = {prefix: _SavedLayout(str(entry["scheme"]), int(entry["group"]),
+                                        (int(entry["shape"][0]), int(entry["shape"][1])))
+                   for prefix, entry in table.items()} if isinstance(table, dict) else None
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, IndexError) as e:
+        raise CheckpointError(f"{file}: the {QUANTIZED_METADATA!r} metadata is malformed ({e}); re-save the model "
+                              "with infer.save_quantized") from e
+    if layouts is None or set(layouts) != set(codes):
+        raise CheckpointError(f"{file}: tensors named *.codes need the {QUANTIZED_METADATA!r} metadata describing "
+                              "each (written by infer.save_quantized); re-save the model")
+    for prefix, layout in layouts.items():
+        needed = [f"{prefix}.codes", f"{prefix}.scales"] + ([f"{prefix}.mins"] if layout.scheme != "int8" and
+                                                             not layout.scheme.startswith("Q8") else [])
+        absent = [name for name in needed if name not in headers]
+        if absent:
+            raise CheckpointError(f"{path}: the quantized weight {prefix} lacks {', '.join(absent)}")
+    return layouts
+
+
+def _read_saved(headers: dict[str, _Header], prefix: str, layout: _SavedLayout) -> QuantizedWeight:
+    """One quantized weight of a saved checkpoint, its tensors read as stored and checked against the layout."""
+    def read(name: str) -> torch.Tensor:
+        header = headers[name]
+        tensor = torch.empty(header.shape, dtype=SAVED_DTYPES[header.dtype])
+        _read_into(header, tensor)
+        return tensor
+
+    mins = read(f"{prefix}.mins") if f"{prefix}.mins" in headers else None
+    weight = QuantizedWeight(layout.scheme, read(f"{prefix}.codes"), read(f"{prefix}.scales"), mins, layout.group)
+    n, k = layout.shape
+    expected_codes = (n, k // 2) if weight.fmt == "q4" else (n, k)
+    if tuple(weight.codes.shape) != expected_codes or tuple(weight.scales.shape) != (n, k // max(layout.group, 1)) \
+            or (mins is not None and mins.shape != weight.scales.shape) or (weight.fmt == "q4") != (mins is not None):
+        raise CheckpointError(f"{headers[prefix + '.codes'].file}: the quantized weight {prefix} ({layout.scheme}, "
+                              f"group {layout.group}) has tensors of the wrong shapes for {layout.shape}")
+    return weight
+
+
+def _stored_gguf(tensor: GGUFTensor) -> QuantizedWeight:
+    """A GGUF weight in a stored block type, kept quantized (rows un-permuted as `GGUFTensor.load` does)."""
+    raw = torch.from_numpy(np.array(tensor.data, copy=True).reshape(-1).view(np.uint8))
+    n, k = tensor.shape
+    weight = from_gguf(raw, tensor.kind, (n, k))
+    if tensor.rope_heads is not None:
+        weight = weight.rows(unpermute_rope_rows(torch.arange(n), tensor.rope_heads))
+    return weight
+
+
+def _placed(weight: QuantizedWeight, device: torch.device, huge_pages: bool) -> QuantizedWeight:
+    """`weight` on `device`, its codes on huge pages where asked (a decode step streams them)."""
+    weight = weight.to(device)
+    if huge_pages and device.type == "cpu":
+        weight = replace(weight, codes=on_huge_pages(weight.codes))
+    return weight
+
+
+def _install_quantized(model: Transformer, quantized: dict[str, QuantizedWeight], dtype: torch.dtype) -> None:
+    """Put a QuantizedLinear (or QuantizedEmbedding) where each weight in `quantized` goes; a tied LM head shares
+    the embedding's codes."""
+    for name, weight in quantized.items():
+        path = name.removesuffix(".weight")
+        if path == "embed_tokens":
+            model.embed_tokens = QuantizedEmbedding(weight, dtype)  # type: ignore[assignment]
+            if model.config.tie_word_embeddings:
+                model.lm_head = QuantizedLinear(weight)  # type: ignore[assignment]
+            continue
+        owner, _, leaf = path.rpartition(".")
+        old = cast(Linear, model.get_submodule(path))
+        bias = None if old.bias is None else old.bias.detach()
+        setattr(model.get_submodule(owner) if owner else model, leaf, QuantizedLinear(weight, bias))
+
+
+def _dequantize_tensors(tensors: dict[str, GGUFTensor], names: list[str] | dict[str, object], device: torch.device,
                         dtype: torch.dtype, huge_pages: bool) -> dict[str, torch.Tensor]:
     """The GGUF tensors `names`, dequantized one at a time (fp32 on the CPU), then cast and placed."""
     out: dict[str, torch.Tensor] = {}

@@ -70,7 +70,7 @@ def teacher_forced_logits(model: Transformer, kind: str, ids: Sequence[int], pre
     one per step through a fresh cache of `kind`; and the cache's bytes."""
     if not 1 <= prefill < len(ids):
         raise ValueError(f"prefill must lie in [1, {len(ids) - 1}] for {len(ids)} tokens, got {prefill}")
-    device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+    device, dtype = model.device, model.dtype
     cache = create_cache(kind, model.config, max_seq_len=len(ids), dtype=dtype, device=device)
     tokens = torch.tensor([list(ids)], device=device)
     with torch.inference_mode():

@@ -125,7 +125,7 @@ def choose_decode_gemv(weights: list[torch.Tensor], forced: str = "auto") -> Cho
                              f"got {forced!r}")
         if forced == "native" and native_kernels() is None:
             raise ValueError(f"decode_gemv='native' is unavailable here: {unavailable_reason()}; use 'auto'")
-        if forced == "triton" and not (weights and triton_available(weights[0].device.type)):
+        if forced == "triton" and weights and not triton_available(weights[0].device.type):
             raise ValueError("decode_gemv='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1); use 'auto'")
         return record(Choice(name, forced, "forced by the caller"))
     sweep = _sweep_weights(weights)
@@ -153,6 +153,25 @@ def choose_decode_gemv(weights: list[torch.Tensor], forced: str = "auto") -> Cho
     megabytes = sum(w.nbytes for w in sweep) / 2**20
     return record(Choice(name, value, f"a sweep over {len(sweep)} weights ({megabytes:.0f} MiB): {timed} "
                                       "(medians, alternately)"))
+
+
+def choose_quantized_gemv(device: torch.device, forced: str = "auto") -> Choice:
+    """The kernel of one-token products for a model with quantized weights: the native kernel on a CPU and the
+    Triton one on CUDA where they are, since every other form dequantizes the whole weight on each call (no
+    timing needed to rule those out); F.linear over the dequantized weight otherwise. `forced` skips the rule."""
+    name = "decode GEMV form"
+    if forced != "auto":
+        if forced == "triton" and not triton_available(device.type):
+            raise ValueError("decode_gemv='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1); use 'auto'")
+        return choose_decode_gemv([], forced)
+    kernels = native_kernels() if device.type == "cpu" else None
+    if kernels is not None:
+        return record(Choice(name, "native", f"quantized weights: the native kernel ({kernels.isa}) reads the codes; "
+                                             "every other form dequantizes each weight on every call"))
+    if device.type == "cuda" and triton_available("cuda"):
+        return record(Choice(name, "triton", "quantized weights: the Triton kernel reads the codes"))
+    why = _native_absence(kernels, device) if device.type == "cpu" else f"no Triton for {device.type}"
+    return record(Choice(name, "linear", f"quantized weights dequantized on every call ({why})"))
 
 
 _SWEEP_MIN_BYTES = 2**30

@@ -29,7 +29,7 @@ DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 # model_type -> GGUF general.architecture
 ARCHES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
 FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0",
-              "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1"}
+              "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "Q4_K": "MOSTLY_Q4_K_S"}
 # A tokenizer.json split regex -> llama.cpp's name for that pre-tokenizer (tokenizer.ggml.pre).
 PRE_TOKENIZERS = {LLAMA3_SPLIT: "llama-bpe", QWEN_SPLIT: "qwen2"}
 GEMMA3_SLIDING_PERIOD = 6  # what llama.cpp assumes for Gemma 3 when the file names no pattern
@@ -70,13 +70,50 @@ def llama3_rope_factors(config: ModelConfig) -> np.ndarray | None:
     return np.asarray(factors, dtype=np.float32)
 
 
+def quantize_q4_k(data: np.ndarray) -> np.ndarray:
+    """Rows of `data` (lengths a multiple of 256) as Q4_K blocks of 144 bytes (gguf-py quantizes no k-quant): per
+    sub-block of 32 a scale (max - min') / 15 and a min' = min(0, min), both as 6-bit multiples of the
+    super-block's fp16 `d` and `dmin`; codes round((x + min') / scale) in 0..15. Simpler than llama.cpp's
+    search, the same format: what its dequantization (and ours) must read back."""
+    rows = data.reshape(-1, 8, 32).astype(np.float32)  # [super-blocks * ..., sub-block, value]
+    n = rows.shape[0]
+    low = np.minimum(rows.min(axis=2), 0.0)
+    scale_f, min_f = (rows.max(axis=2) - low) / 15.0, -low
+    d = (scale_f.max(axis=1) / 63.0).astype(np.float16)
+    dmin = (min_f.max(axis=1) / 63.0).astype(np.float16)
+    safe_d = np.where(d > 0, d.astype(np.float32), 1.0)[:, None]
+    safe_m = np.where(dmin > 0, dmin.astype(np.float32), 1.0)[:, None]
+    sc = np.clip(np.round(scale_f / safe_d), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(min_f / safe_m), 0, 63).astype(np.uint8)
+    step = d.astype(np.float32)[:, None] * sc
+    offset = dmin.astype(np.float32)[:, None] * mn
+    q = np.clip(np.round((rows + offset[:, :, None]) / np.where(step > 0, step, 1.0)[:, :, None]), 0, 15)
+    q = q.astype(np.uint8).reshape(n, 4, 2, 32)  # 64-value chunks: low nibbles the first 32, high the next
+    packed = np.zeros((n, 12), dtype=np.uint8)  # the inverse of infer.gguf_quants._k_scales
+    packed[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
+    blocks = np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), packed,
+                             (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, 128)], axis=1)
+    return blocks.reshape(*data.shape[:-1], -1)
+
+
+def quantize_blocks(data: np.ndarray, kind: Any) -> np.ndarray:
+    """`data` (rows last) in ggml block type `kind`: gguf.quants' quantizers, and `quantize_q4_k` for Q4_K."""
+    import gguf
+
+    if kind == gguf.GGMLQuantizationType.Q4_K:
+        return quantize_q4_k(data)
+    return np.asarray(gguf.quants.quantize(data, kind))
+
+
 def quantize_roundtrip(weight: torch.Tensor, kind: str) -> torch.Tensor:
     """`weight` as a GGUF of type `kind` stores it, read back by llama.cpp's reference (`gguf.quants`): what a
     model loaded from that file holds."""
     import gguf
 
     qtype = gguf.GGMLQuantizationType[kind]
-    data = gguf.quants.quantize(weight.float().numpy(), qtype)
+    data = quantize_blocks(weight.float().numpy(), qtype)
     return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, qtype))).reshape(weight.shape)
 
 
@@ -256,7 +293,7 @@ def _write_tensors(writer: Any, config: ModelConfig, weights: Callable[[str], to
         if data.ndim == 1 or kind == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name(name, config.model_type), data.astype(np.float32))
         else:
-            writer.add_tensor(gguf_name(name, config.model_type), gguf.quants.quantize(data, kind), raw_dtype=kind)
+            writer.add_tensor(gguf_name(name, config.model_type), quantize_blocks(data, kind), raw_dtype=kind)
     factors = llama3_rope_factors(config)
     if factors is not None:
         writer.add_tensor("rope_freqs.weight", factors)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from infer.bench_common import Contender, Trial, peak_memory_bytes
+from infer.gguf import find_gguf
 from reference.gguf_convert import cached_gguf
 
 
@@ -32,9 +33,12 @@ def llamacpp_contenders(
         raise ValueError(f"llama.cpp is not installed ({e}); pip install -e '.[llamacpp]'") from e
     if device.type != "cpu":
         raise ValueError("the llama.cpp contender runs on the CPU only; use --device cpu")
-    gguf_path = cached_gguf(path, dtype)
+    stored = find_gguf(Path(path))  # a GGUF file is run as it is (its own quantization), else the conversion
+    gguf_path = stored if stored is not None else cached_gguf(path, dtype)
+    label = f"{gguf_path.name.rsplit('.', 2)[-2]} file" if stored is not None else str(dtype).removeprefix('torch.')
     llm = Llama(model_path=str(gguf_path), n_ctx=len(prompt_ids) + new_tokens + 8, n_batch=max(len(prompt_ids), 8),
-                n_threads=torch.get_num_threads(), n_threads_batch=torch.get_num_threads(), verbose=False)
+                n_threads=torch.get_num_threads(), n_threads_batch=torch.get_num_threads(), verbose=False,
+                use_extra_bufts=False)  # the AMX repacking path crashed on the Intel machines
 
     def run() -> Trial:
         llm.reset()
@@ -56,4 +60,4 @@ def llamacpp_contenders(
             cache_bytes = 2 * layers * kv * llm.n_ctx() * 2  # llama.cpp's default f16 KV cache
         return Trial(ttft, len(prompt_ids), steps, cache_bytes, peak_memory_bytes(device))
 
-    return [Contender(f"llama.cpp[{str(dtype).removeprefix('torch.')}]", run)]
+    return [Contender(f"llama.cpp[{label}]", run)]

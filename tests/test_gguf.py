@@ -25,6 +25,7 @@ from infer.config import ModelConfig
 from infer.errors import CheckpointError
 from infer.gguf import GGUFFile, find_gguf, unpermute_rope_rows
 from infer.gguf_quants import BLOCK_TYPES, dequantize
+from infer.models.transformer import QuantizedEmbedding, QuantizedLinear
 from infer.sampling import SamplingParams
 from reference.checkpoints import ARCHS, build_checkpoint
 
@@ -157,7 +158,7 @@ def test_q8_0_gguf_is_the_checkpoint_with_dequantized_weights(
     state = load_file(str(path / "model.safetensors"))
     save_file({n: quantize_roundtrip(t, "Q8_0") if t.dim() == 2 else t for n, t in state.items()},
               str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    ours, expected = load(file), load(tmp_path)
+    ours, expected = load(file, weights="dense"), load(tmp_path)
     assert_same_weights(ours, expected)
     assert torch.equal(logits(ours), logits(expected))
     assert not torch.equal(logits(ours), logits(load(path)))  # Q8_0 did change the model
@@ -302,7 +303,7 @@ def test_a_directory_holding_one_gguf_loads(tiny_gguf: Callable[..., tuple[Path,
 
 def test_the_loaders_options_apply_to_gguf(tiny_gguf: Callable[..., tuple[Path, Path]]) -> None:
     path, file = tiny_gguf("gemma3_text", "Q8_0", **gguf_overrides("gemma3_text"))
-    fp32 = load(file)
+    fp32 = load(file, weights="dense")
     bf16 = infer.load_model(file, dtype="bfloat16", decode_gemv="mv", huge_pages=False, check_finite=False)
     assert bf16.embed_tokens.weight.dtype == torch.bfloat16 and bf16.decode_gemv == "mv"
     assert torch.equal(bf16.embed_tokens.weight, fp32.embed_tokens.weight.bfloat16())
@@ -481,7 +482,8 @@ def hf_smollm2_tokenizer(smollm2: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def our_smollm2(smollm2: Path) -> infer.Transformer:
-    return infer.load_model(smollm2, decode_gemv="linear")
+    """The file as llama.cpp runs it: Q4_1 and Q8_0 blocks kept as stored, under the native kernel where built."""
+    return infer.load_model(smollm2)
 
 
 @real_model
@@ -498,13 +500,21 @@ def test_real_config_is_transformers(our_smollm2: infer.Transformer, hf_smollm2:
 
 
 @real_model
-def test_real_weights_are_transformers_dequantization(our_smollm2: infer.Transformer, hf_smollm2: Any) -> None:
-    """Every weight, bit for bit: the Q4_1 and Q8_0 blocks, and the q/k un-permutation of the llama arch."""
+def test_real_weights_are_transformers_dequantization(smollm2: Path, our_smollm2: infer.Transformer,
+                                                      hf_smollm2: Any) -> None:
+    """Every weight, bit for bit: the Q4_1 and Q8_0 blocks dequantized at load (`dtype=`) and as kept stored, and
+    the q/k un-permutation of the llama arch."""
     theirs = hf_smollm2.model.state_dict()
-    ours = our_smollm2.state_dict()
+    dense = infer.load_model(smollm2, dtype="float32", decode_gemv="linear")
+    ours = dense.state_dict()
     assert len(ours) == len([n for n in theirs if n != "lm_head.weight"]) + 1
     for name, tensor in ours.items():
         assert torch.equal(tensor, theirs[name if name == "lm_head.weight" else f"model.{name}"]), name
+    kept = {name: m for name, m in our_smollm2.named_modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))}
+    assert {m.scheme for m in kept.values()} == {"Q4_1", "Q8_0"} and len(kept) == 7 * 30 + 2
+    for name, module in kept.items():
+        hf_name = "lm_head.weight" if name == "lm_head" else f"model.{name}.weight"
+        assert torch.equal(module.qweight.dequantize(), theirs[hf_name]), name
 
 
 @real_model

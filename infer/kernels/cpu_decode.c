@@ -207,6 +207,20 @@ static float dot_wide(int dtype, const void *w, const float *x, int64_t k) {
 
 /* ---- entry points ---- */
 
+/* This OpenMP thread's rows [r0, r1) of n: contiguous ranges in whole 16-row blocks, so no two threads share a
+ * cache line of y. */
+static inline void thread_rows(int64_t n, int64_t *r0, int64_t *r1) {
+    int t = 0, nt = 1;
+#ifdef _OPENMP
+    t = omp_get_thread_num();
+    nt = omp_get_num_threads();
+#endif
+    int64_t blocks = (n + 15) / 16;
+    *r0 = blocks * t / nt * 16;
+    *r1 = blocks * (t + 1) / nt * 16;
+    if (*r1 > n) *r1 = n;
+}
+
 /* The instruction-set path this build took. */
 const char *infer_isa(void) { return ISA; }
 
@@ -237,14 +251,8 @@ int infer_gemv(int dtype, const void *w, const void *x, const void *bias, void *
     const float *xf = dtype == F32 ? (const float *)x : wide;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        int64_t blocks = (n + 15) / 16; /* ranges in whole 16-row blocks: no two threads share a line of y */
-        int64_t r0 = blocks * t / nt * 16, r1 = blocks * (t + 1) / nt * 16;
-        if (r1 > n) r1 = n;
+        int64_t r0, r1;
+        thread_rows(n, &r0, &r1);
         for (int64_t r = r0; r < r1; r++) {
             const char *row = (const char *)w + r * k * esize;
             float v;
@@ -923,4 +931,235 @@ int infer_qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_cod
         free(buf);
     }
     return failed ? -1 : 0;
+}
+
+/* ---- quantized weights (infer/quant_weights.py): y = W x with W stored as codes ----
+ * q8: int8 codes, w = scale * q; q4: 4-bit codes, two a byte (per run of 32: byte j's low nibble is element j,
+ * its high nibble element j + 16), w = scale * q + min. One scale (and min) per group of `group` inputs, float16
+ * or float32. A row's sum is sum_g scale_g * (sum_{i in g} q_i x_i) + sum_g min_g * (sum_{i in g} x_i): the codes
+ * are read once, widened to fp32 in registers and multiplied by x in fp32; the mins' part uses the group sums
+ * of x, formed once per call. Rows of x are taken four at a time, so a batch of rows (the engine's decode
+ * steps, short prefill chunks) reads each weight row once per four. The codes stream like infer_gemv's
+ * weights: one contiguous range of rows per thread, prefetched ahead. */
+
+enum { Q8 = 0, Q4 = 1 };
+#define QCHUNK 32
+
+/* A scale or min (float16 or float32): by the F16C instruction where the CPU has it (once per 32 weights, the
+ * software conversion's branches cost as much as the run's arithmetic). */
+static inline float load_scale(int sdtype, const void *p, int64_t i) {
+#if defined(__F16C__)
+    if (sdtype == F16) return _cvtsh_ss(((const uint16_t *)p)[i]);
+#endif
+    return load_scalar(sdtype, p, i);
+}
+
+/* The 32 weights' codes of one run as floats (generic path, and the dequantizer). */
+static inline void codes_chunk(int fmt, const uint8_t *c, float out[QCHUNK]) {
+    if (fmt == Q8) {
+        for (int i = 0; i < QCHUNK; i++) out[i] = (float)(int8_t)c[i];
+    } else {
+        for (int i = 0; i < QCHUNK / 2; i++) {
+            out[i] = (float)(c[i] & 0x0f);
+            out[i + QCHUNK / 2] = (float)(c[i] >> 4);
+        }
+    }
+}
+
+#if defined(HAVE_AVX512)
+#define QLANES 16
+typedef __m512 qvec;
+static inline qvec qzero(void) { return _mm512_setzero_ps(); }
+static inline qvec qset1(float v) { return _mm512_set1_ps(v); }
+static inline qvec qload(const float *p) { return _mm512_loadu_ps(p); }
+static inline qvec qfma(qvec a, qvec b, qvec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float qsum(qvec v) { return _mm512_reduce_add_ps(v); }
+/* w[0..1]: the run's 32 codes as floats, 16 a vector. */
+static inline void qcodes(int fmt, const uint8_t *c, qvec w[2]) {
+    __m128i a = _mm_loadu_si128((const __m128i *)c);
+    if (fmt == Q8) {
+        w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a));
+        w[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
+    } else {
+        __m128i low = _mm_set1_epi8(0x0f);
+        w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(a, low)));
+        w[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(a, 4), low)));
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define QLANES 8
+typedef __m256 qvec;
+static inline qvec qzero(void) { return _mm256_setzero_ps(); }
+static inline qvec qset1(float v) { return _mm256_set1_ps(v); }
+static inline qvec qload(const float *p) { return _mm256_loadu_ps(p); }
+static inline qvec qfma(qvec a, qvec b, qvec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float qsum(qvec v) { return hsum8(v); }
+static inline void qcodes(int fmt, const uint8_t *c, qvec w[4]) {
+    if (fmt == Q8) {
+        for (int j = 0; j < 4; j++)
+            w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8 * j))));
+    } else {
+        __m128i a = _mm_loadu_si128((const __m128i *)c), low = _mm_set1_epi8(0x0f);
+        __m128i lo = _mm_and_si128(a, low), hi = _mm_and_si128(_mm_srli_epi16(a, 4), low);
+        w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+        w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+        w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    }
+}
+#endif
+
+/* out[j] = sum_g scale_g * sum_{i in g} q_i x_j[i] for the `mt` (1..4) rows x_j = x + j * k of fp32 inputs. */
+static inline __attribute__((always_inline)) void qrow_dot(int fmt, const uint8_t *codes, const float *scales,
+                                                           int64_t k, int64_t group, const float *x, int mt,
+                                                           float *out) {
+    int64_t run_bytes = fmt == Q8 ? QCHUNK : QCHUNK / 2;
+#if defined(QLANES)
+    enum { V = QCHUNK / QLANES };
+    qvec total[4], acc[4], w[V];
+    for (int j = 0; j < 4; j++) total[j] = qzero();
+    for (int64_t g = 0; g < k / group; g++) {
+        for (int j = 0; j < 4; j++) acc[j] = qzero();
+        for (int64_t i = g * group; i < (g + 1) * group; i += QCHUNK) {
+            const uint8_t *c = codes + i / QCHUNK * run_bytes;
+            prefetch(c + PREFETCH_BYTES);
+            qcodes(fmt, c, w);
+            for (int j = 0; j < mt; j++)
+                for (int v = 0; v < V; v++) acc[j] = qfma(w[v], qload(x + j * k + i + v * QLANES), acc[j]);
+        }
+        qvec s = qset1(scales[g]);
+        for (int j = 0; j < mt; j++) total[j] = qfma(s, acc[j], total[j]);
+    }
+    for (int j = 0; j < mt; j++) out[j] = qsum(total[j]);
+#else
+    float w[QCHUNK];
+    for (int j = 0; j < mt; j++) out[j] = 0.f;
+    for (int64_t g = 0; g < k / group; g++) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int64_t i = g * group; i < (g + 1) * group; i += QCHUNK) {
+            codes_chunk(fmt, codes + i / QCHUNK * run_bytes, w);
+            for (int j = 0; j < mt; j++)
+                for (int t = 0; t < QCHUNK; t++) acc[j] += w[t] * x[j * k + i + t];
+        }
+        for (int j = 0; j < mt; j++) out[j] += scales[g] * acc[j];
+    }
+#endif
+}
+
+#if defined(HAVE_DOT_BF16)
+/* q4 against bf16 inputs by the bf16 pair instruction: a code q is exact as the bf16 of 128 + q (bits 0x4300 | q:
+ * exponent 7, q in the 7-bit mantissa), so one OR makes 32 weights' operands; the products are exact and sum in
+ * fp32, and the caller subtracts the 128 * scale * sum(x) this adds. out[j] as qrow_dot's, plus that term. */
+static inline __attribute__((always_inline)) void q4row_dot_bf16(const uint8_t *codes, const float *scales,
+                                                                 int64_t k, int64_t group, const uint16_t *x, int mt,
+                                                                 float *out) {
+    const __m128i low = _mm_set1_epi8(0x0f);
+    const __m512i bias = _mm512_set1_epi16(0x4300);
+    __m512 total[4], acc[4];
+    for (int j = 0; j < 4; j++) total[j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < k / group; g++) {
+        for (int j = 0; j < 4; j++) acc[j] = _mm512_setzero_ps();
+        for (int64_t i = g * group; i < (g + 1) * group; i += QCHUNK) {
+            const uint8_t *c = codes + i / 2;
+            prefetch(c + PREFETCH_BYTES);
+            __m128i a = _mm_loadu_si128((const __m128i *)c);
+            __m256i both = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(a, 4), low), _mm_and_si128(a, low));
+            __m512bh w = (__m512bh)_mm512_or_si512(_mm512_cvtepu8_epi16(both), bias);
+            for (int j = 0; j < mt; j++)
+                acc[j] = _mm512_dpbf16_ps(acc[j], w, (__m512bh)_mm512_loadu_si512(x + j * k + i));
+        }
+        __m512 s = _mm512_set1_ps(scales[g]);
+        for (int j = 0; j < mt; j++) total[j] = _mm512_fmadd_ps(s, acc[j], total[j]);
+    }
+    for (int j = 0; j < mt; j++) out[j] = _mm512_reduce_add_ps(total[j]);
+}
+#endif
+
+/* y[j, r] = sum_i W[r, i] x[j, i] (+ bias[r]) for m rows of x `[m, k]` and n rows of W, x, bias and y of `dtype`,
+ * scales and mins `[n, k / group]` of `sdtype` (mins NULL for q8). k and group are multiples of 32, group divides
+ * k. Returns 0, -1 where the fp32 copy of x could not be allocated, -2 on a bad shape (nothing written). */
+int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, const void *mins, int dtype,
+                const void *x, const void *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t group,
+                int threads) {
+    if (k <= 0 || group <= 0 || k % QCHUNK || group % QCHUNK || k % group || (fmt != Q8 && fmt != Q4)) return -2;
+    int64_t groups = k / group, row_bytes = fmt == Q8 ? k : k / 2;
+    float *xf = (float *)malloc((size_t)(m * k + m * groups) * sizeof(float));
+    if (!xf) return -1;
+    float *xsum = xf + m * k;
+    for (int64_t j = 0; j < m; j++)
+        for (int64_t g = 0; g < groups; g++) {
+            float s = 0.f;
+            for (int64_t i = g * group; i < (g + 1) * group; i++) s += (xf[j * k + i] = load_scalar(dtype, x, j * k + i));
+            xsum[j * groups + g] = s;
+        }
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        /* The row's scales, and the mins' factors (min, less the bf16 path's 128 * scale), widened once. */
+        float *rs = (float *)malloc((size_t)(2 * groups) * sizeof(float)), *rm = rs + groups;
+        int64_t r0, r1;
+        thread_rows(n, &r0, &r1);
+        if (!rs) {
+#pragma omp atomic write
+            failed = 1;
+            r1 = r0;
+        }
+        float biased = 0.f; /* the bf16 path's codes carry +128 */
+#if defined(HAVE_DOT_BF16)
+        if (fmt == Q4 && dtype == BF16) biased = 128.f;
+#endif
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *row = codes + r * row_bytes;
+            for (int64_t g = 0; g < groups; g++) {
+                rs[g] = load_scale(sdtype, scales, r * groups + g);
+                rm[g] = mins ? load_scale(sdtype, mins, r * groups + g) - biased * rs[g] : 0.f;
+            }
+            for (int64_t j0 = 0; j0 < m; j0 += 4) {
+                float out[4];
+                int mt = m - j0 < 4 ? (int)(m - j0) : 4;
+#if defined(HAVE_DOT_BF16)
+                if (biased != 0.f) {
+                    const uint16_t *xb = (const uint16_t *)x + j0 * k;
+                    if (mt == 4) q4row_dot_bf16(row, rs, k, group, xb, 4, out);
+                    else for (int j = 0; j < mt; j++) q4row_dot_bf16(row, rs, k, group, xb + j * k, 1, out + j);
+                } else
+#endif
+                if (mt == 4) qrow_dot(fmt, row, rs, k, group, xf + j0 * k, 4, out);
+                else for (int j = 0; j < mt; j++) qrow_dot(fmt, row, rs, k, group, xf + (j0 + j) * k, 1, out + j);
+                for (int j = 0; j < mt; j++) {
+                    float v = out[j];
+                    if (mins)
+                        for (int64_t g = 0; g < groups; g++) v += rm[g] * xsum[(j0 + j) * groups + g];
+                    v += bias ? load_scalar(dtype, bias, r) : 0.f;
+                    store_scalar(dtype, y, (j0 + j) * n + r, v);
+                }
+            }
+        }
+        free(rs);
+    }
+    free(xf);
+    return failed ? -1 : 0;
+}
+
+/* The dense `[n, k]` weight in `dtype`: scale * q (+ min) in fp32 (two roundings, as infer/quant_weights.py's
+ * dequantize), rounded once to dtype. For multi-row products through the GEMM. Returns -2 on a bad shape. */
+int infer_qdequant(int fmt, const uint8_t *codes, int sdtype, const void *scales, const void *mins, int dtype,
+                   void *out, int64_t n, int64_t k, int64_t group, int threads) {
+    if (k <= 0 || group <= 0 || k % QCHUNK || group % QCHUNK || k % group || (fmt != Q8 && fmt != Q4)) return -2;
+    int64_t groups = k / group, row_bytes = fmt == Q8 ? k : k / 2, run_bytes = fmt == Q8 ? QCHUNK : QCHUNK / 2;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        float w[QCHUNK];
+        for (int64_t i = 0; i < k; i += QCHUNK) {
+            int64_t g = r * groups + i / group;
+            float s = load_scale(sdtype, scales, g), lo = mins ? load_scale(sdtype, mins, g) : 0.f;
+            codes_chunk(fmt, codes + r * row_bytes + i / QCHUNK * run_bytes, w);
+            for (int t = 0; t < QCHUNK; t++) {
+                float v = s * w[t];
+                if (mins) v = v + lo;
+                store_scalar(dtype, out, r * k + i + t, v);
+            }
+        }
+    }
+    return 0;
 }

@@ -25,8 +25,11 @@ from pathlib import Path
 
 import torch
 
+from infer.quant_weights import QuantizedWeight
+
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+QFORMATS = {"q8": 0, "q4": 1}  # QuantizedWeight.fmt -> cpu_decode.c's Q8 / Q4
 
 # Compiler flags per flavour: "native" is the widest path the CPU has; the others switch paths off (x86).
 FLAVOURS: dict[str, tuple[str, ...]] = {
@@ -70,6 +73,15 @@ class NativeKernels:
         lib.infer_qattn_paged.restype = ctypes.c_int
         self._qattn_paged = lib.infer_qattn_paged
         self._rms_norm, self._rope, self._gated = lib.infer_rms_norm, lib.infer_rope, lib.infer_gated
+        # fmt, codes, scale dtype, scales, mins, dtype, x, bias, y, m, n, k, group, threads
+        lib.infer_qgemv.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] + [ctypes.c_int] + [ctypes.c_void_p] * 2
+                                    + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int])
+        lib.infer_qgemv.restype = ctypes.c_int
+        # fmt, codes, scale dtype, scales, mins, dtype, out, n, k, group, threads
+        lib.infer_qdequant.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] + [ctypes.c_int] + [ctypes.c_void_p] * 2
+                                       + [ctypes.c_int] + [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int])
+        lib.infer_qdequant.restype = ctypes.c_int
+        self._qgemv, self._qdequant = lib.infer_qgemv, lib.infer_qdequant
         self._gemv = lib.infer_gemv
         self._read = lib.infer_read
         self.path = path
@@ -98,6 +110,48 @@ class NativeKernels:
         if self._gemv(DTYPE_CODES[weight.dtype], weight.data_ptr(), x.data_ptr(),
                       None if bias is None else bias.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads()):
             raise MemoryError(f"the native GEMV could not allocate {4 * k} bytes to widen x")
+        return out
+
+    def takes(self, weight: QuantizedWeight) -> bool:
+        """Whether `quantized_gemv` and `dequantize` take this quantized weight: contiguous CPU tensors whose
+        scales are float16 or float32."""
+        return (weight.device.type == "cpu" and weight.scales.dtype in (torch.float16, torch.float32)
+                and all(t.is_contiguous() for t in weight.tensors()))
+
+    def quantized_gemv(self, weight: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+        """`x @ W.T (+ bias)` for the rows of `x` `[..., k]` and the quantized `weight` (infer/quant_weights.py), in
+        x's dtype (fp32 sums rounded once); the codes are read once per four rows of x and never dequantized to
+        memory. The caller has checked `takes(weight)`."""
+        n, k = weight.shape
+        lead = x.shape[:-1]
+        xs = _dense(x.reshape(-1, k))
+        if xs.dtype not in self.dtypes:
+            xs = xs.float()
+        if bias is not None:
+            bias = _dense(bias.to(xs.dtype))
+        out = torch.empty(xs.shape[0], n, dtype=xs.dtype)
+        mins = weight.mins
+        code = self._qgemv(QFORMATS[weight.fmt], weight.codes.data_ptr(), DTYPE_CODES[weight.scales.dtype],
+                           weight.scales.data_ptr(), None if mins is None else mins.data_ptr(),
+                           DTYPE_CODES[xs.dtype], xs.data_ptr(), None if bias is None else bias.data_ptr(),
+                           out.data_ptr(), xs.shape[0], n, k, weight.group, torch.get_num_threads())
+        if code == -1:
+            raise MemoryError(f"the native quantized GEMV could not allocate {4 * xs.numel()} bytes to widen x")
+        if code:
+            raise ValueError(f"the native quantized GEMV takes k and group multiples of 32 (k={k}, "
+                             f"group={weight.group})")
+        return out.reshape(*lead, n).to(x.dtype)
+
+    def dequantize(self, weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+        """The dense weight in `dtype` (a dtype in `dtypes`), bit for bit `weight.dequantize(dtype)`."""
+        n, k = weight.shape
+        out = torch.empty(n, k, dtype=dtype)
+        mins = weight.mins
+        if self._qdequant(QFORMATS[weight.fmt], weight.codes.data_ptr(), DTYPE_CODES[weight.scales.dtype],
+                          weight.scales.data_ptr(), None if mins is None else mins.data_ptr(), DTYPE_CODES[dtype],
+                          out.data_ptr(), n, k, weight.group, torch.get_num_threads()):
+            raise ValueError(f"the native dequantizer takes k and group multiples of 32 (k={k}, group={weight.group})")
         return out
 
     # The small ops of a one-token step (see cpu_decode.c): each the PyTorch formula of infer/models/transformer.py

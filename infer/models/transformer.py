@@ -13,6 +13,7 @@ Module names are Hugging Face's, so checkpoint keys load without renaming.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import cast
 
 import torch
@@ -27,6 +28,7 @@ from infer.families import FAMILIES
 from infer.kernels import triton_available
 from infer.kernels.native import NativeKernels, native_gemv, native_kernels, unavailable_reason
 from infer.memory import empty_on_huge_pages
+from infer.quant_weights import QuantizedWeight, concat_rows
 from infer.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
 # Kernels of one-row (decode) products; "linear" is the unoptimised form, the others are chosen by measurement.
@@ -104,6 +106,129 @@ def fuse_linears(parts: list[Linear], huge_pages: bool = False) -> Linear:
     return fused
 
 
+class QuantizedLinear(nn.Module):
+    """A Linear whose weight is stored as codes and scales (infer/quant_weights.py), beside Linear: the same
+    traits (`upcast`, `gemv`, `all_rows`), outputs in the activations' dtype.
+
+    "linear", the unoptimised form and the check, dequantizes the weight (`QuantizedWeight.dequantize`) and
+    calls F.linear. "native" runs the compiled kernel on the codes for up to `native_rows` rows of input (decode
+    steps, the engine's batches, short chunks): codes read once, widened in registers, fp32 sums; longer inputs
+    dequantize with the native dequantizer (bit-equal to the reference) into the GEMM. "triton" runs the
+    Triton kernel (infer/kernels/qgemv.py) on as many rows."""
+
+    upcast: torch.dtype | None = None
+    gemv: str = "linear"
+    all_rows: bool = True
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    native_rows = 16  # rows up to which the native kernel beats dequantize + GEMM (infer.tuning times it)
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.scheme, self.group = weight.scheme, weight.group
+        self.register_buffer("codes", weight.codes)
+        self.register_buffer("scales", weight.scales)
+        self.register_buffer("mins", weight.mins)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def qweight(self) -> QuantizedWeight:
+        """The stored weight (views of this module's buffers)."""
+        return QuantizedWeight(self.scheme, self.codes, self.scales, self.mins, self.group)
+
+    one_row = Linear.one_row
+    fuses = Linear.fuses  # every product, or the native kernel's (every output its own row's sum)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if self.gemv == "native" and rows <= self.native_rows and not x.requires_grad:
+            return native_kernels_or_raise().quantized_gemv(self.qweight, x, self.bias)
+        if self.gemv == "triton" and rows <= self.native_rows and not x.requires_grad:
+            from infer.kernels.qgemv import triton_qgemm  # imported where Triton is (decode_gemv's setter)
+
+            out = triton_qgemm(self.qweight, x)
+            return out if self.bias is None else out + self.bias.to(out.dtype)
+        dtype = x.dtype if self.upcast is None or rows == 1 else self.upcast
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(x.to(dtype), self.dense(dtype), bias).to(x.dtype)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dequantized weight in `dtype`: the native dequantizer under the native form, else the reference."""
+        kernels = native_kernels() if self.gemv == "native" else None
+        if kernels is not None and kernels.takes(self.qweight) and dtype in kernels.dtypes:
+            return kernels.dequantize(self.qweight, dtype)
+        return self.qweight.dequantize(dtype)
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embeddings read from a quantized weight (the tied LM head's, or a GGUF file's): each looked-up row
+    dequantized (`QuantizedWeight.dequantize`'s formula) to the model's dtype."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.scheme, self.group, self.dtype = weight.scheme, weight.group, dtype
+        self.register_buffer("codes", weight.codes)
+        self.register_buffer("scales", weight.scales)
+        self.register_buffer("mins", weight.mins)
+
+    @property
+    def qweight(self) -> QuantizedWeight:
+        """The stored weight (views of this module's buffers)."""
+        return QuantizedWeight(self.scheme, self.codes, self.scales, self.mins, self.group)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        flat = input_ids.reshape(-1)
+        rows = self.qweight.rows(flat).dequantize(self.dtype)
+        return rows.view(*input_ids.shape, rows.shape[-1])
+
+
+Projection = Linear | QuantizedLinear
+
+
+def fuse_quantized(parts: list[QuantizedLinear]) -> QuantizedLinear | None:
+    """One QuantizedLinear computing `parts` in one product, or None where their formats differ (as
+    fuse_linears: each part's buffers become views into the fused ones, memory unchanged)."""
+    weight = concat_rows([p.qweight for p in parts])
+    if weight is None or len({p.bias is None for p in parts}) > 1:
+        return None
+    bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts if p.bias is not None])
+    fused = QuantizedLinear(weight, bias)
+    fused.upcast, fused.gemv = parts[0].upcast, parts[0].gemv
+    start = 0
+    for p in parts:
+        rows = slice(start, start + p.out_features)
+        p.codes, p.scales = weight.codes[rows], weight.scales[rows]
+        p.mins = None if weight.mins is None else weight.mins[rows]
+        if bias is not None:
+            p.bias = nn.Parameter(bias[rows], requires_grad=False)
+        start += p.out_features
+    return fused
+
+
+def native_kernels_or_raise() -> NativeKernels:
+    """This machine's native build (the quantized products' kernel), or a clear error."""
+    kernels = native_kernels()
+    if kernels is None:
+        raise RuntimeError(f"the native kernels are unavailable: {unavailable_reason()}")
+    return kernels
+
+
+def _fuse(parts: list[Projection], huge_pages: bool) -> Projection | None:
+    """The fused product of `parts`: dense ones by fuse_linears, quantized ones of one format by fuse_quantized;
+    None for a mix (a GGUF file may store q, k and v in different types)."""
+    if all(isinstance(p, Linear) for p in parts):
+        return fuse_linears(cast(list[Linear], parts), huge_pages)
+    if all(isinstance(p, QuantizedLinear) for p in parts):
+        return fuse_quantized(cast(list[QuantizedLinear], parts))
+    return None
+
+
 class RMSNorm(nn.Module):
     """RMSNorm in fp32. Llama/Qwen: `weight * x_norm.to(dtype)`; Gemma: `(x_norm * (1 + weight)).to(dtype)`."""
 
@@ -139,7 +264,7 @@ class MLP(nn.Module):
         self.__dict__["gate_up"] = None
 
     def forward(self, x: torch.Tensor, native: NativeKernels | None = None) -> torch.Tensor:
-        fused: Linear | None = self.__dict__["gate_up"]
+        fused: Projection | None = self.__dict__["gate_up"]
         if native is not None and fused is not None:  # a one-token step: act(gate) * up in one call
             return self.down_proj(native.gated(fused(x), self.gelu))
         if fused is not None and fused.fuses(x):
@@ -196,7 +321,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         B, T, _ = x.shape
-        fused: Linear | None = self.__dict__["qkv"]
+        fused: Projection | None = self.__dict__["qkv"]
         if fused is not None and fused.fuses(x):
             kv_width = self.num_kv_heads * self.head_dim
             q, k, v = fused(x).split([self.num_heads * self.head_dim, kv_width, kv_width], -1)
@@ -276,6 +401,7 @@ class Transformer(nn.Module):
         self.decode_graphs = True
         # Ids that end generation: config.json's, widened by the loader with generation_config.json's.
         self.eos_token_ids: tuple[int, ...] = config.eos_token_ids
+        self.source: Path | None = None  # the checkpoint it was loaded from (set by the loader)
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -307,20 +433,36 @@ class Transformer(nn.Module):
         keep = all_rows or self._decode_gemv == "native"
         for layer in self._decoder_layers():
             attn, mlp = layer.self_attn, layer.mlp
-            for owner, key, parts in ((attn, "qkv", [attn.q_proj, attn.k_proj, attn.v_proj]),
-                                      (mlp, "gate_up", [mlp.gate_proj, mlp.up_proj])):
+            groups: tuple[tuple[nn.Module, str, list[Projection]], ...] = (
+                (attn, "qkv", [attn.q_proj, attn.k_proj, attn.v_proj]), (mlp, "gate_up", [mlp.gate_proj, mlp.up_proj]))
+            for owner, key, parts in groups:
                 fused = owner.__dict__[key] if keep else None
                 if keep and fused is None:
-                    fused = fuse_linears(parts, self.huge_pages)
+                    fused = _fuse(parts, self.huge_pages)
                 if fused is not None:
                     fused.all_rows = all_rows
                 owner.__dict__[key] = fused
 
-    def _linears(self) -> list[Linear]:
-        """Every Linear, the fused ones included (they sit outside the module tree)."""
+    def _linears(self) -> list[Projection]:
+        """Every Linear and QuantizedLinear, the fused ones included (they sit outside the module tree)."""
         fused = [f for layer in self._decoder_layers()
                  for f in (layer.self_attn.__dict__["qkv"], layer.mlp.__dict__["gate_up"]) if f is not None]
-        return [m for m in self.modules() if isinstance(m, Linear)] + fused
+        return [m for m in self.modules() if isinstance(m, (Linear, QuantizedLinear))] + fused
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the norms are stored in it, whatever the projections' storage)."""
+        return self.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's tensors live."""
+        return self.norm.weight.device
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any projection is stored quantized (infer/quant_weights.py)."""
+        return any(isinstance(m, QuantizedLinear) for m in self.modules())
 
     def _decoder_layers(self) -> list[DecoderLayer]:
         return [cast(DecoderLayer, layer) for layer in self.layers]
@@ -340,7 +482,7 @@ class Transformer(nn.Module):
         kernels = native_kernels() if form == "native" else None
         if form == "native" and kernels is None:
             raise ValueError(f"decode_gemv='native' is unavailable here: {unavailable_reason()}; use 'auto'")
-        device = self.lm_head.weight.device
+        device = self.device
         if form == "native" and device.type != "cpu":
             raise ValueError(f"decode_gemv='native' runs on the CPU; this model is on {device.type}: use 'auto'")
         if form == "triton" and not triton_available(device.type):
@@ -349,7 +491,11 @@ class Transformer(nn.Module):
         self._decode_gemv = form
         self._lay_out_fused(self.fused_projections)
         for module in self._linears():
-            module.gemv = "linear" if kernels is not None and not kernels.supports(module.weight) else form
+            if isinstance(module, QuantizedLinear):  # torch.mv has no quantized form: the reference's
+                takes = kernels is None or kernels.takes(module.qweight)
+                module.gemv = form if form in ("native", "triton") and takes else "linear"
+            else:
+                module.gemv = "linear" if kernels is not None and not kernels.supports(module.weight) else form
 
     def _rope_of(self, layer_type: str) -> RopeConfig:
         if layer_type == SLIDING_ATTENTION and self.config.rope_local is not None:
@@ -407,7 +553,7 @@ class Transformer(nn.Module):
         attention kernel for one-token steps (a quantized cache dequantizing in the kernel)."""
         native = None
         if self.native_ops and self._decode_gemv == "native" and input_ids.numel() == 1 and not (
-                torch.is_grad_enabled() and self.lm_head.weight.requires_grad):
+                torch.is_grad_enabled() and self.norm.weight.requires_grad):
             native = native_kernels()
         reference = self.use_reference_attention
         in_kernel = backend.attends_in_kernel and input_ids.shape[1] == 1 and not reference
@@ -451,7 +597,7 @@ class Transformer(nn.Module):
             raise TypeError(f"input_ids must be int64 or int32 token ids, got {input_ids.dtype}")
         if input_ids.shape[1] == 0:
             raise ValueError("input_ids is empty: pass at least one token")
-        weights = self.embed_tokens.weight.device
+        weights = self.device
         if input_ids.device != weights:
             # Checked first: a forward on another device would also move the cached RoPE tables there.
             raise ValueError(f"input_ids are on {input_ids.device} but the model is on {weights}; "

@@ -1,0 +1,210 @@
+"""Weight-only quantization: a weight matrix stored as integer codes with scales, and the ways to make one.
+
+Two storage formats cover every scheme, so one kernel per format runs them all:
+
+  q8  int8 codes `[n, k]`, one scale per group of `group` inputs:          w = scale * q
+  q4  4-bit codes packed two to a byte `[n, k // 2]`, a scale and a min
+      per group:                                                             w = scale * q + min  (q in 0..15)
+
+Within each run of 32 inputs a q4 row stores byte j's low nibble as element j and its high nibble as element
+j + 16 (llama.cpp's Q4_0/Q4_1 order, so those blocks are copied as they are). Scales and mins are float16
+where the source stores them so (exact), else float32.
+
+The schemes (`QuantizedWeight.scheme`, recorded when a model is saved):
+  "int8"  symmetric per output channel (group = k), float32 scales: made here from float weights
+  "int4"  asymmetric group-wise (groups of 32, 64 or 128 inputs), float16 scales and mins: made here
+  "Q8_0", "Q4_0", "Q4_1", "Q4_K"  a GGUF file's blocks re-laid out without changing a value: Q4_0's
+          `d * (q - 8)` is `d * q + (-8 d)`, exact in fp32; Q4_K's per-32 `d * sc` and `dmin * m` are the fp32
+          products llama.cpp forms (so its scales are float32)
+
+`dequantize` is the reference every kernel is held to: `scale * q (+ min)` in fp32, two roundings, as
+llama.cpp's dequantization and `infer.gguf_quants` compute them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from infer.gguf_quants import QK_K, _k_scales
+
+CHUNK = 32  # inputs per packed run; groups are whole runs
+INT4_GROUPS = (32, 64, 128)
+SCHEMES = ("int8", "int4")  # what load_model(..., weights=) makes from float weights
+STORED_KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")  # GGUF block types run as stored
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One `[n, k]` weight as codes and per-group scales (and mins, q4). Immutable: slicing rows or moving
+    devices makes a new one."""
+
+    scheme: str  # "int8" | "int4" | one of STORED_KINDS: what made the codes
+    codes: torch.Tensor  # q8: int8 [n, k]; q4: uint8 [n, k // 2]
+    scales: torch.Tensor  # [n, k // group], float16 or float32
+    mins: torch.Tensor | None  # q4: [n, k // group], the scales' dtype; q8: None
+    group: int
+
+    @property
+    def fmt(self) -> str:
+        """The storage format: "q8" or "q4"."""
+        return "q8" if self.codes.dtype == torch.int8 else "q4"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """`(n, k)`: output rows and inputs of the dense weight."""
+        n, width = self.codes.shape
+        return n, width * (2 if self.fmt == "q4" else 1)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the codes live."""
+        return self.codes.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of codes, scales and mins."""
+        return sum(t.nbytes for t in self.tensors())
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Codes, scales and (q4) mins."""
+        return (self.codes, self.scales) if self.mins is None else (self.codes, self.scales, self.mins)
+
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        """The same weight on `device`."""
+        mins = None if self.mins is None else self.mins.to(device)
+        return replace(self, codes=self.codes.to(device), scales=self.scales.to(device), mins=mins)
+
+    def rows(self, index: torch.Tensor | slice) -> QuantizedWeight:
+        """The weight of the rows `index` (a slice keeps views; an index tensor copies)."""
+        mins = None if self.mins is None else self.mins[index]
+        return replace(self, codes=self.codes[index], scales=self.scales[index], mins=mins)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense `[n, k]` weight: `scale * q (+ min)` in fp32, then rounded once to `dtype`."""
+        n, k = self.shape
+        q = unpack_q4(self.codes) if self.fmt == "q4" else self.codes
+        q = q.float().reshape(n, k // self.group, self.group)
+        w = q * self.scales.float().unsqueeze(-1)
+        if self.mins is not None:
+            w = w + self.mins.float().unsqueeze(-1)
+        return w.reshape(n, k).to(dtype)
+
+
+def unpack_q4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 codes 0..15 `[n, k]` from packed `[n, k // 2]` (per run of 32: low nibbles, then high ones)."""
+    n = packed.shape[0]
+    runs = packed.reshape(n, -1, 1, CHUNK // 2)
+    return torch.cat((runs & 0x0F, runs >> 4), dim=2).reshape(n, -1)
+
+
+def pack_q4(q: torch.Tensor) -> torch.Tensor:
+    """The inverse of `unpack_q4`: codes 0..15 `[n, k]` (k a multiple of 32) packed two to a byte."""
+    n = q.shape[0]
+    runs = q.to(torch.uint8).reshape(n, -1, 2, CHUNK // 2)
+    return (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(n, -1)
+
+
+def _check_matrix(weight: torch.Tensor, name: str) -> None:
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"{name}: only 2-D float weights are quantized, got {tuple(weight.shape)} {weight.dtype}")
+    if weight.shape[1] % CHUNK:
+        raise ValueError(f"{name}: {weight.shape[1]} inputs are not a multiple of {CHUNK}; "
+                         "keep this model's weights dense (weights=None)")
+
+
+def quantize_int8(weight: torch.Tensor, name: str = "weight") -> QuantizedWeight:
+    """Symmetric int8 per output channel: scale = max |w| / 127 in fp32, q = round(w / scale)."""
+    _check_matrix(weight, name)
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1, keepdim=True) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(w / safe).clamp_(-127, 127).to(torch.int8)
+    return QuantizedWeight("int8", codes, scale, None, weight.shape[1])
+
+
+def quantize_int4(weight: torch.Tensor, group: int = 32, name: str = "weight") -> QuantizedWeight:
+    """Asymmetric int4 over groups of `group` inputs: min and scale = (max - min) / 15 of each group, stored in
+    float16, q = round((w - min) / scale) in 0..15 against the stored (rounded) min and scale."""
+    _check_matrix(weight, name)
+    if group not in INT4_GROUPS:
+        raise ValueError(f"group_size must be one of {INT4_GROUPS}, got {group!r}")
+    n, k = weight.shape
+    if k % group:
+        raise ValueError(f"{name}: {k} inputs are not a multiple of group_size={group}; "
+                         f"use a group size dividing {k}")
+    w = weight.detach().float().reshape(n, k // group, group)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    mins = lo.to(torch.float16)
+    scales = ((hi - mins.float()) / 15.0).to(torch.float16)
+    step = scales.float().unsqueeze(-1)
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    q = torch.round((w - mins.float().unsqueeze(-1)) / safe).clamp_(0, 15)
+    return QuantizedWeight("int4", pack_q4(q.reshape(n, k)), scales, mins, group)
+
+
+def quantize(weight: torch.Tensor, scheme: str, group: int = 32, name: str = "weight") -> QuantizedWeight:
+    """`weight` under `scheme` ("int8" or "int4", the latter in groups of `group`; a matrix whose inputs `group`
+    does not divide takes the largest smaller group size that does, as llama.cpp falls back per tensor)."""
+    if scheme == "int8":
+        return quantize_int8(weight, name)
+    if scheme == "int4":
+        if group not in INT4_GROUPS:
+            raise ValueError(f"group_size must be one of {INT4_GROUPS}, got {group!r}")
+        fits = [g for g in INT4_GROUPS if g <= group and weight.dim() == 2 and weight.shape[1] % g == 0]
+        return quantize_int4(weight, max(fits) if fits else group, name)
+    raise ValueError(f"weights must be one of {', '.join(map(repr, SCHEMES))}, got {scheme!r}")
+
+
+# ---- GGUF blocks, re-laid out without changing a value ----
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).reshape(-1)
+
+
+def from_gguf(raw: torch.Tensor, kind: str, shape: tuple[int, int]) -> QuantizedWeight:
+    """The weight a GGUF tensor of block type `kind` (one of STORED_KINDS) and torch shape `shape` holds, as
+    codes and scales: the same values `infer.gguf_quants.dequantize` gives, bit for bit."""
+    n, k = shape
+    sizes = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
+    per_block = QK_K if kind == "Q4_K" else 32
+    if kind not in sizes:
+        raise ValueError(f"{kind} is not run as stored; supported: {', '.join(STORED_KINDS)}")
+    if k % per_block:
+        raise ValueError(f"a {kind} row of {k} values is not whole blocks of {per_block}")
+    blocks = raw.reshape(-1).view(torch.uint8).reshape(n * k // per_block, sizes[kind])
+    if kind == "Q8_0":
+        codes = blocks[:, 2:].contiguous().view(torch.int8).reshape(n, k)
+        return QuantizedWeight(kind, codes, _f16(blocks, 0).reshape(n, -1).clone(), None, 32)
+    if kind == "Q4_0":
+        d = _f16(blocks, 0).float()
+        scales, mins = d, -8.0 * d
+        if bool(torch.isfinite(mins.half()).all()):  # -8 d fits float16 (always, for real weights): exact there
+            scales, mins = scales.half(), mins.half()
+        codes = blocks[:, 2:].reshape(n, k // 2).clone()
+        return QuantizedWeight(kind, codes, scales.reshape(n, -1), mins.reshape(n, -1), 32)
+    if kind == "Q4_1":
+        codes = blocks[:, 4:].reshape(n, k // 2).clone()
+        return QuantizedWeight(kind, codes, _f16(blocks, 0).reshape(n, -1).clone(),
+                               _f16(blocks, 2).reshape(n, -1).clone(), 32)
+    # Q4_K: super-blocks of 256 in 8 sub-blocks of 32, 6-bit scales and mins under fp16 d and dmin; each run of
+    # 32 bytes holds sub-block 2j in its low nibbles and 2j + 1 in its high ones.
+    sc, mn = _k_scales(blocks[:, 4:16])
+    scales = _f16(blocks, 0).float().unsqueeze(1) * sc
+    mins = -(_f16(blocks, 2).float().unsqueeze(1) * mn)
+    packed = blocks[:, 16:].reshape(-1, 4, 32)
+    q = torch.stack((packed & 0x0F, packed >> 4), dim=2).reshape(n, k)  # element order restored
+    return QuantizedWeight(kind, pack_q4(q), scales.reshape(n, -1), mins.reshape(n, -1), 32)
+
+
+def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
+    """One weight holding `parts`' rows in order (a fused projection), or None where they differ in scheme,
+    group or scale dtype (GGUF files may mix block types across q, k and v)."""
+    first = parts[0]
+    if any(p.scheme != first.scheme or p.group != first.group or p.scales.dtype != first.scales.dtype
+           or p.shape[1] != first.shape[1] for p in parts):
+        return None
+    mins = None if first.mins is None else torch.cat([p.mins for p in parts if p.mins is not None])
+    return QuantizedWeight(first.scheme, torch.cat([p.codes for p in parts]),
+                           torch.cat([p.scales for p in parts]), mins, first.group)

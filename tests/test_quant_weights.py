@@ -1,0 +1,371 @@
+"""Quantized weights (infer/quant_weights.py): the formats against their definitions, the GGUF re-layout against
+llama.cpp's dequantization, the native kernels against dequantize-then-matmul on every instruction-set path, and
+whole models against the same model holding the dequantized weights, and that model against transformers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+import infer
+from infer.errors import CheckpointError
+from infer.gguf_quants import dequantize as gguf_dequantize
+from infer.kernels.native import FLAVOURS, FLAVOUR_NEEDS, native_kernels
+from infer.models.transformer import Linear, QuantizedEmbedding, QuantizedLinear
+from infer.quant_weights import (STORED_KINDS, QuantizedWeight, from_gguf, pack_q4, quantize_int4, quantize_int8,
+                                 unpack_q4)
+from reference.checkpoints import build_checkpoint
+from reference.oracle import Oracle
+from tests.helpers import assert_close
+from tests.test_gguf import random_blocks
+
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text"]
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":")[1].split()}
+
+
+FLAGS = cpu_flags()
+RUNNABLE = [f for f in FLAVOURS if all(flag in FLAGS for flag in FLAVOUR_NEEDS[f])]
+
+
+def kernels_or_skip(flavour: str = "native") -> Any:
+    kernels = native_kernels(flavour)
+    if kernels is None:
+        pytest.skip(f"no native build for {flavour}")
+    return kernels
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The formats.
+
+@given(n=st.integers(1, 6), runs=st.integers(1, 4), seed=st.integers(0, 2**31))
+def test_q4_packing_round_trips_in_llama_cpps_order(n: int, runs: int, seed: int) -> None:
+    q = torch.randint(0, 16, (n, 32 * runs), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+    packed = pack_q4(q)
+    assert packed.shape == (n, 16 * runs) and torch.equal(unpack_q4(packed), q)
+    # byte j of a run: element j in the low nibble, element j + 16 in the high one (ggml's Q4_0 order)
+    assert torch.equal(packed[:, :16] & 0x0F, q[:, :16]) and torch.equal(packed[:, :16] >> 4, q[:, 16:32])
+
+
+@given(n=st.integers(1, 8), runs=st.integers(1, 6), seed=st.integers(0, 2**31), spread=st.floats(1e-3, 1e3))
+def test_int8_is_symmetric_per_channel_within_half_a_step(n: int, runs: int, seed: int, spread: float) -> None:
+    w = torch.randn(n, 32 * runs, generator=torch.Generator().manual_seed(seed)) * spread
+    q = quantize_int8(w)
+    assert q.fmt == "q8" and q.group == w.shape[1] and q.mins is None and q.scales.dtype == torch.float32
+    assert int(q.codes.abs().max()) <= 127
+    assert (q.codes.abs().amax(dim=1) == 127).all()  # each row's largest weight uses the full range
+    step = q.scales.float()
+    assert ((w - q.dequantize()).abs() <= step / 2 * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@given(n=st.integers(1, 6), seed=st.integers(0, 2**31), shift=st.floats(-5, 5))
+def test_int4_is_asymmetric_per_group_within_half_a_step(group: int, n: int, seed: int, shift: float) -> None:
+    w = torch.randn(n, 256, generator=torch.Generator().manual_seed(seed)) + shift
+    q = quantize_int4(w, group)
+    assert q.fmt == "q4" and q.group == group and q.scales.shape == (n, 256 // group)
+    assert q.scales.dtype == q.mins.dtype == torch.float16  # type: ignore[union-attr]
+    codes = unpack_q4(q.codes)
+    assert int(codes.max()) <= 15
+    err = (w - q.dequantize()).abs().reshape(n, -1, group)
+    step = q.scales.float().unsqueeze(-1)
+    # half a step, plus the float16 rounding of the stored min and scale (relative 2^-11 of the group's values)
+    slack = 2**-10 * w.abs().reshape(n, -1, group).amax(dim=-1, keepdim=True) + 1e-6
+    assert (err <= step / 2 + slack).all()
+
+
+def test_quantizers_refuse_what_they_cannot_hold() -> None:
+    with pytest.raises(ValueError, match="group_size must be one of"):
+        quantize_int4(torch.randn(4, 96), 48)
+    with pytest.raises(ValueError, match="q_proj.weight: 96 inputs are not a multiple of group_size=64"):
+        quantize_int4(torch.randn(4, 96), 64, "q_proj.weight")
+    with pytest.raises(ValueError, match="40 inputs are not a multiple of 32"):
+        quantize_int8(torch.randn(4, 40))
+    with pytest.raises(ValueError, match="only 2-D float weights"):
+        quantize_int8(torch.randn(64))
+
+
+@pytest.mark.parametrize("kind", STORED_KINDS)
+@given(rows=st.integers(1, 5), blocks=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+def test_gguf_blocks_kept_as_stored_dequantize_as_llama_cpp(kind: str, rows: int, blocks: int, seed: int) -> None:
+    per_block = 256 if kind == "Q4_K" else 32
+    raw = torch.from_numpy(random_blocks(kind, rows * blocks, seed).copy())
+    weight = from_gguf(raw, kind, (rows, blocks * per_block))
+    expected = gguf_dequantize(raw, kind, (rows, blocks * per_block))
+    assert weight.scheme == kind and weight.group == 32
+    # Equal values (Q4_0's d * q + (-8 d) gives +0 where llama.cpp's (q - 8) * d gives -0 for a negative d).
+    assert np.array_equal(weight.dequantize().numpy(), expected.numpy()), kind
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The native kernels, every path this CPU runs, against dequantize-then-matmul.
+
+def weight_of(scheme: str, n: int, k: int, group: int, seed: int) -> QuantizedWeight:
+    """A quantized weight of every storage variant the kernels meet: int8 per channel (fp32 scales), int4 (fp16),
+    Q8_0 (int8 codes, fp16 scales per 32) and Q4_K's fp32 scales and mins."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 4
+    if scheme == "int8":
+        return quantize_int8(w)
+    if scheme == "int4":
+        return quantize_int4(w, group)
+    if scheme == "Q8_0":
+        codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        return QuantizedWeight("Q8_0", codes, (torch.rand(n, k // 32, generator=g) / 50).half(), None, 32)
+    q = quantize_int4(w, 32)
+    return QuantizedWeight("Q4_K", q.codes, q.scales.float() * 1.001, q.mins.float() * 0.999,  # type: ignore[union-attr]
+                           32)
+
+
+def reference_product(weight: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    ref = x.double() @ weight.dequantize().double().T
+    return ref if bias is None else ref + bias.double()
+
+
+@pytest.mark.parametrize("flavour", RUNNABLE)
+@given(scheme=st.sampled_from(["int8", "int4", "Q8_0", "Q4_K"]), n=st.integers(1, 40), runs=st.integers(1, 8),
+       group=st.sampled_from([32, 64, 128]), m=st.integers(1, 9), dtype=st.sampled_from(["float32", "bfloat16"]),
+       with_bias=st.booleans(), seed=st.integers(0, 2**31))
+@settings(max_examples=40, deadline=None)
+def test_native_quantized_gemv_is_dequantize_then_matmul(flavour: str, scheme: str, n: int, runs: int, group: int,
+                                                         m: int, dtype: str, with_bias: bool, seed: int) -> None:
+    kernels = kernels_or_skip(flavour)
+    group = group if scheme == "int4" else 32
+    k = max(runs * 32 // group, 1) * group
+    weight = weight_of(scheme, n, k, group, seed)
+    torch_dtype = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=g).to(torch_dtype)
+    bias = torch.randn(n, generator=g).to(torch_dtype) if with_bias else None
+    got = kernels.quantized_gemv(weight, x, bias)
+    assert got.dtype == torch_dtype and got.shape == (m, n)
+    exact = reference_product(weight, x, bias)
+    # fp32 sums in another order (and, bf16 q4, codes offset by 128): a few fp32 ulps of the summed magnitudes;
+    # then one rounding to the output dtype.
+    magnitude = x.double().abs() @ (weight.dequantize().double().abs() + 128 * weight.scales.double().abs()
+                                    .repeat_interleave(weight.group, dim=1)).T
+    ulp = 2.0**-8 if torch_dtype == torch.bfloat16 else 0.0
+    bound = 1e-6 * magnitude + ulp * exact.abs() + 1e-30
+    err = (got.double() - exact).abs()
+    assert (err <= bound).all(), f"{flavour} {scheme}: max excess {(err - bound).max().item():.3g}"
+
+
+@pytest.mark.parametrize("flavour", RUNNABLE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_dequantize_is_the_reference_bit_for_bit(flavour: str, dtype: torch.dtype) -> None:
+    kernels = kernels_or_skip(flavour)
+    if dtype not in kernels.dtypes:
+        pytest.skip(f"{flavour} computes no {dtype}")
+    for scheme in ("int8", "int4", "Q8_0", "Q4_K"):
+        weight = weight_of(scheme, 19, 256, 64, 7)
+        assert torch.equal(kernels.dequantize(weight, dtype), weight.dequantize(dtype)), scheme
+
+
+def test_native_quantized_gemv_refuses_a_bad_shape() -> None:
+    kernels = kernels_or_skip()
+    weight = quantize_int8(torch.randn(4, 64))
+    odd = QuantizedWeight("int8", weight.codes[:, :48].contiguous(), weight.scales, None, 48)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        kernels.quantized_gemv(odd, torch.randn(1, 48))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Whole models: the quantized model is the model holding the dequantized weights.
+
+def dequantized_twin(model: infer.Transformer, path: Path) -> infer.Transformer:
+    """The dense model of the same checkpoint with every quantized weight replaced by its dequantization."""
+    twin = infer.load_model(path, dtype=model.dtype, weights="dense", decode_gemv="linear")
+    for name, module in model.named_modules():
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
+            dense = twin.get_submodule(name)
+            assert isinstance(dense, (Linear, torch.nn.Embedding))
+            dense.weight.data.copy_(module.qweight.dequantize(model.dtype))
+    return twin
+
+
+def fp32_bound(reference: torch.Tensor) -> float:
+    # The quantized products sum per group in another order than MKL's GEMM: fp32 rounding, a little above the
+    # 1e-5 of the dense oracle tests.
+    return 3e-5 * max(1.0, reference.abs().max().item())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("form", ["linear", "native"])
+def test_quantized_model_is_the_model_with_dequantized_weights(arch: str, scheme: str, form: str) -> None:
+    if form == "native":
+        kernels_or_skip()
+    path = build_checkpoint(arch)
+    model = infer.load_model(path, weights=scheme, decode_gemv=form)
+    assert model.quantized and all(isinstance(m, QuantizedLinear) for m in
+                                   (model.lm_head, model.layers[0].self_attn.q_proj, model.layers[0].mlp.down_proj))
+    twin = dequantized_twin(model, path)
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
+    cache, twin_cache = (infer.create_cache("contiguous", model.config, max_seq_len=40) for _ in range(2))
+    with torch.inference_mode():
+        # prefill chunks on both sides of the native kernel's row limit, then one-token steps
+        for start, end in ((0, 5), (5, 25), (25, 30), *((t, t + 1) for t in range(30, 36))):
+            got = model(ids[:, start:end], cache, all_logits=True)
+            expected = twin(ids[:, start:end], twin_cache, all_logits=True)
+            assert_close(got, expected, fp32_bound(expected), f"{arch}/{scheme}/{form} tokens {start}:{end}")
+    if scheme == "int4":
+        assert not torch.equal(twin.lm_head.weight, infer.load_model(path).lm_head.weight)  # it did quantize
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text"])
+def test_quantized_model_equals_transformers_on_the_dequantized_checkpoint(arch: str, tmp_path: Path) -> None:
+    """The oracle: transformers on a checkpoint whose matrices are our int4 dequantization."""
+    path = build_checkpoint(arch)
+    for item in path.iterdir():
+        if item.suffix != ".safetensors" and item.is_file():
+            shutil.copy(item, tmp_path / item.name)
+    state = load_file(str(path / "model.safetensors"))
+    quantizable = [n for n, t in state.items() if t.dim() == 2 and "embed_tokens" not in n] + (
+        [n for n in state if "embed_tokens" in n] if json.loads((path / "config.json").read_text())
+        .get("tie_word_embeddings") else [])
+    save_file({n: quantize_int4(t, 32).dequantize() if n in quantizable else t for n, t in state.items()},
+              str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    model = infer.load_model(path, weights="int4", group_size=32)
+    ids = torch.randint(0, model.config.vocab_size, (2, 23), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        ours = model(ids)
+    expected = Oracle(tmp_path).logits(ids)
+    assert_close(ours, expected, fp32_bound(expected), f"{arch} int4 vs transformers")
+    assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+
+
+def test_fused_quantized_projections_are_bit_exact_under_the_native_kernel() -> None:
+    kernels_or_skip()
+    model = infer.load_model(build_checkpoint("qwen2"), weights="int4", decode_gemv="native")
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
+    steps = []
+    for fused in (False, True):
+        model.fused_projections = fused
+        cache = infer.create_cache("contiguous", model.config, max_seq_len=9)
+        with torch.inference_mode():
+            steps.append(torch.cat([model(ids[:, t : t + 1], cache) for t in range(9)]))
+    assert isinstance(model.layers[0].self_attn.__dict__["qkv"], QuantizedLinear)
+    assert torch.equal(steps[0], steps[1])
+
+
+def test_greedy_generation_is_the_dequantized_models() -> None:
+    path = build_checkpoint("llama")
+    model = infer.load_model(path, weights="int4")
+    twin = dequantized_twin(model, path)
+    params = infer.SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    prompt = [1, 5, 9, 12, 7]
+    ours = infer.generate(model, None, prompt, params).token_ids  # type: ignore[arg-type]
+    assert ours == infer.generate(twin, None, prompt, params).token_ids  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GGUF files run as stored, and quantized checkpoints saved and read back.
+
+@pytest.fixture(scope="module")
+def q_gguf(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from reference.gguf_convert import hf_to_gguf
+
+    made: dict[str, Path] = {}
+    root = tmp_path_factory.mktemp("qgguf")
+
+    def make(kind: str) -> tuple[Path, Path]:
+        # Q4_K needs rows of 256: a wider tiny Llama.
+        path = build_checkpoint("qwen3", hidden_size=256, intermediate_size=256, num_attention_heads=4, head_dim=64,
+                                num_key_value_heads=2)
+        if kind not in made:
+            made[kind] = hf_to_gguf(path, root / f"{kind}.gguf", kind)
+        return path, made[kind]
+
+    return make
+
+
+@pytest.mark.parametrize("kind", STORED_KINDS)
+def test_a_gguf_runs_as_stored_and_equals_its_dequantization(kind: str, q_gguf: Any) -> None:
+    pytest.importorskip("gguf")
+    _, file = q_gguf(kind)
+    stored = infer.load_model(file)
+    dense = infer.load_model(file, dtype="float32", decode_gemv="linear")  # dtype= dequantizes
+    assert stored.layers[0].self_attn.q_proj.scheme == kind and not dense.quantized
+    for name, module in stored.named_modules():
+        if isinstance(module, QuantizedLinear) and name != "lm_head":
+            assert torch.equal(module.qweight.dequantize(), dense.get_submodule(name).weight), name
+    ids = torch.randint(0, stored.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        got, expected = stored(ids), dense(ids)
+    assert_close(got, expected, fp32_bound(expected), kind)
+    cache = infer.create_cache("contiguous", stored.config, max_seq_len=31)
+    with torch.inference_mode():
+        stored(ids, cache)
+        step = stored(ids[:, :1], cache)
+        full = dense(torch.cat([ids, ids[:, :1]], 1))[:, -1:]
+    assert_close(step, full, fp32_bound(full), f"{kind} decode step")
+
+
+@pytest.mark.parametrize("source", ["int8", "int4", "Q4_K"])
+def test_a_quantized_model_saves_and_loads_in_one_step(source: str, q_gguf: Any, tmp_path: Path) -> None:
+    if source == "Q4_K":
+        pytest.importorskip("gguf")
+        model = infer.load_model(q_gguf("Q4_K")[1])
+    else:
+        model = infer.load_model(build_checkpoint("gemma3_text"), weights=source, group_size=64)
+    out = infer.save_quantized(model, tmp_path / "saved")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "infer"
+    assert set(config["quantization_config"]["schemes"]) == {source}
+    loaded = infer.load_model(out)
+    assert loaded.quantized and loaded.layers[0].mlp.up_proj.scheme == source
+    ids = torch.randint(0, model.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        assert torch.equal(loaded(ids), model(ids))
+        dense = infer.load_model(out, weights="dense")
+        assert not dense.quantized
+        assert_close(dense(ids), model(ids), fp32_bound(model(ids)), "dense load of a quantized checkpoint")
+    assert infer.Tokenizer(out).encode("hello there") == infer.Tokenizer(model.source).encode("hello there")
+    with pytest.raises(FileExistsError, match="not an empty folder"):
+        infer.save_quantized(model, out)
+
+
+def test_a_damaged_quantized_checkpoint_is_named(tmp_path: Path) -> None:
+    model = infer.load_model(build_checkpoint("llama"), weights="int4")
+    out = infer.save_quantized(model, tmp_path / "saved")
+    tensors = load_file(str(out / "model.safetensors"))
+    save_file(tensors, str(out / "model.safetensors"))  # the layout metadata dropped
+    with pytest.raises(CheckpointError, match="need the 'infer.quantized' metadata"):
+        infer.load_model(out)
+    layouts = {"layers.0.mlp.up_proj": {"scheme": "int4", "group": 32, "shape": [128, 64]}}
+    del tensors["layers.0.mlp.up_proj.mins"]
+    others = {n: t for n, t in tensors.items() if not n.endswith(".codes") or n.startswith("layers.0.mlp.up_proj")}
+    save_file(others, str(out / "model.safetensors"), metadata={"infer.quantized": json.dumps(layouts)})
+    with pytest.raises(CheckpointError, match="layers.0.mlp.up_proj lacks layers.0.mlp.up_proj.mins"):
+        infer.load_model(out)
+
+
+def test_bad_weight_options_are_named() -> None:
+    path = build_checkpoint("llama")
+    with pytest.raises(ValueError, match="weights must be one of"):
+        infer.load_model(path, weights="int5")
+    with pytest.raises(ValueError, match="group_size must be one of"):
+        infer.load_model(path, weights="int4", group_size=48)
+
+
+def test_a_group_size_that_does_not_divide_a_matrix_falls_back_for_that_matrix() -> None:
+    model = infer.load_model(build_checkpoint("gemma3_text"), weights="int4", group_size=128)
+    o_proj = model.layers[0].self_attn.o_proj  # 96 inputs in the tiny Gemma: 32 divides them, 64 and 128 do not
+    assert o_proj.in_features == 96 and o_proj.group == 32
+    assert model.layers[0].mlp.down_proj.group == 128
