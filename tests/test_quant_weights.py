@@ -19,10 +19,17 @@ from safetensors.torch import load_file, save_file
 import infer
 from infer.errors import CheckpointError
 from infer.gguf_quants import dequantize as gguf_dequantize
-from infer.kernels.native import FLAVOURS, FLAVOUR_NEEDS, native_kernels
+from infer.kernels.native import FLAVOUR_NEEDS, FLAVOURS, native_kernels
 from infer.models.transformer import Linear, QuantizedEmbedding, QuantizedLinear
-from infer.quant_weights import (STORED_KINDS, QuantizedWeight, from_gguf, pack_q4, quantize_int4, quantize_int8,
-                                 unpack_q4)
+from infer.quant_weights import (
+    STORED_KINDS,
+    QuantizedWeight,
+    from_gguf,
+    pack_q4,
+    quantize_int4,
+    quantize_int8,
+    unpack_q4,
+)
 from reference.checkpoints import build_checkpoint
 from reference.oracle import Oracle
 from tests.helpers import assert_close

@@ -35,17 +35,10 @@ from infer.rope import apply_rope, inverse_frequencies, rope_cos_sin
 GEMV_FORMS = ("linear", "mv", "native", "triton")
 
 
-class Linear(nn.Linear):
-    """nn.Linear with an optional wider dtype for multi-token matmuls (`upcast`) and a choice of kernel for
-    the one-row decode product (`gemv`).
+class ProjectionTraits:
+    """What Linear and QuantizedLinear share: the prefill dtype, the decode kernel and the fused-product rule."""
 
-    CPUs without bf16 matrix units run a bf16 GEMM several times slower than an fp32 one, so prefill
-    can upcast; a one-token decode GEMV is bandwidth-bound and stays in the weights' dtype. For that one
-    row, `F.linear` may take a GEMM kernel that streams the weights slower than `torch.mv` does (oneDNN's
-    AMX path with a single row), and both stream slower than the native kernel (infer/kernels/cpu_decode.c):
-    `gemv` is chosen by measurement (infer.tuning); "linear" is the unoptimised form and the check.
-    """
-
+    in_features: int
     upcast: torch.dtype | None = None
     gemv: str = "linear"  # "linear" | "mv" | "native" | "triton": the kernel of a one-row product
     # A fused Linear (fuse_linears) computes its parts' products: all of them, or only one-row native ones.
@@ -60,6 +53,18 @@ class Linear(nn.Linear):
         (`all_rows`, not bit-exact: a GEMM over more rows may block its sums differently), or only where the
         native kernel takes one row: there every output is its own row's sum, so fusing changes no bit."""
         return self.all_rows or (self.gemv == "native" and self.one_row(x))
+
+
+class Linear(ProjectionTraits, nn.Linear):
+    """nn.Linear with an optional wider dtype for multi-token matmuls (`upcast`) and a choice of kernel for
+    the one-row decode product (`gemv`).
+
+    CPUs without bf16 matrix units run a bf16 GEMM several times slower than an fp32 one, so prefill
+    can upcast; a one-token decode GEMV is bandwidth-bound and stays in the weights' dtype. For that one
+    row, `F.linear` may take a GEMM kernel that streams the weights slower than `torch.mv` does (oneDNN's
+    AMX path with a single row), and both stream slower than the native kernel (infer/kernels/cpu_decode.c):
+    `gemv` is chosen by measurement (infer.tuning); "linear" is the unoptimised form and the check.
+    """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv != "linear" and self.one_row(x):
@@ -106,7 +111,7 @@ def fuse_linears(parts: list[Linear], huge_pages: bool = False) -> Linear:
     return fused
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(ProjectionTraits, nn.Module):
     """A Linear whose weight is stored as codes and scales (infer/quant_weights.py), beside Linear: the same
     traits (`upcast`, `gemv`, `all_rows`), outputs in the activations' dtype.
 
@@ -116,9 +121,6 @@ class QuantizedLinear(nn.Module):
     dequantize with the native dequantizer (bit-equal to the reference) into the GEMM. "triton" runs the
     Triton kernel (infer/kernels/qgemv.py) on as many rows."""
 
-    upcast: torch.dtype | None = None
-    gemv: str = "linear"
-    all_rows: bool = True
     codes: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
@@ -137,9 +139,6 @@ class QuantizedLinear(nn.Module):
     def qweight(self) -> QuantizedWeight:
         """The stored weight (views of this module's buffers)."""
         return QuantizedWeight(self.scheme, self.codes, self.scales, self.mins, self.group)
-
-    one_row = Linear.one_row
-    fuses = Linear.fuses  # every product, or the native kernel's (every output its own row's sum)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
