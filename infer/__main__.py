@@ -111,9 +111,21 @@ def _quality(args: argparse.Namespace) -> int:
     model = load_with_args(path, args)
     choose_threads(model, forced=args.threads)
     ids = text_ids(Tokenizer(path), text, args.tokens)
-    rows = measure(model, ids, kinds, args.prefill, progress=True)
+    if args.compare_weights:
+        from infer.loader import load_model
+        from infer.quality import measure_weights
+
+        forms = [w for w in args.compare_weights.split(",") if w]
+        dense = load_model(path, dtype=args.dtype, weights="dense")
+        models = {f"{w} weights": load_model(path, dtype=args.dtype, weights=w, group_size=args.group_size)
+                  for w in forms}
+        rows = measure_weights(dense, models, ids, args.prefill, progress=True)
+        against = "the dense (dequantized) weights, exact caches"
+    else:
+        rows = measure(model, ids, kinds, args.prefill, progress=True)
+        against = "the exact contiguous cache"
     print(f"model {path}, {args.dtype}, text {args.text!r}: {len(ids)} tokens, {args.prefill} prefilled, "
-          f"{len(ids) - args.prefill} next-token predictions per kind, each against the exact contiguous cache")
+          f"{len(ids) - args.prefill} next-token predictions per row, each against {against}")
     print(format_quality(rows))
     if args.json:
         import json
@@ -173,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     qual.add_argument("--text", default="prose", help="prose | code (shipped texts) or a UTF-8 file")
     qual.add_argument("--tokens", type=int, default=512, help="tokens of the text to read")
     qual.add_argument("--prefill", type=int, default=16, help="tokens prefilled before the one-token steps")
+    qual.add_argument("--compare-weights", default=None, metavar="FORMS",
+                      help="instead of cache kinds: comma-separated weight storages (int8, int4, stored) against the "
+                           "dense weights")
     qual.add_argument("--json", default=None, help="write the figures here")
     qual.set_defaults(run=_quality)
     fetch = sub.add_parser("fetch", help="fetch the default model (SmolLM2-135M-Instruct) into the local store once")

@@ -122,6 +122,34 @@ def measure(model: Transformer, ids: Sequence[int], kinds: Sequence[str], prefil
     return results
 
 
+def weight_bytes(model: Transformer) -> int:
+    """Bytes of the weights a decode step reads: every parameter and quantized buffer, the embedding only where it
+    is the tied LM head (stored once)."""
+    stored = [*model.named_parameters(), *model.named_buffers()]
+    tied = model.config.tie_word_embeddings
+    return sum(t.nbytes for name, t in stored if tied or not name.startswith("embed_tokens"))
+
+
+def measure_weights(reference: Transformer, models: dict[str, Transformer], ids: Sequence[int], prefill: int = 16,
+                    progress: bool = False) -> list[KindQuality]:
+    """Each of `models` (the same checkpoint with its weights stored otherwise: int8, int4, a GGUF file's types)
+    against `reference` (the dense weights), teacher-forced over `ids` through exact caches; the bytes columns
+    are the weights' (`weight_bytes`)."""
+    bar = tqdm(total=len(models) + 1, desc="quality", unit="model", disable=not progress)
+    exact, _ = teacher_forced_logits(reference, EXACT_REFERENCE, ids, prefill)
+    exact_bytes = weight_bytes(reference)
+    bar.update()
+    targets = torch.tensor(list(ids[prefill:]))
+    rows = []
+    for label, model in models.items():
+        bar.set_postfix_str(label)
+        lossy, _ = teacher_forced_logits(model, EXACT_REFERENCE, ids, prefill)
+        rows.append(compare(label, exact, lossy, targets, weight_bytes(model), exact_bytes))
+        bar.update()
+    bar.close()
+    return rows
+
+
 def format_quality(rows: Sequence[KindQuality]) -> str:
     """The table a person reads."""
     head = f"{'cache':>10}  {'top-1':>6}  {'mean KL':>9}  {'max |dlogit|':>12}  {'ppl':>8}  {'ppl ratio':>9}  " \

@@ -2,9 +2,10 @@
 back as stored, in one step each way.
 
 The folder holds config.json (the source's, with a `quantization_config` naming the schemes), model.safetensors
-(each quantized weight as `<module>.codes`, `.scales` and, for 4-bit formats, `.mins`, described in the file's
-`infer.quantized` metadata; norms, biases and any dense weight as usual) and the source's tokenizer files
-(rebuilt from the metadata for a GGUF source).
+and the source's tokenizer files (rebuilt from the metadata for a GGUF source). In model.safetensors each
+quantized weight is `<module>.codes`, `.scales` and, for 4-bit formats, `.mins`, described by module name in the
+file's `infer.quantized` metadata; norms, biases and any dense weight are stored as usual; the decoder's tensors
+sit under `model.`, as Hugging Face names them.
 """
 
 from __future__ import annotations
@@ -59,8 +60,10 @@ def save_quantized(model: Transformer, path: str | Path) -> Path:
     raw.pop("dtype", None)
     if schemes:
         raw["quantization_config"] = {"quant_method": "infer", "schemes": schemes}
-    metadata = {QUANTIZED_METADATA: json.dumps(layouts)} if layouts else None
-    save_file(tensors, str(out / "model.safetensors"), metadata=metadata)
+    metadata = {"format": "pt", **({QUANTIZED_METADATA: json.dumps(layouts)} if layouts else {})}
+    # Hugging Face's names: the decoder under "model." (the loader strips it; transformers and converters expect it).
+    named = {name if name.startswith("lm_head.") else f"model.{name}": t for name, t in tensors.items()}
+    save_file(named, str(out / "model.safetensors"), metadata=metadata)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
     _write_tokenizer(model.source, out, model.eos_token_ids)
     return out

@@ -6,16 +6,20 @@ import os
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
 from packaging.version import Version
 
+import infer
 from infer.cache import create_cache
 from infer.cache.block_manager import BlockManager
 from infer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig
 from infer.families import FAMILIES
 from infer.models import Transformer
+from infer.models.transformer import Linear, QuantizedEmbedding, QuantizedLinear
+from infer.quant_weights import QuantizedWeight, quantize_int4, quantize_int8
 
 # Chat rendering is pinned to the transformers this suite was checked against: older releases differ
 # (5.17 maps a Literal tool argument to "object", does not alias `thinking`, keeps a None `name`).
@@ -160,3 +164,47 @@ def solo_logits(model: Transformer, prompt: list[int], tokens: list[int]) -> tor
         rows = [model(torch.tensor([prompt]), cache)[0, -1]]
         rows += [model(torch.tensor([[t]]), cache)[0, -1] for t in tokens[:-1]]
     return torch.stack(rows)
+
+
+# Quantized weights (tests/test_quant_weights.py, tests/test_triton_kernels.py).
+
+def weight_of(scheme: str, n: int, k: int, group: int, seed: int) -> QuantizedWeight:
+    """A quantized weight of every storage variant the kernels meet: int8 per channel (fp32 scales), int4 (fp16),
+    Q8_0 (int8 codes, fp16 scales per 32) and Q4_K's fp32 scales and mins."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 4
+    if scheme == "int8":
+        return quantize_int8(w)
+    if scheme == "int4":
+        return quantize_int4(w, group)
+    if scheme == "Q8_0":
+        codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        return QuantizedWeight("Q8_0", codes, (torch.rand(n, k // 32, generator=g) / 50).half(), None, 32)
+    q = quantize_int4(w, 32)
+    return QuantizedWeight("Q4_K", q.codes, q.scales.float() * 1.001, q.mins.float() * 0.999,  # type: ignore[union-attr]
+                           32)
+
+
+def reference_product(weight: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ W.T (+ bias)` in fp64 for the dequantized weight: the formula the quantized kernels are held to."""
+    ref = x.double() @ weight.dequantize().double().T
+    return ref if bias is None else ref + bias.double()
+
+
+def dequantized_twin(model: infer.Transformer, path: Path) -> infer.Transformer:
+    """The dense model of the same checkpoint with every quantized weight replaced by its dequantization."""
+    twin = infer.load_model(path, dtype=model.dtype, weights="dense", decode_gemv="linear")
+    for name, module in model.named_modules():
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
+            dense = twin.get_submodule(name)
+            assert isinstance(dense, (Linear, torch.nn.Embedding))
+            dense.weight.data.copy_(module.qweight.dequantize(model.dtype))
+    return twin
+
+
+def fp32_bound(reference: torch.Tensor) -> float:
+    # The quantized products sum per group in another order than MKL's GEMM: fp32 rounding, a little above the
+    # 1e-5 of the dense oracle tests.
+    return 3e-5 * max(1.0, reference.abs().max().item())
+
+

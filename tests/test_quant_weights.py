@@ -20,7 +20,7 @@ import infer
 from infer.errors import CheckpointError
 from infer.gguf_quants import dequantize as gguf_dequantize
 from infer.kernels.native import FLAVOUR_NEEDS, FLAVOURS, native_kernels
-from infer.models.transformer import Linear, QuantizedEmbedding, QuantizedLinear
+from infer.models.transformer import QuantizedLinear
 from infer.quant_weights import (
     STORED_KINDS,
     QuantizedWeight,
@@ -32,7 +32,7 @@ from infer.quant_weights import (
 )
 from reference.checkpoints import build_checkpoint
 from reference.oracle import Oracle
-from tests.helpers import assert_close
+from tests.helpers import assert_close, dequantized_twin, fp32_bound, reference_product, weight_of
 from tests.test_gguf import random_blocks
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text"]
@@ -122,28 +122,6 @@ def test_gguf_blocks_kept_as_stored_dequantize_as_llama_cpp(kind: str, rows: int
 # ---------------------------------------------------------------------------------------------------------------
 # The native kernels, every path this CPU runs, against dequantize-then-matmul.
 
-def weight_of(scheme: str, n: int, k: int, group: int, seed: int) -> QuantizedWeight:
-    """A quantized weight of every storage variant the kernels meet: int8 per channel (fp32 scales), int4 (fp16),
-    Q8_0 (int8 codes, fp16 scales per 32) and Q4_K's fp32 scales and mins."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 4
-    if scheme == "int8":
-        return quantize_int8(w)
-    if scheme == "int4":
-        return quantize_int4(w, group)
-    if scheme == "Q8_0":
-        codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-        return QuantizedWeight("Q8_0", codes, (torch.rand(n, k // 32, generator=g) / 50).half(), None, 32)
-    q = quantize_int4(w, 32)
-    return QuantizedWeight("Q4_K", q.codes, q.scales.float() * 1.001, q.mins.float() * 0.999,  # type: ignore[union-attr]
-                           32)
-
-
-def reference_product(weight: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    ref = x.double() @ weight.dequantize().double().T
-    return ref if bias is None else ref + bias.double()
-
-
 @pytest.mark.parametrize("flavour", RUNNABLE)
 @given(scheme=st.sampled_from(["int8", "int4", "Q8_0", "Q4_K"]), n=st.integers(1, 40), runs=st.integers(1, 8),
        group=st.sampled_from([32, 64, 128]), m=st.integers(1, 9), dtype=st.sampled_from(["float32", "bfloat16"]),
@@ -193,23 +171,6 @@ def test_native_quantized_gemv_refuses_a_bad_shape() -> None:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Whole models: the quantized model is the model holding the dequantized weights.
-
-def dequantized_twin(model: infer.Transformer, path: Path) -> infer.Transformer:
-    """The dense model of the same checkpoint with every quantized weight replaced by its dequantization."""
-    twin = infer.load_model(path, dtype=model.dtype, weights="dense", decode_gemv="linear")
-    for name, module in model.named_modules():
-        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
-            dense = twin.get_submodule(name)
-            assert isinstance(dense, (Linear, torch.nn.Embedding))
-            dense.weight.data.copy_(module.qweight.dequantize(model.dtype))
-    return twin
-
-
-def fp32_bound(reference: torch.Tensor) -> float:
-    # The quantized products sum per group in another order than MKL's GEMM: fp32 rounding, a little above the
-    # 1e-5 of the dense oracle tests.
-    return 3e-5 * max(1.0, reference.abs().max().item())
-
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
@@ -356,8 +317,8 @@ def test_a_damaged_quantized_checkpoint_is_named(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="need the 'infer.quantized' metadata"):
         infer.load_model(out)
     layouts = {"layers.0.mlp.up_proj": {"scheme": "int4", "group": 32, "shape": [128, 64]}}
-    del tensors["layers.0.mlp.up_proj.mins"]
-    others = {n: t for n, t in tensors.items() if not n.endswith(".codes") or n.startswith("layers.0.mlp.up_proj")}
+    del tensors["model.layers.0.mlp.up_proj.mins"]
+    others = {n: t for n, t in tensors.items() if not n.endswith(".codes") or "layers.0.mlp.up_proj" in n}
     save_file(others, str(out / "model.safetensors"), metadata={"infer.quantized": json.dumps(layouts)})
     with pytest.raises(CheckpointError, match="layers.0.mlp.up_proj lacks layers.0.mlp.up_proj.mins"):
         infer.load_model(out)

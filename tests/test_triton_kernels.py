@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from infer.attention import attention_reference
 from infer.families import ARCHITECTURES
 from infer.kernels import triton_available
-from tests.helpers import assert_close
+from tests.helpers import assert_close, dequantized_twin, fp32_bound, weight_of
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [
@@ -358,3 +358,41 @@ def test_decode_with_the_triton_gemv_gives_the_oracle_logits(arch: str) -> None:
     # Within 1e-5 of the logit scale, as the native CPU GEMV: fp32 sums in another order than HF's GEMM.
     assert_close(steps, truth, atol=1e-5 * max(1.0, truth.abs().max().item()),
                  what=f"{arch} decode steps through triton_gemv")
+
+
+# Quantized weights (infer/kernels/qgemv.py): every storage format, rows of X crossing BLOCK_M, K crossing BLOCK_K.
+@given(st.sampled_from(["int8", "int4", "Q8_0", "Q4_K"]), st.integers(1, 40), st.integers(1, 6),
+       st.sampled_from([32, 64, 128]), st.integers(1, 9), st.sampled_from([torch.float32, torch.bfloat16]),
+       st.none() | st.sampled_from([(1, 8, 32), (4, 16, 64), (2, 32, 128)]), st.integers(0, 2**31 - 1))
+def test_triton_quantized_product_is_dequantize_then_matmul(scheme: str, n: int, runs: int, group: int, m: int,
+                                                            dtype: torch.dtype, blocks: tuple[int, int, int] | None,
+                                                            seed: int) -> None:
+    from infer.kernels.qgemv import triton_qgemm
+
+    group = group if scheme == "int4" else 32
+    k = max(runs * 32 // group, 1) * group
+    weight = weight_of(scheme, n, k, group, seed).to(DEVICE)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+    ours = triton_qgemm(weight, x, blocks)
+    exact = x.double() @ weight.dequantize().double().T
+    assert ours.dtype == dtype and ours.shape == (m, n)
+    magnitude = x.double().abs() @ weight.dequantize().double().abs().T
+    ulp = 2**-7 if dtype == torch.bfloat16 else 0.0  # one bf16 ulp, as triton_gemv's test allows
+    assert ((ours.double() - exact).abs() <= 1e-6 * magnitude + ulp * exact.abs() + 1e-30).all()
+
+
+def test_decode_with_quantized_weights_through_triton_is_the_dequantized_model() -> None:
+    import infer
+    from reference import build_checkpoint
+
+    path = build_checkpoint("qwen3")
+    model = infer.load_model(path, device=DEVICE, weights="int4", decode_gemv="triton")
+    assert model.layers[0].mlp.down_proj.gemv == "triton"
+    twin = dequantized_twin(model, path)
+    ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(2))
+    cache = infer.create_cache("contiguous", model.config, max_seq_len=6, device=DEVICE)
+    with torch.no_grad():
+        model(ids[:, :4].to(DEVICE), cache)
+        steps = torch.cat([model(ids[:, t : t + 1].to(DEVICE), cache) for t in range(4, 6)], 1).cpu()
+        truth = twin(ids)[:, 4:]
+    assert_close(steps, truth, atol=fp32_bound(truth), what="int4 decode steps through triton_qgemm")
