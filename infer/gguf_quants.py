@@ -58,6 +58,24 @@ def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
     return _f16(blocks, 0) * q + _f16(blocks, 2)
 
 
+def _fifth_bits(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """Q5_0 / Q5_1: the 32 high bits at byte `start` (a little-endian uint32), bit j for element j, as `[n, 32]`."""
+    qh = blocks[:, start : start + 4].clone(memory_format=torch.contiguous_format).view(torch.int32)  # aligned
+    return (qh >> torch.arange(32, dtype=torch.int32)) & 1
+
+
+def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    """32 five-bit values (nibbles plus a high bit each) offset by 16, scaled by `d`."""
+    q = (_nibbles(blocks[:, 6:], 16).to(torch.int32) | (_fifth_bits(blocks, 2) << 4)) - 16
+    return _f16(blocks, 0) * q.float()
+
+
+def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    """32 five-bit values scaled by `d`, plus the block's minimum `m`."""
+    q = _nibbles(blocks[:, 8:], 16).to(torch.int32) | (_fifth_bits(blocks, 4) << 4)
+    return _f16(blocks, 0) * q.float() + _f16(blocks, 2)
+
+
 def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The eight 6-bit scales and mins of a Q4_K / Q5_K super-block, packed in 12 bytes: bytes 0-3 hold
     scales 0-3 (low 6 bits), 4-7 mins 0-3; scales and mins 4-7 take their low 4 bits from bytes 8-11 and
@@ -113,6 +131,8 @@ BLOCK_TYPES: dict[str, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] 
     "Q8_0": (32, 34, _q8_0),
     "Q4_0": (32, 18, _q4_0),
     "Q4_1": (32, 20, _q4_1),
+    "Q5_0": (32, 22, _q5_0),  # llama.cpp's fallback in Q4_K_M files whose rows are not whole 256-blocks
+    "Q5_1": (32, 24, _q5_1),
     "Q4_K": (QK_K, 144, _q4_k),
     "Q5_K": (QK_K, 176, _q5_k),
     "Q6_K": (QK_K, 210, _q6_k),

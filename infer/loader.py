@@ -80,6 +80,11 @@ def _weight_files(path: Path) -> list[Path]:
 # How the projections are stored (load_model's `weights`): quantized as they load, as the file stores them,
 # or dequantized.
 WEIGHT_FORMS = (None, *SCHEMES, "stored", "dense")
+# The LM head (and the embedding tied to it) is int8 per 32 inputs under both schemes, as llama.cpp's files keep
+# output.weight at Q8_0/Q6_K: on SmolLM2-135M a 4-bit head cost 0.2 of the top-1 agreement, a per-channel int8
+# one 0.02 (README, "Quantized weights").
+HEAD_SCHEMES = {"lm_head.weight": {"int4": "int8-g32", "int8": "int8-g32"},
+                "embed_tokens.weight": {"int4": "int8-g32", "int8": "int8-g32"}}
 # The dtypes of a quantized checkpoint's codes, scales and mins.
 SAVED_DTYPES = {"I8": torch.int8, "U8": torch.uint8, "F16": torch.float16, "F32": torch.float32}
 
@@ -178,7 +183,8 @@ def load_model(
     decode step streams them faster; infer.memory.on_huge_pages); False keeps torch's allocation.
 
     `weights` sets how the projections (and a tied or quantized embedding) are stored (infer/quant_weights.py):
-    "int8" (per output channel) or "int4" (groups of `group_size` inputs) quantize them as they load; "stored"
+    "int8" (per output channel) or "int4" (groups of `group_size` inputs) quantize them as they load (the LM head
+    int8 per 32 inputs under both); "stored"
     keeps a GGUF file's Q8_0, Q4_0, Q4_1 and Q4_K tensors as they are (other types are dequantized), and a
     quantized safetensors checkpoint (`infer.save_quantized`) as saved; "dense" dequantizes everything to
     `dtype`. None: "stored" for a GGUF file loaded without a `dtype` and for a quantized checkpoint (as llama.cpp
@@ -263,8 +269,8 @@ def load_model(
                                 else name].file for name in [*state, *quantized]}
     if form in SCHEMES:
         targets = [*linears, *([embedding] if config.tie_word_embeddings else [])]
-        quantized.update({name: quantize(state.pop(name), form, group_size, name) for name in targets
-                          if name in state})
+        quantized.update({name: quantize(state.pop(name), HEAD_SCHEMES.get(name, {}).get(form, form), group_size,
+                                         name) for name in targets if name in state})
     quantized = {name: _placed(q, target, huge_pages) for name, q in quantized.items()}
     if check_finite:
         checked = [*state.items(), *((n, t) for n, q in quantized.items() for t in q.tensors()[1:])]

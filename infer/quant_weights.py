@@ -11,7 +11,7 @@ j + 16 (llama.cpp's Q4_0/Q4_1 order, so those blocks are copied as they are). Sc
 where the source stores them so (exact), else float32.
 
 The schemes (`QuantizedWeight.scheme`, recorded when a model is saved):
-  "int8"  symmetric per output channel (group = k), float32 scales: made here from float weights
+  "int8"  symmetric per output channel (group = k; the LM head per 32 inputs), float32 scales: made here
   "int4"  asymmetric group-wise (groups of 32, 64 or 128 inputs), float16 scales and mins: made here
   "Q8_0", "Q4_0", "Q4_1", "Q4_K"  a GGUF file's blocks re-laid out without changing a value: Q4_0's
           `d * (q - 8)` is `d * q + (-8 d)`, exact in fp32; Q4_K's per-32 `d * sc` and `dmin * m` are the fp32
@@ -114,14 +114,19 @@ def _check_matrix(weight: torch.Tensor, name: str) -> None:
                          "keep this model's weights dense (weights=None)")
 
 
-def quantize_int8(weight: torch.Tensor, name: str = "weight") -> QuantizedWeight:
-    """Symmetric int8 per output channel: scale = max |w| / 127 in fp32, q = round(w / scale)."""
+def quantize_int8(weight: torch.Tensor, name: str = "weight", group: int | None = None) -> QuantizedWeight:
+    """Symmetric int8 per output channel (or per `group` inputs, a multiple of 32 dividing them): scale =
+    max |w| / 127 in fp32, q = round(w / scale)."""
     _check_matrix(weight, name)
-    w = weight.detach().float()
-    scale = w.abs().amax(dim=1, keepdim=True) / 127.0
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round(w / safe).clamp_(-127, 127).to(torch.int8)
-    return QuantizedWeight("int8", codes, scale, None, weight.shape[1])
+    n, k = weight.shape
+    group = group or k
+    if group % CHUNK or k % group:
+        raise ValueError(f"{name}: an int8 group of {group} must be a multiple of {CHUNK} dividing {k}")
+    w = weight.detach().float().reshape(n, k // group, group)
+    scale = w.abs().amax(dim=-1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
+    codes = torch.round(w / safe).clamp_(-127, 127).to(torch.int8).reshape(n, k)
+    return QuantizedWeight("int8", codes, scale, None, group)
 
 
 def quantize_int4(weight: torch.Tensor, group: int = 32, name: str = "weight") -> QuantizedWeight:
@@ -145,10 +150,13 @@ def quantize_int4(weight: torch.Tensor, group: int = 32, name: str = "weight") -
 
 
 def quantize(weight: torch.Tensor, scheme: str, group: int = 32, name: str = "weight") -> QuantizedWeight:
-    """`weight` under `scheme` ("int8" or "int4", the latter in groups of `group`; a matrix whose inputs `group`
-    does not divide takes the largest smaller group size that does, as llama.cpp falls back per tensor)."""
+    """`weight` under `scheme`: "int8" per output channel; "int4" in groups of `group` (a matrix whose inputs
+    `group` does not divide takes the largest smaller group size that does, as llama.cpp falls back per tensor);
+    "int8-g32", int8 per 32 inputs (Q8_0's grain: the LM head's scheme under both)."""
     if scheme == "int8":
         return quantize_int8(weight, name)
+    if scheme == "int8-g32":
+        return quantize_int8(weight, name, CHUNK)
     if scheme == "int4":
         if group not in INT4_GROUPS:
             raise ValueError(f"group_size must be one of {INT4_GROUPS}, got {group!r}")

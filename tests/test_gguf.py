@@ -37,7 +37,7 @@ from tests.helpers import chat_oracle_version_ok  # noqa: E402
 # Dequantization, block type by block type, bit for bit against gguf.quants (llama.cpp's reference in Python).
 
 # Byte offsets of each block type's fp16 scales (d, and the min or dmin): random bytes there could be inf or NaN.
-SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 FLOAT_KINDS = {"F32": np.float32, "F16": np.float16}
 
 
@@ -407,8 +407,8 @@ def test_an_unknown_architecture_is_named(llama_gguf: Path, tmp_path: Path) -> N
 
 
 def test_an_unsupported_tensor_type_is_named(llama_gguf: Path, tmp_path: Path) -> None:
-    bad = rewrite(llama_gguf, tmp_path / "q5.gguf", kinds={"blk.1.ffn_up.weight": "Q5_0"})
-    with pytest.raises(CheckpointError, match=r"tensor blk.1.ffn_up.weight is stored as Q5_0, which this engine"):
+    bad = rewrite(llama_gguf, tmp_path / "q3.gguf", kinds={"blk.1.ffn_up.weight": "MXFP4"})
+    with pytest.raises(CheckpointError, match=r"tensor blk.1.ffn_up.weight is stored as MXFP4, which this engine"):
         load(bad)
 
 
