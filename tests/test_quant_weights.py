@@ -5,6 +5,7 @@ whole models against the same model holding the dequantized weights, and that mo
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -123,13 +124,16 @@ def test_gguf_blocks_kept_as_stored_dequantize_as_llama_cpp(kind: str, rows: int
 # The native kernels, every path this CPU runs, against dequantize-then-matmul.
 
 @pytest.mark.parametrize("flavour", RUNNABLE)
-@given(scheme=st.sampled_from(["int8", "int4", "Q8_0", "Q4_K"]), n=st.integers(1, 40), runs=st.integers(1, 8),
+@pytest.mark.parametrize("four_runs", ["1", "0"])  # INFER_QGEMV_FOUR_RUNS: the bf16 q4 fast path, and its check
+@given(scheme=st.sampled_from(["int8", "int4", "Q8_0", "Q4_K"]), n=st.integers(1, 40), runs=st.integers(1, 13),
        group=st.sampled_from([32, 64, 128]), m=st.integers(1, 9), dtype=st.sampled_from(["float32", "bfloat16"]),
        with_bias=st.booleans(), seed=st.integers(0, 2**31))
 @settings(max_examples=40, deadline=None)
-def test_native_quantized_gemv_is_dequantize_then_matmul(flavour: str, scheme: str, n: int, runs: int, group: int,
-                                                         m: int, dtype: str, with_bias: bool, seed: int) -> None:
+def test_native_quantized_gemv_is_dequantize_then_matmul(flavour: str, four_runs: str, scheme: str, n: int,
+                                                         runs: int, group: int, m: int, dtype: str, with_bias: bool,
+                                                         seed: int) -> None:
     kernels = kernels_or_skip(flavour)
+    os.environ["INFER_QGEMV_FOUR_RUNS"] = four_runs  # read by the kernel on each call; restored below
     group = group if scheme == "int4" else 32
     k = max(runs * 32 // group, 1) * group
     weight = weight_of(scheme, n, k, group, seed)
@@ -147,6 +151,7 @@ def test_native_quantized_gemv_is_dequantize_then_matmul(flavour: str, scheme: s
     ulp = 2.0**-8 if torch_dtype == torch.bfloat16 else 0.0
     bound = 1e-6 * magnitude + ulp * exact.abs() + 1e-30
     err = (got.double() - exact).abs()
+    os.environ.pop("INFER_QGEMV_FOUR_RUNS")
     assert (err <= bound).all(), f"{flavour} {scheme}: max excess {(err - bound).max().item():.3g}"
 
 

@@ -207,6 +207,12 @@ static float dot_wide(int dtype, const void *w, const float *x, int64_t k) {
 
 /* ---- entry points ---- */
 
+/* Whether the fast path an environment variable names is on: anything but a leading '0' (the tests run both). */
+static int switched_on(const char *name) {
+    const char *v = getenv(name);
+    return !(v && v[0] == '0');
+}
+
 /* This OpenMP thread's rows [r0, r1) of n: contiguous ranges in whole 16-row blocks, so no two threads share a
  * cache line of y. */
 static inline void thread_rows(int64_t n, int64_t *r0, int64_t *r1) {
@@ -752,10 +758,7 @@ static void finish_heads(int dtype, int scheme, int fast, const float *v_rot, co
 }
 
 /* INFER_QATTN_TILES=0 scores one key at a time (the plain path, kept as the tiles' check). */
-static int qattn_tiles(void) {
-    const char *v = getenv("INFER_QATTN_TILES");
-    return !(v && v[0] == '0');
-}
+static int qattn_tiles(void) { return switched_on("INFER_QATTN_TILES"); }
 
 int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const void *k_sink, const void *v_sink,
                 const uint8_t *k_codes, const uint8_t *v_codes, const uint16_t *k_scale, const uint16_t *v_scale,
@@ -1009,8 +1012,16 @@ static inline void qcodes(int fmt, const uint8_t *c, qvec w[4]) {
 }
 #endif
 
+/* A row's scales or mins as they are stored: float16 or float32. */
+typedef struct {
+    int dtype;
+    const void *p;
+} scale_row;
+
+static inline float scale_at(scale_row s, int64_t g) { return load_scale(s.dtype, s.p, g); }
+
 /* out[j] = sum_g scale_g * sum_{i in g} q_i x_j[i] for the `mt` (1..4) rows x_j = x + j * k of fp32 inputs. */
-static inline __attribute__((always_inline)) void qrow_dot(int fmt, const uint8_t *codes, const float *scales,
+static inline __attribute__((always_inline)) void qrow_dot(int fmt, const uint8_t *codes, scale_row scales,
                                                            int64_t k, int64_t group, const float *x, int mt,
                                                            float *out) {
     int64_t run_bytes = fmt == Q8 ? QCHUNK : QCHUNK / 2;
@@ -1027,7 +1038,7 @@ static inline __attribute__((always_inline)) void qrow_dot(int fmt, const uint8_
             for (int j = 0; j < mt; j++)
                 for (int v = 0; v < V; v++) acc[j] = qfma(w[v], qload(x + j * k + i + v * QLANES), acc[j]);
         }
-        qvec s = qset1(scales[g]);
+        qvec s = qset1(scale_at(scales, g));
         for (int j = 0; j < mt; j++) total[j] = qfma(s, acc[j], total[j]);
     }
     for (int j = 0; j < mt; j++) out[j] = qsum(total[j]);
@@ -1041,7 +1052,7 @@ static inline __attribute__((always_inline)) void qrow_dot(int fmt, const uint8_
             for (int j = 0; j < mt; j++)
                 for (int t = 0; t < QCHUNK; t++) acc[j] += w[t] * x[j * k + i + t];
         }
-        for (int j = 0; j < mt; j++) out[j] += scales[g] * acc[j];
+        for (int j = 0; j < mt; j++) out[j] += scale_at(scales, g) * acc[j];
     }
 #endif
 }
@@ -1050,9 +1061,9 @@ static inline __attribute__((always_inline)) void qrow_dot(int fmt, const uint8_
 /* q4 against bf16 inputs by the bf16 pair instruction: a code q is exact as the bf16 of 128 + q (bits 0x4300 | q:
  * exponent 7, q in the 7-bit mantissa), so one OR makes 32 weights' operands; the products are exact and sum in
  * fp32, and the caller subtracts the 128 * scale * sum(x) this adds. out[j] as qrow_dot's, plus that term. */
-static inline __attribute__((always_inline)) void q4row_dot_bf16(const uint8_t *codes, const float *scales,
-                                                                 int64_t k, int64_t group, const uint16_t *x, int mt,
-                                                                 float *out) {
+static inline __attribute__((always_inline)) void q4row_dot_bf16(const uint8_t *codes, scale_row scales, int64_t k,
+                                                                 int64_t group, const uint16_t *x, int64_t ldx,
+                                                                 int mt, float *out) {
     const __m128i low = _mm_set1_epi8(0x0f);
     const __m512i bias = _mm512_set1_epi16(0x4300);
     __m512 total[4], acc[4];
@@ -1066,23 +1077,130 @@ static inline __attribute__((always_inline)) void q4row_dot_bf16(const uint8_t *
             __m256i both = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(a, 4), low), _mm_and_si128(a, low));
             __m512bh w = (__m512bh)_mm512_or_si512(_mm512_cvtepu8_epi16(both), bias);
             for (int j = 0; j < mt; j++)
-                acc[j] = _mm512_dpbf16_ps(acc[j], w, (__m512bh)_mm512_loadu_si512(x + j * k + i));
+                acc[j] = _mm512_dpbf16_ps(acc[j], w, (__m512bh)_mm512_loadu_si512(x + j * ldx + i));
         }
-        __m512 s = _mm512_set1_ps(scales[g]);
+        __m512 s = _mm512_set1_ps(scale_at(scales, g));
         for (int j = 0; j < mt; j++) total[j] = _mm512_fmadd_ps(s, acc[j], total[j]);
     }
     for (int j = 0; j < mt; j++) out[j] = _mm512_reduce_add_ps(total[j]);
 }
+
+/* The scales of the four runs of 128 codes starting at run `run`, each repeated over its run's 4 fp32 lanes. */
+static inline __m512 four_run_scales(scale_row scales, int64_t run, int64_t group) {
+    if (group >= 128) return _mm512_set1_ps(scale_at(scales, run * QCHUNK / group));
+    __m128 v;
+    if (group == 32) {
+        v = scales.dtype == F32 ? _mm_loadu_ps((const float *)scales.p + run)
+                                : _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)scales.p + run)));
+        return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                     _mm512_castps128_ps512(v));
+    }
+    float two[4] = {scale_at(scales, run / 2), scale_at(scales, run / 2 + 1), 0.f, 0.f}; /* group 64 */
+    v = _mm_loadu_ps(two);
+    return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                                 _mm512_castps128_ps512(v));
+}
+
+/* The same sums four runs (128 codes, 64 bytes) at a time, with no widening at all: the low and high nibbles,
+ * byte-interleaved with 0x43 (unpack within each 128-bit lane), are 16-bit lanes 0x4300 | q, four registers of
+ * bf16 operands; lane L of each holds run L's codes, so fp32 lanes 4L..4L+3 of the products are run L's sums and
+ * one vector of the four runs' scales scales them. x comes permuted to match (`permute_x_q4`, once per call).
+ * A last 64 codes (k = 576) go the same way in 256-bit registers; a last 32, q4row_dot_bf16's way. */
+static inline __attribute__((always_inline)) void q4row_dot_bf16x4(const uint8_t *codes, scale_row scales, int64_t k,
+                                                                   int64_t group, const uint16_t *xp,
+                                                                   const uint16_t *x, int mt, float *out) {
+    const __m512i low = _mm512_set1_epi8(0x0f), exponent = _mm512_set1_epi8(0x43);
+    __m512 total[4];
+    for (int j = 0; j < 4; j++) total[j] = _mm512_setzero_ps();
+    int64_t blocks = k / 128;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *c = codes + b * 64;
+        prefetch(c + PREFETCH_BYTES);
+        __m512i v = _mm512_loadu_si512(c);
+        __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        __m512bh w0 = (__m512bh)_mm512_unpacklo_epi8(lo, exponent), w1 = (__m512bh)_mm512_unpackhi_epi8(lo, exponent);
+        __m512bh w2 = (__m512bh)_mm512_unpacklo_epi8(hi, exponent), w3 = (__m512bh)_mm512_unpackhi_epi8(hi, exponent);
+        __m512 s = four_run_scales(scales, b * 4, group);
+        for (int j = 0; j < mt; j++) {
+            const uint16_t *xj = xp + j * k + b * 128;
+            __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), w0, (__m512bh)_mm512_loadu_si512(xj));
+            acc = _mm512_dpbf16_ps(acc, w1, (__m512bh)_mm512_loadu_si512(xj + 32));
+            acc = _mm512_dpbf16_ps(acc, w2, (__m512bh)_mm512_loadu_si512(xj + 64));
+            acc = _mm512_dpbf16_ps(acc, w3, (__m512bh)_mm512_loadu_si512(xj + 96));
+            total[j] = _mm512_fmadd_ps(s, acc, total[j]);
+        }
+    }
+    int64_t done = blocks * 128;
+    if (k - done >= 64 && group <= 64) { /* two runs the same way in 256-bit registers (k = 576: its last 64) */
+        const __m256i low2 = _mm256_set1_epi8(0x0f), exponent2 = _mm256_set1_epi8(0x43);
+        __m256i v = _mm256_loadu_si256((const __m256i *)(codes + done / 2));
+        __m256i lo = _mm256_and_si256(v, low2), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low2);
+        __m256bh w0 = (__m256bh)_mm256_unpacklo_epi8(lo, exponent2), w1 = (__m256bh)_mm256_unpackhi_epi8(lo, exponent2);
+        __m256bh w2 = (__m256bh)_mm256_unpacklo_epi8(hi, exponent2), w3 = (__m256bh)_mm256_unpackhi_epi8(hi, exponent2);
+        int64_t run = done / QCHUNK;
+        __m256 s = group == 32 ? _mm256_setr_m128(_mm_set1_ps(scale_at(scales, run)), _mm_set1_ps(scale_at(scales, run + 1)))
+                               : _mm256_set1_ps(scale_at(scales, run / 2));
+        for (int j = 0; j < mt; j++) {
+            const uint16_t *xj = xp + j * k + done;
+            __m256 acc = _mm256_dpbf16_ps(_mm256_setzero_ps(), w0, (__m256bh)_mm256_loadu_si256((const __m256i *)xj));
+            acc = _mm256_dpbf16_ps(acc, w1, (__m256bh)_mm256_loadu_si256((const __m256i *)(xj + 16)));
+            acc = _mm256_dpbf16_ps(acc, w2, (__m256bh)_mm256_loadu_si256((const __m256i *)(xj + 32)));
+            acc = _mm256_dpbf16_ps(acc, w3, (__m256bh)_mm256_loadu_si256((const __m256i *)(xj + 48)));
+            total[j] = _mm512_add_ps(total[j], _mm512_zextps256_ps512(_mm256_mul_ps(s, acc)));
+        }
+        done += 64;
+    }
+    float tail[4] = {0.f, 0.f, 0.f, 0.f};
+    if (done < k) { /* the tail starts on a group boundary: the caller checked that group divides it */
+        scale_row rest = {scales.dtype, (const char *)scales.p + done / group * (scales.dtype == F32 ? 4 : 2)};
+        q4row_dot_bf16(codes + done / 2, rest, k - done, group, x + done, k, mt, tail);
+    }
+    for (int j = 0; j < mt; j++) out[j] = _mm512_reduce_add_ps(total[j]) + tail[j];
+}
+
+/* x `[m, k]` (bf16) in q4row_dot_bf16x4's order: per 128 elements, elements 0-7 of each of the four runs, then
+ * 8-15, 16-23 and 24-31; the elements past the last whole 128 are not needed there. */
+static void permute_x_q4(const uint16_t *x, uint16_t *xp, int64_t m, int64_t k) {
+    for (int64_t j = 0; j < m; j++) {
+        int64_t b = 0;
+        for (; b + 128 <= k; b += 128)
+            for (int part = 0; part < 4; part++)
+                for (int run = 0; run < 4; run++)
+                    memcpy(xp + j * k + b + part * 32 + run * 8, x + j * k + b + run * 32 + part * 8, 16);
+        if (b + 64 <= k) /* the two-run tail: the same order over two runs */
+            for (int part = 0; part < 4; part++)
+                for (int run = 0; run < 2; run++)
+                    memcpy(xp + j * k + b + part * 16 + run * 8, x + j * k + b + run * 32 + part * 8, 16);
+    }
+}
 #endif
+
+/* sum_g v_g * xsum[g] over a row's `groups` scales or mins (float16 or float32). */
+static inline float group_dot(scale_row v, const float *xsum, int64_t groups) {
+    int64_t g = 0;
+    float sum = 0.f;
+#if defined(HAVE_AVX512)
+    __m512 acc = _mm512_setzero_ps();
+    for (; g + 16 <= groups; g += 16) {
+        __m512 f = v.dtype == F32 ? _mm512_loadu_ps((const float *)v.p + g)
+                                  : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v.p + g)));
+        acc = _mm512_fmadd_ps(f, _mm512_loadu_ps(xsum + g), acc);
+    }
+    sum = _mm512_reduce_add_ps(acc);
+#endif
+    for (; g < groups; g++) sum += scale_at(v, g) * xsum[g];
+    return sum;
+}
 
 /* y[j, r] = sum_i W[r, i] x[j, i] (+ bias[r]) for m rows of x `[m, k]` and n rows of W, x, bias and y of `dtype`,
  * scales and mins `[n, k / group]` of `sdtype` (mins NULL for q8). k and group are multiples of 32, group divides
- * k. Returns 0, -1 where the fp32 copy of x could not be allocated, -2 on a bad shape (nothing written). */
+ * k. Returns 0, -1 where the fp32 copy of x could not be allocated, -2 on a bad shape (nothing written).
+ * INFER_QGEMV_FOUR_RUNS=0 turns the four-run bf16 path off (its check). */
 int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, const void *mins, int dtype,
                 const void *x, const void *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t group,
                 int threads) {
     if (k <= 0 || group <= 0 || k % QCHUNK || group % QCHUNK || k % group || (fmt != Q8 && fmt != Q4)) return -2;
-    int64_t groups = k / group, row_bytes = fmt == Q8 ? k : k / 2;
+    int64_t groups = k / group, row_bytes = fmt == Q8 ? k : k / 2, sbytes = sdtype == F32 ? 4 : 2;
     float *xf = (float *)malloc((size_t)(m * k + m * groups) * sizeof(float));
     if (!xf) return -1;
     float *xsum = xf + m * k;
@@ -1092,53 +1210,60 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
             for (int64_t i = g * group; i < (g + 1) * group; i++) s += (xf[j * k + i] = load_scalar(dtype, x, j * k + i));
             xsum[j * groups + g] = s;
         }
-    int failed = 0;
+    int bf16_q4 = 0, four_runs = 0; /* q4 codes against bf16 inputs by the pair instruction (codes carry +128) */
+    uint16_t *xp = NULL;
+#if defined(HAVE_DOT_BF16)
+    bf16_q4 = fmt == Q4 && dtype == BF16;
+    four_runs = bf16_q4 && k >= 128 && (group <= 64 || group % 128 == 0) && (k % 128) % group == 0 &&
+                switched_on("INFER_QGEMV_FOUR_RUNS");
+    if (four_runs) {
+        xp = (uint16_t *)malloc((size_t)(m * k) * sizeof(uint16_t));
+        if (!xp) {
+            free(xf);
+            return -1;
+        }
+        permute_x_q4((const uint16_t *)x, xp, m, k);
+    }
+#endif
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        /* The row's scales, and the mins' factors (min, less the bf16 path's 128 * scale), widened once. */
-        float *rs = (float *)malloc((size_t)(2 * groups) * sizeof(float)), *rm = rs + groups;
         int64_t r0, r1;
         thread_rows(n, &r0, &r1);
-        if (!rs) {
-#pragma omp atomic write
-            failed = 1;
-            r1 = r0;
-        }
-        float biased = 0.f; /* the bf16 path's codes carry +128 */
-#if defined(HAVE_DOT_BF16)
-        if (fmt == Q4 && dtype == BF16) biased = 128.f;
-#endif
         for (int64_t r = r0; r < r1; r++) {
             const uint8_t *row = codes + r * row_bytes;
-            for (int64_t g = 0; g < groups; g++) {
-                rs[g] = load_scale(sdtype, scales, r * groups + g);
-                rm[g] = mins ? load_scale(sdtype, mins, r * groups + g) - biased * rs[g] : 0.f;
-            }
+            scale_row rs = {sdtype, (const char *)scales + r * groups * sbytes};
+            scale_row rm = {sdtype, mins ? (const char *)mins + r * groups * sbytes : NULL};
             for (int64_t j0 = 0; j0 < m; j0 += 4) {
                 float out[4];
                 int mt = m - j0 < 4 ? (int)(m - j0) : 4;
 #if defined(HAVE_DOT_BF16)
-                if (biased != 0.f) {
-                    const uint16_t *xb = (const uint16_t *)x + j0 * k;
-                    if (mt == 4) q4row_dot_bf16(row, rs, k, group, xb, 4, out);
-                    else for (int j = 0; j < mt; j++) q4row_dot_bf16(row, rs, k, group, xb + j * k, 1, out + j);
+                const uint16_t *xb = (const uint16_t *)x + j0 * k;
+                if (four_runs) {
+                    if (mt == 4) q4row_dot_bf16x4(row, rs, k, group, xp + j0 * k, xb, 4, out);
+                    else for (int j = 0; j < mt; j++)
+                        q4row_dot_bf16x4(row, rs, k, group, xp + (j0 + j) * k, xb + j * k, 1, out + j);
+                } else if (bf16_q4) {
+                    if (mt == 4) q4row_dot_bf16(row, rs, k, group, xb, k, 4, out);
+                    else for (int j = 0; j < mt; j++) q4row_dot_bf16(row, rs, k, group, xb + j * k, k, 1, out + j);
                 } else
 #endif
                 if (mt == 4) qrow_dot(fmt, row, rs, k, group, xf + j0 * k, 4, out);
                 else for (int j = 0; j < mt; j++) qrow_dot(fmt, row, rs, k, group, xf + (j0 + j) * k, 1, out + j);
                 for (int j = 0; j < mt; j++) {
                     float v = out[j];
-                    if (mins)
-                        for (int64_t g = 0; g < groups; g++) v += rm[g] * xsum[(j0 + j) * groups + g];
+                    if (mins) {
+                        const float *xs = xsum + (j0 + j) * groups;
+                        v += group_dot(rm, xs, groups) - (bf16_q4 ? 128.f * group_dot(rs, xs, groups) : 0.f);
+                    }
                     v += bias ? load_scalar(dtype, bias, r) : 0.f;
                     store_scalar(dtype, y, (j0 + j) * n + r, v);
                 }
             }
         }
-        free(rs);
     }
+    free(xp);
     free(xf);
-    return failed ? -1 : 0;
+    return 0;
 }
 
 /* The dense `[n, k]` weight in `dtype`: scale * q (+ min) in fp32 (two roundings, as infer/quant_weights.py's
