@@ -37,7 +37,8 @@ from tests.helpers import chat_oracle_version_ok  # noqa: E402
 # Dequantization, block type by block type, bit for bit against gguf.quants (llama.cpp's reference in Python).
 
 # Byte offsets of each block type's fp16 scales (d, and the min or dmin): random bytes there could be inf or NaN.
-SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
+                 "Q5_K": (0, 2), "Q6_K": (208,)}
 FLOAT_KINDS = {"F32": np.float32, "F16": np.float16}
 
 
