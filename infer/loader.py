@@ -26,7 +26,13 @@ from infer.model_store import default_model_path
 from infer.models import Transformer
 from infer.models.transformer import Linear, QuantizedEmbedding, QuantizedLinear
 from infer.quant_weights import SCHEMES, STORED_KINDS, QuantizedWeight, from_gguf, quantize
-from infer.tuning import choose_decode_gemv, choose_prefill_dtype, choose_quantized_gemv, record_weight_pages
+from infer.tuning import (
+    choose_decode_gemv,
+    choose_prefill_dtype,
+    choose_quantized_gemv,
+    choose_quantized_rows,
+    record_weight_pages,
+)
 
 DTYPES = {
     "float32": torch.float32,
@@ -291,6 +297,11 @@ def load_model(
     model.compute_dtype = _resolve_compute_dtype(compute_dtype, torch_dtype, target)
     if model.quantized:
         model.decode_gemv = choose_quantized_gemv(target, decode_gemv).value
+        projections = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+        if model.decode_gemv == "native":
+            largest = max(projections, key=lambda m: m.codes.numel() if m is not model.lm_head else 0)
+            rows = int(choose_quantized_rows(largest.qweight, torch_dtype, model.compute_dtype).value)
+            model.quantized_rows = rows
     else:
         model.decode_gemv = choose_decode_gemv(
             [m.weight for m in model.modules() if isinstance(m, Linear)], decode_gemv).value

@@ -24,6 +24,7 @@ from infer.kernels.native import NativeKernels, native_kernels, unavailable_reas
 from infer.memory import huge_pages_mode
 from infer.models import Transformer
 from infer.models.transformer import GEMV_FORMS
+from infer.quant_weights import QuantizedWeight
 from infer.ragged import DECODE_KERNELS
 
 
@@ -172,6 +173,34 @@ def choose_quantized_gemv(device: torch.device, forced: str = "auto") -> Choice:
         return record(Choice(name, "triton", "quantized weights: the Triton kernel reads the codes"))
     why = _native_absence(kernels, device) if device.type == "cpu" else f"no Triton for {device.type}"
     return record(Choice(name, "linear", f"quantized weights dequantized on every call ({why})"))
+
+
+def choose_quantized_rows(weight: QuantizedWeight, dtype: torch.dtype, compute: torch.dtype | None,
+                          forced: int | None = None) -> Choice:
+    """Rows of input up to which a quantized product runs the native kernel on the codes rather than dequantizing
+    the weight into the GEMM (prefill chunks, the engine's batches): timed on `weight` (the model's largest
+    projection) in `dtype` (the GEMM in `compute` where set), doubling the rows from 4 while the kernel is the
+    faster, alternately. `forced` skips the timing."""
+    name = "quantized product rows"
+    if forced is not None:
+        return record(Choice(name, str(forced), "forced by the caller"))
+    kernels = native_kernels()
+    if kernels is None or not kernels.takes(weight) or dtype not in kernels.dtypes:
+        return record(Choice(name, "0", "no native kernel for these weights: every product dequantizes"))
+    gemm = compute or dtype
+    rows, timed = 1, []
+    for m in (4, 8, 16, 32, 64, 128):
+        x = torch.randn(m, weight.shape[1]).to(dtype)
+        times = _time_alternately({
+            "kernel": lambda x=x: kernels.quantized_gemv(weight, x),
+            "gemm": lambda x=x: torch.nn.functional.linear(x.to(gemm), kernels.dequantize(weight, gemm)),
+        }, torch.device("cpu"), repeats=5)
+        timed.append(f"{m}: {times['kernel'] * 1e3:.2f} / {times['gemm'] * 1e3:.2f} ms")
+        if times["kernel"] >= times["gemm"]:
+            break
+        rows = m
+    return record(Choice(name, str(rows), f"native kernel / dequantize + GEMM on {tuple(weight.shape)} "
+                                          f"({weight.scheme}): {', '.join(timed)}"))
 
 
 _SWEEP_MIN_BYTES = 2**30

@@ -179,12 +179,16 @@ def test_native_quantized_gemv_refuses_a_bad_shape() -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-@pytest.mark.parametrize("form", ["linear", "native"])
+@pytest.mark.parametrize("form", ["linear", "native", "native, one row"])
 def test_quantized_model_is_the_model_with_dequantized_weights(arch: str, scheme: str, form: str) -> None:
-    if form == "native":
+    """"linear": the reference dequantization into F.linear; "native": the kernel on the codes up to the measured
+    rows; "native, one row": the kernel for one-token steps only, the native dequantizer into the GEMM beyond."""
+    if form != "linear":
         kernels_or_skip()
     path = build_checkpoint(arch)
-    model = infer.load_model(path, weights=scheme, decode_gemv=form)
+    model = infer.load_model(path, weights=scheme, decode_gemv=form.split(",")[0])
+    if form == "native, one row":
+        model.quantized_rows = 1
     assert model.quantized and all(isinstance(m, QuantizedLinear) for m in
                                    (model.lm_head, model.layers[0].self_attn.q_proj, model.layers[0].mlp.down_proj))
     twin = dequantized_twin(model, path)
@@ -208,10 +212,12 @@ def test_quantized_model_equals_transformers_on_the_dequantized_checkpoint(arch:
         if item.suffix != ".safetensors" and item.is_file():
             shutil.copy(item, tmp_path / item.name)
     state = load_file(str(path / "model.safetensors"))
-    quantizable = [n for n, t in state.items() if t.dim() == 2 and "embed_tokens" not in n] + (
-        [n for n in state if "embed_tokens" in n] if json.loads((path / "config.json").read_text())
-        .get("tie_word_embeddings") else [])
-    save_file({n: quantize_int4(t, 32).dequantize() if n in quantizable else t for n, t in state.items()},
+    tied = json.loads((path / "config.json").read_text()).get("tie_word_embeddings")
+    # The projections in int4 (groups of 32); the LM head, and the embedding tied to it, int8 per 32 inputs.
+    head = {"lm_head.weight", *(["model.embed_tokens.weight"] if tied else [])}
+    body = {n for n, t in state.items() if t.dim() == 2 and "embed_tokens" not in n} - head
+    save_file({n: quantize_int4(t, 32).dequantize() if n in body else quantize_int8(t, group=32).dequantize()
+               if n in head and n in state else t for n, t in state.items()},
               str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     model = infer.load_model(path, weights="int4", group_size=32)
     ids = torch.randint(0, model.config.vocab_size, (2, 23), generator=torch.Generator().manual_seed(5))
@@ -300,7 +306,7 @@ def test_a_quantized_model_saves_and_loads_in_one_step(source: str, q_gguf: Any,
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "infer"
-    assert set(config["quantization_config"]["schemes"]) == {source}
+    assert set(config["quantization_config"]["schemes"]) == ({source, "int8"} if source == "int4" else {source})
     loaded = infer.load_model(out)
     assert loaded.quantized and loaded.layers[0].mlp.up_proj.scheme == source
     ids = torch.randint(0, model.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(6))
@@ -342,3 +348,16 @@ def test_a_group_size_that_does_not_divide_a_matrix_falls_back_for_that_matrix()
     o_proj = model.layers[0].self_attn.o_proj  # 96 inputs in the tiny Gemma: 32 divides them, 64 and 128 do not
     assert o_proj.in_features == 96 and o_proj.group == 32
     assert model.layers[0].mlp.down_proj.group == 128
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_the_batched_engine_runs_quantized_weights_as_solo_generation_does(scheme: str) -> None:
+    from infer.engine import Engine
+
+    path = build_checkpoint("qwen3")
+    model, tok = infer.load_model(path, weights=scheme), infer.Tokenizer(path)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 45)), [3, 4]]
+    params = [infer.SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 5, 12)]
+    results = Engine(model, tok, num_blocks=64, block_size=4, max_num_batched_tokens=24).generate(prompts, params)
+    for prompt, p, result in zip(prompts, params, results, strict=True):
+        assert result.token_ids == infer.generate(model, tok, prompt, p).token_ids

@@ -152,3 +152,23 @@ def test_bf16_parts_from_transformers_only_at_a_near_tie(question: str, tokenize
     assert parting >= BF16_AGREE_FIRST, f"bf16 paths part at token {parting}"
     assert margin < BF16_TIE_MARGIN, f"bf16 paths part at token {parting}, where fp32's top-2 margin is {margin:.4f}"
     assert {ours[parting], theirs[parting]} == set(top2.indices.tolist()), "they part on other than fp32's top two"
+
+
+# Quantized weights on the real model (teacher-forced over real prose, each against the dense dequantized
+# weights): the bounds are the README's figures (AMD EPYC, 2026-11-25) with a margin. The file's 4-bit body is
+# already on a 32-group min/max grid, which int4 in groups of 32 reproduces, so what int4 measures here is its
+# LM head (int8 per 32 inputs, llama.cpp's choice for output.weight); int8 per channel is the lossy body.
+WEIGHT_BOUNDS = {"int8": (0.95, 1.01), "int4": (0.99, 1.002)}  # top-1 at least, perplexity ratio at most
+
+
+def test_quantized_weights_keep_the_real_models_predictions(smollm2: Path, tokenizer: infer.Tokenizer) -> None:
+    from infer.quality import load_text, measure_weights, text_ids
+
+    ids = text_ids(tokenizer, load_text("prose"), 160)
+    dense = infer.load_model(smollm2, weights="dense")
+    models = {scheme: infer.load_model(smollm2, weights=scheme) for scheme in WEIGHT_BOUNDS}
+    rows = {row.kind: row for row in measure_weights(dense, models, ids)}
+    for scheme, (top1, ratio) in WEIGHT_BOUNDS.items():
+        row = rows[scheme]
+        assert row.top1_agreement >= top1 and row.perplexity_ratio <= ratio, (scheme, row)
+        assert row.bytes_ratio < (0.3 if scheme == "int8" else 0.2)  # of fp32 weights

@@ -137,8 +137,12 @@ class QuantizedLinear(ProjectionTraits, nn.Module):
 
     @property
     def qweight(self) -> QuantizedWeight:
-        """The stored weight (views of this module's buffers)."""
-        return QuantizedWeight(self.scheme, self.codes, self.scales, self.mins, self.group)
+        """The stored weight (this module's buffers; rebuilt when they are replaced: fusing, moving devices)."""
+        cached = self.__dict__.get("_qweight")
+        if cached is None or cached.codes is not self.codes or cached.scales is not self.scales:
+            cached = QuantizedWeight(self.scheme, self.codes, self.scales, self.mins, self.group)
+            self.__dict__["_qweight"] = cached
+        return cached
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -457,6 +461,21 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         """Where the model's tensors live."""
         return self.norm.weight.device
+
+    @property
+    def quantized_rows(self) -> int:
+        """Rows of input up to which quantized products run the native (or Triton) kernel on the codes; longer
+        inputs dequantize into the GEMM (infer.tuning.choose_quantized_rows measures it at load)."""
+        projections = [m for m in self._linears() if isinstance(m, QuantizedLinear)]
+        return projections[0].native_rows if projections else 0
+
+    @quantized_rows.setter
+    def quantized_rows(self, rows: int) -> None:
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+            raise ValueError(f"quantized_rows must be an int >= 0, got {rows!r}")
+        for module in self._linears():
+            if isinstance(module, QuantizedLinear):
+                module.native_rows = rows
 
     @property
     def quantized(self) -> bool:
