@@ -192,8 +192,8 @@ def choose_quantized_rows(weight: QuantizedWeight, dtype: torch.dtype, compute: 
     for m in (4, 8, 16, 32, 64, 128):
         x = torch.randn(m, weight.shape[1]).to(dtype)
         times = _time_alternately({
-            "kernel": lambda x=x: kernels.quantized_gemv(weight, x),
-            "gemm": lambda x=x: torch.nn.functional.linear(x.to(gemm), kernels.dequantize(weight, gemm)),
+            "kernel": functools.partial(kernels.quantized_gemv, weight, x),
+            "gemm": functools.partial(_dequantized_product, kernels, weight, x, gemm),
         }, torch.device("cpu"), repeats=5)
         timed.append(f"{m}: {times['kernel'] * 1e3:.2f} / {times['gemm'] * 1e3:.2f} ms")
         if times["kernel"] >= times["gemm"]:
@@ -201,6 +201,12 @@ def choose_quantized_rows(weight: QuantizedWeight, dtype: torch.dtype, compute: 
         rows = m
     return record(Choice(name, str(rows), f"native kernel / dequantize + GEMM on {tuple(weight.shape)} "
                                           f"({weight.scheme}): {', '.join(timed)}"))
+
+
+def _dequantized_product(kernels: NativeKernels, weight: QuantizedWeight, x: torch.Tensor,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """QuantizedLinear's multi-row form: the weight dequantized natively, then the GEMM in `dtype`."""
+    return torch.nn.functional.linear(x.to(dtype), kernels.dequantize(weight, dtype))
 
 
 _SWEEP_MIN_BYTES = 2**30
