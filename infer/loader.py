@@ -89,8 +89,7 @@ WEIGHT_FORMS = (None, *SCHEMES, "stored", "dense")
 # The LM head (and the embedding tied to it) is int8 per 32 inputs under both schemes, as llama.cpp's files keep
 # output.weight at Q8_0/Q6_K: on SmolLM2-135M a 4-bit head cost 0.2 of the top-1 agreement, a per-channel int8
 # one 0.02 (README, "Quantized weights").
-HEAD_SCHEMES = {"lm_head.weight": {"int4": "int8-g32", "int8": "int8-g32"},
-                "embed_tokens.weight": {"int4": "int8-g32", "int8": "int8-g32"}}
+HEAD_WEIGHTS, HEAD_SCHEME = ("lm_head.weight", "embed_tokens.weight"), "int8-g32"
 # The dtypes of a quantized checkpoint's codes, scales and mins.
 SAVED_DTYPES = {"I8": torch.int8, "U8": torch.uint8, "F16": torch.float16, "F32": torch.float32}
 
@@ -275,7 +274,7 @@ def load_model(
                                 else name].file for name in [*state, *quantized]}
     if form in SCHEMES:
         targets = [*linears, *([embedding] if config.tie_word_embeddings else [])]
-        quantized.update({name: quantize(state.pop(name), HEAD_SCHEMES.get(name, {}).get(form, form), group_size,
+        quantized.update({name: quantize(state.pop(name), HEAD_SCHEME if name in HEAD_WEIGHTS else form, group_size,
                                          name) for name in targets if name in state})
     quantized = {name: _placed(q, target, huge_pages) for name, q in quantized.items()}
     if check_finite:

@@ -53,6 +53,8 @@ BAD_ARGS = [
     (["generate", "Hi", "--threads", "-1"], "--threads must be >= 0"),
     (["generate", "Hi", "--cache", "huge"], "invalid choice: 'huge'"),
     (["generate", "Hi", "--decode-gemv", "gemm"], "invalid choice: 'gemm'"),
+    (["generate", "Hi", "--weights", "int3"], "invalid choice: 'int3'"),
+    (["generate", "Hi", "--weights", "int4", "--group-size", "48"], "invalid choice: 48"),
     (["bench", "--prompt-len", "0"], "--prompt-len must be >= 1"),
     (["bench", "--model", "org/model"], "only local checkpoint directories are read"),
     ([], "the following arguments are required"),
@@ -93,6 +95,15 @@ def test_success_prints_the_text_and_a_summary(capsys: pytest.CaptureFixture[str
                               capsys)
     assert code == 0 and out.startswith("Once upon") and out.endswith("\n")
     assert "4 generated (length)" in err
+
+
+@pytest.mark.parametrize("weights", ["auto", "int8", "dense"])
+def test_the_default_model_answers_with_its_weights_stored_quantized_or_dense(
+        weights: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """--weights auto runs the Q4_1 file as stored; int8 requantizes it; dense dequantizes: each still answers."""
+    code, out, err = run_main(["generate", "What is the capital of France?", "--temperature", "0",
+                               "--weights", weights, "--max-new-tokens", "12"], capsys)
+    assert code == 0 and "Paris" in out, (out, err)
 
 
 def test_the_default_model_answers_a_question_as_a_chat_model(capsys: pytest.CaptureFixture[str]) -> None:

@@ -127,11 +127,11 @@ def test_gguf_blocks_kept_as_stored_dequantize_as_llama_cpp(kind: str, rows: int
 @pytest.mark.parametrize("four_runs", ["1", "0"])  # INFER_QGEMV_FOUR_RUNS: the bf16 q4 fast path, and its check
 @given(scheme=st.sampled_from(["int8", "int4", "Q8_0", "Q4_K"]), n=st.integers(1, 40), runs=st.integers(1, 13),
        group=st.sampled_from([32, 64, 128]), m=st.integers(1, 9), dtype=st.sampled_from(["float32", "bfloat16"]),
-       with_bias=st.booleans(), seed=st.integers(0, 2**31))
+       with_bias=st.booleans(), threads=st.integers(1, 3), seed=st.integers(0, 2**31))
 @settings(max_examples=40, deadline=None)
 def test_native_quantized_gemv_is_dequantize_then_matmul(flavour: str, four_runs: str, scheme: str, n: int,
                                                          runs: int, group: int, m: int, dtype: str, with_bias: bool,
-                                                         seed: int) -> None:
+                                                         threads: int, seed: int) -> None:
     kernels = kernels_or_skip(flavour)
     os.environ["INFER_QGEMV_FOUR_RUNS"] = four_runs  # read by the kernel on each call; restored below
     group = group if scheme == "int4" else 32
@@ -141,7 +141,12 @@ def test_native_quantized_gemv_is_dequantize_then_matmul(flavour: str, four_runs
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(m, k, generator=g).to(torch_dtype)
     bias = torch.randn(n, generator=g).to(torch_dtype) if with_bias else None
-    got = kernels.quantized_gemv(weight, x, bias)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # rows split in 16-row ranges per thread
+    try:
+        got = kernels.quantized_gemv(weight, x, bias)
+    finally:
+        torch.set_num_threads(before)
     assert got.dtype == torch_dtype and got.shape == (m, n)
     exact = reference_product(weight, x, bias)
     # fp32 sums in another order (and, bf16 q4, codes offset by 128): a few fp32 ulps of the summed magnitudes;
