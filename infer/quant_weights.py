@@ -23,6 +23,7 @@ llama.cpp's dequantization and `infer.gguf_quants` compute them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -45,6 +46,14 @@ class QuantizedWeight:
     scales: torch.Tensor  # [n, k // group], float16 or float32
     mins: torch.Tensor | None  # q4: [n, k // group], the scales' dtype; q8: None
     group: int
+
+    @functools.cached_property
+    def kernel_args(self) -> tuple[str, int, torch.dtype, int, int | None, int, int, int]:
+        """What a native kernel call needs, formed once (the tensors are never changed in place): format, codes,
+        scales' dtype, scales, mins (addresses), n, k, group."""
+        n, k = self.shape
+        mins = None if self.mins is None else self.mins.data_ptr()
+        return self.fmt, self.codes.data_ptr(), self.scales.dtype, self.scales.data_ptr(), mins, n, k, self.group
 
     @property
     def fmt(self) -> str:

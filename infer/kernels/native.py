@@ -123,25 +123,22 @@ class NativeKernels:
         """`x @ W.T (+ bias)` for the rows of `x` `[..., k]` and the quantized `weight` (infer/quant_weights.py), in
         x's dtype (fp32 sums rounded once); the codes are read once per four rows of x and never dequantized to
         memory. The caller has checked `takes(weight)`."""
-        n, k = weight.shape
-        lead = x.shape[:-1]
-        xs = _dense(x.reshape(-1, k))
-        if xs.dtype not in self.dtypes:
-            xs = xs.float()
-        if bias is not None:
-            bias = _dense(bias.to(xs.dtype))
-        out = torch.empty(xs.shape[0], n, dtype=xs.dtype)
-        mins = weight.mins
-        code = self._qgemv(QFORMATS[weight.fmt], weight.codes.data_ptr(), DTYPE_CODES[weight.scales.dtype],
-                           weight.scales.data_ptr(), None if mins is None else mins.data_ptr(),
-                           DTYPE_CODES[xs.dtype], xs.data_ptr(), None if bias is None else bias.data_ptr(),
-                           out.data_ptr(), xs.shape[0], n, k, weight.group, torch.get_num_threads())
+        # A decode step makes ~120 of these calls: the weight's arguments are formed once (kernel_args).
+        fmt, codes, sdtype, scales, mins, n, k, group = weight.kernel_args
+        if x.shape[-1] != k:
+            raise ValueError(f"the quantized weight takes rows of {k} inputs, got x of shape {tuple(x.shape)}")
+        xs = x if x.is_contiguous() and x.dtype in self.dtypes else x.contiguous().float()
+        if bias is not None and (bias.dtype != xs.dtype or not bias.is_contiguous()):
+            bias = bias.to(xs.dtype).contiguous()
+        out = torch.empty(*x.shape[:-1], n, dtype=xs.dtype)
+        code = self._qgemv(QFORMATS[fmt], codes, DTYPE_CODES[sdtype], scales, mins, DTYPE_CODES[xs.dtype],
+                           xs.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), xs.numel() // k,
+                           n, k, group, torch.get_num_threads())
         if code == -1:
             raise MemoryError(f"the native quantized GEMV could not allocate {4 * xs.numel()} bytes to widen x")
         if code:
-            raise ValueError(f"the native quantized GEMV takes k and group multiples of 32 (k={k}, "
-                             f"group={weight.group})")
-        return out.reshape(*lead, n).to(x.dtype)
+            raise ValueError(f"the native quantized GEMV takes k and group multiples of 32 (k={k}, group={group})")
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def dequantize(self, weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
         """The dense weight in `dtype` (a dtype in `dtypes`), bit for bit `weight.dequantize(dtype)`."""
