@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
@@ -255,28 +256,37 @@ def load_model(
 
     quantized: dict[str, QuantizedWeight] = {}
     files: dict[str, Path]
+    # Each quantized weight is placed (device, huge pages) as soon as it is made, and int8 / int4 ones are
+    # quantized as soon as they are read (on the CPU): the load holds one transient copy at a time.
+    targets = [*linears, *([embedding] if config.tie_word_embeddings else [])] if form in SCHEMES else []
+    scheme = {name: HEAD_SCHEME if name in HEAD_WEIGHTS else str(form) for name in targets}
+    cpu = torch.device("cpu")
     if gguf_file is not None:
         if form == "stored":
-            quantized = {name: _stored_gguf(gguf[name]) for name in [*linears, embedding]
+            quantized = {name: _placed(_stored_gguf(gguf[name]), target, huge_pages) for name in [*linears, embedding]
                          if gguf[name].kind in STORED_KINDS}
+        quantized.update({name: _placed(quantize(_dequantize_tensors(gguf, [name], cpu, torch_dtype, False)[name],
+                                                 scheme[name], group_size, name), target, huge_pages)
+                          for name in targets})
         dense = [name for name in expected if name not in quantized]
         state = _dequantize_tensors(gguf, dense, target, torch_dtype, huge_pages)
         files = dict.fromkeys([*state, *quantized], gguf_file)
     else:
         if saved and form != "dense":
-            quantized = {f"{prefix}.weight": _read_saved(headers, prefix, layout) for prefix, layout in saved.items()}
+            quantized = {f"{prefix}.weight": _placed(_read_saved(headers, prefix, layout), target, huge_pages)
+                         for prefix, layout in saved.items()}
+        for name in targets:
+            prefix = name.removesuffix(".weight")
+            dense_weight = (_read_saved(headers, prefix, saved[prefix]).dequantize(torch_dtype) if prefix in saved
+                            else _read_tensors(headers, [name], cpu, torch_dtype, False)[name])
+            quantized[name] = _placed(quantize(dense_weight, scheme[name], group_size, name), target, huge_pages)
         state = _read_tensors(headers, [n for n in expected if n not in quantized and n.removesuffix(".weight")
                                         not in saved], target, torch_dtype, huge_pages)
-        for prefix, layout in saved.items():  # weights="dense" (or int8/int4) from a quantized checkpoint
+        for prefix, layout in saved.items():  # weights="dense" from a quantized checkpoint
             if f"{prefix}.weight" not in quantized:
                 state[f"{prefix}.weight"] = _read_saved(headers, prefix, layout).dequantize(torch_dtype).to(target)
         files = {name: headers[name.removesuffix(".weight") + ".codes" if name.removesuffix(".weight") in saved
                                 else name].file for name in [*state, *quantized]}
-    if form in SCHEMES:
-        targets = [*linears, *([embedding] if config.tie_word_embeddings else [])]
-        quantized.update({name: quantize(state.pop(name), HEAD_SCHEME if name in HEAD_WEIGHTS else form, group_size,
-                                         name) for name in targets if name in state})
-    quantized = {name: _placed(q, target, huge_pages) for name, q in quantized.items()}
     if check_finite:
         checked = [*state.items(), *((n, t) for n, q in quantized.items() for t in q.tensors()[1:])]
         for name, tensor in checked:
@@ -397,7 +407,9 @@ def _read_saved(headers: dict[str, _Header], prefix: str, layout: _SavedLayout) 
 
 def _stored_gguf(tensor: GGUFTensor) -> QuantizedWeight:
     """A GGUF weight in a stored block type, kept quantized (rows un-permuted as `GGUFTensor.load` does)."""
-    raw = torch.from_numpy(np.array(tensor.data, copy=True).reshape(-1).view(np.uint8))
+    with warnings.catch_warnings():  # the file's read-only map: from_gguf only reads it, into copies of its own
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.from_numpy(np.asarray(tensor.data).reshape(-1).view(np.uint8))
     n, k = tensor.shape
     weight = from_gguf(raw, tensor.kind, (n, k))
     if tensor.rope_heads is not None:

@@ -158,10 +158,17 @@ def quantize_int4(weight: torch.Tensor, group: int = 32, name: str = "weight") -
     return QuantizedWeight("int4", pack_q4(q.reshape(n, k)), scales, mins, group)
 
 
-def quantize(weight: torch.Tensor, scheme: str, group: int = 32, name: str = "weight") -> QuantizedWeight:
+def quantize(weight: torch.Tensor, scheme: str, group: int = 32, name: str = "weight",
+             rows: int = 4096) -> QuantizedWeight:
     """`weight` under `scheme`: "int8" per output channel; "int4" in groups of `group` (a matrix whose inputs
     `group` does not divide takes the largest smaller group size that does, as llama.cpp falls back per tensor);
-    "int8-g32", int8 per 32 inputs (Q8_0's grain: the LM head's scheme under both)."""
+    "int8-g32", int8 per 32 inputs (Q8_0's grain: the LM head's scheme under both). Rows are quantized `rows` at a
+    time (each row is its own), so a large LM head needs no fp32 copy of itself."""
+    if weight.dim() == 2 and weight.shape[0] > rows:
+        parts = [quantize(part, scheme, group, name, rows) for part in weight.split(rows)]
+        mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts if p.mins is not None])
+        return QuantizedWeight(parts[0].scheme, torch.cat([p.codes for p in parts]),
+                               torch.cat([p.scales for p in parts]), mins, parts[0].group)
     if scheme == "int8":
         return quantize_int8(weight, name)
     if scheme == "int8-g32":
