@@ -21,7 +21,7 @@ import infer
 from infer.errors import CheckpointError
 from infer.gguf_quants import dequantize as gguf_dequantize
 from infer.kernels.native import FLAVOUR_NEEDS, FLAVOURS, native_kernels
-from infer.models.transformer import QuantizedLinear
+from infer.models.transformer import QuantizedEmbedding, QuantizedLinear
 from infer.quant_weights import (
     STORED_KINDS,
     QuantizedWeight,
@@ -314,6 +314,13 @@ def test_a_quantized_model_saves_and_loads_in_one_step(source: str, q_gguf: Any,
     assert set(config["quantization_config"]["schemes"]) == ({source, "int8"} if source == "int4" else {source})
     loaded = infer.load_model(out)
     assert loaded.quantized and loaded.layers[0].mlp.up_proj.scheme == source
+    for name, module in model.named_modules():
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
+            back = loaded.get_submodule(name)
+            assert isinstance(back, type(module)) and back.group == module.group, name
+            assert all(torch.equal(a, b) for a, b in zip(back.qweight.tensors(), module.qweight.tensors(),
+                                                         strict=True)), name
+    loaded.quantized_rows = model.quantized_rows  # timed at each load: the same kernels for the same bits
     ids = torch.randint(0, model.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(6))
     with torch.inference_mode():
         assert torch.equal(loaded(ids), model(ids))
