@@ -37,7 +37,6 @@ from infer.attention import (
     decode_attention_matmul,
 )
 from infer.cache.base import AttendsInKernel, KVCache
-from infer.cache.contiguous import ContiguousCache
 from infer.cache.paged_quantized import QuantizedPoolLayer
 from infer.kernels.native import NativeKernels
 from infer.ragged import DecodeGroup, RaggedBatch, SeqSlice
@@ -121,7 +120,6 @@ class CacheBackend(AttentionBackend):
         self.masks = {lt: self._mask(first, window) for lt, (first, window) in windows.items()}
         self.all_logits = all_logits
         self.attends_in_kernel = bool(getattr(cache, "attends_in_kernel", False))
-        self._decode_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # _native_decode's
 
     def check(self, input_ids: torch.Tensor, num_layers: int) -> None:
         """The cache must be a KVCache holding the input's batch."""
@@ -159,23 +157,7 @@ class CacheBackend(AttentionBackend):
             if k.dtype != q.dtype:  # (the forward raising discards the step: the cache is left as it was)
                 raise ValueError(f"the cache holds K/V in {k.dtype} but the model computes in {q.dtype}: create the "
                                  f"cache with dtype={q.dtype} (the model's), or load the model in {k.dtype}")
-            if kernels.native is not None and isinstance(self.cache, ContiguousCache) and not kernels.reference:
-                return self._native_decode(q, layer, kernels.native)
         return attend_dense(q, k, v, self.masks[layer.layer_type], layer, kernels)
-
-    def _native_decode(self, q: torch.Tensor, layer: AttentionLayer, native: NativeKernels) -> torch.Tensor:
-        """A one-token step over a contiguous cache in the native paged kernel (each sequence's rows of the layer
-        read in place as one block; a sliding layer's window applied by position): one call where SDPA takes ~50 us
-        a layer at short context. Within fp32 rounding of `attend_dense` (tests/test_native_kernels.py)."""
-        cache = cast(ContiguousCache, self.cache)
-        if self._decode_meta is None:
-            b = cache.batch_size
-            self._decode_meta = (torch.arange(b).unsqueeze(1), torch.full((b,), cache.offset + 1),
-                                 torch.zeros(b, dtype=torch.int64))
-        tables, lengths, starts = self._decode_meta
-        out = native.exact_paged_attention(q[:, :, 0], cache.k_cache[layer.layer_idx], cache.v_cache[layer.layer_idx],
-                                           tables, lengths, starts, layer.scale, layer.softcap, layer.window)
-        return out.to(q.dtype).unsqueeze(2)
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:
         """Advance the cache by the step's tokens; keep the last position unless `all_logits`."""

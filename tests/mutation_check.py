@@ -876,11 +876,6 @@ MUTANTS = [
            "rows = self.qweight.rows(flat).dequantize(self.dtype)",
            "rows = self.qweight.rows(flat.flip(0)).dequantize(self.dtype)",
            ("tests/test_quant_weights.py",)),
-    Mutant("native decode over the contiguous cache misses the newest key", "infer/backends.py",
-           "torch.full((b,), cache.offset + 1)", "torch.full((b,), cache.offset)", ("tests/test_native_kernels.py",)),
-    Mutant("native decode over the contiguous cache ignores the sliding window", "infer/backends.py",
-           "tables, lengths, starts, layer.scale, layer.softcap, layer.window)",
-           "tables, lengths, starts, layer.scale, layer.softcap, None)", ("tests/test_native_kernels.py",)),
 ]
 
 

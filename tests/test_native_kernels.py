@@ -261,8 +261,7 @@ def test_native_gated_activation_is_the_formula_within_an_ulp(dtype: torch.dtype
 @needs_build
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_native_step_ops_match_pytorch_ops(arch: str) -> None:
-    """A one-token step with native small ops and attention over the contiguous cache (in the native paged
-    kernel; Gemma's sliding window crossed) against the same step with PyTorch's (`native_ops=False`, the
+    """A one-token step with native small ops against the same step with PyTorch's (`native_ops=False`, the
     unoptimised path): fp32 logits within 1e-5 of the logit scale, the same greedy tokens; batches and prefill
     never take them."""
     import infer
