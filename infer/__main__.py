@@ -107,15 +107,19 @@ def _quality(args: argparse.Namespace) -> int:
     if args.tokens < 2 or not 1 <= args.prefill < args.tokens:
         raise ValueError(f"--prefill must lie in [1, --tokens - 1] and --tokens be >= 2, got --prefill "
                          f"{args.prefill}, --tokens {args.tokens}")
+    forms = [w for w in (args.compare_weights or "").split(",") if w]
+    bad = [w for w in forms if w not in ("int8", "int4", "stored", "dense")]
+    if bad:
+        raise ValueError(f"--compare-weights: unknown weight storage(s) {', '.join(bad)}; choose from int8, int4, "
+                         "stored, dense")
     text = load_text(args.text)
     model = load_with_args(path, args)
     choose_threads(model, forced=args.threads)
     ids = text_ids(Tokenizer(path), text, args.tokens)
-    if args.compare_weights:
+    if forms:
         from infer.loader import load_model
         from infer.quality import measure_weights
 
-        forms = [w for w in args.compare_weights.split(",") if w]
         dense = load_model(path, dtype=args.dtype, weights="dense")
         models = {f"{w} weights": load_model(path, dtype=args.dtype, weights=w, group_size=args.group_size)
                   for w in forms}

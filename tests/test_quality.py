@@ -81,3 +81,17 @@ def test_quality_command_refuses_bad_arguments_before_loading(capsys: pytest.Cap
     assert "unknown cache kind(s) int3" in capsys.readouterr().err
     assert main(["quality", "--tokens", "10", "--prefill", "10"]) == 2
     assert "--prefill must lie in" in capsys.readouterr().err
+
+
+def test_quality_command_compares_weight_storages(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--compare-weights: each storage of the default model (its Q4_1 file) against its dequantized weights."""
+    out = tmp_path / "w.json"
+    assert main(["quality", "--compare-weights", "stored,int8", "--tokens", "40", "--prefill", "8", "--threads", "1",
+                 "--json", str(out)]) == 0
+    assert "against the dense (dequantized) weights" in capsys.readouterr().out
+    rows = {k["kind"]: k for k in json.loads(out.read_text())["kinds"]}
+    assert set(rows) == {"stored weights", "int8 weights"}
+    assert rows["stored weights"]["top1_agreement"] == 1.0  # the same weights, fp32 rounding apart
+    assert rows["stored weights"]["bytes_ratio"] < 0.25 < rows["int8 weights"]["bytes_ratio"] < 0.4  # of fp32
+    assert main(["quality", "--compare-weights", "int3"]) == 2
+    assert "unknown weight storage(s) int3" in capsys.readouterr().err
