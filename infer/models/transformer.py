@@ -202,7 +202,7 @@ def fuse_quantized(parts: list[QuantizedLinear]) -> QuantizedLinear | None:
         return None
     bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts if p.bias is not None])
     fused = QuantizedLinear(weight, bias)
-    fused.upcast, fused.gemv = parts[0].upcast, parts[0].gemv
+    fused.upcast, fused.gemv, fused.native_rows = parts[0].upcast, parts[0].gemv, parts[0].native_rows
     start = 0
     for p in parts:
         rows = slice(start, start + p.out_features)
