@@ -760,6 +760,33 @@ static void finish_heads(int dtype, int scheme, int fast, const float *v_rot, co
 /* INFER_QATTN_TILES=0 scores one key at a time (the plain path, kept as the tiles' check). */
 static int qattn_tiles(void) { return switched_on("INFER_QATTN_TILES"); }
 
+/* One thread's scratch for a (sequence, KV head) of the attention kernels, for up to n keys: scores sc [G, n];
+ * queries natural qf, scaled qs, permuted qp [G, d]; sums acc (natural), accp (code rows: permuted on the fast path,
+ * rotated with v_rot) [G, d]; one decoded row; a 16-key tile; q . offsets qo [G]. Vectors first, so they stay
+ * 64-byte aligned. */
+typedef struct {
+    float *qp, *accp, *row, *qf, *qs, *acc, *tile, *sc, *qo;
+} qattn_scratch;
+
+static float *qattn_alloc(int64_t groups, int64_t d, int64_t n) {
+    size_t floats = (size_t)(groups * (5 * d + n + 1) + 17 * d);
+    return (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+}
+
+static qattn_scratch qattn_carve(float *buf, int64_t groups, int64_t d, int64_t n) {
+    qattn_scratch s;
+    s.qp = buf;
+    s.accp = s.qp + groups * d;
+    s.row = s.accp + groups * d;
+    s.qf = s.row + d;
+    s.qs = s.qf + groups * d;
+    s.acc = s.qs + groups * d;
+    s.tile = s.acc + groups * d;
+    s.sc = s.tile + 16 * d;
+    s.qo = s.sc + groups * n;
+    return s;
+}
+
 int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const void *k_sink, const void *v_sink,
                 const uint8_t *k_codes, const uint8_t *v_codes, const uint16_t *k_scale, const uint16_t *v_scale,
                 const uint16_t *k_offset, const float *v_rot, const void *k_recent, const void *v_recent, void *out, int64_t batch, int64_t heads,
@@ -774,11 +801,7 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        /* scores [G, n]; queries natural qf, scaled qs, permuted qp [G, d]; sums acc (natural), accp (code rows:
-         * permuted on the fast path, rotated with v_rot) [G, d]; one decoded row; q . offsets qo [G]. Vectors
-         * first, so they stay 64-byte aligned. */
-        size_t floats = (size_t)(groups * (5 * d + n + 1) + 17 * d);
-        float *buf = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        float *buf = qattn_alloc(groups, d, n);
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
@@ -787,8 +810,9 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
         for (int64_t bh = 0; bh < batch * kv_heads; bh++) {
             if (!buf) continue;
             int64_t b = bh / kv_heads;
-            float *qp = buf, *accp = qp + groups * d, *row = accp + groups * d, *qf = row + d, *qs = qf + groups * d;
-            float *acc = qs + groups * d, *tile = acc + groups * d, *sc = tile + 16 * d, *qo = sc + groups * n;
+            qattn_scratch w = qattn_carve(buf, groups, d, n);
+            float *qp = w.qp, *accp = w.accp, *row = w.row, *qf = w.qf, *qs = w.qs, *acc = w.acc, *tile = w.tile;
+            float *sc = w.sc, *qo = w.qo;
             for (int64_t g = 0; g < groups; g++)
                 for (int64_t i = 0; i < d; i++)
                     qf[g * d + i] = load_scalar(dtype, q, ((b * heads) + bh % kv_heads * groups + g) * d + i) * scale;
@@ -869,8 +893,7 @@ int infer_qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_cod
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        size_t floats = (size_t)(groups * (5 * d + nmax + 1) + 17 * d);
-        float *buf = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        float *buf = qattn_alloc(groups, d, nmax);
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
@@ -879,8 +902,9 @@ int infer_qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_cod
         for (int64_t bh = 0; bh < batch * kv_heads; bh++) {
             if (!buf) continue;
             int64_t b = bh / kv_heads, h = bh % kv_heads, n = lengths[b] - starts[b], qpos = lengths[b] - 1;
-            float *qp = buf, *accp = qp + groups * d, *row = accp + groups * d, *qf = row + d, *qs = qf + groups * d;
-            float *acc = qs + groups * d, *tile = acc + groups * d, *sc = tile + 16 * d, *qo = sc + groups * n;
+            qattn_scratch w = qattn_carve(buf, groups, d, n);
+            float *qp = w.qp, *accp = w.accp, *row = w.row, *qf = w.qf, *qs = w.qs, *acc = w.acc, *tile = w.tile;
+            float *sc = w.sc, *qo = w.qo;
             const int64_t *table = tables + b * nb;
             for (int64_t g = 0; g < groups; g++)
                 for (int64_t i = 0; i < d; i++)
