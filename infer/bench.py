@@ -253,7 +253,8 @@ def run_bench(args: argparse.Namespace) -> int:
                               cache=args.cache, use_kv_cache=c.name != "infer[no cache]",
                               compute_dtype=args.compute_dtype, fused_projections=args.fused_projections,
                               decode_gemv=args.decode_gemv, huge_pages=not args.no_huge_pages,
-                              native_ops=not args.no_native_ops)
+                              native_ops=not args.no_native_ops, native_step=not args.no_native_step,
+                              weights=args.weights, group_size=args.group_size)
             print(f"measuring the memory of {c.name} in its own process", file=sys.stderr)
             figures = measure_memory(spec)
             row["peak_mib"], row["own_mib"] = figures.peak_bytes / 2**20, figures.own_bytes / 2**20

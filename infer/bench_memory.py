@@ -38,6 +38,9 @@ class MemorySpec:
     decode_gemv: str = "auto"
     huge_pages: bool = True
     native_ops: bool = True
+    native_step: bool = True
+    weights: str = "auto"  # the --weights of the run: "auto" keeps a GGUF file's stored blocks
+    group_size: int = 32
 
 
 @dataclass(frozen=True)
@@ -97,8 +100,9 @@ def _child(spec: MemorySpec) -> MemoryFigures:
     dtype = resolve_dtype(spec.dtype)
     if spec.plugin is None:
         model = load_model(Path(spec.path), dtype=dtype, device=device, compute_dtype=spec.compute_dtype,
-                           decode_gemv=spec.decode_gemv, huge_pages=spec.huge_pages)
-        model.native_ops = spec.native_ops
+                           decode_gemv=spec.decode_gemv, huge_pages=spec.huge_pages,
+                           weights="stored" if spec.weights == "auto" else spec.weights, group_size=spec.group_size)
+        model.native_ops, model.native_step = spec.native_ops, spec.native_step
         if spec.fused_projections:
             model.fused_projections = True
         contenders = [engine_contender(spec.name, model, spec.prompt_ids, spec.new_tokens, spec.cache,

@@ -31,6 +31,8 @@ def add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
                         " them)")
     p.add_argument("--no-native-ops", action="store_true",
                    help="run a one-token step's norms, rotations and activation as PyTorch ops, not native calls")
+    p.add_argument("--no-native-step", action="store_true",
+                   help="run a one-token step layer by layer (the per-op path), not every layer in one native call")
     p.add_argument("--weights", default="auto", choices=["auto", "int8", "int4", "stored", "dense"],
                    help="storage of the projections: int8 / int4 quantize at load, stored keeps a GGUF file's or a "
                         "quantized checkpoint's codes, dense dequantizes (auto: stored where the file is quantized)")
@@ -80,4 +82,5 @@ def load_with_args(path: Path, args: argparse.Namespace) -> Transformer:
                        decode_gemv=args.decode_gemv, huge_pages=not args.no_huge_pages,
                        weights="stored" if weights == "auto" else weights, group_size=getattr(args, "group_size", 32))
     model.native_ops = not args.no_native_ops
+    model.native_step = not args.no_native_step
     return model

@@ -272,8 +272,8 @@ def test_help_shows_defaults_and_shared_names(capsys: pytest.CaptureFixture[str]
 
 def test_forced_speed_choices_reach_the_model(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
                                               ) -> None:
-    """--decode-gemv, --no-huge-pages and --no-native-ops load the model as asked; a native form this machine
-    cannot build is refused in one line before the model loads."""
+    """--decode-gemv, --no-huge-pages, --no-native-ops and --no-native-step load the model as asked; a native form
+    this machine cannot build is refused in one line before the model loads."""
     import infer.__main__
     from infer.kernels import native
 
@@ -282,13 +282,14 @@ def test_forced_speed_choices_reach_the_model(monkeypatch: pytest.MonkeyPatch, c
 
     def spy(path: Path, args: object) -> object:
         model = real(path, args)  # type: ignore[arg-type]
-        loaded.append((model.decode_gemv, model.huge_pages, model.native_ops))
+        loaded.append((model.decode_gemv, model.huge_pages, model.native_ops, model.native_step))
         return model
 
     monkeypatch.setattr(infer.__main__, "load_with_args", spy)
-    argv = ["generate", "Hi", "--max-new-tokens", "2", "--decode-gemv", "mv", "--no-huge-pages", "--no-native-ops"]
+    argv = ["generate", "Hi", "--max-new-tokens", "2", "--decode-gemv", "mv", "--no-huge-pages", "--no-native-ops",
+            "--no-native-step"]
     assert run_main(argv, capsys)[0] == 0
-    assert loaded == [("mv", False, False)]
+    assert loaded == [("mv", False, False, False)]
     monkeypatch.setattr(native, "native_kernels", lambda flavour="native": None)
     monkeypatch.setattr(native, "unavailable_reason", lambda flavour="native": "no C compiler on PATH")
     code, out, err = run_main(["generate", "Hi", "--decode-gemv", "native"], capsys)

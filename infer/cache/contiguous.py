@@ -64,6 +64,12 @@ class ContiguousCache:
         self.v_cache[layer, :, :, self._offset : end] = v
         return self.k_cache[layer, :, :, :end], self.v_cache[layer, :, :, :end]
 
+    def layer_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Layer `layer`'s K and V storage `[B, Hkv, max_seq_len, D]`, position p at slot p (not a ring): for a
+        kernel that writes a step's row and attends in place (infer/models/native_step.py)."""
+        check_layer(layer, self.k_cache.shape[0])
+        return self.k_cache[layer], self.v_cache[layer], False
+
     def advance(self, n: int) -> None:
         """Count `n` more tokens as cached."""
         self._offset += check_advance(n, self._offset, self.max_seq_len)

@@ -119,6 +119,16 @@ class SlidingWindowCache:
         self._pending.write(ring_v, slots, v[:, :, T - keep :])
         return keys, values
 
+    def layer_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Layer `layer`'s K and V storage `[B, Hkv, slots, D]` for a kernel that writes a step's row and attends in
+        place (infer/models/native_step.py): a full layer's position p at slot p; a sliding layer's ring (True),
+        p at slot p % slots, every filled slot a key of the newest position."""
+        check_layer(layer, len(self.is_sliding))
+        i = self.slot_of[layer]
+        if self.is_sliding[layer]:
+            return self.ring_k[i], self.ring_v[i], True
+        return self.full_k[i], self.full_v[i], False
+
     def advance(self, n: int) -> None:
         """Count `n` more tokens as seen (the forward's ring writes are kept)."""
         self._offset += check_advance(n, self._offset, self.max_seq_len)

@@ -115,16 +115,25 @@ static inline void prefetch(const void *p) {
 
 /* ---- one row's dot product, per instruction set ----
  * dot_bf16: both operands bf16 (the AVX512-BF16 path); dot_wide: x already widened to fp32 once per call
- * (every other path), w converted as it streams. Each step covers one cache line of w and prefetches the
- * line PREFETCH_BYTES ahead; one line a step measured faster than two (fewer loads in flight per prefetch).
+ * (every other path), w converted as it streams. Each cache line of w is prefetched PREFETCH_BYTES ahead of its
+ * load; the pair path sums alternate lines into two registers (one sum waits on the instruction's latency: 63-75
+ * GB/s on a 2-core EPYC, 79-84 with two).
  */
 
 #if defined(HAVE_AVX512) && defined(__AVX512BF16__)
 #define HAVE_DOT_BF16 1
 static float dot_bf16(const uint16_t *w, const uint16_t *x, int64_t k) {
     const char *bytes = (const char *)w;
-    __m512 acc = _mm512_setzero_ps();
+    __m512 acc = _mm512_setzero_ps(), other = _mm512_setzero_ps(); /* two sums: the pair instruction's latency */
     int64_t i = 0;
+    for (; i + 64 <= k; i += 64) {
+        prefetch(bytes + 2 * i + PREFETCH_BYTES);
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + i), (__m512bh)_mm512_loadu_si512(x + i));
+        prefetch(bytes + 2 * i + 64 + PREFETCH_BYTES);
+        other = _mm512_dpbf16_ps(other, (__m512bh)_mm512_loadu_si512(w + i + 32),
+                                 (__m512bh)_mm512_loadu_si512(x + i + 32));
+    }
+    acc = _mm512_add_ps(acc, other);
     for (; i + 32 <= k; i += 32) {
         prefetch(bytes + 2 * i + PREFETCH_BYTES);
         acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + i), (__m512bh)_mm512_loadu_si512(x + i));
@@ -879,12 +888,12 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
  * [N, Hkv, D] for keys and row scales [N, Hkv, bs] for values (rows stored rotated with v_rot); a table entry
  * >= num_blocks names a staged block, exact in stage [P, Hkv, bs, D] at slot entry - num_blocks. Sequence b's keys
  * are positions starts[b] .. lengths[b] - 1, its table's blocks in order; the query sits at the last. */
-int infer_qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_codes, const uint8_t *v_codes,
-                      const uint16_t *k_scale, const uint16_t *v_scale, const uint16_t *k_offset,
-                      const float *v_rot, const void *k_stage, const void *v_stage, const int64_t *tables,
-                      const int64_t *lengths, const int64_t *starts, void *out, int64_t batch, int64_t heads,
-                      int64_t kv_heads, int64_t d, int64_t bs, int64_t nb, int64_t num_blocks, float scale,
-                      float softcap, int64_t window, int threads) {
+static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_codes, const uint8_t *v_codes,
+                       const uint16_t *k_scale, const uint16_t *v_scale, const uint16_t *k_offset,
+                       const float *v_rot, const void *k_stage, const void *v_stage, const int64_t *tables,
+                       const int64_t *lengths, const int64_t *starts, void *out, int64_t batch, int64_t heads,
+                       int64_t kv_heads, int64_t d, int64_t bs, int64_t nb, int64_t num_blocks, float scale,
+                       float softcap, int64_t window, int threads, float *const *scratch) {
     int64_t esize = dtype == F32 ? 4 : 2, groups = heads / kv_heads;
     int64_t dp = scheme == Q_INT8 ? d : d / 2, nmax = 1;
     int fast = d % 32 == 0, tiles = qattn_tiles();
@@ -893,7 +902,11 @@ int infer_qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_cod
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        float *buf = qattn_alloc(groups, d, nmax);
+        int thread = 0;
+#ifdef _OPENMP
+        thread = omp_get_thread_num();
+#endif
+        float *buf = scratch ? scratch[thread] : qattn_alloc(groups, d, nmax);
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
@@ -955,9 +968,22 @@ int infer_qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_cod
             }
             finish_heads(dtype, scheme, fast, v_rot, accp, acc, row, groups, d, out, b * heads + h * groups);
         }
-        free(buf);
+        if (!scratch) free(buf);
     }
     return failed ? -1 : 0;
+}
+
+/* scratch: NULL, or one qattn_alloc buffer per thread for the longest sequence (the caller's, so nothing here can
+ * fail); see qattn_paged. */
+int infer_qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_codes, const uint8_t *v_codes,
+                      const uint16_t *k_scale, const uint16_t *v_scale, const uint16_t *k_offset,
+                      const float *v_rot, const void *k_stage, const void *v_stage, const int64_t *tables,
+                      const int64_t *lengths, const int64_t *starts, void *out, int64_t batch, int64_t heads,
+                      int64_t kv_heads, int64_t d, int64_t bs, int64_t nb, int64_t num_blocks, float scale,
+                      float softcap, int64_t window, int threads) {
+    return qattn_paged(dtype, scheme, q, k_codes, v_codes, k_scale, v_scale, k_offset, v_rot, k_stage, v_stage, tables,
+                       lengths, starts, out, batch, heads, kv_heads, d, bs, nb, num_blocks, scale, softcap, window,
+                       threads, NULL);
 }
 
 /* ---- quantized weights (infer/quant_weights.py): y = W x with W stored as codes ----
@@ -1078,6 +1104,58 @@ static inline __attribute__((always_inline)) void qrow_dot(int fmt, const uint8_
         }
         for (int j = 0; j < mt; j++) out[j] += scale_at(scales, g) * acc[j];
     }
+#endif
+}
+
+/* qrow_dot for one row of x (decode), two runs in flight on separate sums: one sum per vector of a run held a row
+ * to the FMA's latency (4 cycles per run; ~4 weights a cycle per core, compute-bound at half the read bandwidth
+ * on a 2-core EPYC). Each group's sums are added, scaled and summed into two totals by group parity. */
+static inline __attribute__((always_inline)) float qrow_dot1(int fmt, const uint8_t *codes, scale_row scales,
+                                                             int64_t k, int64_t group, const float *x) {
+#if defined(QLANES)
+    int64_t run_bytes = fmt == Q8 ? QCHUNK : QCHUNK / 2;
+    enum { V = QCHUNK / QLANES };
+    qvec even = qzero(), odd = qzero(), a0[V], a1[V], w[V];
+    if (group == QCHUNK) { /* a scale per run: each run's sum formed fresh, scaled into the totals by parity */
+        int64_t r = 0, runs = k / QCHUNK;
+        for (; r < runs; r++) {
+            const uint8_t *c = codes + r * run_bytes;
+            prefetch(c + PREFETCH_BYTES);
+            qcodes(fmt, c, w);
+            qvec a = w[0] * qload(x + r * QCHUNK);
+            for (int v = 1; v < V; v++) a = qfma(w[v], qload(x + r * QCHUNK + v * QLANES), a);
+            if (r & 1) odd = qfma(qset1(scale_at(scales, r)), a, odd);
+            else even = qfma(qset1(scale_at(scales, r)), a, even);
+        }
+        return qsum(even + odd);
+    }
+    for (int64_t g = 0; g < k / group; g++) {
+        for (int v = 0; v < V; v++) a0[v] = a1[v] = qzero();
+        int64_t i = g * group, end = (g + 1) * group;
+        for (; i + 2 * QCHUNK <= end; i += 2 * QCHUNK) {
+            const uint8_t *c = codes + i / QCHUNK * run_bytes;
+            prefetch(c + PREFETCH_BYTES);
+            qcodes(fmt, c, w);
+            for (int v = 0; v < V; v++) a0[v] = qfma(w[v], qload(x + i + v * QLANES), a0[v]);
+            qcodes(fmt, c + run_bytes, w);
+            for (int v = 0; v < V; v++) a1[v] = qfma(w[v], qload(x + i + QCHUNK + v * QLANES), a1[v]);
+        }
+        if (i < end) {
+            const uint8_t *c = codes + i / QCHUNK * run_bytes;
+            prefetch(c + PREFETCH_BYTES);
+            qcodes(fmt, c, w);
+            for (int v = 0; v < V; v++) a0[v] = qfma(w[v], qload(x + i + v * QLANES), a0[v]);
+        }
+        qvec a = a0[0] + a1[0];
+        for (int v = 1; v < V; v++) a += a0[v] + a1[v];
+        if (g & 1) odd = qfma(qset1(scale_at(scales, g)), a, odd);
+        else even = qfma(qset1(scale_at(scales, g)), a, even);
+    }
+    return qsum(even + odd);
+#else
+    float out;
+    qrow_dot(fmt, codes, scales, k, group, x, 1, &out);
+    return out;
 #endif
 }
 
@@ -1272,7 +1350,7 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
                 } else
 #endif
                 if (mt == 4) qrow_dot(fmt, row, rs, k, group, xf + j0 * k, 4, out);
-                else for (int j = 0; j < mt; j++) qrow_dot(fmt, row, rs, k, group, xf + (j0 + j) * k, 1, out + j);
+                else for (int j = 0; j < mt; j++) out[j] = qrow_dot1(fmt, row, rs, k, group, xf + (j0 + j) * k);
                 for (int j = 0; j < mt; j++) {
                     float v = out[j];
                     if (mins) {
@@ -1311,4 +1389,145 @@ int infer_qdequant(int fmt, const uint8_t *codes, int sdtype, const void *scales
         }
     }
     return 0;
+}
+
+/* ---- a one-token step of one sequence: every decoder layer in one call ----
+ * A small model's decode step is dominated by the Python between its ops (SmolLM2-135M: ~20 ops a layer, 30
+ * layers, half the step), not by its products. This runs a whole step's layers with the same kernels the
+ * per-op path calls (infer_gemv / infer_qgemv, infer_rms_norm, infer_rope, infer_gated; the paged kernel's exact
+ * path for attention), in the order of infer/models/transformer.py's DecoderLayer, so the only difference from
+ * that path is attention's summation order (SDPA's there). infer/models/native_step.py describes the model. */
+
+typedef struct {
+    int kind;   /* 0: a dense weight of the step's dtype (infer_gemv); 1: q8, 2: q4 codes (infer_qgemv) */
+    int sdtype; /* the scales' (and mins') dtype of quantized codes */
+    const void *w, *scales, *mins, *bias; /* w: the weight or its codes; bias in the step's dtype, or NULL */
+    int64_t n, k, group;
+} step_proj;
+
+typedef struct {
+    step_proj qkv[3], o, gate_up[2], down; /* q/k/v and gate/up fused (one part) or separate (three, two) */
+    int64_t n_qkv, n_gate_up;
+    /* norms (weights of hidden values): before attention, after it (Gemma's sandwich; NULL elsewhere), before
+     * the MLP, after it (sandwich); q_norm / k_norm over each head (QK-norm; NULL elsewhere) */
+    const void *attn_in, *attn_out, *mlp_in, *mlp_out, *q_norm, *k_norm;
+    void *k, *v;   /* this layer's cache rows [Hkv, slots, D] (one sequence) */
+    int64_t slots; /* position p goes to slot p (ring: p % slots; every filled slot is a key) */
+    int64_t ring, window; /* window: keys at positions > p - window only (0: all) */
+    int64_t rope;         /* which of the step's (cos, sin) rows this layer rotates by */
+    float scale, softcap; /* query scale; attention logit softcap (0: none) */
+} step_layer;
+
+static int step_product(int dtype, const step_proj *p, const void *x, void *y, int threads) {
+    if (p->kind == 0) return infer_gemv(dtype, p->w, x, p->bias, y, p->n, p->k, threads);
+    return infer_qgemv(p->kind == 1 ? Q8 : Q4, (const uint8_t *)p->w, p->sdtype, p->scales, p->mins, dtype, x,
+                       p->bias, y, 1, p->n, p->k, p->group, threads);
+}
+
+/* Layer l's K/V rows at slot `slot` swapped with `keep` [2, Hkv, D]: saved before the write, put back on failure. */
+static void swap_rows(const step_layer *L, int64_t slot, char *keep, int64_t kv_heads, int64_t d, int64_t esize) {
+    char tmp[1024];
+    for (int64_t g = 0; g < 2 * kv_heads; g++) {
+        char *cache = (char *)(g < kv_heads ? L->k : L->v) + ((g % kv_heads) * L->slots + slot) * d * esize;
+        for (int64_t i = 0; i < d * esize; i += (int64_t)sizeof tmp) {
+            size_t n = (size_t)(d * esize - i < (int64_t)sizeof tmp ? d * esize - i : (int64_t)sizeof tmp);
+            memcpy(tmp, cache + i, n);
+            memcpy(cache + i, keep + g * d * esize + i, n);
+            memcpy(keep + g * d * esize + i, tmp, n);
+        }
+    }
+}
+
+/* Whether a layer's products and cache fit the step's shapes (checked for every layer before anything is written). */
+static int step_layer_fits(const step_layer *L, int64_t pos, int64_t heads, int64_t kv_heads, int64_t d,
+                           int64_t hidden, int64_t inter) {
+    int64_t qkv = 0, gate_up = 0;
+    if (L->n_qkv < 1 || L->n_qkv > 3 || L->n_gate_up < 1 || L->n_gate_up > 2) return 0;
+    for (int64_t p = 0; p < L->n_qkv; p++) {
+        if (L->qkv[p].k != hidden) return 0;
+        qkv += L->qkv[p].n;
+    }
+    for (int64_t p = 0; p < L->n_gate_up; p++) {
+        if (L->gate_up[p].k != hidden) return 0;
+        gate_up += L->gate_up[p].n;
+    }
+    return qkv == (heads + 2 * kv_heads) * d && gate_up == 2 * inter && L->o.k == heads * d && L->o.n == hidden &&
+           L->down.k == inter && L->down.n == hidden && L->slots > 0 && (L->ring || pos < L->slots);
+}
+
+/* x [hidden] (dtype) becomes the last layer's output; position `pos`'s K/V rows are written to every layer's
+ * cache. cos/sin: one row of D per rope table. Returns 0; -1 where memory ran out, -2 where a layer's shapes do
+ * not fit (before anything is written) or a quantized product refused its shape: then every slot written is put
+ * back and x is unchanged, so the step is all or nothing. */
+int infer_decode_step(int dtype, const step_layer *layers, int64_t n_layers, int64_t heads, int64_t kv_heads,
+                      int64_t d, int64_t hidden, int64_t inter, float eps, int gemma, int gelu, void *x,
+                      int64_t pos, const void *const *cos, const void *const *sin, int threads) {
+    int64_t esize = dtype == F32 ? 4 : 2, qkv_n = (heads + 2 * kv_heads) * d, row = kv_heads * d;
+    int64_t act = 2 * inter > qkv_n ? 2 * inter : qkv_n;
+    /* scratch in dtype: h, o, x's input (to undo), the products' outputs, act(gate) * up, the attention output;
+     * every layer's overwritten K/V slot; one attention buffer per thread. All taken before anything is written. */
+    char *mem = (char *)malloc((size_t)((3 * hidden + act + inter + heads * d) * esize));
+    char *undo = (char *)malloc((size_t)(n_layers * 2 * row * esize));
+    float **scratch = (float **)calloc((size_t)threads, sizeof(float *));
+    int code = mem && undo && scratch ? 0 : -1;
+    for (int64_t l = 0; code == 0 && l < n_layers; l++)
+        if (!step_layer_fits(layers + l, pos, heads, kv_heads, d, hidden, inter)) code = -2;
+    for (int t = 0; code == 0 && t < threads; t++)
+        if (!(scratch[t] = qattn_alloc(heads / kv_heads, d, pos + 1))) code = -1;
+    char *h = mem, *o = h + hidden * esize, *x0 = o + hidden * esize, *big = x0 + hidden * esize;
+    char *gated = big + act * esize, *attn = gated + inter * esize;
+    int64_t written = 0; /* layers whose slot holds this step's row */
+    int saved = code == 0;
+    if (saved) memcpy(x0, x, (size_t)(hidden * esize));
+    for (int64_t l = 0; code == 0 && l < n_layers; l++) {
+        const step_layer *L = layers + l;
+        /* attention: norm, q/k/v, QK-norm, RoPE, the new K/V row into the cache, attend, o, (post-norm), residual */
+        infer_rms_norm(dtype, x, L->attn_in, h, 1, hidden, eps, gemma);
+        int64_t at = 0;
+        for (int64_t p = 0; code == 0 && p < L->n_qkv; at += L->qkv[p].n, p++)
+            code = step_product(dtype, L->qkv + p, h, big + at * esize, threads);
+        if (code) break;
+        char *q = big, *k = big + heads * d * esize; /* v follows k */
+        if (L->q_norm) infer_rms_norm(dtype, q, L->q_norm, q, heads, d, eps, gemma);
+        if (L->k_norm) infer_rms_norm(dtype, k, L->k_norm, k, kv_heads, d, eps, gemma);
+        infer_rope(dtype, q, cos[L->rope], sin[L->rope], q, heads, d);
+        infer_rope(dtype, k, cos[L->rope], sin[L->rope], k, kv_heads, d);
+        int64_t slot = L->ring ? pos % L->slots : pos, start = 0, length = pos + 1;
+        if (L->ring) length = pos + 1 < L->slots ? pos + 1 : L->slots;
+        else if (L->window > 0 && pos + 1 > L->window) start = pos + 1 - L->window;
+        char *keep = undo + l * 2 * row * esize; /* k then v rows: the new ones in, the old ones out */
+        memcpy(keep, k, (size_t)(2 * row * esize));
+        swap_rows(L, slot, keep, kv_heads, d, esize);
+        written++;
+        /* the layer's rows as one staged block of `slots` rows, read from `start` on: keys start .. length - 1 */
+        int64_t table = 0, end = length, first = start;
+        const char *kb = (const char *)L->k + start * d * esize, *vb = (const char *)L->v + start * d * esize;
+        qattn_paged(dtype, Q_INT8, q, NULL, NULL, NULL, NULL, NULL, NULL, kb, vb, &table, &end, &first, attn, 1,
+                    heads, kv_heads, d, L->slots, 1, 0, L->scale, L->softcap, 0, threads, scratch);
+        if ((code = step_product(dtype, &L->o, attn, o, threads))) break;
+        if (L->attn_out) infer_rms_norm(dtype, o, L->attn_out, o, 1, hidden, eps, gemma);
+        for (int64_t i = 0; i < hidden; i++) store_scalar(dtype, x, i, load_scalar(dtype, x, i) + load_scalar(dtype, o, i));
+        /* MLP: norm, gate/up, act(gate) * up, down, (post-norm), residual */
+        infer_rms_norm(dtype, x, L->mlp_in, h, 1, hidden, eps, gemma);
+        at = 0;
+        for (int64_t p = 0; code == 0 && p < L->n_gate_up; at += L->gate_up[p].n, p++)
+            code = step_product(dtype, L->gate_up + p, h, big + at * esize, threads);
+        if (code) break;
+        infer_gated(dtype, big, gated, inter, gelu);
+        if ((code = step_product(dtype, &L->down, gated, o, threads))) break;
+        if (L->mlp_out) infer_rms_norm(dtype, o, L->mlp_out, o, 1, hidden, eps, gemma);
+        for (int64_t i = 0; i < hidden; i++) store_scalar(dtype, x, i, load_scalar(dtype, x, i) + load_scalar(dtype, o, i));
+    }
+    if (code) { /* put back what the layers run so far overwrote */
+        for (int64_t l = 0; l < written; l++) {
+            const step_layer *L = layers + l;
+            swap_rows(L, L->ring ? pos % L->slots : pos, undo + l * 2 * row * esize, kv_heads, d, esize);
+        }
+        if (saved) memcpy(x, x0, (size_t)(hidden * esize));
+    }
+    for (int t = 0; scratch && t < threads; t++) free(scratch[t]);
+    free(scratch);
+    free(undo);
+    free(mem);
+    return code;
 }

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,6 +45,25 @@ FLAVOUR_NEEDS: dict[str, tuple[str, ...]] = {
 }
 
 _reasons: dict[str, str] = {}
+
+
+class StepProj(ctypes.Structure):
+    """cpu_decode.c's step_proj: one product of a native decode step (kind 0 dense, 1 q8, 2 q4)."""
+
+    _fields_ = [("kind", ctypes.c_int), ("sdtype", ctypes.c_int), ("w", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                ("mins", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("group", ctypes.c_int64)]
+
+
+class StepLayer(ctypes.Structure):
+    """cpu_decode.c's step_layer: one decoder layer of a native decode step (infer/models/native_step.py fills it)."""
+
+    _fields_ = [("qkv", StepProj * 3), ("o", StepProj), ("gate_up", StepProj * 2), ("down", StepProj),
+                ("n_qkv", ctypes.c_int64), ("n_gate_up", ctypes.c_int64),
+                *((name, ctypes.c_void_p) for name in ("attn_in", "attn_out", "mlp_in", "mlp_out", "q_norm", "k_norm",
+                                                       "k", "v")),
+                ("slots", ctypes.c_int64), ("ring", ctypes.c_int64), ("window", ctypes.c_int64),
+                ("rope", ctypes.c_int64), ("scale", ctypes.c_float), ("softcap", ctypes.c_float)]
 
 
 class NativeKernels:
@@ -82,6 +102,13 @@ class NativeKernels:
                                        + [ctypes.c_int] + [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int])
         lib.infer_qdequant.restype = ctypes.c_int
         self._qgemv, self._qdequant = lib.infer_qgemv, lib.infer_qdequant
+        # dtype, layers, n_layers, heads, kv_heads, d, hidden, inter, eps, gemma, gelu, x, pos, cos, sin, threads
+        step_args: list[Any] = [ctypes.c_int, ctypes.POINTER(StepLayer), *[ctypes.c_int64] * 6, ctypes.c_float,
+                                ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                ctypes.c_void_p, ctypes.c_int]
+        lib.infer_decode_step.argtypes = step_args
+        lib.infer_decode_step.restype = ctypes.c_int
+        self._decode_step = lib.infer_decode_step
         self._gemv = lib.infer_gemv
         self._read = lib.infer_read
         self.path = path
@@ -262,6 +289,21 @@ class NativeKernels:
                              tables.shape[1], 0, scale, softcap or 0.0, window or 0, torch.get_num_threads()):
             raise MemoryError("the native paged attention could not allocate its score buffers")
         return out
+
+    def decode_step(self, layers: ctypes.Array[StepLayer], shape: tuple[int, int, int, int, int], eps: float,
+                    gemma: bool, gelu: bool, x: torch.Tensor, position: int, cos: ctypes.Array[ctypes.c_void_p],
+                    sin: ctypes.Array[ctypes.c_void_p]) -> None:
+        """Every decoder layer of a one-token step of one sequence in one call (cpu_decode.c's infer_decode_step):
+        `x` (contiguous, `hidden` values) becomes the last layer's output and each layer's cache rows get this
+        position's K/V. `shape`: heads, KV heads, head size, hidden size, MLP size; `cos`, `sin`: pointers to
+        each rope table's row. All or nothing: on an error x and the caches are as they were."""
+        heads, kv_heads, d, hidden, inter = shape
+        code = self._decode_step(DTYPE_CODES[x.dtype], layers, len(layers), heads, kv_heads, d, hidden, inter, eps,
+                                 int(gemma), int(gelu), x.data_ptr(), position, cos, sin, torch.get_num_threads())
+        if code == -1:
+            raise MemoryError("the native decode step could not allocate its scratch buffers")
+        if code:
+            raise ValueError("the native decode step was handed a product whose shape it cannot take")
 
     def read(self, buffer: torch.Tensor) -> float:
         """Read every byte of the contiguous CPU tensor `buffer` once, as `gemv` reads weights (returns their

@@ -12,9 +12,11 @@ Module names are Hugging Face's, so checkpoint keys load without renaming.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +30,7 @@ from infer.families import FAMILIES
 from infer.kernels import triton_available
 from infer.kernels.native import NativeKernels, native_gemv, native_kernels, unavailable_reason
 from infer.memory import empty_on_huge_pages
+from infer.models.native_step import NativeStep, RowsCache, takes_model
 from infer.quant_weights import QuantizedWeight, concat_rows
 from infer.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
@@ -400,6 +403,11 @@ class Transformer(nn.Module):
         # One-token steps under the native GEMV run their norms, rotations and gated activation as native calls
         # (infer/kernels/cpu_decode.c: each the PyTorch formula, within an ulp); False keeps PyTorch's ops.
         self.native_ops = True
+        # Such a step of one sequence over a cache with rows in place (contiguous, sliding) runs every layer in one
+        # native call (infer/models/native_step.py: the same kernels, attention summed in another order than
+        # SDPA's); False keeps the per-op path, its check.
+        self.native_step = True
+        self.__dict__["_native_step"] = None  # the model described to that call (built at first use)
         # On CUDA, generate replays one-token steps into a contiguous cache from a CUDA graph (infer/graphs.py).
         self.decode_graphs = True
         # Ids that end generation: config.json's, widened by the loader with generation_config.json's.
@@ -433,6 +441,7 @@ class Transformer(nn.Module):
 
     def _lay_out_fused(self, all_rows: bool) -> None:
         """Fused q/k/v and gate/up Linears where every product or the native one-row products use them."""
+        self.forget_native_step()
         keep = all_rows or self._decode_gemv == "native"
         for layer in self._decoder_layers():
             attn, mlp = layer.self_attn, layer.mlp
@@ -541,10 +550,14 @@ class Transformer(nn.Module):
         rope = {lt: rope_cos_sin(self._inv_freq_on(lt, input_ids.device), backend.positions, x.dtype)
                 for lt in self.inv_freq}
         ctx = StepContext(rope, backend, kernels)
+        whole = self._native_step_for(backend, kernels)
         try:
-            with sdpa_backends(x.device, self.cudnn_attention):
-                for layer in self.layers:
-                    x = layer(x, ctx)
+            if whole is not None:
+                x = whole(x, rope, cast(CacheBackend, backend).cache.offset)  # type: ignore[union-attr]
+            else:
+                with sdpa_backends(x.device, self.cudnn_attention):
+                    for layer in self.layers:
+                        x = layer(x, ctx)
         except BaseException:  # Ctrl-C too: the storage must not keep half a step
             backend.abort()
             raise
@@ -576,6 +589,54 @@ class Transformer(nn.Module):
         reference = self.use_reference_attention
         in_kernel = backend.attends_in_kernel and input_ids.shape[1] == 1 and not reference
         return StepKernels(native, reference, self.compute_dtype, in_kernel)
+
+    def _native_step_for(self, backend: AttentionBackend, kernels: StepKernels) -> NativeStep | None:
+        """The whole-step native call for this forward, or None for the per-op path: a step that runs native small
+        ops (`step_kernels`), no reference or in-cache attention, one sequence over a cache with room whose rows
+        a kernel can take in place (`layer_rows`), every projection on the native kernel."""
+        if (not self.native_step or kernels.native is None or kernels.reference or kernels.in_kernel
+                or not isinstance(backend, CacheBackend)):
+            return None
+        cache = backend.cache
+        if cache is None or not hasattr(cache, "layer_rows") or cache.batch_size != 1 \
+                or cache.offset >= cache.max_seq_len:
+            return None
+        step = self.__dict__["_native_step"]
+        if step is None:
+            native = kernels.native
+            step = NativeStep(self, native) if takes_model(self, native) else False
+            self.__dict__["_native_step"] = step
+        return step if step and step.bind(cast(RowsCache, cache)) else None
+
+    def forget_native_step(self) -> None:
+        """Drop the whole-step description (it holds the weights' addresses): rebuilt at the next step. Called
+        wherever the projections or their tensors change (decode_gemv, fusing, `.to()`, load_state_dict)."""
+        self.__dict__["_native_step"] = None
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Transformer:
+        """nn.Module._apply (.to(), .float(), ...) with the fused products and the whole step made again."""
+        with self._refusing():
+            super()._apply(fn, recurse)
+        return self
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """nn.Module.load_state_dict, with the fused products and the whole step made again (assign=True swaps
+        the tensors)."""
+        with self._refusing():
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    @contextlib.contextmanager
+    def _refusing(self) -> Iterator[None]:
+        """Around a change of the module tree's tensors: the fused products (outside the tree) and the whole-step
+        description are dropped first and made again from the new parts after."""
+        all_rows = self.fused_projections
+        self.forget_native_step()
+        for layer in self._decoder_layers():
+            layer.self_attn.__dict__["qkv"] = layer.mlp.__dict__["gate_up"] = None
+        try:
+            yield
+        finally:
+            self._lay_out_fused(all_rows)
 
     def _window_of(self, layer_type: str) -> int | None:
         return self.config.sliding_window if layer_type == SLIDING_ATTENTION else None

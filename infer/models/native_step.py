@@ -1,0 +1,174 @@
+"""A one-token decode step of one sequence with every decoder layer in one native call.
+
+On a small model the per-op path spends as long in Python as in its products (SmolLM2-135M: ~20 calls a
+layer, 30 layers, ~4 of a 9 ms step). cpu_decode.c's `infer_decode_step` runs the layers with the kernels
+that path calls (the native GEMV and quantized GEMV, norms, RoPE, gated activation) in DecoderLayer's order,
+and attends with the native paged kernel's exact path in place of SDPA: the one difference, a sum in
+another order. This module describes the model to it once (`NativeStep`: each layer's products, norms and
+attention traits, as ctypes structures holding the tensors' addresses) and a cache's storage once per
+cache; the embedding, the final norm and the LM head stay in Python.
+
+Taken only where it applies (`native_step_for`): the native small ops' step (one token, one sequence, the
+native GEMV; `Transformer.native_ops`), every projection on the native kernel, and a cache that stores each
+layer's K/V rows in place (`layer_rows`: the contiguous and sliding kinds). Anything else runs the per-op
+path, which stays the check (`Transformer.native_step = False`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from typing import Any, Protocol
+
+import torch
+
+from infer.config import ModelConfig
+from infer.kernels.native import DTYPE_CODES, QFORMATS, NativeKernels, StepLayer, StepProj
+
+QUANTIZED_KINDS = {"q8": 1, "q4": 2}  # QuantizedWeight.fmt -> step_proj.kind (0 is a dense weight)
+
+
+class RowsCache(Protocol):
+    """A cache whose layers keep K/V rows a kernel can write and read in place."""
+
+    batch_size: int
+    max_seq_len: int
+    offset: int
+
+    def layer_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Layer `layer`'s K and V storage `[B, Hkv, slots, D]` and whether it is a ring."""
+        ...
+
+
+class StepModel(Protocol):
+    """What this module reads of a Transformer (infer/models/transformer.py imports this module, not the reverse):
+    its layers are read by their Hugging Face attribute names, a projection as `Linear` (a `weight`) or
+    `QuantizedLinear` (a `qweight`)."""
+
+    config: ModelConfig
+    inv_freq: dict[str, torch.Tensor]
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def _decoder_layers(self) -> list[Any]: ...
+
+
+class NativeStep:
+    """A model described to `infer_decode_step`: built once per model (rebuilt when its weights change:
+    Transformer.forget_native_step), bound to one cache at a time."""
+
+    def __init__(self, model: StepModel, kernels: NativeKernels) -> None:
+        config = model.config
+        self.kernels = kernels
+        self.dtype = model.dtype
+        self.keep: list[torch.Tensor] = []  # every tensor a descriptor points into
+        self.rope_types = list(model.inv_freq)
+        layers = model._decoder_layers()
+        self.layers = (StepLayer * len(layers))()
+        for desc, layer in zip(self.layers, layers, strict=True):
+            self._describe(desc, layer)
+        self.shape = (config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size,
+                      config.intermediate_size)
+        self.eps = config.rms_norm_eps
+        self.gemma = layers[0].input_layernorm.gemma
+        self.gelu = layers[0].mlp.gelu
+        self._cache: weakref.ref[Any] | None = None
+        self._cache_rows: list[torch.Tensor] = []
+
+    def _address(self, t: torch.Tensor | None, dtype: torch.dtype | None = None) -> int | None:
+        """The address of `t` (in `dtype`, contiguous: a copy where it is not), kept alive with this step."""
+        if t is None:
+            return None
+        t = t.detach()
+        if dtype is not None and t.dtype != dtype:
+            t = t.to(dtype)
+        t = t.contiguous()
+        self.keep.append(t)
+        return t.data_ptr()
+
+    def _product(self, desc: StepProj, module: Any) -> None:
+        """A Linear (dense `weight`) or a QuantizedLinear (`qweight`)."""
+        if hasattr(module, "qweight"):
+            fmt, codes, sdtype, scales, mins, n, k, group = module.qweight.kernel_args
+            self.keep.extend(module.qweight.tensors())
+            desc.kind, desc.sdtype = QUANTIZED_KINDS[fmt], DTYPE_CODES[sdtype]
+            desc.w, desc.scales, desc.mins, desc.n, desc.k, desc.group = codes, scales, mins, n, k, group
+        else:
+            desc.kind, desc.n, desc.k = 0, module.out_features, module.in_features
+            desc.w = self._address(module.weight)
+        desc.bias = self._address(module.bias, self.dtype)
+
+    def _norm(self, norm: Any) -> int | None:
+        return None if norm is None else self._address(norm.weight, self.dtype)
+
+    def _describe(self, desc: StepLayer, layer: Any) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = [attn.__dict__["qkv"]] if attn.__dict__["qkv"] is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
+        gate_up = [mlp.__dict__["gate_up"]] if mlp.__dict__["gate_up"] is not None else [mlp.gate_proj, mlp.up_proj]
+        for i, module in enumerate(qkv):
+            self._product(desc.qkv[i], module)
+        for i, module in enumerate(gate_up):
+            self._product(desc.gate_up[i], module)
+        self._product(desc.o, attn.o_proj)
+        self._product(desc.down, mlp.down_proj)
+        desc.n_qkv, desc.n_gate_up = len(qkv), len(gate_up)
+        norm = self._norm
+        desc.attn_in = norm(layer.input_layernorm)
+        if layer.sandwich:  # Gemma: post-norms after attention and the MLP, its own pre-MLP norm
+            desc.attn_out, desc.mlp_in = norm(layer.post_attention_layernorm), norm(layer.pre_feedforward_layernorm)
+            desc.mlp_out = norm(layer.post_feedforward_layernorm)
+        else:
+            desc.mlp_in = norm(layer.post_attention_layernorm)
+        desc.q_norm, desc.k_norm = norm(attn.q_norm), norm(attn.k_norm)
+        desc.window, desc.rope = attn.window or 0, self.rope_types.index(attn.layer_type)
+        desc.scale, desc.softcap = attn.scale, attn.softcap or 0.0
+
+    def bind(self, cache: RowsCache) -> bool:
+        """Point every layer at `cache`'s rows (once per cache); False where its storage cannot be taken."""
+        if self._cache is not None and self._cache() is cache:
+            return True
+        rows = [cache.layer_rows(i) for i in range(len(self.layers))]
+        if any(k.dtype != self.dtype or not k.is_contiguous() or not v.is_contiguous() for k, v, _ in rows):
+            return False
+        self._cache_rows = []
+        for desc, (k, v, ring) in zip(self.layers, rows, strict=True):
+            desc.k, desc.v, desc.slots, desc.ring = k.data_ptr(), v.data_ptr(), k.shape[2], int(ring)
+            self._cache_rows += [k, v]
+        self._cache = weakref.ref(cache)
+        return True
+
+    def __call__(self, x: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], position: int
+                 ) -> torch.Tensor:
+        """The hidden state `[1, 1, hidden]` after every layer, this position's K/V written to the bound cache."""
+        x = x.contiguous()
+        tables = [(rope[lt][0].contiguous(), rope[lt][1].contiguous()) for lt in self.rope_types]
+        cos = (ctypes.c_void_p * len(tables))(*(c.data_ptr() for c, _ in tables))
+        sin = (ctypes.c_void_p * len(tables))(*(s.data_ptr() for _, s in tables))
+        self.kernels.decode_step(self.layers, self.shape, self.eps, self.gemma, self.gelu, x, position, cos, sin)
+        return x
+
+
+def takes_model(model: StepModel, kernels: NativeKernels) -> bool:
+    """Whether every projection of `model` runs the native kernel on weights `infer_decode_step` takes: dense ones in
+    the model's dtype, quantized ones of a format with whole runs of 32."""
+    if model.dtype not in kernels.dtypes or model.device.type != "cpu":
+        return False
+    for layer in model._decoder_layers():
+        attn, mlp = layer.self_attn, layer.mlp
+        for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj,
+                       attn.__dict__["qkv"], mlp.__dict__["gate_up"]):
+            if module is None:
+                continue
+            if module.gemv != "native":
+                return False
+            if hasattr(module, "qweight"):
+                fmt, _, _, _, _, _, k, group = module.qweight.kernel_args
+                if fmt not in QFORMATS or k % 32 or group % 32 or k % group:
+                    return False
+            elif module.weight.dtype != model.dtype:
+                return False
+    return True

@@ -1,0 +1,184 @@
+"""The whole-step native decode call (infer/models/native_step.py, cpu_decode.c's infer_decode_step) held to the
+oracle and to the per-op path it replaces: every architecture, the contiguous and sliding caches (rings and
+windows crossed), dense and quantized weights, fp32 and bf16; taken exactly where it applies; all or nothing
+when it fails part-way; rebuilt when the model's tensors change."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import infer
+from infer.families import ARCHITECTURES
+from infer.kernels.native import NativeKernels, native_kernels, unavailable_reason
+from infer.models.native_step import NativeStep
+from reference import Oracle, build_checkpoint
+
+needs_build = pytest.mark.skipif(native_kernels() is None, reason=f"no native build here: {unavailable_reason()}")
+pytestmark = needs_build
+KINDS = ("contiguous", "sliding")
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Counts native decode-step calls (each still runs)."""
+    seen: list[int] = []
+    real = NativeKernels.decode_step
+
+    def counting(self: NativeKernels, *args: Any) -> None:
+        seen.append(1)
+        real(self, *args)
+
+    monkeypatch.setattr(NativeKernels, "decode_step", counting)
+    yield seen
+
+
+def decode(model: infer.Transformer, ids: torch.Tensor, kind: str, prefill: int, **cache: Any) -> torch.Tensor:
+    """Logits `[1, steps, vocab]` of one-token steps after a prefill of `prefill` tokens."""
+    c = infer.create_cache(kind, model.config, max_seq_len=ids.shape[1], dtype=model.dtype, **cache)
+    with torch.no_grad():
+        model(ids[:, :prefill], c)
+        return torch.cat([model(ids[:, i : i + 1], c) for i in range(prefill, ids.shape[1])], 1)
+
+
+def prompt(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 400, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_native_step_is_the_oracle(arch: str, kind: str, calls: list[int]) -> None:
+    """fp32 logits of every step within 1e-5 of transformers' on the whole sequence, past Gemma 3's window of 8."""
+    path = build_checkpoint(arch)
+    model = infer.load_model(path, decode_gemv="native")
+    ids = prompt(24, seed=3)
+    got = decode(model, ids, kind, prefill=5)
+    assert len(calls) == 24 - 5, "every one-token step ran in one native call"
+    want = Oracle(path).logits(ids)[:, 5:]
+    scale = max(1.0, want.abs().max().item())
+    assert (got - want).abs().max().item() <= 1e-5 * scale
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_quantized_native_step_matches_the_per_op_path(arch: str, weights: str, calls: list[int]) -> None:
+    """Quantized products (fused and separate parts) in the whole step give the per-op path's logits within fp32
+    rounding of attention's other summation order; the per-op path is held to the dequantized model elsewhere."""
+    model = infer.load_model(build_checkpoint(arch), decode_gemv="native", weights=weights)
+    ids = prompt(20, seed=4)
+    got = decode(model, ids, "sliding", prefill=3)
+    assert len(calls) == 17
+    model.native_step = False
+    want = decode(model, ids, "sliding", prefill=3)
+    assert len(calls) == 17, "native_step=False runs the per-op path"
+    scale = max(1.0, want.abs().max().item())
+    assert (got - want).abs().max().item() <= 1e-5 * scale
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_bf16_native_step_follows_the_per_op_path(arch: str, calls: list[int]) -> None:
+    """In bf16 only attention's rounding differs: logits within a few bf16 ulps of the logit scale."""
+    model = infer.load_model(build_checkpoint(arch), decode_gemv="native", dtype="bfloat16")
+    ids = prompt(16, seed=5)
+    got = decode(model, ids, "contiguous", prefill=4).float()
+    assert len(calls) == 12
+    model.native_step = False
+    want = decode(model, ids, "contiguous", prefill=4).float()
+    scale = max(1.0, want.abs().max().item())
+    assert (got - want).abs().max().item() <= 0.05 * scale
+
+
+def test_taken_only_where_it_applies(calls: list[int]) -> None:
+    """Not for batches, prefill chunks, other cache kinds, the reference attention, the per-op forms or a full
+    cache (which raises the cache's own error)."""
+    path = build_checkpoint("llama")
+    model = infer.load_model(path, decode_gemv="native")
+    ids = prompt(6, seed=6)
+    decode(model, ids, "paged", prefill=3)
+    decode(model, ids, "int8", prefill=3)
+    batch = infer.create_cache("contiguous", model.config, max_seq_len=8, batch_size=2)
+    with torch.no_grad():
+        model(ids[:, :3].repeat(2, 1), batch)
+        model(ids[:, 3:4].repeat(2, 1), batch)
+    model.use_reference_attention = True
+    decode(model, ids, "contiguous", prefill=3)
+    model.use_reference_attention = False
+    model.native_ops = False
+    decode(model, ids, "contiguous", prefill=3)
+    model.native_ops = True
+    model.decode_gemv = "linear"
+    decode(model, ids, "contiguous", prefill=3)
+    assert calls == []
+    model.decode_gemv = "native"
+    full = infer.create_cache("contiguous", model.config, max_seq_len=3)
+    with torch.no_grad():
+        model(ids[:, :3], full)
+        with pytest.raises(infer.CacheFullError, match="max_seq_len=3"):
+            model(ids[:, 3:4], full)
+    assert calls == [] and full.offset == 3
+    decode(model, ids, "contiguous", prefill=3)
+    assert len(calls) == 3
+
+
+def test_a_step_that_fails_part_way_leaves_cache_and_model_as_they_were() -> None:
+    """The last layer's quantized product refuses its group after every layer wrote its K/V slot (the rings' past
+    the window of 8 overwrite live tokens): the call raises, every slot is put back, the offset stays, and the
+    next steps equal a run that never failed."""
+    model = infer.load_model(build_checkpoint("gemma3_text"), decode_gemv="native", weights="int8")
+    ids = prompt(20, seed=7)
+    decode(model, ids[:, :3], "contiguous", prefill=2)  # builds the step
+    step = model.__dict__["_native_step"]
+    assert isinstance(step, NativeStep)
+    cache = infer.create_cache("sliding", model.config, max_seq_len=20)
+    with torch.no_grad():
+        model(ids[:, :12], cache)
+        before = {name: t.clone() for name, t in vars(cache).items() if isinstance(t, torch.Tensor)}
+        down = step.layers[len(step.layers) - 1].down
+        group, down.group = down.group, 48  # not a multiple of 32: infer_qgemv refuses it, nothing written
+        with pytest.raises(ValueError, match="shape"):
+            model(ids[:, 12:13], cache)
+        down.group = group
+        assert cache.offset == 12
+        for name, t in vars(cache).items():
+            if isinstance(t, torch.Tensor):
+                assert torch.equal(t, before[name]), name
+        got = torch.cat([model(ids[:, i : i + 1], cache) for i in range(12, 20)], 1)
+    assert torch.equal(got, decode(model, ids, "sliding", prefill=12))
+
+
+def test_shapes_are_checked_before_anything_is_written() -> None:
+    model = infer.load_model(build_checkpoint("llama"), decode_gemv="native")
+    ids = prompt(8, seed=9)
+    decode(model, ids[:, :3], "contiguous", prefill=2)
+    step = model.__dict__["_native_step"]
+    assert isinstance(step, NativeStep)
+    cache = infer.create_cache("contiguous", model.config, max_seq_len=8)
+    with torch.no_grad():
+        model(ids[:, :5], cache)
+        before = cache.k_cache.clone(), cache.v_cache.clone()
+        step.layers[1].o.n += 1
+        with pytest.raises(ValueError, match="shape"):
+            model(ids[:, 5:6], cache)
+    assert torch.equal(cache.k_cache, before[0]) and torch.equal(cache.v_cache, before[1]) and cache.offset == 5
+
+
+def test_rebuilt_when_the_weights_change(calls: list[int]) -> None:
+    """`.to(dtype)` and load_state_dict(assign=True) give new tensors: the next step reads those, not the old ones."""
+    path = build_checkpoint("qwen3")
+    model = infer.load_model(path, decode_gemv="native")
+    ids = prompt(10, seed=8)
+    decode(model, ids, "contiguous", prefill=4)
+    fresh = infer.load_model(path, decode_gemv="native", dtype="bfloat16")
+    model.to(torch.bfloat16)
+    model.decode_gemv = "native"
+    assert torch.equal(decode(model, ids, "contiguous", prefill=4), decode(fresh, ids, "contiguous", prefill=4))
+    other = infer.load_model(build_checkpoint("qwen3", seed=1), decode_gemv="native", dtype="bfloat16")
+    model.load_state_dict(other.state_dict(), assign=True)
+    model.decode_gemv = "native"
+    assert torch.equal(decode(model, ids, "contiguous", prefill=4), decode(other, ids, "contiguous", prefill=4))
+    assert len(calls) == 5 * 6
