@@ -23,7 +23,7 @@ from infer.kernels import triton_available
 from infer.kernels.native import NativeKernels, native_kernels, unavailable_reason
 from infer.memory import huge_pages_mode
 from infer.models import Transformer
-from infer.models.transformer import GEMV_FORMS
+from infer.models.transformer import GEMV_FORMS, dequantized_product
 from infer.quant_weights import QuantizedWeight
 from infer.ragged import DECODE_KERNELS
 
@@ -193,7 +193,7 @@ def choose_quantized_rows(weight: QuantizedWeight, dtype: torch.dtype, compute: 
         x = torch.randn(m, weight.shape[1]).to(dtype)
         times = _time_alternately({
             "kernel": functools.partial(kernels.quantized_gemv, weight, x),
-            "gemm": functools.partial(_dequantized_product, kernels, weight, x, gemm),
+            "gemm": functools.partial(dequantized_product, kernels, x.to(gemm), weight, None),
         }, torch.device("cpu"), repeats=5)
         timed.append(f"{m}: {times['kernel'] * 1e3:.2f} / {times['gemm'] * 1e3:.2f} ms")
         if times["kernel"] >= times["gemm"]:
@@ -201,12 +201,6 @@ def choose_quantized_rows(weight: QuantizedWeight, dtype: torch.dtype, compute: 
         rows = m
     return record(Choice(name, str(rows), f"native kernel / dequantize + GEMM on {tuple(weight.shape)} "
                                           f"({weight.scheme}): {', '.join(timed)}"))
-
-
-def _dequantized_product(kernels: NativeKernels, weight: QuantizedWeight, x: torch.Tensor,
-                         dtype: torch.dtype) -> torch.Tensor:
-    """QuantizedLinear's multi-row form: the weight dequantized natively, then the GEMM in `dtype`."""
-    return torch.nn.functional.linear(x.to(dtype), kernels.dequantize(weight, dtype))
 
 
 _SWEEP_MIN_BYTES = 2**30

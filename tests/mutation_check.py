@@ -904,6 +904,18 @@ MUTANTS = [
            "        for layer in self._decoder_layers():\n            layer.self_attn.__dict__[\"qkv\"] = layer.mlp",
            "        for layer in []:\n            layer.self_attn.__dict__[\"qkv\"] = layer.mlp",
            ("tests/test_native_step.py",)),
+    Mutant("prefill slabs: each slab given the first slab's bias", "infer/models/transformer.py",
+           "out[..., rows] = F.linear(x, dense, None if bias is None else bias[rows])",
+           "out[..., rows] = F.linear(x, dense, None if bias is None else bias[: rows.stop - start])",
+           ("tests/test_quant_weights.py",)),
+    Mutant("native dequantizer (vector path): bf16 rounded toward zero", "infer/kernels/cpu_decode.c",
+           "_mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)", "_mm512_add_epi32(_mm512_set1_epi32(0), odd)",
+           ("tests/test_quant_weights.py",)),
+    Mutant("quantized one-row product: odd groups' sums dropped", "infer/kernels/cpu_decode.c",
+           "        if (g & 1) odd = qfma(qset1(scale_at(scales, g)), a, odd);",
+           "        if (g & 1) odd = odd;", ("tests/test_quant_weights.py",)),
+    Mutant("bf16 GEMV: the second register's sums dropped", "infer/kernels/cpu_decode.c",
+           "    acc = _mm512_add_ps(acc, other);\n", "", ("tests/test_native_kernels.py",)),
 ]
 
 

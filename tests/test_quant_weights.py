@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
@@ -169,6 +170,32 @@ def test_native_dequantize_is_the_reference_bit_for_bit(flavour: str, dtype: tor
     for scheme in ("int8", "int4", "Q8_0", "Q4_K"):
         weight = weight_of(scheme, 19, 256, 64, 7)
         assert torch.equal(kernels.dequantize(weight, dtype), weight.dequantize(dtype)), scheme
+
+
+@pytest.mark.parametrize("slab_rows", [None, 1, 5, 19])
+def test_multi_row_products_through_the_reused_buffer_are_the_gemm_on_the_dequantized_weight(
+        slab_rows: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill path dequantizes into a per-thread buffer, whole or (a weight larger than the buffer) in slabs of
+    rows: every output column equals F.linear on the reference dequantization within fp32 rounding, bias included,
+    and a buffer filled by a larger weight or another dtype serves the next call unchanged."""
+    from infer.models import transformer
+
+    kernels = kernels_or_skip()
+    if slab_rows is not None:
+        monkeypatch.setattr(transformer, "DEQUANTIZE_BUFFER", slab_rows * 256)
+    monkeypatch.setattr(transformer, "_buffers", __import__("threading").local())
+    gen = torch.Generator().manual_seed(11)
+    for scheme, dtype in (("int4", torch.float32), ("Q8_0", torch.bfloat16), ("int8", torch.float32)):
+        weight = weight_of(scheme, 19, 256, 64, 12)
+        x = torch.randn(3, 7, 256, generator=gen).to(dtype)
+        bias = torch.randn(19, generator=gen).to(dtype)
+        got = transformer.dequantized_product(kernels, x, weight, bias).float()
+        want = F.linear(x.float(), weight.dequantize(dtype).float(), bias.float())
+        assert got.shape == (3, 7, 19)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        assert (got - want).abs().max().item() <= tolerance * max(1.0, want.abs().max().item()), (scheme, slab_rows)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.dequantize(weight_of("int8", 4, 64, 32, 1), torch.float32, torch.empty(4, 32))
 
 
 def test_native_quantized_gemv_refuses_a_bad_shape() -> None:

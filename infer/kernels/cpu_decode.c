@@ -1370,12 +1370,47 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
 
 /* The dense `[n, k]` weight in `dtype`: scale * q (+ min) in fp32 (two roundings, as infer/quant_weights.py's
  * dequantize), rounded once to dtype. For multi-row products through the GEMM. Returns -2 on a bad shape. */
+#if defined(HAVE_AVX512)
+/* 16 fp32 values stored as fp32 or bf16, rounded as store_scalar rounds (nearest even, NaN kept quiet). */
+static inline void store16(int dtype, void *out, int64_t i, __m512 v) {
+    if (dtype == F32) {
+        _mm512_storeu_ps((float *)out + i, v);
+        return;
+    }
+    __m512i u = _mm512_castps_si512(v), high = _mm512_srli_epi32(u, 16);
+    __m512i odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
+    _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), _mm512_cvtepi32_epi16(r));
+}
+#endif
+
+/* The dense `[n, k]` weight in `dtype`: scale * q (+ min) in fp32 (two roundings, as infer/quant_weights.py's
+ * dequantize), rounded once to dtype. For multi-row products through the GEMM: 16 weights a vector where the
+ * build has AVX512 and dtype is fp32 or bf16 (the prefill of a quantized model waits on it), else one at a time.
+ * Returns -2 on a bad shape. */
 int infer_qdequant(int fmt, const uint8_t *codes, int sdtype, const void *scales, const void *mins, int dtype,
                    void *out, int64_t n, int64_t k, int64_t group, int threads) {
     if (k <= 0 || group <= 0 || k % QCHUNK || group % QCHUNK || k % group || (fmt != Q8 && fmt != Q4)) return -2;
     int64_t groups = k / group, row_bytes = fmt == Q8 ? k : k / 2, run_bytes = fmt == Q8 ? QCHUNK : QCHUNK / 2;
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t r = 0; r < n; r++) {
+#if defined(HAVE_AVX512)
+        if (dtype != F16) {
+            for (int64_t i = 0; i < k; i += QCHUNK) {
+                int64_t g = r * groups + i / group;
+                __m512 s = _mm512_set1_ps(load_scale(sdtype, scales, g)), w[2];
+                __m512 lo = _mm512_set1_ps(mins ? load_scale(sdtype, mins, g) : 0.f);
+                qcodes(fmt, codes + r * row_bytes + i / QCHUNK * run_bytes, w);
+                for (int v = 0; v < 2; v++) {
+                    __m512 x = _mm512_mul_ps(s, w[v]);
+                    if (mins) x = _mm512_add_ps(x, lo);
+                    store16(dtype, out, r * k + i + 16 * v, x);
+                }
+            }
+            continue;
+        }
+#endif
         float w[QCHUNK];
         for (int64_t i = 0; i < k; i += QCHUNK) {
             int64_t g = r * groups + i / group;

@@ -167,10 +167,15 @@ class NativeKernels:
             raise ValueError(f"the native quantized GEMV takes k and group multiples of 32 (k={k}, group={group})")
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
-    def dequantize(self, weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
-        """The dense weight in `dtype` (a dtype in `dtypes`), bit for bit `weight.dequantize(dtype)`."""
+    def dequantize(self, weight: QuantizedWeight, dtype: torch.dtype, out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """The dense weight in `dtype` (a dtype in `dtypes`), bit for bit `weight.dequantize(dtype)`; written into
+        `out` (contiguous `[n, k]` of `dtype`) where one is given."""
         n, k = weight.shape
-        out = torch.empty(n, k, dtype=dtype)
+        if out is None:
+            out = torch.empty(n, k, dtype=dtype)
+        elif out.shape != (n, k) or out.dtype != dtype or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous [{n}, {k}] {dtype} tensor, got {tuple(out.shape)} {out.dtype}")
         mins = weight.mins
         if self._qdequant(QFORMATS[weight.fmt], weight.codes.data_ptr(), DTYPE_CODES[weight.scales.dtype],
                           weight.scales.data_ptr(), None if mins is None else mins.data_ptr(), DTYPE_CODES[dtype],

@@ -13,6 +13,7 @@ Module names are Hugging Face's, so checkpoint keys load without renaming.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,14 +159,37 @@ class QuantizedLinear(ProjectionTraits, nn.Module):
             return out if self.bias is None else out + self.bias.to(out.dtype)
         dtype = x.dtype if self.upcast is None or rows == 1 else self.upcast
         bias = None if self.bias is None else self.bias.to(dtype)
-        return F.linear(x.to(dtype), self.dense(dtype), bias).to(x.dtype)
-
-    def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        """The dequantized weight in `dtype`: the native dequantizer under the native form, else the reference."""
         kernels = native_kernels() if self.gemv == "native" else None
         if kernels is not None and kernels.takes(self.qweight) and dtype in kernels.dtypes:
-            return kernels.dequantize(self.qweight, dtype)
-        return self.qweight.dequantize(dtype)
+            return dequantized_product(kernels, x.to(dtype), self.qweight, bias).to(x.dtype)
+        return F.linear(x.to(dtype), self.qweight.dequantize(dtype), bias).to(x.dtype)
+
+
+
+# Elements of the per-thread buffer that multi-row quantized products dequantize into (64 MiB in bf16): a weight that
+# fits is dequantized whole, a larger one (a vocabulary-wide head asked for every position) in slabs of rows.
+DEQUANTIZE_BUFFER = 32 * 2**20
+_buffers = threading.local()
+
+
+def dequantized_product(kernels: NativeKernels, x: torch.Tensor, weight: QuantizedWeight,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ W.T (+ bias)` through the GEMM on `weight` dequantized natively (bit-equal to the reference) into a
+    buffer kept per thread: a fresh tensor the size of a 1B model's projection costs more in page faults at first
+    touch (9.5 ms for 8192 x 2048 bf16, 2-core EPYC) than the dequantizing (0.6 ms) and most of the GEMM."""
+    n, k = weight.shape
+    slab = max(1, min(n, DEQUANTIZE_BUFFER // k))
+    buffer = getattr(_buffers, "buffer", None)
+    if buffer is None or buffer.dtype != x.dtype or buffer.numel() < slab * k:
+        buffer = _buffers.buffer = torch.empty(slab * k, dtype=x.dtype)
+    if slab == n:
+        return F.linear(x, kernels.dequantize(weight, x.dtype, buffer[: n * k].view(n, k)), bias)
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    for start in range(0, n, slab):
+        rows = slice(start, min(n, start + slab))
+        dense = kernels.dequantize(weight.rows(rows), x.dtype, buffer[: (rows.stop - start) * k].view(-1, k))
+        out[..., rows] = F.linear(x, dense, None if bias is None else bias[rows])
+    return out
 
 
 class QuantizedEmbedding(nn.Module):
