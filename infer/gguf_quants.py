@@ -111,14 +111,20 @@ def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
     return _k_dequant(blocks, low | (high << 4))
 
 
-def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
-    """256 6-bit values (low 4 bits in `ql`, top 2 in `qh`) offset by 32, in 16 sub-blocks of 16 with an int8
-    scale each, times one fp16 `d` at the end of the block."""
+def _q6_k_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """A Q6_K block's 256 codes in element order, int8 in -32..31: 6-bit values (low 4 bits in `ql`, top 2 in
+    `qh`) offset by 32."""
     n = blocks.shape[0]
     low = _nibbles(blocks[:, :128], 64).reshape(n, 8, 32)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
     high = ((blocks[:, 128:192].reshape(n, 2, 1, 32) >> shifts) & 0x03).reshape(n, 8, 32)
-    q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, 16, 16)
+    return ((low | (high << 4)).to(torch.int8) - 32).reshape(n, QK_K)
+
+
+def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    """The codes in 16 sub-blocks of 16 with an int8 scale each, times one fp16 `d` at the end of the block."""
+    n = blocks.shape[0]
+    q = _q6_k_codes(blocks).reshape(n, 16, 16)
     d = (_f16(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8).float()).reshape(n, 16, 1)
     return (d * q.float()).reshape(n, QK_K)
 

@@ -26,7 +26,7 @@ from infer.memory import check_fits, empty_on_huge_pages, on_huge_pages, resolve
 from infer.model_store import default_model_path
 from infer.models import Transformer
 from infer.models.transformer import Linear, QuantizedEmbedding, QuantizedLinear
-from infer.quant_weights import SCHEMES, STORED_KINDS, QuantizedWeight, from_gguf, quantize
+from infer.quant_weights import Q8_SCHEMES, SCHEMES, STORED_KINDS, QuantizedWeight, from_gguf, quantize
 from infer.tuning import (
     choose_decode_gemv,
     choose_prefill_dtype,
@@ -378,8 +378,7 @@ def _saved_quantization(path: Path, headers: dict[str, _Header]) -> dict[str, _S
         raise CheckpointError(f"{file}: tensors named *.codes need the {QUANTIZED_METADATA!r} metadata describing "
                               "each (written by infer.save_quantized); re-save the model")
     for prefix, layout in layouts.items():
-        needed = [f"{prefix}.codes", f"{prefix}.scales"] + ([f"{prefix}.mins"] if layout.scheme != "int8" and
-                                                             not layout.scheme.startswith("Q8") else [])
+        needed = [f"{prefix}.codes", f"{prefix}.scales"] + ([] if layout.scheme in Q8_SCHEMES else [f"{prefix}.mins"])
         absent = [name for name in needed if name not in headers]
         if absent:
             raise CheckpointError(f"{path}: the quantized weight {prefix} lacks {', '.join(absent)}")

@@ -29,7 +29,7 @@ DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 # model_type -> GGUF general.architecture
 ARCHES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
 FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0",
-              "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "Q4_K": "MOSTLY_Q4_K_S"}
+              "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "Q4_K": "MOSTLY_Q4_K_S", "Q6_K": "MOSTLY_Q6_K"}
 # A tokenizer.json split regex -> llama.cpp's name for that pre-tokenizer (tokenizer.ggml.pre).
 PRE_TOKENIZERS = {LLAMA3_SPLIT: "llama-bpe", QWEN_SPLIT: "qwen2"}
 GEMMA3_SLIDING_PERIOD = 6  # what llama.cpp assumes for Gemma 3 when the file names no pattern
@@ -98,12 +98,36 @@ def quantize_q4_k(data: np.ndarray) -> np.ndarray:
     return blocks.reshape(*data.shape[:-1], -1)
 
 
+def quantize_q6_k(data: np.ndarray) -> np.ndarray:
+    """Rows of `data` (lengths a multiple of 256) as Q6_K blocks of 210 bytes: per sub-block of 16 a scale
+    max|x| / 31 as an int8 multiple of the super-block's fp16 `d`; codes round(x / (d sc)) in -32..31, stored + 32
+    as 4 low bits in `ql` and 2 high ones in `qh` (llama.cpp's order). Simpler than its search, the same format."""
+    rows = data.reshape(-1, 16, 16).astype(np.float32)
+    n = rows.shape[0]
+    scale_f = np.abs(rows).max(axis=2) / 31.0
+    d = (scale_f.max(axis=1) / 127.0).astype(np.float16)
+    safe_d = np.where(d > 0, d.astype(np.float32), 1.0)[:, None]
+    sc = np.clip(np.round(scale_f / safe_d), -128, 127).astype(np.int8)
+    step = d.astype(np.float32)[:, None] * sc
+    q = np.clip(np.round(rows / np.where(step != 0, step, 1.0)[:, :, None]), -32, 31).astype(np.int16) + 32
+    q = q.astype(np.uint8).reshape(n, 2, 4, 32)  # halves of 128: four runs of 32 each
+    ql = np.concatenate([(q[:, :, 0] & 15) | ((q[:, :, 2] & 15) << 4), (q[:, :, 1] & 15) | ((q[:, :, 3] & 15) << 4)],
+                        axis=2)  # [n, half, 64]
+    qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
+    blocks = np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8), d.view(np.uint8).reshape(n, 2)],
+                            axis=1)
+    return blocks.reshape(*data.shape[:-1], -1)
+
+
 def quantize_blocks(data: np.ndarray, kind: Any) -> np.ndarray:
-    """`data` (rows last) in ggml block type `kind`: gguf.quants' quantizers, and `quantize_q4_k` for Q4_K."""
+    """`data` (rows last) in ggml block type `kind`: gguf.quants' quantizers, and ours for Q4_K and Q6_K (gguf-py
+    quantizes no k-quant)."""
     import gguf
 
     if kind == gguf.GGMLQuantizationType.Q4_K:
         return quantize_q4_k(data)
+    if kind == gguf.GGMLQuantizationType.Q6_K:
+        return quantize_q6_k(data)
     return np.asarray(gguf.quants.quantize(data, kind))
 
 

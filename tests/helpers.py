@@ -170,7 +170,7 @@ def solo_logits(model: Transformer, prompt: list[int], tokens: list[int]) -> tor
 
 def weight_of(scheme: str, n: int, k: int, group: int, seed: int) -> QuantizedWeight:
     """A quantized weight of every storage variant the kernels meet: int8 per channel (fp32 scales), int4 (fp16),
-    Q8_0 (int8 codes, fp16 scales per 32) and Q4_K's fp32 scales and mins."""
+    Q8_0 (int8 codes, fp16 scales per 32), Q6_K (int8 codes, fp32 scales per 16) and Q4_K's fp32 scales and mins."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 4
     if scheme == "int8":
@@ -180,6 +180,9 @@ def weight_of(scheme: str, n: int, k: int, group: int, seed: int) -> QuantizedWe
     if scheme == "Q8_0":
         codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
         return QuantizedWeight("Q8_0", codes, (torch.rand(n, k // 32, generator=g) / 50).half(), None, 32)
+    if scheme == "Q6_K":  # 6-bit codes in groups of 16 under fp32 scales of either sign
+        codes = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
+        return QuantizedWeight("Q6_K", codes, (torch.rand(n, k // 16, generator=g) - 0.5) / 10, None, 16)
     q = quantize_int4(w, 32)
     return QuantizedWeight("Q4_K", q.codes, q.scales.float() * 1.001, q.mins.float() * 0.999,  # type: ignore[union-attr]
                            32)

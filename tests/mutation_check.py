@@ -916,6 +916,18 @@ MUTANTS = [
            "        if (g & 1) odd = odd;", ("tests/test_quant_weights.py",)),
     Mutant("bf16 GEMV: the second register's sums dropped", "infer/kernels/cpu_decode.c",
            "    acc = _mm512_add_ps(acc, other);\n", "", ("tests/test_native_kernels.py",)),
+    # Q6_K run as stored: q8 codes in groups of 16.
+    Mutant("Q6_K one-row product: both halves of a run under the first half's scale", "infer/kernels/cpu_decode.c",
+           "qvec ws = w[v] * qset1(scale_at(scales, (i + v * QLANES) / group));\n                if (v & 1)",
+           "qvec ws = w[v] * qset1(scale_at(scales, i / group));\n                if (v & 1)",
+           ("tests/test_quant_weights.py",)),
+    Mutant("Q6_K dequantizer: a run's second 16 under the first 16's scale", "infer/kernels/cpu_decode.c",
+           "int64_t g = r * groups + (i + 16 * v) / group;", "int64_t g = r * groups + i / group;",
+           ("tests/test_quant_weights.py",)),
+    Mutant("Q6_K codes: the high bits of the last two runs of a half swapped", "infer/gguf_quants.py",
+           "shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)",
+           "shifts = torch.tensor([0, 2, 6, 4], dtype=torch.uint8).reshape(1, 1, 4, 1)",
+           ("tests/test_gguf.py", "tests/test_quant_weights.py")),
 ]
 
 

@@ -112,11 +112,11 @@ def test_quantizers_refuse_what_they_cannot_hold() -> None:
 @pytest.mark.parametrize("kind", STORED_KINDS)
 @given(rows=st.integers(1, 5), blocks=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
 def test_gguf_blocks_kept_as_stored_dequantize_as_llama_cpp(kind: str, rows: int, blocks: int, seed: int) -> None:
-    per_block = 256 if kind == "Q4_K" else 32
+    per_block = 256 if kind in ("Q4_K", "Q6_K") else 32
     raw = torch.from_numpy(random_blocks(kind, rows * blocks, seed).copy())
     weight = from_gguf(raw, kind, (rows, blocks * per_block))
     expected = gguf_dequantize(raw, kind, (rows, blocks * per_block))
-    assert weight.scheme == kind and weight.group == 32
+    assert weight.scheme == kind and weight.group == (16 if kind == "Q6_K" else 32)
     # Equal values (Q4_0's d * q + (-8 d) gives +0 where llama.cpp's (q - 8) * d gives -0 for a negative d).
     assert np.array_equal(weight.dequantize().numpy(), expected.numpy()), kind
 
@@ -126,7 +126,7 @@ def test_gguf_blocks_kept_as_stored_dequantize_as_llama_cpp(kind: str, rows: int
 
 @pytest.mark.parametrize("flavour", RUNNABLE)
 @pytest.mark.parametrize("four_runs", ["1", "0"])  # INFER_QGEMV_FOUR_RUNS: the bf16 q4 fast path, and its check
-@given(scheme=st.sampled_from(["int8", "int4", "Q8_0", "Q4_K"]), n=st.integers(1, 40), runs=st.integers(1, 13),
+@given(scheme=st.sampled_from(["int8", "int4", "Q8_0", "Q4_K", "Q6_K"]), n=st.integers(1, 40), runs=st.integers(1, 13),
        group=st.sampled_from([32, 64, 128]), m=st.integers(1, 9), dtype=st.sampled_from(["float32", "bfloat16"]),
        with_bias=st.booleans(), threads=st.integers(1, 3), seed=st.integers(0, 2**31))
 @settings(max_examples=40, deadline=None)
@@ -135,7 +135,7 @@ def test_native_quantized_gemv_is_dequantize_then_matmul(flavour: str, four_runs
                                                          threads: int, seed: int) -> None:
     kernels = kernels_or_skip(flavour)
     os.environ["INFER_QGEMV_FOUR_RUNS"] = four_runs  # read by the kernel on each call; restored below
-    group = group if scheme == "int4" else 32
+    group = group if scheme == "int4" else 16 if scheme == "Q6_K" else 32
     k = max(runs * 32 // group, 1) * group
     weight = weight_of(scheme, n, k, group, seed)
     torch_dtype = getattr(torch, dtype)
@@ -167,7 +167,7 @@ def test_native_dequantize_is_the_reference_bit_for_bit(flavour: str, dtype: tor
     kernels = kernels_or_skip(flavour)
     if dtype not in kernels.dtypes:
         pytest.skip(f"{flavour} computes no {dtype}")
-    for scheme in ("int8", "int4", "Q8_0", "Q4_K"):
+    for scheme in ("int8", "int4", "Q8_0", "Q4_K", "Q6_K"):
         weight = weight_of(scheme, 19, 256, 64, 7)
         assert torch.equal(kernels.dequantize(weight, dtype), weight.dequantize(dtype)), scheme
 
@@ -202,7 +202,7 @@ def test_native_quantized_gemv_refuses_a_bad_shape() -> None:
     kernels = kernels_or_skip()
     weight = quantize_int8(torch.randn(4, 64))
     odd = QuantizedWeight("int8", weight.codes[:, :48].contiguous(), weight.scales, None, 48)
-    with pytest.raises(ValueError, match="multiples of 32"):
+    with pytest.raises(ValueError, match="k a multiple of 32 and groups of whole runs"):
         kernels.quantized_gemv(odd, torch.randn(1, 48))
 
 
@@ -327,11 +327,11 @@ def test_a_gguf_runs_as_stored_and_equals_its_dequantization(kind: str, q_gguf: 
     assert_close(step, full, fp32_bound(full), f"{kind} decode step")
 
 
-@pytest.mark.parametrize("source", ["int8", "int4", "Q4_K"])
+@pytest.mark.parametrize("source", ["int8", "int4", "Q4_K", "Q6_K"])
 def test_a_quantized_model_saves_and_loads_in_one_step(source: str, q_gguf: Any, tmp_path: Path) -> None:
-    if source == "Q4_K":
+    if source in ("Q4_K", "Q6_K"):
         pytest.importorskip("gguf")
-        model = infer.load_model(q_gguf("Q4_K")[1])
+        model = infer.load_model(q_gguf(source)[1])
     else:
         model = infer.load_model(build_checkpoint("gemma3_text"), weights=source, group_size=64)
     out = infer.save_quantized(model, tmp_path / "saved")

@@ -361,7 +361,7 @@ def test_decode_with_the_triton_gemv_gives_the_oracle_logits(arch: str) -> None:
 
 
 # Quantized weights (infer/kernels/qgemv.py): every storage format, rows of X crossing BLOCK_M, K crossing BLOCK_K.
-@given(st.sampled_from(["int8", "int4", "Q8_0", "Q4_K"]), st.integers(1, 40), st.integers(1, 6),
+@given(st.sampled_from(["int8", "int4", "Q8_0", "Q4_K", "Q6_K"]), st.integers(1, 40), st.integers(1, 6),
        st.sampled_from([32, 64, 128]), st.integers(1, 9), st.sampled_from([torch.float32, torch.bfloat16]),
        st.none() | st.sampled_from([(1, 8, 32), (4, 16, 64), (2, 32, 128)]), st.integers(0, 2**31 - 1))
 def test_triton_quantized_product_is_dequantize_then_matmul(scheme: str, n: int, runs: int, group: int, m: int,
@@ -369,7 +369,7 @@ def test_triton_quantized_product_is_dequantize_then_matmul(scheme: str, n: int,
                                                             seed: int) -> None:
     from infer.kernels.qgemv import triton_qgemm
 
-    group = group if scheme == "int4" else 32
+    group = group if scheme == "int4" else 16 if scheme == "Q6_K" else 32
     k = max(runs * 32 // group, 1) * group
     weight = weight_of(scheme, n, k, group, seed).to(DEVICE)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)

@@ -1070,6 +1070,13 @@ typedef struct {
 
 static inline float scale_at(scale_row s, int64_t g) { return load_scale(s.dtype, s.p, g); }
 
+/* Shapes the quantized kernels take: k whole runs of 32; groups of whole runs dividing k, or (q8) of 16, half a
+ * run (Q6_K's sub-blocks: a vector's 16 codes, or two AVX2 vectors', share a scale). */
+static int qshape_ok(int fmt, int64_t k, int64_t group) {
+    return (fmt == Q8 || fmt == Q4) && k > 0 && group > 0 && k % QCHUNK == 0 && k % group == 0 &&
+           (group % QCHUNK == 0 || (fmt == Q8 && group == QCHUNK / 2));
+}
+
 /* out[j] = sum_g scale_g * sum_{i in g} q_i x_j[i] for the `mt` (1..4) rows x_j = x + j * k of fp32 inputs. */
 static inline __attribute__((always_inline)) void qrow_dot(int fmt, const uint8_t *codes, scale_row scales,
                                                            int64_t k, int64_t group, const float *x, int mt,
@@ -1079,6 +1086,19 @@ static inline __attribute__((always_inline)) void qrow_dot(int fmt, const uint8_
     enum { V = QCHUNK / QLANES };
     qvec total[4], acc[4], w[V];
     for (int j = 0; j < 4; j++) total[j] = qzero();
+    if (group < QCHUNK) { /* groups of 16: each vector's codes times its group's scale, then into the sums */
+        for (int64_t i = 0; i < k; i += QCHUNK) {
+            const uint8_t *c = codes + i / QCHUNK * run_bytes;
+            prefetch(c + PREFETCH_BYTES);
+            qcodes(fmt, c, w);
+            for (int v = 0; v < V; v++) {
+                qvec ws = w[v] * qset1(scale_at(scales, (i + v * QLANES) / group));
+                for (int j = 0; j < mt; j++) total[j] = qfma(ws, qload(x + j * k + i + v * QLANES), total[j]);
+            }
+        }
+        for (int j = 0; j < mt; j++) out[j] = qsum(total[j]);
+        return;
+    }
     for (int64_t g = 0; g < k / group; g++) {
         for (int j = 0; j < 4; j++) acc[j] = qzero();
         for (int64_t i = g * group; i < (g + 1) * group; i += QCHUNK) {
@@ -1095,6 +1115,18 @@ static inline __attribute__((always_inline)) void qrow_dot(int fmt, const uint8_
 #else
     float w[QCHUNK];
     for (int j = 0; j < mt; j++) out[j] = 0.f;
+    if (group < QCHUNK) { /* groups of 16 */
+        for (int64_t i = 0; i < k; i += QCHUNK) {
+            codes_chunk(fmt, codes + i / QCHUNK * run_bytes, w);
+            for (int j = 0; j < mt; j++)
+                for (int h = 0; h < QCHUNK; h += group) {
+                    float acc = 0.f;
+                    for (int t = h; t < h + group; t++) acc += w[t] * x[j * k + i + t];
+                    out[j] += scale_at(scales, (i + h) / group) * acc;
+                }
+        }
+        return;
+    }
     for (int64_t g = 0; g < k / group; g++) {
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         for (int64_t i = g * group; i < (g + 1) * group; i += QCHUNK) {
@@ -1116,6 +1148,19 @@ static inline __attribute__((always_inline)) float qrow_dot1(int fmt, const uint
     int64_t run_bytes = fmt == Q8 ? QCHUNK : QCHUNK / 2;
     enum { V = QCHUNK / QLANES };
     qvec even = qzero(), odd = qzero(), a0[V], a1[V], w[V];
+    if (group < QCHUNK) { /* groups of 16: each vector's codes times its group's scale, two sums by vector parity */
+        for (int64_t i = 0; i < k; i += QCHUNK) {
+            const uint8_t *c = codes + i / QCHUNK * run_bytes;
+            prefetch(c + PREFETCH_BYTES);
+            qcodes(fmt, c, w);
+            for (int v = 0; v < V; v++) {
+                qvec ws = w[v] * qset1(scale_at(scales, (i + v * QLANES) / group));
+                if (v & 1) odd = qfma(ws, qload(x + i + v * QLANES), odd);
+                else even = qfma(ws, qload(x + i + v * QLANES), even);
+            }
+        }
+        return qsum(even + odd);
+    }
     if (group == QCHUNK) { /* a scale per run: each run's sum formed fresh, scaled into the totals by parity */
         int64_t r = 0, runs = k / QCHUNK;
         for (; r < runs; r++) {
@@ -1301,7 +1346,7 @@ static inline float group_dot(scale_row v, const float *xsum, int64_t groups) {
 int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, const void *mins, int dtype,
                 const void *x, const void *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t group,
                 int threads) {
-    if (k <= 0 || group <= 0 || k % QCHUNK || group % QCHUNK || k % group || (fmt != Q8 && fmt != Q4)) return -2;
+    if (!qshape_ok(fmt, k, group)) return -2;
     int64_t groups = k / group, row_bytes = fmt == Q8 ? k : k / 2, sbytes = sdtype == F32 ? 4 : 2;
     float *xf = (float *)malloc((size_t)(m * k + m * groups) * sizeof(float));
     if (!xf) return -1;
@@ -1391,18 +1436,19 @@ static inline void store16(int dtype, void *out, int64_t i, __m512 v) {
  * Returns -2 on a bad shape. */
 int infer_qdequant(int fmt, const uint8_t *codes, int sdtype, const void *scales, const void *mins, int dtype,
                    void *out, int64_t n, int64_t k, int64_t group, int threads) {
-    if (k <= 0 || group <= 0 || k % QCHUNK || group % QCHUNK || k % group || (fmt != Q8 && fmt != Q4)) return -2;
+    if (!qshape_ok(fmt, k, group)) return -2;
     int64_t groups = k / group, row_bytes = fmt == Q8 ? k : k / 2, run_bytes = fmt == Q8 ? QCHUNK : QCHUNK / 2;
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t r = 0; r < n; r++) {
 #if defined(HAVE_AVX512)
         if (dtype != F16) {
             for (int64_t i = 0; i < k; i += QCHUNK) {
-                int64_t g = r * groups + i / group;
-                __m512 s = _mm512_set1_ps(load_scale(sdtype, scales, g)), w[2];
-                __m512 lo = _mm512_set1_ps(mins ? load_scale(sdtype, mins, g) : 0.f);
+                __m512 w[2];
                 qcodes(fmt, codes + r * row_bytes + i / QCHUNK * run_bytes, w);
-                for (int v = 0; v < 2; v++) {
+                for (int v = 0; v < 2; v++) { /* a vector's 16 codes share a group (groups are 16 or whole runs) */
+                    int64_t g = r * groups + (i + 16 * v) / group;
+                    __m512 s = _mm512_set1_ps(load_scale(sdtype, scales, g));
+                    __m512 lo = _mm512_set1_ps(mins ? load_scale(sdtype, mins, g) : 0.f);
                     __m512 x = _mm512_mul_ps(s, w[v]);
                     if (mins) x = _mm512_add_ps(x, lo);
                     store16(dtype, out, r * k + i + 16 * v, x);
@@ -1413,10 +1459,10 @@ int infer_qdequant(int fmt, const uint8_t *codes, int sdtype, const void *scales
 #endif
         float w[QCHUNK];
         for (int64_t i = 0; i < k; i += QCHUNK) {
-            int64_t g = r * groups + i / group;
-            float s = load_scale(sdtype, scales, g), lo = mins ? load_scale(sdtype, mins, g) : 0.f;
             codes_chunk(fmt, codes + r * row_bytes + i / QCHUNK * run_bytes, w);
             for (int t = 0; t < QCHUNK; t++) {
+                int64_t g = r * groups + (i + t) / group;
+                float s = load_scale(sdtype, scales, g), lo = mins ? load_scale(sdtype, mins, g) : 0.f;
                 float v = s * w[t];
                 if (mins) v = v + lo;
                 store_scalar(dtype, out, r * k + i + t, v);

@@ -164,7 +164,8 @@ class NativeKernels:
         if code == -1:
             raise MemoryError(f"the native quantized GEMV could not allocate {4 * xs.numel()} bytes to widen x")
         if code:
-            raise ValueError(f"the native quantized GEMV takes k and group multiples of 32 (k={k}, group={group})")
+            raise ValueError(f"the native quantized GEMV takes k a multiple of 32 and groups of whole runs of 32 "
+                             f"(or, int8 codes, of 16) dividing it (k={k}, group={group})")
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def dequantize(self, weight: QuantizedWeight, dtype: torch.dtype, out: torch.Tensor | None = None
@@ -180,7 +181,8 @@ class NativeKernels:
         if self._qdequant(QFORMATS[weight.fmt], weight.codes.data_ptr(), DTYPE_CODES[weight.scales.dtype],
                           weight.scales.data_ptr(), None if mins is None else mins.data_ptr(), DTYPE_CODES[dtype],
                           out.data_ptr(), n, k, weight.group, torch.get_num_threads()):
-            raise ValueError(f"the native dequantizer takes k and group multiples of 32 (k={k}, group={weight.group})")
+            raise ValueError(f"the native dequantizer takes k a multiple of 32 and groups of whole runs of 32 (or, int8 "
+                             f"codes, of 16) dividing it (k={k}, group={weight.group})")
         return out
 
     # The small ops of a one-token step (see cpu_decode.c): each the PyTorch formula of infer/models/transformer.py

@@ -154,7 +154,7 @@ class NativeStep:
 
 def takes_model(model: StepModel, kernels: NativeKernels) -> bool:
     """Whether every projection of `model` runs the native kernel on weights `infer_decode_step` takes: dense ones in
-    the model's dtype, quantized ones of a format with whole runs of 32."""
+    the model's dtype, quantized ones of whole runs of 32 in groups of whole runs (or, q8, of 16)."""
     if model.dtype not in kernels.dtypes or model.device.type != "cpu":
         return False
     for layer in model._decoder_layers():
@@ -167,7 +167,7 @@ def takes_model(model: StepModel, kernels: NativeKernels) -> bool:
                 return False
             if hasattr(module, "qweight"):
                 fmt, _, _, _, _, _, k, group = module.qweight.kernel_args
-                if fmt not in QFORMATS or k % 32 or group % 32 or k % group:
+                if fmt not in QFORMATS or k % 32 or k % group or (group % 32 and (fmt, group) != ("q8", 16)):
                     return False
             elif module.weight.dtype != model.dtype:
                 return False
