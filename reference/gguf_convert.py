@@ -109,8 +109,8 @@ def quantize_q6_k(data: np.ndarray) -> np.ndarray:
     safe_d = np.where(d > 0, d.astype(np.float32), 1.0)[:, None]
     sc = np.clip(np.round(scale_f / safe_d), -128, 127).astype(np.int8)
     step = d.astype(np.float32)[:, None] * sc
-    q = np.clip(np.round(rows / np.where(step != 0, step, 1.0)[:, :, None]), -32, 31).astype(np.int16) + 32
-    q = q.astype(np.uint8).reshape(n, 2, 4, 32)  # halves of 128: four runs of 32 each
+    codes = np.clip(np.round(rows / np.where(step != 0, step, 1.0)[:, :, None]), -32, 31) + 32
+    q = codes.astype(np.uint8).reshape(n, 2, 4, 32)  # halves of 128: four runs of 32 each
     ql = np.concatenate([(q[:, :, 0] & 15) | ((q[:, :, 2] & 15) << 4), (q[:, :, 1] & 15) | ((q[:, :, 3] & 15) << 4)],
                         axis=2)  # [n, half, 64]
     qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)

@@ -181,8 +181,8 @@ class NativeKernels:
         if self._qdequant(QFORMATS[weight.fmt], weight.codes.data_ptr(), DTYPE_CODES[weight.scales.dtype],
                           weight.scales.data_ptr(), None if mins is None else mins.data_ptr(), DTYPE_CODES[dtype],
                           out.data_ptr(), n, k, weight.group, torch.get_num_threads()):
-            raise ValueError(f"the native dequantizer takes k a multiple of 32 and groups of whole runs of 32 (or, int8 "
-                             f"codes, of 16) dividing it (k={k}, group={weight.group})")
+            raise ValueError(f"the native dequantizer takes k a multiple of 32 and groups of whole runs of 32 (or, "
+                             f"int8 codes, of 16) dividing it (k={k}, group={weight.group})")
         return out
 
     # The small ops of a one-token step (see cpu_decode.c): each the PyTorch formula of infer/models/transformer.py
