@@ -401,6 +401,10 @@ def _read_saved(headers: dict[str, _Header], prefix: str, layout: _SavedLayout) 
             or (mins is not None and mins.shape != weight.scales.shape) or (weight.fmt == "q4") != (mins is not None):
         raise CheckpointError(f"{headers[prefix + '.codes'].file}: the quantized weight {prefix} ({layout.scheme}, "
                               f"group {layout.group}) has tensors of the wrong shapes for {layout.shape}")
+    if layout.scheme == "Q6_K" and (weight.codes.dtype != torch.int8 or weight.codes.numel() and bool(
+            (weight.codes < -32).any() or (weight.codes > 31).any())):  # the kernels rely on the 6-bit range
+        raise CheckpointError(f"{headers[prefix + '.codes'].file}: the Q6_K weight {prefix} has codes outside "
+                              "-32..31; re-save the model with infer.save_quantized")
     return weight
 
 

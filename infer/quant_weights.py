@@ -51,11 +51,13 @@ class QuantizedWeight:
 
     @functools.cached_property
     def kernel_args(self) -> tuple[str, int, torch.dtype, int, int | None, int, int, int]:
-        """What a native kernel call needs, formed once (the tensors are never changed in place): format, codes,
-        scales' dtype, scales, mins (addresses), n, k, group."""
+        """What a native kernel call needs, formed once (the tensors are never changed in place): the kernels'
+        format ("q6" for Q6_K's q8 codes, which lie in -32..31: a faster bf16 path takes them), codes, scales' dtype,
+        scales, mins (addresses), n, k, group."""
         n, k = self.shape
         mins = None if self.mins is None else self.mins.data_ptr()
-        return self.fmt, self.codes.data_ptr(), self.scales.dtype, self.scales.data_ptr(), mins, n, k, self.group
+        fmt = "q6" if self.scheme == "Q6_K" else self.fmt
+        return fmt, self.codes.data_ptr(), self.scales.dtype, self.scales.data_ptr(), mins, n, k, self.group
 
     @property
     def fmt(self) -> str:

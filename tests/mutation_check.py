@@ -928,6 +928,15 @@ MUTANTS = [
            "shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)",
            "shifts = torch.tensor([0, 2, 6, 4], dtype=torch.uint8).reshape(1, 1, 4, 1)",
            ("tests/test_gguf.py", "tests/test_quant_weights.py")),
+    Mutant("Q6_K bf16 pairs: the +128 of q4 taken back instead of +160", "infer/kernels/cpu_decode.c",
+           "if (bf16_q6) v -= 160.f * group_dot(rs, xsum + (j0 + j) * groups, groups);",
+           "if (bf16_q6) v -= 128.f * group_dot(rs, xsum + (j0 + j) * groups, groups);",
+           ("tests/test_quant_weights.py",)),
+    Mutant("Q6_K bf16 pairs: both groups of a run under the first's scale", "infer/kernels/cpu_decode.c",
+           "_mm256_set1_ps(scale_at(scales, 2 * r + 1))", "_mm256_set1_ps(scale_at(scales, 2 * r))",
+           ("tests/test_quant_weights.py",)),
+    Mutant("saved Q6_K codes not range-checked", "infer/loader.py",
+           "    if layout.scheme == \"Q6_K\" and (", "    if False and (", ("tests/test_quant_weights.py",)),
 ]
 
 

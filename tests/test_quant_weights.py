@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import infer
@@ -125,7 +126,8 @@ def test_gguf_blocks_kept_as_stored_dequantize_as_llama_cpp(kind: str, rows: int
 # The native kernels, every path this CPU runs, against dequantize-then-matmul.
 
 @pytest.mark.parametrize("flavour", RUNNABLE)
-@pytest.mark.parametrize("four_runs", ["1", "0"])  # INFER_QGEMV_FOUR_RUNS: the bf16 q4 fast path, and its check
+# INFER_QGEMV_FOUR_RUNS and INFER_QGEMV_Q6_PAIRS: the bf16 q4 and Q6_K fast paths, and their checks
+@pytest.mark.parametrize("four_runs", ["1", "0"])
 @given(scheme=st.sampled_from(["int8", "int4", "Q8_0", "Q4_K", "Q6_K"]), n=st.integers(1, 40), runs=st.integers(1, 13),
        group=st.sampled_from([32, 64, 128]), m=st.integers(1, 9), dtype=st.sampled_from(["float32", "bfloat16"]),
        with_bias=st.booleans(), threads=st.integers(1, 3), seed=st.integers(0, 2**31))
@@ -135,6 +137,7 @@ def test_native_quantized_gemv_is_dequantize_then_matmul(flavour: str, four_runs
                                                          threads: int, seed: int) -> None:
     kernels = kernels_or_skip(flavour)
     os.environ["INFER_QGEMV_FOUR_RUNS"] = four_runs  # read by the kernel on each call; restored below
+    os.environ["INFER_QGEMV_Q6_PAIRS"] = four_runs
     group = group if scheme == "int4" else 16 if scheme == "Q6_K" else 32
     k = max(runs * 32 // group, 1) * group
     weight = weight_of(scheme, n, k, group, seed)
@@ -152,12 +155,14 @@ def test_native_quantized_gemv_is_dequantize_then_matmul(flavour: str, four_runs
     exact = reference_product(weight, x, bias)
     # fp32 sums in another order (and, bf16 q4, codes offset by 128): a few fp32 ulps of the summed magnitudes;
     # then one rounding to the output dtype.
-    magnitude = x.double().abs() @ (weight.dequantize().double().abs() + 128 * weight.scales.double().abs()
+    offset = 160 if scheme == "Q6_K" else 128  # what the bf16 pair paths add to a code (and take back)
+    magnitude = x.double().abs() @ (weight.dequantize().double().abs() + offset * weight.scales.double().abs()
                                     .repeat_interleave(weight.group, dim=1)).T
     ulp = 2.0**-8 if torch_dtype == torch.bfloat16 else 0.0
     bound = 1e-6 * magnitude + ulp * exact.abs() + 1e-30
     err = (got.double() - exact).abs()
     os.environ.pop("INFER_QGEMV_FOUR_RUNS")
+    os.environ.pop("INFER_QGEMV_Q6_PAIRS")
     assert (err <= bound).all(), f"{flavour} {scheme}: max excess {(err - bound).max().item():.3g}"
 
 
@@ -371,6 +376,19 @@ def test_a_damaged_quantized_checkpoint_is_named(tmp_path: Path) -> None:
     others = {n: t for n, t in tensors.items() if not n.endswith(".codes") or "layers.0.mlp.up_proj" in n}
     save_file(others, str(out / "model.safetensors"), metadata={"infer.quantized": json.dumps(layouts)})
     with pytest.raises(CheckpointError, match="layers.0.mlp.up_proj lacks layers.0.mlp.up_proj.mins"):
+        infer.load_model(out)
+
+
+def test_q6_k_codes_outside_six_bits_are_refused(q_gguf: Any, tmp_path: Path) -> None:
+    """The Q6_K kernels take its codes as 6-bit: a saved checkpoint holding others is named, not run."""
+    pytest.importorskip("gguf")
+    out = infer.save_quantized(infer.load_model(q_gguf("Q6_K")[1]), tmp_path / "saved")
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["model.layers.1.mlp.down_proj.codes"][0, 5] = 40
+    save_file(tensors, str(out / "model.safetensors"), metadata=metadata)
+    with pytest.raises(CheckpointError, match="Q6_K weight layers.1.mlp.down_proj has codes outside -32..31"):
         infer.load_model(out)
 
 

@@ -995,7 +995,7 @@ int infer_qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_cod
  * steps, short prefill chunks) reads each weight row once per four. The codes stream like infer_gemv's
  * weights: one contiguous range of rows per thread, prefetched ahead. */
 
-enum { Q8 = 0, Q4 = 1 };
+enum { Q8 = 0, Q4 = 1, Q6 = 2 }; /* Q6: q8 codes known to lie in -32..31 (Q6_K's), groups of 16 */
 #define QCHUNK 32
 
 /* A scale or min (float16 or float32): by the F16C instruction where the CPU has it (once per 32 weights, the
@@ -1305,6 +1305,29 @@ static inline __attribute__((always_inline)) void q4row_dot_bf16x4(const uint8_t
     for (int j = 0; j < mt; j++) out[j] = _mm512_reduce_add_ps(total[j]) + tail[j];
 }
 
+/* Q6_K's codes c (-32..31, groups of 16) against bf16 inputs by the pair instruction: 160 + c is exact as a bf16
+ * (bits 0x4300 | (c + 32)), so an add and a widening make a run's 32 operands with no conversion to fp32; the pairs
+ * sum into 16 lanes, lanes 0-7 one group and 8-15 the next, scaled by a vector of the two groups' scales. The
+ * caller subtracts the 160 * sum_g scale_g * sum(x in g) this adds. */
+static inline __attribute__((always_inline)) float q6row_dot_bf16(const uint8_t *codes, scale_row scales, int64_t k,
+                                                                  const uint16_t *x) {
+    const __m256i offset = _mm256_set1_epi8(32);
+    const __m512i exponent = _mm512_set1_epi16(0x4300);
+    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+    for (int64_t r = 0; r < k / QCHUNK; r++) {
+        const uint8_t *c = codes + r * QCHUNK;
+        prefetch(c + PREFETCH_BYTES);
+        __m256i u = _mm256_add_epi8(_mm256_loadu_si256((const __m256i *)c), offset);
+        __m512bh w = (__m512bh)_mm512_or_si512(_mm512_cvtepu8_epi16(u), exponent);
+        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), w, (__m512bh)_mm512_loadu_si512(x + r * QCHUNK));
+        __m512 s = _mm512_insertf32x8(_mm512_set1_ps(scale_at(scales, 2 * r)), _mm256_set1_ps(scale_at(scales, 2 * r + 1)),
+                                      1);
+        if (r & 1) odd = _mm512_fmadd_ps(s, a, odd);
+        else even = _mm512_fmadd_ps(s, a, even);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+}
+
 /* x `[m, k]` (bf16) in q4row_dot_bf16x4's order: per 128 elements, elements 0-7 of each of the four runs, then
  * 8-15, 16-23 and 24-31; the elements past the last whole 128 are not needed there. */
 static void permute_x_q4(const uint16_t *x, uint16_t *xp, int64_t m, int64_t k) {
@@ -1346,6 +1369,8 @@ static inline float group_dot(scale_row v, const float *xsum, int64_t groups) {
 int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, const void *mins, int dtype,
                 const void *x, const void *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t group,
                 int threads) {
+    int narrow = fmt == Q6; /* q8 everywhere but the bf16 path below */
+    if (narrow) fmt = Q8;
     if (!qshape_ok(fmt, k, group)) return -2;
     int64_t groups = k / group, row_bytes = fmt == Q8 ? k : k / 2, sbytes = sdtype == F32 ? 4 : 2;
     float *xf = (float *)malloc((size_t)(m * k + m * groups) * sizeof(float));
@@ -1358,9 +1383,12 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
             xsum[j * groups + g] = s;
         }
     int bf16_q4 = 0, four_runs = 0; /* q4 codes against bf16 inputs by the pair instruction (codes carry +128) */
+    int bf16_q6 = 0;                 /* Q6_K's codes the same way (codes carry +160) */
     uint16_t *xp = NULL;
+    (void)narrow;
 #if defined(HAVE_DOT_BF16)
     bf16_q4 = fmt == Q4 && dtype == BF16;
+    bf16_q6 = narrow && group == QCHUNK / 2 && dtype == BF16 && switched_on("INFER_QGEMV_Q6_PAIRS");
     four_runs = bf16_q4 && k >= 128 && (group <= 64 || group % 128 == 0) && (k % 128) % group == 0 &&
                 switched_on("INFER_QGEMV_FOUR_RUNS");
     if (four_runs) {
@@ -1385,7 +1413,9 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
                 int mt = m - j0 < 4 ? (int)(m - j0) : 4;
 #if defined(HAVE_DOT_BF16)
                 const uint16_t *xb = (const uint16_t *)x + j0 * k;
-                if (four_runs) {
+                if (bf16_q6) {
+                    for (int j = 0; j < mt; j++) out[j] = q6row_dot_bf16(row, rs, k, xb + j * k);
+                } else if (four_runs) {
                     if (mt == 4) q4row_dot_bf16x4(row, rs, k, group, xp + j0 * k, xb, 4, out);
                     else for (int j = 0; j < mt; j++)
                         q4row_dot_bf16x4(row, rs, k, group, xp + (j0 + j) * k, xb + j * k, 1, out + j);
@@ -1402,6 +1432,7 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
                         const float *xs = xsum + (j0 + j) * groups;
                         v += group_dot(rm, xs, groups) - (bf16_q4 ? 128.f * group_dot(rs, xs, groups) : 0.f);
                     }
+                    if (bf16_q6) v -= 160.f * group_dot(rs, xsum + (j0 + j) * groups, groups);
                     v += bias ? load_scalar(dtype, bias, r) : 0.f;
                     store_scalar(dtype, y, (j0 + j) * n + r, v);
                 }
@@ -1436,6 +1467,7 @@ static inline void store16(int dtype, void *out, int64_t i, __m512 v) {
  * Returns -2 on a bad shape. */
 int infer_qdequant(int fmt, const uint8_t *codes, int sdtype, const void *scales, const void *mins, int dtype,
                    void *out, int64_t n, int64_t k, int64_t group, int threads) {
+    if (fmt == Q6) fmt = Q8;
     if (!qshape_ok(fmt, k, group)) return -2;
     int64_t groups = k / group, row_bytes = fmt == Q8 ? k : k / 2, run_bytes = fmt == Q8 ? QCHUNK : QCHUNK / 2;
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
@@ -1480,7 +1512,7 @@ int infer_qdequant(int fmt, const uint8_t *codes, int sdtype, const void *scales
  * that path is attention's summation order (SDPA's there). infer/models/native_step.py describes the model. */
 
 typedef struct {
-    int kind;   /* 0: a dense weight of the step's dtype (infer_gemv); 1: q8, 2: q4 codes (infer_qgemv) */
+    int kind;   /* 0: a dense weight of the step's dtype (infer_gemv); 1: q8, 2: q4, 3: Q6_K's q8 codes (infer_qgemv) */
     int sdtype; /* the scales' (and mins') dtype of quantized codes */
     const void *w, *scales, *mins, *bias; /* w: the weight or its codes; bias in the step's dtype, or NULL */
     int64_t n, k, group;
@@ -1501,7 +1533,7 @@ typedef struct {
 
 static int step_product(int dtype, const step_proj *p, const void *x, void *y, int threads) {
     if (p->kind == 0) return infer_gemv(dtype, p->w, x, p->bias, y, p->n, p->k, threads);
-    return infer_qgemv(p->kind == 1 ? Q8 : Q4, (const uint8_t *)p->w, p->sdtype, p->scales, p->mins, dtype, x,
+    return infer_qgemv(p->kind == 1 ? Q8 : p->kind == 2 ? Q4 : Q6, (const uint8_t *)p->w, p->sdtype, p->scales, p->mins, dtype, x,
                        p->bias, y, 1, p->n, p->k, p->group, threads);
 }
 

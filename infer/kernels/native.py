@@ -30,7 +30,7 @@ from infer.quant_weights import QuantizedWeight
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-QFORMATS = {"q8": 0, "q4": 1}  # QuantizedWeight.fmt -> cpu_decode.c's Q8 / Q4
+QFORMATS = {"q8": 0, "q4": 1, "q6": 2}  # QuantizedWeight.kernel_args' format -> cpu_decode.c's Q8 / Q4 / Q6
 
 # Compiler flags per flavour: "native" is the widest path the CPU has; the others switch paths off (x86).
 FLAVOURS: dict[str, tuple[str, ...]] = {
@@ -178,7 +178,7 @@ class NativeKernels:
         elif out.shape != (n, k) or out.dtype != dtype or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous [{n}, {k}] {dtype} tensor, got {tuple(out.shape)} {out.dtype}")
         mins = weight.mins
-        if self._qdequant(QFORMATS[weight.fmt], weight.codes.data_ptr(), DTYPE_CODES[weight.scales.dtype],
+        if self._qdequant(QFORMATS[weight.kernel_args[0]], weight.codes.data_ptr(), DTYPE_CODES[weight.scales.dtype],
                           weight.scales.data_ptr(), None if mins is None else mins.data_ptr(), DTYPE_CODES[dtype],
                           out.data_ptr(), n, k, weight.group, torch.get_num_threads()):
             raise ValueError(f"the native dequantizer takes k a multiple of 32 and groups of whole runs of 32 (or, "

@@ -25,7 +25,7 @@ import torch
 from infer.config import ModelConfig
 from infer.kernels.native import DTYPE_CODES, QFORMATS, NativeKernels, StepLayer, StepProj
 
-QUANTIZED_KINDS = {"q8": 1, "q4": 2}  # QuantizedWeight.fmt -> step_proj.kind (0 is a dense weight)
+QUANTIZED_KINDS = {"q8": 1, "q4": 2, "q6": 3}  # QuantizedWeight.kernel_args' format -> step_proj.kind (0: dense)
 
 
 class RowsCache(Protocol):
@@ -167,7 +167,8 @@ def takes_model(model: StepModel, kernels: NativeKernels) -> bool:
                 return False
             if hasattr(module, "qweight"):
                 fmt, _, _, _, _, _, k, group = module.qweight.kernel_args
-                if fmt not in QFORMATS or k % 32 or k % group or (group % 32 and (fmt, group) != ("q8", 16)):
+                if fmt not in QFORMATS or k % 32 or k % group or (group % 32 and group != 16) or (group == 16
+                                                                                        and fmt == "q4"):
                     return False
             elif module.weight.dtype != model.dtype:
                 return False
