@@ -10,7 +10,9 @@ Every problem raises one `CheckpointError` naming the file and the key or tensor
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import mmap
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,12 +94,28 @@ class GGUFTensor:
     def load(self) -> torch.Tensor:
         """The tensor as the Hugging Face checkpoint holds it, in float32 on the CPU."""
         raw = torch.from_numpy(np.array(self.data, copy=True).reshape(-1).view(np.uint8))
+        self.release()
         tensor = dequantize(raw, self.kind, self.shape)
         if self.rope_heads is not None:
             tensor = unpermute_rope_rows(tensor, self.rope_heads)
         if self.norm_offset:
             tensor = tensor - self.norm_offset
         return tensor
+
+
+    def release(self) -> None:
+        """Drop this tensor's pages of the file's map from the process's resident set once it has been read into
+        memory of its own (they stay in the page cache and are read again if touched): else the whole file's map
+        sits beside the loaded weights at the load's peak (1B Q4_K_M: 2.9 GB for 1.1 GB of weights)."""
+        base: Any = self.data
+        while base is not None and not isinstance(getattr(base, "_mmap", None), mmap.mmap):
+            base = base.base
+        if base is None or not hasattr(mmap, "MADV_DONTNEED") or not self.data.nbytes:
+            return
+        start = self.data.ctypes.data - base.ctypes.data + int(base.offset) % mmap.ALLOCATIONGRANULARITY
+        first = start // mmap.PAGESIZE * mmap.PAGESIZE
+        with contextlib.suppress(OSError, ValueError):  # a platform without it: the pages just stay resident
+            base._mmap.madvise(mmap.MADV_DONTNEED, first, start + self.data.nbytes - first)
 
 
 def unpermute_rope_rows(weight: torch.Tensor, n_head: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from infer.config import ModelConfig
 from infer.errors import CheckpointError
 from infer.gguf import GGUFTensor, find_gguf, read_gguf, unpermute_rope_rows
-from infer.memory import check_fits, empty_on_huge_pages, on_huge_pages, resolve_device
+from infer.memory import check_fits, empty_on_huge_pages, on_huge_pages, release_freed_memory, resolve_device
 from infer.model_store import default_model_path
 from infer.models import Transformer
 from infer.models.transformer import Linear, QuantizedEmbedding, QuantizedLinear
@@ -296,11 +296,13 @@ def load_model(
                     "the checkpoint is corrupt or overflows this dtype (load_model(..., check_finite=False) skips "
                     "this check)"
                 )
+        del checked
     record_weight_pages(huge_pages, target)
     model.load_state_dict(state, strict=False, assign=True)
     del state  # the modules hold the weights now: re-laying them out (fused products) frees each old copy
     model.huge_pages = huge_pages
     _install_quantized(model, quantized, torch_dtype)
+    del quantized  # likewise: fusing q/k/v and gate/up below must be able to free the parts it concatenates
     if config.tie_word_embeddings and isinstance(model.lm_head, Linear):
         model.lm_head.weight = model.embed_tokens.weight
     model.compute_dtype = _resolve_compute_dtype(compute_dtype, torch_dtype, target)
@@ -316,6 +318,7 @@ def load_model(
             [m.weight for m in model.modules() if isinstance(m, Linear)], decode_gemv).value
     model.eos_token_ids = config.eos_token_ids if gguf_file else _generation_eos_ids(path, config.eos_token_ids)
     model.source = path  # what infer.save_quantized copies the config and tokenizer from
+    release_freed_memory()
     return model.eval().requires_grad_(False)
 
 
@@ -415,6 +418,8 @@ def _stored_gguf(tensor: GGUFTensor) -> QuantizedWeight:
         raw = torch.from_numpy(np.asarray(tensor.data).reshape(-1).view(np.uint8))
     n, k = tensor.shape
     weight = from_gguf(raw, tensor.kind, (n, k))
+    del raw
+    tensor.release()
     if tensor.rope_heads is not None:
         weight = weight.rows(unpermute_rope_rows(torch.arange(n), tensor.rope_heads))
     return weight

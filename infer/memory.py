@@ -105,3 +105,14 @@ def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
 def _address(buffer: mmap.mmap) -> int:
     """The address of a writable map's first byte."""
     return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+
+
+def release_freed_memory() -> None:
+    """Hand the C heap's free memory back to the system (glibc's `malloc_trim`; nothing elsewhere). A load makes
+    many short-lived temporaries between long-lived weights: their freed space stays in the process (the 1B Q4_K_M
+    file: 1.88 GB resident after loading 1.13 GB of weights, 1.50 GB after the trim)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

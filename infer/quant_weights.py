@@ -191,9 +191,30 @@ def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     return blocks[:, start : start + 2].contiguous().view(torch.float16).reshape(-1)
 
 
-def from_gguf(raw: torch.Tensor, kind: str, shape: tuple[int, int]) -> QuantizedWeight:
+def from_gguf(raw: torch.Tensor, kind: str, shape: tuple[int, int], rows: int = 4096) -> QuantizedWeight:
     """The weight a GGUF tensor of block type `kind` (one of STORED_KINDS) and torch shape `shape` holds, as
-    codes and scales: the same values `infer.gguf_quants.dequantize` gives, bit for bit."""
+    codes and scales: the same values `infer.gguf_quants.dequantize` gives, bit for bit. Re-laid out `rows` rows
+    at a time into the final tensors: the unpacking's temporaries of a whole vocabulary-wide table (several times
+    its size) would otherwise be the load's peak."""
+    n, k = shape
+    if n > rows:
+        flat = raw.reshape(-1).view(torch.uint8)
+        row_bytes = flat.numel() // n
+        first = _from_gguf_rows(flat[: rows * row_bytes], kind, (rows, k))
+        parts = [t for t in (first.codes, first.scales, first.mins) if t is not None]
+        full = [torch.empty(n, *t.shape[1:], dtype=t.dtype) for t in parts]
+        for start in range(0, n, rows):
+            stop = min(n, start + rows)
+            piece = first if start == 0 else _from_gguf_rows(flat[start * row_bytes : stop * row_bytes], kind,
+                                                             (stop - start, k))
+            for target, t in zip(full, [t for t in (piece.codes, piece.scales, piece.mins) if t is not None],
+                                 strict=True):
+                target[start:stop] = t
+        return QuantizedWeight(kind, full[0], full[1], full[2] if len(full) > 2 else None, first.group)
+    return _from_gguf_rows(raw, kind, shape)
+
+
+def _from_gguf_rows(raw: torch.Tensor, kind: str, shape: tuple[int, int]) -> QuantizedWeight:
     n, k = shape
     sizes = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210}
     per_block = QK_K if kind in ("Q4_K", "Q6_K") else 32

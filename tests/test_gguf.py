@@ -566,3 +566,16 @@ def test_real_greedy_tokens_are_transformers(question: str, smollm2: Path, our_s
     answer = tokens[: tokens.index(tokenizer.eos_token_ids[0])] if tokenizer.eos_token_ids[0] in tokens else tokens
     if "France" in question:
         assert "Paris" in tokenizer.decode(answer)
+
+
+def test_released_tensor_pages_read_back_the_same(llama_gguf: Path) -> None:
+    """A loaded tensor's pages of the file's map are dropped from the resident set (GGUFTensor.release), not
+    from the file: reading them again gives the same bytes, and the loaded model is unchanged by it."""
+    from infer.gguf import read_gguf
+
+    _, tensors = read_gguf(llama_gguf)
+    tensor = next(t for t in tensors.values() if t.data.nbytes > 8192)
+    before = np.array(tensor.data, copy=True)
+    tensor.release()
+    assert np.array_equal(np.asarray(tensor.data), before)
+    assert torch.equal(tensor.load(), tensor.load())

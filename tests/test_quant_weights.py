@@ -118,6 +118,8 @@ def test_gguf_blocks_kept_as_stored_dequantize_as_llama_cpp(kind: str, rows: int
     weight = from_gguf(raw, kind, (rows, blocks * per_block))
     expected = gguf_dequantize(raw, kind, (rows, blocks * per_block))
     assert weight.scheme == kind and weight.group == (16 if kind == "Q6_K" else 32)
+    chunked = from_gguf(raw, kind, (rows, blocks * per_block), rows=2)  # re-laid out two rows at a time
+    assert all(torch.equal(a, b) for a, b in zip(chunked.tensors(), weight.tensors(), strict=True)), kind
     # Equal values (Q4_0's d * q + (-8 d) gives +0 where llama.cpp's (q - 8) * d gives -0 for a negative d).
     assert np.array_equal(weight.dequantize().numpy(), expected.numpy()), kind
 
