@@ -141,9 +141,13 @@ class NativeStep:
         self._cache = weakref.ref(cache)
         return True
 
-    def __call__(self, x: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], position: int
-                 ) -> torch.Tensor:
-        """The hidden state `[1, 1, hidden]` after every layer, this position's K/V written to the bound cache."""
+    def __call__(self, x: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The hidden state `[1, 1, hidden]` after every layer at the bound cache's next position, whose K/V it
+        writes there."""
+        cache = None if self._cache is None else self._cache()
+        if cache is None:
+            raise RuntimeError("a native step runs after bind(cache), while that cache lives")
+        position = cache.offset
         x = x.contiguous()
         tables = [(rope[lt][0].contiguous(), rope[lt][1].contiguous()) for lt in self.rope_types]
         cos = (ctypes.c_void_p * len(tables))(*(c.data_ptr() for c, _ in tables))

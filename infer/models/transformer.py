@@ -165,7 +165,6 @@ class QuantizedLinear(ProjectionTraits, nn.Module):
         return F.linear(x.to(dtype), self.qweight.dequantize(dtype), bias).to(x.dtype)
 
 
-
 # Elements of the per-thread buffer that multi-row quantized products dequantize into (64 MiB in bf16): a weight that
 # fits is dequantized whole, a larger one (a vocabulary-wide head asked for every position) in slabs of rows.
 DEQUANTIZE_BUFFER = 32 * 2**20
@@ -577,7 +576,7 @@ class Transformer(nn.Module):
         whole = self._native_step_for(backend, kernels)
         try:
             if whole is not None:
-                x = whole(x, rope, cast(CacheBackend, backend).cache.offset)  # type: ignore[union-attr]
+                x = whole(x, rope)
             else:
                 with sdpa_backends(x.device, self.cudnn_attention):
                     for layer in self.layers:
@@ -639,18 +638,18 @@ class Transformer(nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> Transformer:
         """nn.Module._apply (.to(), .float(), ...) with the fused products and the whole step made again."""
-        with self._refusing():
+        with self._fused_again():
             super()._apply(fn, recurse)
         return self
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """nn.Module.load_state_dict, with the fused products and the whole step made again (assign=True swaps
         the tensors)."""
-        with self._refusing():
+        with self._fused_again():
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     @contextlib.contextmanager
-    def _refusing(self) -> Iterator[None]:
+    def _fused_again(self) -> Iterator[None]:
         """Around a change of the module tree's tensors: the fused products (outside the tree) and the whole-step
         description are dropped first and made again from the new parts after."""
         all_rows = self.fused_projections
