@@ -183,7 +183,8 @@ class BatchedEngine:
 @functools.cache
 def bf16_model(arch: str, form: str) -> infer.Transformer:
     """The bench model in bf16 on huge pages (as the loader places weights) with one decode GEMV form; "native"
-    with the native small ops, "native-no-ops" without them."""
+    with the native small ops layer by layer, "native-no-ops" without them, "native-step" every layer in one
+    native call (infer/models/native_step.py)."""
     from infer.memory import on_huge_pages
 
     model = infer.Transformer(bench_config(arch))
@@ -192,8 +193,9 @@ def bf16_model(arch: str, form: str) -> infer.Transformer:
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.huge_pages = True
-    model.decode_gemv = form.removesuffix("-no-ops")
-    model.native_ops = form == "native"
+    model.decode_gemv = form.removesuffix("-no-ops").removesuffix("-step")
+    model.native_ops = form in ("native", "native-step")
+    model.native_step = form == "native-step"
     return model.eval().requires_grad_(False)
 
 
@@ -208,11 +210,11 @@ def prefilled_bf16(arch: str, form: str) -> tuple[infer.KVCache, infer.cache.Cac
 
 class DecodeForm:
     """A bf16 decode step at context 1024 by one-row product form: ATen's `F.linear` (the unoptimised
-    path) and `torch.mv`, the native GEMV with and without the native small ops. Skipped where no native
-    build loads."""
+    path) and `torch.mv`, the native GEMV with and without the native small ops, and the whole step in one native
+    call. Skipped where no native build loads."""
 
     # Two families keep the run short: the plain block and the one with the most small ops (Gemma's norms).
-    params = (["llama", "gemma3_text"], ["linear", "mv", "native-no-ops", "native"])
+    params = (["llama", "gemma3_text"], ["linear", "mv", "native-no-ops", "native", "native-step"])
     param_names = ["architecture", "form"]
     number = 1
     repeat = (5, 20, 10.0)
