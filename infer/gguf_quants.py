@@ -64,10 +64,15 @@ def _fifth_bits(blocks: torch.Tensor, start: int) -> torch.Tensor:
     return (qh >> torch.arange(32, dtype=torch.int32)) & 1
 
 
+def _q5_0_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """A Q5_0 block's 32 codes in element order, in -16..15: five-bit values (nibbles plus a high bit each)
+    offset by 16."""
+    return (_nibbles(blocks[:, 6:], 16).to(torch.int32) | (_fifth_bits(blocks, 2) << 4)) - 16
+
+
 def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
-    """32 five-bit values (nibbles plus a high bit each) offset by 16, scaled by `d`."""
-    q = (_nibbles(blocks[:, 6:], 16).to(torch.int32) | (_fifth_bits(blocks, 2) << 4)) - 16
-    return _f16(blocks, 0) * q.float()
+    """The codes scaled by the block's fp16 `d`."""
+    return _f16(blocks, 0) * _q5_0_codes(blocks).float()
 
 
 def _q5_1(blocks: torch.Tensor) -> torch.Tensor:

@@ -13,9 +13,10 @@ where the source stores them so (exact), else float32.
 The schemes (`QuantizedWeight.scheme`, recorded when a model is saved):
   "int8"  symmetric per output channel (group = k; the LM head per 32 inputs), float32 scales: made here
   "int4"  asymmetric group-wise (groups of 32, 64 or 128 inputs), float16 scales and mins: made here
-  "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"  a GGUF file's blocks re-laid out without changing a value: Q4_0's
+  "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q6_K"  a GGUF file's blocks re-laid out without changing a value: Q4_0's
           `d * (q - 8)` is `d * q + (-8 d)`, exact in fp32; Q4_K's per-32 `d * sc` and `dmin * m` are the fp32
-          products llama.cpp forms (so its scales are float32); Q6_K is q8 codes `q - 32` in groups of 16 (its
+          products llama.cpp forms (so its scales are float32); Q5_0 is q8 codes `q - 16` under its fp16 `d`;
+          Q6_K is q8 codes `q - 32` in groups of 16 (its
           sub-blocks) under its fp32 `d * sc` (the one format whose group is not whole runs of 32)
 
 `dequantize` is the reference every kernel is held to: `scale * q (+ min)` in fp32, two roundings, as
@@ -29,13 +30,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from infer.gguf_quants import QK_K, _k_scales, _q6_k_codes
+from infer.gguf_quants import QK_K, _k_scales, _q5_0_codes, _q6_k_codes
 
 CHUNK = 32  # inputs per packed run; groups are whole runs
 INT4_GROUPS = (32, 64, 128)
 SCHEMES = ("int8", "int4")  # what load_model(..., weights=) makes from float weights
-STORED_KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")  # GGUF block types run as stored
-Q8_SCHEMES = ("int8", "Q8_0", "Q6_K")  # the schemes stored as q8 (int8 codes, no mins); the rest are q4
+STORED_KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q6_K")  # GGUF block types run as stored
+Q8_SCHEMES = ("int8", "Q8_0", "Q5_0", "Q6_K")  # the schemes stored as q8 (int8 codes, no mins); the rest are q4
 
 
 @dataclass(frozen=True)
@@ -216,7 +217,7 @@ def from_gguf(raw: torch.Tensor, kind: str, shape: tuple[int, int], rows: int = 
 
 def _from_gguf_rows(raw: torch.Tensor, kind: str, shape: tuple[int, int]) -> QuantizedWeight:
     n, k = shape
-    sizes = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210}
+    sizes = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_0": 22, "Q6_K": 210}
     per_block = QK_K if kind in ("Q4_K", "Q6_K") else 32
     if kind not in sizes:
         raise ValueError(f"{kind} is not run as stored; supported: {', '.join(STORED_KINDS)}")
@@ -237,6 +238,9 @@ def _from_gguf_rows(raw: torch.Tensor, kind: str, shape: tuple[int, int]) -> Qua
         codes = blocks[:, 4:].reshape(n, k // 2).clone()
         return QuantizedWeight(kind, codes, _f16(blocks, 0).reshape(n, -1).clone(),
                                _f16(blocks, 2).reshape(n, -1).clone(), 32)
+    if kind == "Q5_0":  # 5-bit codes offset by 16, one fp16 d per 32: q8 codes in -16..15
+        codes = _q5_0_codes(blocks).to(torch.int8).reshape(n, k)
+        return QuantizedWeight(kind, codes, _f16(blocks, 0).reshape(n, -1).clone(), None, 32)
     if kind == "Q6_K":  # 16 sub-blocks of 16: int8 scales under one fp16 d, 6-bit codes offset by 32
         q = _q6_k_codes(blocks).reshape(n, k)
         scales = _f16(blocks, 208).float().unsqueeze(1) * blocks[:, 192:208].contiguous().view(torch.int8).float()

@@ -29,7 +29,8 @@ DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 # model_type -> GGUF general.architecture
 ARCHES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
 FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0",
-              "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "Q4_K": "MOSTLY_Q4_K_S", "Q6_K": "MOSTLY_Q6_K"}
+              "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "Q4_K": "MOSTLY_Q4_K_S", "Q5_0": "MOSTLY_Q5_0",
+              "Q6_K": "MOSTLY_Q6_K"}
 # A tokenizer.json split regex -> llama.cpp's name for that pre-tokenizer (tokenizer.ggml.pre).
 PRE_TOKENIZERS = {LLAMA3_SPLIT: "llama-bpe", QWEN_SPLIT: "qwen2"}
 GEMMA3_SLIDING_PERIOD = 6  # what llama.cpp assumes for Gemma 3 when the file names no pattern

@@ -937,6 +937,9 @@ MUTANTS = [
            ("tests/test_quant_weights.py",)),
     Mutant("saved Q6_K codes not range-checked", "infer/loader.py",
            "    if layout.scheme == \"Q6_K\" and (", "    if False and (", ("tests/test_quant_weights.py",)),
+    Mutant("Q5_0 as stored: the fifth bit of each code dropped", "infer/quant_weights.py",
+           "codes = _q5_0_codes(blocks).to(torch.int8).reshape(n, k)",
+           "codes = (_q5_0_codes(blocks) & 15).to(torch.int8).reshape(n, k)", ("tests/test_quant_weights.py",)),
 ]
 
 
