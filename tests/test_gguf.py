@@ -25,6 +25,8 @@ from infer.config import ModelConfig
 from infer.errors import CheckpointError
 from infer.gguf import GGUFFile, find_gguf, unpermute_rope_rows
 from infer.gguf_quants import BLOCK_TYPES, dequantize
+from infer.kernels.native import native_kernels
+from infer.models.native_step import NativeStep
 from infer.models.transformer import QuantizedEmbedding, QuantizedLinear
 from infer.sampling import SamplingParams
 from reference.checkpoints import ARCHS, build_checkpoint
@@ -563,6 +565,8 @@ def test_real_greedy_tokens_are_transformers(question: str, smollm2: Path, our_s
     params = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
     tokens = infer.generate(our_smollm2, tokenizer, prompt, params).token_ids
     assert tokens == hf_smollm2.greedy(prompt, 64)
+    if native_kernels() is not None:  # the steps ran the whole-step native call (infer/models/native_step.py)
+        assert isinstance(our_smollm2.__dict__["_native_step"], NativeStep)
     answer = tokens[: tokens.index(tokenizer.eos_token_ids[0])] if tokenizer.eos_token_ids[0] in tokens else tokens
     if "France" in question:
         assert "Paris" in tokenizer.decode(answer)
