@@ -8,7 +8,7 @@ another order. This module describes the model to it once (`NativeStep`: each la
 attention traits, as ctypes structures holding the tensors' addresses) and a cache's storage once per
 cache; the embedding, the final norm and the LM head stay in Python.
 
-Taken only where it applies (`native_step_for`): the native small ops' step (one token, one sequence, the
+Taken only where it applies (`Transformer._native_step_for`): the native small ops' step (one token, one sequence, the
 native GEMV; `Transformer.native_ops`), every projection on the native kernel, and a cache that stores each
 layer's K/V rows in place (`layer_rows`: the contiguous and sliding kinds). Anything else runs the per-op
 path, which stays the check (`Transformer.native_step = False`).
@@ -76,8 +76,8 @@ class NativeStep:
         self.eps = config.rms_norm_eps
         self.gemma = layers[0].input_layernorm.gemma
         self.gelu = layers[0].mlp.gelu
+        # The bound cache, held weakly: its tensors are its own (a step runs only while it lives).
         self._cache: weakref.ref[Any] | None = None
-        self._cache_rows: list[torch.Tensor] = []
 
     def _address(self, t: torch.Tensor | None, dtype: torch.dtype | None = None) -> int | None:
         """The address of `t` (in `dtype`, contiguous: a copy where it is not), kept alive with this step."""
@@ -134,10 +134,8 @@ class NativeStep:
         rows = [cache.layer_rows(i) for i in range(len(self.layers))]
         if any(k.dtype != self.dtype or not k.is_contiguous() or not v.is_contiguous() for k, v, _ in rows):
             return False
-        self._cache_rows = []
         for desc, (k, v, ring) in zip(self.layers, rows, strict=True):
             desc.k, desc.v, desc.slots, desc.ring = k.data_ptr(), v.data_ptr(), k.shape[2], int(ring)
-            self._cache_rows += [k, v]
         self._cache = weakref.ref(cache)
         return True
 
@@ -171,8 +169,8 @@ def takes_model(model: StepModel, kernels: NativeKernels) -> bool:
                 return False
             if hasattr(module, "qweight"):
                 fmt, _, _, _, _, _, k, group = module.qweight.kernel_args
-                if fmt not in QFORMATS or k % 32 or k % group or (group % 32 and group != 16) or (group == 16
-                                                                                        and fmt == "q4"):
+                takes_group = group % 32 == 0 or (group == 16 and fmt != "q4")  # cpu_decode.c's qshape_ok
+                if fmt not in QFORMATS or k % 32 or k % group or not takes_group:
                     return False
             elif module.weight.dtype != model.dtype:
                 return False
