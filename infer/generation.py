@@ -21,6 +21,7 @@ from infer.cache import CacheSnapshot, KVCache, create_cache
 from infer.graphs import graphed_decoder
 from infer.models import Transformer
 from infer.sampling import SamplingParams, sample_next
+from infer.tensor_parallel import broadcast_token
 from infer.tokenizer import StreamDecoder, Tokenizer
 
 FinishReason = Literal["eos", "length", "stop", "abort", "error"]
@@ -173,6 +174,8 @@ def _token_steps(
             if kv_cache is not None:
                 _note_fed(kv_cache, all_ids)
             token = sample_next(logits, params, seen, generator)
+            if model.tensor_parallel is not None:  # every rank goes on with rank 0's token
+                token = broadcast_token(token, model.tensor_parallel)
             token_id = int(token.item())  # the sync point: the host needs the id to decide to stop
             elapsed = time.perf_counter() - start
             all_ids[0, length] = token[0]

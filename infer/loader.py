@@ -18,6 +18,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from infer.config import ModelConfig
 from infer.errors import CheckpointError
@@ -27,6 +28,17 @@ from infer.model_store import default_model_path
 from infer.models import Transformer
 from infer.models.transformer import Linear, QuantizedEmbedding, QuantizedLinear
 from infer.quant_weights import Q8_SCHEMES, SCHEMES, STORED_KINDS, QuantizedWeight, from_gguf, quantize
+from infer.tensor_parallel import (
+    Cut,
+    Shards,
+    cut_tensor,
+    cut_weight,
+    install,
+    local_config,
+    local_shape,
+    vocab_part,
+    weight_cut,
+)
 from infer.tuning import (
     choose_decode_gemv,
     choose_prefill_dtype,
@@ -170,6 +182,7 @@ def load_model(
     huge_pages: bool = True,
     weights: str | None = None,
     group_size: int = 32,
+    tensor_parallel: bool = False,
 ) -> Transformer:
     """Load the checkpoint in directory `path` (the default model, SmolLM2-135M-Instruct from
     the local store (infer.model_store), when None), in eval mode.
@@ -242,6 +255,15 @@ def load_model(
                 f"tensor {name}{stored} in {path} has shape {shapes[name]}, "
                 f"but {implied_by} implies {tuple(param.shape)}"
             )
+    shards = Shards.current() if tensor_parallel else None
+    cuts: dict[str, Cut | None] = {}
+    if shards is not None:
+        cuts = {name: weight_cut(name, config, shards) for name in expected}
+        with torch.device("meta"):  # this rank's model: its heads and hidden units, its rows of the vocabulary
+            model = Transformer(local_config(config, shards))
+            vocab = len(range(config.vocab_size)[vocab_part(config, shards)])
+            model.embed_tokens = nn.Embedding(vocab, config.hidden_size)
+            model.lm_head = Linear(config.hidden_size, vocab, bias=False)
     form = weights or ("stored" if (gguf_file is not None and not explicit_dtype) or saved else "dense")
     if gguf_file is None:
         _check_dtypes(path, _declared_dtype(path), headers,
@@ -251,7 +273,8 @@ def load_model(
     linears = [f"{name}.weight" for name, m in model.named_modules() if isinstance(m, Linear) and
                f"{name}.weight" in expected]
     embedding = "embed_tokens.weight"
-    nbytes = sum(p.numel() for p in expected.values()) * torch_dtype.itemsize
+    nbytes = sum(math.prod(local_shape(tuple(p.shape), cuts.get(n))) for n, p in expected.items()) \
+        * torch_dtype.itemsize
     check_fits(nbytes, target, f"loading {path} in {torch_dtype}")
 
     quantized: dict[str, QuantizedWeight] = {}
@@ -261,32 +284,48 @@ def load_model(
     targets = [*linears, *([embedding] if config.tie_word_embeddings else [])] if form in SCHEMES else []
     scheme = {name: HEAD_SCHEME if name in HEAD_WEIGHTS else str(form) for name in targets}
     cpu = torch.device("cpu")
+    dense_parts: dict[str, torch.Tensor] = {}  # quantized weights whose cut would split a group: dequantized
+
+    def placed(name: str, weight: QuantizedWeight) -> QuantizedWeight | None:
+        """A quantized weight (this rank's part of it under tensor parallelism) placed; None where it went to
+        `dense_parts`."""
+        part = cut_weight(weight, cuts.get(name))
+        if part is None:
+            dense_parts[name] = cut_tensor(weight.dequantize(torch_dtype), cuts.get(name)).to(target)
+            return None
+        return _placed(part, target, huge_pages)
+
     if gguf_file is not None:
         if form == "stored":
-            quantized = {name: _placed(_stored_gguf(gguf[name]), target, huge_pages) for name in [*linears, embedding]
+            quantized = {name: _stored_gguf(gguf[name]) for name in [*linears, embedding]
                          if gguf[name].kind in STORED_KINDS}
-        quantized.update({name: _placed(quantize(_dequantize_tensors(gguf, [name], cpu, torch_dtype, False)[name],
-                                                 scheme[name], group_size, name), target, huge_pages)
-                          for name in targets})
-        dense = [name for name in expected if name not in quantized]
-        state = _dequantize_tensors(gguf, dense, target, torch_dtype, huge_pages)
-        files = dict.fromkeys([*state, *quantized], gguf_file)
+        quantized.update({name: quantize(_dequantize_tensors(gguf, [name], cpu, torch_dtype, False)[name],
+                                         scheme[name], group_size, name) for name in targets})
+        quantized = {name: part for name, weight in quantized.items() if (part := placed(name, weight)) is not None}
+        dense = [name for name in expected if name not in quantized and name not in dense_parts]
+        state = _dequantize_tensors(gguf, dense, target, torch_dtype, huge_pages, cuts)
+        files = dict.fromkeys([*state, *quantized, *dense_parts], gguf_file)
     else:
         if saved and form != "dense":
-            quantized = {f"{prefix}.weight": _placed(_read_saved(headers, prefix, layout), target, huge_pages)
-                         for prefix, layout in saved.items()}
+            quantized = {name: part for prefix, layout in saved.items()
+                         if (part := placed(name := f"{prefix}.weight", _read_saved(headers, prefix, layout)))
+                         is not None}
         for name in targets:
             prefix = name.removesuffix(".weight")
             dense_weight = (_read_saved(headers, prefix, saved[prefix]).dequantize(torch_dtype) if prefix in saved
                             else _read_tensors(headers, [name], cpu, torch_dtype, False)[name])
-            quantized[name] = _placed(quantize(dense_weight, scheme[name], group_size, name), target, huge_pages)
-        state = _read_tensors(headers, [n for n in expected if n not in quantized and n.removesuffix(".weight")
-                                        not in saved], target, torch_dtype, huge_pages)
+            if (part := placed(name, quantize(dense_weight, scheme[name], group_size, name))) is not None:
+                quantized[name] = part
+        state = _read_tensors(headers, [n for n in expected if n not in quantized and n not in dense_parts and
+                                        n.removesuffix(".weight") not in saved], target, torch_dtype, huge_pages, cuts)
         for prefix, layout in saved.items():  # weights="dense" from a quantized checkpoint
-            if f"{prefix}.weight" not in quantized:
-                state[f"{prefix}.weight"] = _read_saved(headers, prefix, layout).dequantize(torch_dtype).to(target)
+            name = f"{prefix}.weight"
+            if name not in quantized and name not in dense_parts:
+                weight = _read_saved(headers, prefix, layout).dequantize(torch_dtype)
+                state[name] = cut_tensor(weight, cuts.get(name)).to(target)
         files = {name: headers[name.removesuffix(".weight") + ".codes" if name.removesuffix(".weight") in saved
-                                else name].file for name in [*state, *quantized]}
+                                else name].file for name in [*state, *quantized, *dense_parts]}
+    state.update(dense_parts)
     if check_finite:
         checked = [*state.items(), *((n, t) for n, q in quantized.items() for t in q.tensors()[1:])]
         for name, tensor in checked:
@@ -316,6 +355,8 @@ def load_model(
     else:
         model.decode_gemv = choose_decode_gemv(
             [m.weight for m in model.modules() if isinstance(m, Linear)], decode_gemv).value
+    if shards is not None:
+        install(model, config, shards)
     model.eos_token_ids = config.eos_token_ids if gguf_file else _generation_eos_ids(path, config.eos_token_ids)
     model.source = path  # what infer.save_quantized copies the config and tokenizer from
     release_freed_memory()
@@ -323,22 +364,27 @@ def load_model(
 
 
 def _read_tensors(headers: dict[str, _Header], names: list[str] | dict[str, object], device: torch.device,
-                  dtype: torch.dtype, huge_pages: bool) -> dict[str, torch.Tensor]:
+                  dtype: torch.dtype, huge_pages: bool, cuts: dict[str, Cut | None] | None = None
+                  ) -> dict[str, torch.Tensor]:
     """The tensors `names`, read from their files straight into their final memory: `dtype` on `device`, on
     transparent huge pages where asked and possible (infer.memory.on_huge_pages). Plain reads, not a map of
     the file: a map's touched pages count in the process's memory beside the copies until every tensor from
-    it is gone, doubling the peak."""
+    it is gone, doubling the peak. `cuts`: read only this rank's part of each (infer.tensor_parallel)."""
     tensors: dict[str, torch.Tensor] = {}
     for name in names:
         header = headers[name]
+        cut = (cuts or {}).get(name)
         stored = FLOAT_DTYPES[header.dtype]
         direct = device.type == "cpu" and stored == dtype
-        if direct and huge_pages:
-            tensor = empty_on_huge_pages(header.shape, stored)
-        else:
-            tensor = torch.empty(header.shape, dtype=stored)
+        shape = local_shape(header.shape, cut)
+        tensor = empty_on_huge_pages(shape, stored) if direct and huge_pages else torch.empty(shape, dtype=stored)
         try:
-            _read_into(header, tensor)
+            if cut is not None and cut.zero:
+                tensor.zero_()
+            elif cut is not None:
+                _read_part(header, tensor, cut)
+            else:
+                _read_into(header, tensor)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"cannot read {header.file}: corrupt or truncated safetensors file ({e})") from e
         if not direct:
@@ -450,11 +496,13 @@ def _install_quantized(model: Transformer, quantized: dict[str, QuantizedWeight]
 
 
 def _dequantize_tensors(tensors: dict[str, GGUFTensor], names: list[str] | dict[str, object], device: torch.device,
-                        dtype: torch.dtype, huge_pages: bool) -> dict[str, torch.Tensor]:
-    """The GGUF tensors `names`, dequantized one at a time (fp32 on the CPU), then cast and placed."""
+                        dtype: torch.dtype, huge_pages: bool, cuts: dict[str, Cut | None] | None = None
+                        ) -> dict[str, torch.Tensor]:
+    """The GGUF tensors `names`, dequantized one at a time (fp32 on the CPU), cut to this rank's part (`cuts`),
+    then cast and placed."""
     out: dict[str, torch.Tensor] = {}
     for name in names:
-        tensor = tensors[name].load().to(device=device, dtype=dtype)
+        tensor = cut_tensor(tensors[name].load(), (cuts or {}).get(name)).to(device=device, dtype=dtype)
         out[name] = on_huge_pages(tensor) if huge_pages else tensor
     return out
 
@@ -477,6 +525,23 @@ def _read_into(header: _Header, tensor: torch.Tensor) -> None:
             if not got:
                 raise ValueError(f"the file ends {view.nbytes - done} bytes into a tensor's data")
             done += got
+
+
+def _read_part(header: _Header, tensor: torch.Tensor, cut: Cut) -> None:
+    """Fill `tensor` with this rank's part of the header's tensor: one read for a cut of rows (dim 0, contiguous
+    in the file), one per row for a cut of columns."""
+    row_bytes = math.prod(header.shape[1:]) * tensor.element_size()
+    start = cut.part.start or 0
+    if cut.dim == 0:
+        _read_into(replace(header, start=header.start + start * row_bytes), tensor)
+        return
+    width = tensor.shape[1] * tensor.element_size()
+    view = tensor.reshape(tensor.shape[0], -1).view(torch.uint8).numpy()
+    with open(header.file, "rb", buffering=0) as f:
+        for row in range(tensor.shape[0]):
+            f.seek(header.start + row * row_bytes + start * tensor.element_size())
+            if f.readinto(view[row].data) != width:
+                raise ValueError(f"the file ends inside row {row} of a tensor's data")
 
 
 def _declared_dtype(path: Path) -> object:

@@ -95,6 +95,11 @@ class QuantizedWeight:
         mins = None if self.mins is None else self.mins[index]
         return replace(self, codes=self.codes[index], scales=self.scales[index], mins=mins)
 
+    def clone(self) -> QuantizedWeight:
+        """The same weight in tensors of its own (a slice's views would keep the whole alive)."""
+        mins = None if self.mins is None else self.mins.clone()
+        return replace(self, codes=self.codes.clone(), scales=self.scales.clone(), mins=mins)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense `[n, k]` weight: `scale * q (+ min)` in fp32, then rounded once to `dtype`."""
         n, k = self.shape

@@ -34,6 +34,7 @@ from infer.memory import empty_on_huge_pages
 from infer.models.native_step import NativeStep, RowsCache, takes_model
 from infer.quant_weights import QuantizedWeight, concat_rows
 from infer.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from infer.tensor_parallel import Shards
 
 # Kernels of one-row (decode) products; "linear" is the unoptimised form, the others are chosen by measurement.
 GEMV_FORMS = ("linear", "mv", "native", "triton")
@@ -433,6 +434,9 @@ class Transformer(nn.Module):
         self.__dict__["_native_step"] = None  # the model described to that call (built at first use)
         # On CUDA, generate replays one-token steps into a contiguous cache from a CUDA graph (infer/graphs.py).
         self.decode_graphs = True
+        # This rank's place when the model is one shard of a tensor-parallel group (infer/tensor_parallel.py, which
+        # puts the collectives on as forward hooks); None in one process.
+        self.tensor_parallel: Shards | None = None
         # Ids that end generation: config.json's, widened by the loader with generation_config.json's.
         self.eos_token_ids: tuple[int, ...] = config.eos_token_ids
         self.source: Path | None = None  # the checkpoint it was loaded from (set by the loader)
@@ -617,7 +621,8 @@ class Transformer(nn.Module):
         """The whole-step native call for this forward, or None for the per-op path: a step that runs native small
         ops (`step_kernels`), no reference or in-cache attention, one sequence over a cache with room whose rows
         a kernel can take in place (`layer_rows`), every projection on the native kernel."""
-        if (not self.native_step or kernels.native is None or kernels.reference or kernels.in_kernel
+        if (not self.native_step or self.tensor_parallel is not None or kernels.native is None or kernels.reference
+                or kernels.in_kernel
                 or not isinstance(backend, CacheBackend)):
             return None
         cache = backend.cache
