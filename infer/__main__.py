@@ -8,8 +8,10 @@ reader of stdout goes away (a closed pipe). Arguments are all checked before the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
@@ -207,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m infer` and the `infer` script."""
     args = build_parser().parse_args(argv)
     try:
-        return int(args.run(args))
+        with _rank_zero_prints():
+            return int(args.run(args))
     except KeyboardInterrupt:
         _finish_stdout()
         print("interrupted", file=sys.stderr)
@@ -225,6 +228,23 @@ def main(argv: list[str] | None = None) -> int:
         _finish_stdout()
         print(f"error: {type(e).__name__}: {_one_line(str(e))}", file=sys.stderr)
         return 1
+
+
+@contextlib.contextmanager
+def _rank_zero_prints() -> Iterator[None]:
+    """Under `torchrun` only rank 0 prints: the other ranks run the same steps with stdout and stderr silenced,
+    except for an error, which each rank reports on its own line, naming itself."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if rank == 0 or world <= 1:
+        yield
+        return
+    stderr = sys.stderr
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+        try:
+            yield
+        except Exception as e:
+            print(f"rank {rank}:", end=" ", file=stderr)
+            raise e from None
 
 
 _line_open = False  # whether stdout holds generated text not yet ended by a newline

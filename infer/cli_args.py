@@ -76,11 +76,15 @@ def check_model_args(args: argparse.Namespace) -> Path | None:
 def load_with_args(path: Path, args: argparse.Namespace) -> Transformer:
     """The model as the shared options ask (`generate` and `bench` load it the same way)."""
     from infer.loader import load_model
+    from infer.tensor_parallel import init_from_env
 
     weights = getattr(args, "weights", "auto")
+    # Under `torchrun --nproc-per-node N` each rank loads its shard (infer/tensor_parallel.py).
+    shards = init_from_env(args.device)
     model = load_model(path, dtype=args.dtype, device=args.device, compute_dtype=args.compute_dtype,
                        decode_gemv=args.decode_gemv, huge_pages=not args.no_huge_pages,
-                       weights="stored" if weights == "auto" else weights, group_size=getattr(args, "group_size", 32))
+                       weights="stored" if weights == "auto" else weights, group_size=getattr(args, "group_size", 32),
+                       tensor_parallel=shards is not None)
     model.native_ops = not args.no_native_ops
     model.native_step = not args.no_native_step
     return model

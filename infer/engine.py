@@ -40,6 +40,7 @@ from infer.models import Transformer
 from infer.ragged import SeqChunk, build_ragged_batch
 from infer.sampling import SamplingParams, sample_next
 from infer.scheduler import Request, Scheduler, SchedulerOutput
+from infer.tensor_parallel import Shards, StepOrder, broadcast_step, min_over_ranks
 from infer.tokenizer import Tokenizer
 from infer.tuning import choose_decode_attention
 
@@ -124,6 +125,13 @@ class Engine:
         self.tokenizer = tokenizer
         self.device = model.device
         config = model.config
+        # Under tensor parallelism (infer/tensor_parallel.py) rank 0's engine schedules and samples; the other
+        # ranks' engines `follow`, running the forward of each step it broadcasts (exact pools only: a quantized
+        # pool's staging is planned per step on the host, beside the scheduler).
+        self.shards = model.tensor_parallel
+        if self.shards is not None and (kv_cache_dtype is not None or decode_graphs):
+            raise ValueError("under tensor parallelism the engine runs exact pools without graphs: drop "
+                             f"kv_cache_dtype={kv_cache_dtype!r} / decode_graphs={decode_graphs!r}")
         # The decode steps of a forward attend in one padded call, by the kernel measured fastest here
         # ("per-sequence": one call each, the check).
         self.decode_attention = choose_decode_attention(config, model.dtype, self.device, decode_attention).value
@@ -151,7 +159,8 @@ class Engine:
             cache_memory=cache_memory, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             bound_sliding_layers=bound_sliding_layers and isinstance(max_num_seqs, int)
             and isinstance(max_num_batched_tokens, int),
-            spare_blocks=spare, kv_cache_dtype=kv_cache_dtype)
+            spare_blocks=spare, kv_cache_dtype=kv_cache_dtype,
+            agree_blocks=None if self.shards is None else (lambda n: min_over_ranks(n, cast(Shards, self.shards))))
         self.kv_cache_dtype = kv_cache_dtype
         self.pool, self.ring = self.storage.pool, self.storage.ring
 
@@ -272,6 +281,23 @@ class Engine:
             outputs.append(self._sample(self._live[chunk.request_id], row, done))
         return outputs
 
+    def follow(self) -> None:
+        """On a tensor-parallel rank other than 0: run the forward of every step rank 0's engine broadcasts (its
+        copy-on-write copies, block tables and token ids: this rank's pool mirrors rank 0's), until rank 0 calls
+        `close`. This rank's scheduler stays idle; the logits are rank 0's to sample."""
+        if self.shards is None or self.shards.rank == 0:
+            raise ValueError("Engine.follow runs on tensor-parallel ranks other than 0 (rank 0 schedules)")
+        while (order := broadcast_step(None, self.shards)) is not None:
+            self.pool.copy_blocks(order.copies)
+            with torch.inference_mode():
+                self._forward_ragged(order.token_ids, order.chunk_sets, order.sample)
+
+    def close(self) -> None:
+        """On tensor-parallel rank 0: release the other ranks from `follow` (no more steps). A no-op in one
+        process."""
+        if self.shards is not None and self.shards.rank == 0:
+            broadcast_step(None, self.shards)
+
     def stream(self) -> Iterator[RequestOutput]:
         """Step until every request has finished, yielding each step's outputs as they come."""
         while self.has_unfinished():
@@ -310,6 +336,8 @@ class Engine:
         chunk_sets = self.storage.block_tables(plan.chunks)
         token_ids = [t for c in plan.chunks
                      for t in self._live[c.request_id].request.token_ids[c.start : c.start + c.num_tokens]]
+        if self.shards is not None:  # the other ranks run this very forward (`follow`)
+            broadcast_step(StepOrder(plan.copies, chunk_sets, token_ids, sample), self.shards)
         try:
             with torch.inference_mode():
                 logits = None if self.graphs is None else self.graphs.step(token_ids, chunk_sets, sample)

@@ -252,3 +252,30 @@ def cut_weight(weight: QuantizedWeight, cut: Cut | None) -> QuantizedWeight | No
     return replace(weight, codes=weight.codes[:, start // per_byte : stop // per_byte].clone(),
                    scales=weight.scales[:, groups].clone(),
                    mins=None if weight.mins is None else weight.mins[:, groups].clone())
+
+
+@dataclass(frozen=True)
+class StepOrder:
+    """What the other ranks need to run one step of rank 0's engine: its copy-on-write copies, each table set's
+    chunks with their block tables, the token ids and which chunks sample (plain Python: the scheduler stays
+    tensor-free, and the order goes over the wire pickled)."""
+
+    copies: list[Any]
+    chunk_sets: list[list[Any]]
+    token_ids: list[int]
+    sample: list[bool]
+
+
+def broadcast_step(order: StepOrder | None, shards: Shards) -> StepOrder | None:
+    """Rank 0's step order (None: no more steps), on every rank."""
+    box: list[StepOrder | None] = [order]
+    dist.broadcast_object_list(box, src=0, group=shards.group)
+    return box[0]
+
+
+def min_over_ranks(value: int, shards: Shards) -> int:
+    """The smallest of every rank's `value` (the pool size each rank can hold, so that their pools mirror)."""
+    device = "cuda" if dist.get_backend(shards.group) == "nccl" else "cpu"  # NCCL reduces CUDA tensors only
+    box = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(box, op=dist.ReduceOp.MIN, group=shards.group)
+    return int(box.item())

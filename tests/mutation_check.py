@@ -36,6 +36,8 @@ class Mutant:
     tests: tuple[str, ...]
 
 
+TP_TESTS = "tests/test_tensor_parallel.py"
+
 MUTANTS = [
     Mutant("sliding window off by one (W+1 keys)", "infer/attention.py",
            "visible &= k > q - sliding_window", "visible &= k >= q - sliding_window",
@@ -570,7 +572,7 @@ MUTANTS = [
            "start = -_address(buffer) % HUGE_PAGE", "start = _address(buffer) % HUGE_PAGE",
            ("tests/test_huge_pages.py",)),
     Mutant("huge pages: load_model(huge_pages=False) ignored", "infer/loader.py",
-           "        if direct and huge_pages:", "        if direct:",
+           "if direct and huge_pages else torch.empty(shape", "if direct else torch.empty(shape",
            ("tests/test_huge_pages.py",)),
     Mutant("bench: the read bound is the slower read", "infer/bench.py",
            "return max(rates.values()), rates", "return min(rates.values()), rates",
@@ -940,6 +942,34 @@ MUTANTS = [
     Mutant("Q5_0 as stored: the fifth bit of each code dropped", "infer/quant_weights.py",
            "codes = _q5_0_codes(blocks).to(torch.int8).reshape(n, k)",
            "codes = (_q5_0_codes(blocks) & 15).to(torch.int8).reshape(n, k)", ("tests/test_quant_weights.py",)),
+    # ---- tensor parallelism (infer/tensor_parallel.py) ----
+    Mutant("tensor parallel: a row-parallel product's partial sums not all-reduced", "infer/tensor_parallel.py",
+           "    dist.all_reduce(out, group=module.__dict__[\"_tp_group\"])\n", "", (TP_TESTS,)),
+    Mutant("tensor parallel: ranks outnumbering KV heads take them round-robin, not by query group",
+           "infer/tensor_parallel.py", "slice(r // (n // kv), r // (n // kv) + 1)", "slice(r % kv, r % kv + 1)",
+           (TP_TESTS,)),
+    Mutant("tensor parallel: the extra unit of an uneven split given to one part too many", "infer/tensor_parallel.py",
+           "(start + base + (index < extra)) * unit", "(start + base + (index <= extra)) * unit", (TP_TESTS,)),
+    Mutant("tensor parallel: a row-parallel bias added on every rank", "infer/tensor_parallel.py",
+           "Cut(0, slice(None), zero=r != 0)", "Cut(0, slice(None), zero=False)", (TP_TESTS,)),
+    Mutant("tensor parallel: ids outside a rank's vocabulary rows look up its row 0 unmasked",
+           "infer/tensor_parallel.py", "        out = out.masked_fill(self.outside.unsqueeze(-1), 0)\n", "",
+           (TP_TESTS,)),
+    Mutant("tensor parallel: gathered logits keep each part's padding", "infer/tensor_parallel.py",
+           "torch.cat([p[..., :size] for p, size", "torch.cat([p[..., :] for p, size", (TP_TESTS,)),
+    Mutant("tensor parallel: each rank samples its own token", "infer/generation.py",
+           "                token = broadcast_token(token, model.tensor_parallel)\n", "", (TP_TESTS,)),
+    Mutant("tensor parallel: followers skip the step's copy-on-write copies", "infer/engine.py",
+           "            self.pool.copy_blocks(order.copies)\n", "", (TP_TESTS,)),
+    Mutant("tensor parallel: a quantized column cut not halved for packed nibbles", "infer/tensor_parallel.py",
+           "codes=weight.codes[:, start // per_byte : stop // per_byte]",
+           "codes=weight.codes[:, start : stop // per_byte]", (TP_TESTS,)),
+    Mutant("tensor parallel: a column cut read from the row's start", "infer/loader.py",
+           "f.seek(header.start + row * row_bytes + start * tensor.element_size())",
+           "f.seek(header.start + row * row_bytes)", (TP_TESTS,)),
+    Mutant("tensor parallel: the whole-step native call taken without the collectives",
+           "infer/models/transformer.py", "if (not self.native_step or self.tensor_parallel is not None or",
+           "if (not self.native_step or", (TP_TESTS,)),
 ]
 
 

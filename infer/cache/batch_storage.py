@@ -10,7 +10,7 @@ every set: the one place a request's blocks become tables. The engine holds this
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -109,12 +109,14 @@ class BatchStorage:
     def allocate(cls, config: ModelConfig, windows: Sequence[int | None], *, dtype: torch.dtype,
                  device: torch.device, block_size: int, num_blocks: int | None, cache_memory: int | None,
                  max_num_seqs: int, max_num_batched_tokens: int, bound_sliding_layers: bool,
-                 spare_blocks: int = 0, kv_cache_dtype: str | None = None) -> BatchStorage:
+                 spare_blocks: int = 0, kv_cache_dtype: str | None = None,
+                 agree_blocks: Callable[[int], int] | None = None) -> BatchStorage:
         """Storage for a model whose layer i has sliding window `windows[i]`: rings for the sliding layers
         when `bound_sliding_layers`, the pool for the rest, `num_blocks` blocks or as many as `cache_memory`
         bytes hold after the rings (default: `default_num_blocks`). `spare_blocks` more in each set.
         `kv_cache_dtype` ("int8", "int4", "fp4"): the pool's blocks quantized (`QuantizedPagedPool`, with its
-        staging counted in `cache_memory`); the rings stay exact."""
+        staging counted in `cache_memory`); the rings stay exact. `agree_blocks`: the number of blocks every rank
+        of a tensor-parallel group can hold, from this rank's (their pools must mirror each other)."""
         if kv_cache_dtype is not None and spare_blocks:
             raise ValueError("a quantized pool has no spare block for graph-captured steps; run them eagerly")
         ring_layers = [i for i, w in enumerate(windows) if w is not None] if bound_sliding_layers else []
@@ -146,6 +148,8 @@ class BatchStorage:
             num_blocks = default_num_blocks(block_bytes, block_size, config.max_position_embeddings,
                                             max_num_seqs, device,
                                             None if cache_memory is None else cache_memory - ring_bytes)
+        if agree_blocks is not None:
+            num_blocks = agree_blocks(num_blocks)
         pool_windows = sorted({windows[i] for i in pool_layers}, key=lambda w: -1 if w is None else w)
         spare = (lambda k: k.shape[1] - 1) if spare_blocks else (lambda k: None)
         pool: PagedKVPool | QuantizedPagedPool
