@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -189,6 +190,9 @@ def run_bench(args: argparse.Namespace) -> int:
     others = [plugin(group, name) for name in other_names]
     if args.batched:
         check_batched_args(args)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and (others or args.batched or args.cache_table):
+        raise ValueError("under torchrun (tensor parallelism) bench times infer's single-request decode only: drop "
+                         "--against / --against-hf / --batched / --cache-table")
     for name in ("prompt_len", "new_tokens", "trials"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -247,6 +251,10 @@ def run_bench(args: argparse.Namespace) -> int:
     for row, c in zip(rows, contenders, strict=True):
         row.update({f"step@{p}_ms": v for p, v in step_latency_at(c, positions).items()})
     baseline_mib = None
+    if model.tensor_parallel is not None and not args.no_memory:
+        args.no_memory = True  # a fresh process per contender cannot join the group
+        print("memory: not measured under tensor parallelism (each contender's own process would need every rank)",
+              file=sys.stderr)
     if not args.no_memory:  # after the timings, each contender alone in a fresh process
         for row, c in zip(rows, contenders, strict=True):
             spec = MemorySpec(c.name, c.plugin, str(path), args.dtype, args.device, prompt_ids, args.new_tokens,

@@ -958,7 +958,7 @@ MUTANTS = [
     Mutant("tensor parallel: gathered logits keep each part's padding", "infer/tensor_parallel.py",
            "torch.cat([p[..., :size] for p, size", "torch.cat([p[..., :] for p, size", (TP_TESTS,)),
     Mutant("tensor parallel: each rank samples its own token", "infer/generation.py",
-           "                token = broadcast_token(token, model.tensor_parallel)\n", "", (TP_TESTS,)),
+           "token = broadcast_token(token, model.tensor_parallel)", "pass", (TP_TESTS,)),
     Mutant("tensor parallel: followers skip the step's copy-on-write copies", "infer/engine.py",
            "            self.pool.copy_blocks(order.copies)\n", "", (TP_TESTS,)),
     Mutant("tensor parallel: a quantized column cut not halved for packed nibbles", "infer/tensor_parallel.py",

@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 PREFILL = [3, 5, 7, 11, 13, 17, 19]  # fed as two chunks, 4 + 3
 STEPS = [23, 29, 31, 37, 41]  # one-token steps after it
-# Shared prefixes, and a prompt found whole in the prefix cache (its last token recomputed: a copy-on-write).
-ENGINE_PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12], [40, 41], [1, 2, 3, 4, 5, 6, 7, 8]]
+# Shared prefixes, and a prompt found whole in the prefix cache while its first run holds the blocks (its last token
+# is recomputed into a copy-on-write copy: one copy in this schedule, and one preemption in a pool of 7 blocks).
+ENGINE_PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12], [40, 41]]
 
 
 @dataclass(frozen=True)
