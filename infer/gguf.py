@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import mmap
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +102,19 @@ class GGUFTensor:
             tensor = tensor - self.norm_offset
         return tensor
 
+    def rows(self, part: slice) -> GGUFTensor:
+        """The tensor of rows `part` only (a view of the file's map: a tensor-parallel rank reads its rows alone).
+        A row holds whole quantization blocks, and RoPE's row permutation stays within a head, so a cut on head
+        boundaries (`rope_heads` must divide it) keeps both."""
+        start, stop, _ = part.indices(self.shape[0])
+        heads = self.rope_heads
+        if heads is not None:
+            per_head = self.shape[0] // heads
+            if start % per_head or stop % per_head:
+                raise ValueError(f"{self.name}: rows {start}:{stop} split a RoPE head of {per_head} rows")
+            heads = (stop - start) // per_head
+        data = self.data.reshape(self.shape[0], -1)[start:stop]
+        return replace(self, shape=(stop - start, *self.shape[1:]), data=data, rope_heads=heads)
 
     def release(self) -> None:
         """Drop this tensor's pages of the file's map from the process's resident set once it has been read into

@@ -259,6 +259,9 @@ def load_model(
     cuts: dict[str, Cut | None] = {}
     if shards is not None:
         cuts = {name: weight_cut(name, config, shards) for name in expected}
+        for name, cut in cuts.items():  # a GGUF tensor's rows are read alone: whole blocks, before dequantizing
+            if name in gguf and cut is not None and cut.dim == 0 and not cut.zero and len(gguf[name].shape) == 2:
+                gguf[name], cuts[name] = gguf[name].rows(cut.part), None
         with torch.device("meta"):  # this rank's model: its heads and hidden units, its rows of the vocabulary
             model = Transformer(local_config(config, shards))
             vocab = len(range(config.vocab_size)[vocab_part(config, shards)])

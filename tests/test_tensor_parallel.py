@@ -111,6 +111,21 @@ def test_three_ranks_with_uneven_splits_equal_one_process() -> None:
     check_memory(cases[0], ranks, 3, slack=1.2)  # rank 0 holds 64 of the MLP's 128 hidden units
 
 
+@pytest.mark.real_model
+def test_the_real_model_over_three_ranks_equals_one_process() -> None:
+    """SmolLM2-135M (9 query heads, 3 KV heads: 3 ranks) from its GGUF file, Q4_1 codes as stored: each rank reads
+    its rows of every block-quantized tensor; greedy tokens and logits as in one process."""
+    from infer.model_store import default_model_path
+
+    path = default_model_path()
+    case = Case("smollm2", path, kinds=("contiguous",), engine=False)
+    ranks = run_ranks(3, [case])
+    check_case(case, ranks, 3)
+    one = infer.load_model(path)
+    assert all(r["smollm2"]["weight_bytes"] < 0.36 * sum(t.nbytes for t in one.state_dict().values())
+               for r in ranks)
+
+
 def test_a_rank_that_dies_fails_the_others_instead_of_hanging() -> None:
     with tempfile.TemporaryDirectory() as out:
         context = mp.spawn(fail_rank, args=(2, str(Path(out) / "init"), str(build_checkpoint("llama")), out, 10.0),
