@@ -207,6 +207,18 @@ def _one_line(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m infer` and the `infer` script."""
+    code = _run(argv)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Under torchrun, end without the interpreter's teardown: gloo's worker threads can still hold tensors
+        # then and abort the process (SIGABRT, "terminate called without an active exception") after a clean run.
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         with _rank_zero_prints():
@@ -235,16 +247,26 @@ def _rank_zero_prints() -> Iterator[None]:
     """Under `torchrun` only rank 0 prints: the other ranks run the same steps with stdout and stderr silenced,
     except for an error, which each rank reports on its own line, naming itself."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    from infer.tensor_parallel import shutdown
+
     if rank == 0 or world <= 1:
-        yield
+        try:
+            yield
+        except BaseException:
+            shutdown(finished=False)
+            raise
+        shutdown()
         return
     stderr = sys.stderr
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
         try:
             yield
-        except Exception as e:
-            print(f"rank {rank}:", end=" ", file=stderr)
+        except BaseException as e:
+            shutdown(finished=False)
+            if isinstance(e, Exception):
+                print(f"rank {rank}:", end=" ", file=stderr)
             raise e from None
+        shutdown()
 
 
 _line_open = False  # whether stdout holds generated text not yet ended by a newline

@@ -191,6 +191,7 @@ class Engine:
         """Queue a prompt (text, token ids or chat messages); return its request id. Raises a
         ValueError/TypeError (queueing nothing) for a bad prompt or parameters, or a prompt the pool or the
         model's context can never hold."""
+        self._check_leader("add_request")
         if params is not None and not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         params = params or SamplingParams()
@@ -257,6 +258,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one forward for the scheduled requests; return each one's new tokens and text."""
+        self._check_leader("step")
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
@@ -291,6 +293,11 @@ class Engine:
             self.pool.copy_blocks(order.copies)
             with torch.inference_mode():
                 self._forward_ragged(order.token_ids, order.chunk_sets, order.sample)
+
+    def _check_leader(self, what: str) -> None:
+        if self.shards is not None and self.shards.rank != 0:
+            raise ValueError(f"Engine.{what} runs on tensor-parallel rank 0, which schedules; rank {self.shards.rank} "
+                             "calls Engine.follow() instead")
 
     def close(self) -> None:
         """On tensor-parallel rank 0: release the other ranks from `follow` (no more steps). A no-op in one

@@ -67,6 +67,16 @@ def init_from_env(device: str = "cpu") -> Shards | None:
     return Shards.current()
 
 
+def shutdown(finished: bool = True) -> None:
+    """Tear the default process group down, if one is up (gloo aborts a process that exits holding one, or tears
+    it down while another rank still sends): after every rank has `finished` (a barrier), or at once after an
+    error (another rank may never arrive)."""
+    if dist.is_available() and dist.is_initialized():
+        if finished:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
 def split(total: int, parts: int, index: int, unit: int = 1) -> slice:
     """Part `index` of `parts` of `range(total)`, cut on multiples of `unit` (which must divide `total`): the
     first `total // unit % parts` parts take one unit more."""
@@ -123,6 +133,7 @@ def vocab_part(config: ModelConfig, shards: Shards) -> slice:
 
 def weight_cut(name: str, config: ModelConfig, shards: Shards) -> Cut | None:
     """This rank's part of the checkpoint tensor `name` (Hugging Face's names), or None where it is replicated."""
+    _check_heads(config, shards.world)
     n, r = shards.world, shards.rank
     d, heads, kv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
     q = split(heads, n, r)

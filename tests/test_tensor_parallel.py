@@ -64,6 +64,8 @@ def check_case(case: Case, ranks: list[dict[str, Any]], world: int) -> None:
             expected = solo_logits(one, prompt, tokens).float()
             assert_close(logits.float(), expected, bound(expected), f"{case.name} engine logits")
         assert got["engine_preemptions"] > 0, "the engine test should preempt (pool of 7 blocks of 4)"
+        for other in ranks[1:]:
+            assert "calls Engine.follow()" in other[case.name]["follower_refused"]
 
 
 def check_memory(case: Case, ranks: list[dict[str, Any]], world: int, slack: float = 1.1) -> None:
@@ -190,5 +192,32 @@ def test_each_ranks_query_heads_read_the_kv_heads_they_read_in_one_process(heads
 def test_refusals_name_the_fix() -> None:
     with pytest.raises(ValueError, match="nproc-per-node among"):
         local_config(config_for(4, 2), Shards(0, 3))
+    with pytest.raises(ValueError, match="nproc-per-node among"):
+        weight_cut("layers.0.self_attn.k_proj.weight", config_for(6, 3), Shards(0, 2))
     with pytest.raises(ValueError, match="torchrun"):
         infer.load_model(build_checkpoint("llama"), tensor_parallel=True)
+
+
+def test_torchrun_generate_prints_once_what_one_process_prints() -> None:
+    """`torchrun --nproc-per-node 2 -m infer generate`: rank 0 prints the one-process run's text, rank 1 nothing;
+    a model whose heads do not divide fails on each rank in one line naming the fix, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    llama = build_checkpoint("llama")
+    args = ["-m", "infer", "generate", "--model", str(llama), "--max-new-tokens", "8", "--temperature", "0",
+            "--threads", "1", "hello there"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=120)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    two = subprocess.run([*torchrun, *args], capture_output=True, text=True, env=env, timeout=120)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    assert two.stdout == one.stdout and one.stdout.startswith("hello there")
+    assert two.stderr.count("prompt tokens") == 1, "more than one rank printed its summary"
+    bad = subprocess.run([*torchrun, *args[:4], str(build_checkpoint("llama", **THREE_WAY)), *args[5:]],
+                         capture_output=True, text=True, env=env, timeout=120)
+    # (torchrun's own agent prints a traceback of its ChildFailedError; the ranks print one line each)
+    assert bad.returncode != 0 and f'File "{Path(infer.__file__).parent}' not in bad.stderr
+    assert "rank 1: error: tensor parallelism over 2 ranks" in bad.stderr
+    assert "\nerror: tensor parallelism over 2 ranks" in "\n" + bad.stderr

@@ -5,6 +5,7 @@ itself."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -78,11 +79,16 @@ def run_rank(rank: int, world: int, init_file: str, cases: list[Case], out: str,
                 got["engine"] = [(r.token_ids, r.logits) for r in done]
                 got["engine_preemptions"] = engine.stats.preemptions
             else:
+                try:
+                    engine.add_request([1, 2, 3])
+                except ValueError as e:
+                    got["follower_refused"] = str(e)
                 engine.follow()
         results[case.name] = got
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+    os._exit(0)  # no interpreter teardown: gloo's worker threads can abort it (as infer's CLI does under torchrun)
 
 
 def fail_rank(rank: int, world: int, init_file: str, path: str, out: str, timeout_s: float) -> None:
@@ -105,3 +111,4 @@ def fail_rank(rank: int, world: int, init_file: str, path: str, out: str, timeou
     except Exception as e:  # noqa: BLE001 (recorded for the test to judge)
         error = f"{type(e).__name__}: {e}"
     torch.save({"error": error, "seconds": time.perf_counter() - start}, Path(out) / "rank0.pt")
+    os._exit(0)
