@@ -234,11 +234,11 @@ def _run(argv: list[str] | None) -> int:
         return 141
     except (ValueError, TypeError, FileNotFoundError) as e:
         _finish_stdout()
-        print(f"error: {_one_line(str(e))}", file=sys.stderr)
+        print(f"{_error_prefix}error: {_one_line(str(e))}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 (the CLI's contract: one line, never a traceback)
         _finish_stdout()
-        print(f"error: {type(e).__name__}: {_one_line(str(e))}", file=sys.stderr)
+        print(f"{_error_prefix}error: {type(e).__name__}: {_one_line(str(e))}", file=sys.stderr)
         return 1
 
 
@@ -257,18 +257,18 @@ def _rank_zero_prints() -> Iterator[None]:
             raise
         shutdown()
         return
-    stderr = sys.stderr
+    global _error_prefix
+    _error_prefix = f"rank {rank}: "  # the error line is printed whole, in one write (ranks share stderr)
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
         try:
             yield
-        except BaseException as e:
+        except BaseException:
             shutdown(finished=False)
-            if isinstance(e, Exception):
-                print(f"rank {rank}:", end=" ", file=stderr)
-            raise e from None
+            raise
         shutdown()
 
 
+_error_prefix = ""  # "rank N: " on the silent ranks of a torchrun
 _line_open = False  # whether stdout holds generated text not yet ended by a newline
 
 

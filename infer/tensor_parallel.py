@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,9 +26,6 @@ from torch import nn
 
 from infer.config import ModelConfig
 from infer.quant_weights import QuantizedWeight
-
-if TYPE_CHECKING:
-    from infer.models import Transformer
 
 # Seconds a collective waits for the other ranks before failing (a rank that died stops the rest with an error
 # instead of a hang); `INFER_TP_TIMEOUT` overrides it when infer sets up the group itself.
@@ -220,23 +217,24 @@ class _GatherLogits:
         return torch.cat([p[..., :size] for p, size in zip(parts, self.sizes, strict=True)], dim=-1)
 
 
-def install(model: Transformer, config: ModelConfig, shards: Shards) -> None:
+def install(model: nn.Module, config: ModelConfig, shards: Shards) -> None:
     """Put the collectives on a rank's loaded model (`config`: the whole model's): an all-reduce after every
     o_proj and down_proj, the vocabulary-split embedding and LM head. The whole-step native call and CUDA graphs
     are turned off: neither runs the collectives."""
-    model.native_step = False
-    model.decode_graphs = False
-    model.tensor_parallel = shards
-    for layer in model._decoder_layers():
+    tp: Any = model  # a Transformer (typed loosely: infer.models imports this module)
+    tp.native_step = False
+    tp.decode_graphs = False
+    tp.tensor_parallel = shards
+    for layer in tp.layers:
         for module in (layer.self_attn.o_proj, layer.mlp.down_proj):
             module.__dict__["_tp_group"] = shards.group
             module.register_forward_hook(_all_reduce)
     rows = _VocabRows(vocab_part(config, shards), shards.group)
-    embed = model.embed_tokens
+    embed = tp.embed_tokens
     embed.register_forward_pre_hook(rows.before)
     embed.register_forward_hook(rows.after)
     sizes = [_length(split(config.vocab_size, shards.world, r), config.vocab_size) for r in range(shards.world)]
-    model.lm_head.register_forward_hook(_GatherLogits(sizes, shards.group))
+    tp.lm_head.register_forward_hook(_GatherLogits(sizes, shards.group))
 
 
 def broadcast_token(token: torch.Tensor, shards: Shards) -> torch.Tensor:

@@ -210,7 +210,7 @@ def test_torchrun_generate_prints_once_what_one_process_prints() -> None:
             "--threads", "1", "hello there"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     one = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=120)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     two = subprocess.run([*torchrun, *args], capture_output=True, text=True, env=env, timeout=120)
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
     assert two.stdout == one.stdout and one.stdout.startswith("hello there")
