@@ -61,7 +61,7 @@ def check_case(case: Case, ranks: list[dict[str, Any]], world: int) -> None:
             solo = infer.generate(one, None, prompt, SamplingParams(max_new_tokens=6, temperature=0.0,
                                                                      ignore_eos=True))
             assert tokens == solo.token_ids, f"{case.name}: an engine request's tokens differ from its solo run"
-            expected = solo_logits(one, prompt, tokens).float()
+            expected = solo_logits(one, prompt, tokens).float().cpu()
             assert_close(logits.float(), expected, bound(expected), f"{case.name} engine logits")
         assert got["engine_preemptions"] > 0, "the engine test should preempt (pool of 7 blocks of 4)"
         for other in ranks[1:]:
@@ -111,6 +111,18 @@ def test_three_ranks_with_uneven_splits_equal_one_process() -> None:
     for case in cases:
         check_case(case, ranks, 3)
     check_memory(cases[0], ranks, 3, slack=1.2)  # rank 0 holds 64 of the MLP's 128 hidden units
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_two_ranks_on_one_gpu_equal_one_process() -> None:
+    """The model on CUDA (both ranks on device 0: gloo carries CUDA tensors, where NCCL needs a GPU per rank):
+    the GPU kernels under the split, every architecture."""
+    cases = [Case(arch, build_checkpoint(arch), {"device": "cuda"}, kinds=("contiguous", "paged"))
+             for arch in ARCHITECTURES]
+    ranks = run_ranks(2, cases)
+    for case in cases:
+        check_case(case, ranks, 2)
 
 
 @pytest.mark.real_model

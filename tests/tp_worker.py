@@ -38,12 +38,12 @@ def teacher_forced(model: Any, kind: str) -> torch.Tensor:
     `[len(PREFILL) + len(STEPS), vocab]`."""
     import infer
 
-    cache = infer.create_cache(kind, model.config, max_seq_len=32, dtype=model.dtype)
+    cache = infer.create_cache(kind, model.config, max_seq_len=32, dtype=model.dtype, device=model.device)
     rows = []
     with torch.inference_mode():
         for chunk in (PREFILL[:4], PREFILL[4:], *([t] for t in STEPS)):
-            rows.append(model(torch.tensor([chunk]), cache, all_logits=True)[0])
-    return torch.cat(rows).float()
+            rows.append(model(torch.tensor([chunk], device=model.device), cache, all_logits=True)[0])
+    return torch.cat(rows).float().cpu()
 
 
 def run_rank(rank: int, world: int, init_file: str, cases: list[Case], out: str, timeout_s: float) -> None:
@@ -76,7 +76,7 @@ def run_rank(rank: int, world: int, init_file: str, cases: list[Case], out: str,
                 params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
                 done = engine.generate(ENGINE_PROMPTS, params)
                 engine.close()
-                got["engine"] = [(r.token_ids, r.logits) for r in done]
+                got["engine"] = [(r.token_ids, None if r.logits is None else r.logits.cpu()) for r in done]
                 got["engine_preemptions"] = engine.stats.preemptions
             else:
                 try:
