@@ -28,6 +28,16 @@ from infer.bench_common import format_table, machine_info, percentile, speed_rat
 from infer.cache.paged_quantized import KV_CACHE_DTYPES
 from infer.models import Transformer
 from infer.ragged import DECODE_KERNELS
+from infer.roofline import (
+    ForwardProfile,
+    ModelShape,
+    StepRecord,
+    measure_limits,
+    median_step_ms,
+    profile_forward,
+    profile_table,
+    summarize_phases,
+)
 from infer.sampling import SamplingParams
 
 
@@ -50,6 +60,7 @@ class BatchedRun:
     latency_s: list[float]
     new_tokens: int
     stats: dict[str, float] = field(default_factory=dict)
+    trace: list[StepRecord] = field(default_factory=list)  # an engine's steps (infer/roofline.py)
 
 
 def batched_workload(vocab_size: int, *, num_requests: int = 48, prompt_lens: tuple[int, int] = (16, 256),
@@ -80,6 +91,7 @@ def run_engine(model: Transformer, work: list[BatchRequest], name: str = "infer 
     from infer.engine import Engine
 
     engine = Engine(model, None, **engine_args)
+    engine.trace = []
     # CUDA graphs of the decode shapes the workload can reach, captured before the clock starts (a server
     # captures them at start-up).
     began = time.perf_counter()
@@ -99,7 +111,7 @@ def run_engine(model: Transformer, work: list[BatchRequest], name: str = "infer 
              "kv_memory_bytes": engine.memory_bytes}
     return BatchedRun(name, wall, [r.time_to_first_token_s for r in results],
                       [r.time_to_first_token_s + sum(r.decode_times_s) for r in results],
-                      sum(len(r.token_ids) for r in results), stats)
+                      sum(len(r.token_ids) for r in results), stats, engine.trace)
 
 
 def run_quantized(model: Transformer, name: str, engine_args: dict[str, Any], work: list[BatchRequest]
@@ -204,16 +216,52 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
     if pool["graph_shapes"]:
         print(f"decode graphs: {pool['graph_steps']:.0f} steps replayed from {pool['graph_shapes']:.0f} padded shapes, "
               f"captured in {pool['graph_capture_s']:.1f} s before the clock started")
+    roofline = None if args.no_roofline else report_roofline(model, work, engine_args, medians[0])
     print("choices: " + "; ".join(f"{c.name}: {c.value}" for c in CHOICES.values()))
     if args.json:
         report = {"machine": machine_info(), "choices": [asdict(c) for c in CHOICES.values()],
                   "units": BATCHED_UNITS, "model": str(path), "dtype": str(dtype), "device": str(device),
                   "workload": [asdict(r) | {"prompt_ids": len(r.prompt_ids)} for r in work],
                   "engine_args": engine_args, "batch_size": args.batch_size, "results": rows, "ratios": ratios,
-                  "engine_stats": pool, "runs": {name: [asdict(r) for r in rs] for name, rs in runs.items()}}
+                  "engine_stats": pool, "roofline": roofline,
+                  "runs": {name: [asdict(r) | {"trace": len(r.trace)} for r in rs] for name, rs in runs.items()}}
         Path(args.json).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")
     return 0
+
+
+def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: dict[str, Any], run: BatchedRun
+                    ) -> dict[str, Any]:
+    """Print (and return for the JSON) the machine's limits measured now, the engine run's FLOPs and bytes and its
+    fraction of the roofline per phase, and where a step's time goes (a further run under timing hooks)."""
+    from infer.bench import measure_read_bandwidth  # the single-request bench's probe (it imports this module)
+
+    config, dtype, device = model.config, model.dtype, model.device
+    budget = int(engine_args.get("max_num_batched_tokens", 512))
+    bandwidth, _ = measure_read_bandwidth(device)
+    limits = measure_limits(dtype, device, config.hidden_size, config.intermediate_size, budget, bandwidth)
+    phases = summarize_phases(run.trace, ModelShape.of(model, dtype.itemsize), limits)
+    table: list[dict[str, float | str]] = [
+        {"phase": p.phase, "steps": p.steps, "seconds": p.seconds, "gflop": p.flops / 1e9, "gb": p.bytes / 1e9,
+         "gflop_s": p.flops / p.seconds / 1e9, "gb_s": p.bytes / p.seconds / 1e9, "roofline_s": p.roofline_s,
+         "fraction": p.fraction, "fraction_at_shape": p.fraction_at_shape,
+         "step_p50_ms": median_step_ms(run.trace, p.phase) if p.phase != "all" else 0.0}
+        for p in phases]
+    rates = ", ".join(f"{rows} rows {rate / 1e9:.0f}" for rows, rate in limits.flops_by_rows.items())
+    print(f"roofline: matmul [rows, {config.hidden_size}] @ [{config.hidden_size}, {config.intermediate_size}] in "
+          f"{str(dtype).removeprefix('torch.')}: {rates} GFLOP/s; read {bandwidth / 1e9:.1f} GB/s. A step's bound is "
+          "max(FLOPs / peak matmul, bytes / read) (fraction), or with the matmul rate at the step's own rows "
+          "(fraction_at_shape)")
+    print(format_table(table, ["phase", "steps", "seconds", "gflop", "gb", "gflop_s", "gb_s", "roofline_s", "fraction",
+                               "fraction_at_shape", "step_p50_ms"]))
+    profile = ForwardProfile()
+    with profile_forward(model, profile):
+        profiled = run_engine(model, work, **engine_args)
+    parts = profile_table(profiled.trace, profile)
+    print(f"where a step's time goes (a further run under timing hooks, {profiled.wall_s:.1f} s):")
+    print(format_table(parts, ["part", "seconds", "share"]))
+    return {"matmul_flops_by_rows": limits.flops_by_rows, "read_bandwidth": bandwidth, "phases": table,
+            "profile": parts}
 
 
 def pool_row(run: BatchedRun, mean_len: float) -> dict[str, float | str]:
@@ -297,3 +345,6 @@ def add_batched_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-decode-graphs", action="store_true",
                    help="step the engine eagerly on CUDA (default: pure-decode steps replayed from CUDA graphs)")
     g.add_argument("--no-one-by-one", action="store_true", help="skip the one-by-one run (the slowest)")
+    g.add_argument("--no-roofline", action="store_true",
+                   help="skip the roofline report (the machine's matmul and read limits, the fraction of them each "
+                        "phase reaches) and the profiled run of where a step's time goes")

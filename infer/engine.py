@@ -38,6 +38,7 @@ from infer.graphs import BatchedDecodeGraphs
 from infer.kernels.native import native_kernels
 from infer.models import Transformer
 from infer.ragged import SeqChunk, build_ragged_batch
+from infer.roofline import ChunkShape, StepRecord
 from infer.sampling import SamplingParams, sample_next
 from infer.scheduler import Request, Scheduler, SchedulerOutput
 from infer.tensor_parallel import Shards, StepOrder, broadcast_step, min_over_ranks
@@ -180,6 +181,9 @@ class Engine:
                 block_size=block_size, kernel=self.decode_attention, max_batch=max_num_seqs,
                 max_blocks=-(-config.max_position_embeddings // block_size))
         self.stats = EngineStats()
+        # A list to record each step into (infer/roofline.py: its chunks and where its time went); None: off.
+        self.trace: list[StepRecord] | None = None
+        self._build_s = 0.0  # this step's block tables and batch tensors (for the trace)
         self._live: dict[int, _Live] = {}
         self._done: dict[int, GenerationResult] = {}
         self._pending: list[RequestOutput] = []  # outputs decided outside a step (instant ends)
@@ -260,6 +264,7 @@ class Engine:
         """Run one forward for the scheduled requests; return each one's new tokens and text."""
         self._check_leader("step")
         outputs, self._pending = self._pending, []
+        started = time.perf_counter()
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
         for rid, reason in plan.failed:
@@ -276,11 +281,20 @@ class Engine:
             if live.first_scheduled_s is None:
                 live.first_scheduled_s = now
         self._note_pool(plan)
+        shapes = None if self.trace is None else [
+            ChunkShape(c.start, c.num_tokens, c.start >= len(self._live[c.request_id].request.prompt_ids), c.sample)
+            for c in plan.chunks]
+        self._build_s = 0.0
+        scheduled = time.perf_counter()
         logits = self._forward(plan)
         done = time.perf_counter()
         sampling = [c for c in plan.chunks if c.sample]
         for chunk, row in zip(sampling, logits, strict=True):
             outputs.append(self._sample(self._live[chunk.request_id], row, done))
+        if self.trace is not None and shapes is not None:
+            self.trace.append(StepRecord(shapes, schedule_s=scheduled - started, build_s=self._build_s,
+                                         forward_s=done - scheduled - self._build_s,
+                                         sample_s=time.perf_counter() - done))
         return outputs
 
     def follow(self) -> None:
@@ -340,7 +354,9 @@ class Engine:
         """Logits `[S, vocab]` of the chunks that sample, in plan order."""
         self.pool.copy_blocks(plan.copies)
         sample = [c.sample for c in plan.chunks]
+        began = time.perf_counter()
         chunk_sets = self.storage.block_tables(plan.chunks)
+        self._build_s += time.perf_counter() - began
         token_ids = [t for c in plan.chunks
                      for t in self._live[c.request_id].request.token_ids[c.start : c.start + c.num_tokens]]
         if self.shards is not None:  # the other ranks run this very forward (`follow`)
@@ -362,11 +378,13 @@ class Engine:
     def _forward_ragged(self, token_ids: list[int], chunk_sets: list[list[SeqChunk]], sample: list[bool]
                         ) -> torch.Tensor:
         """The ordinary step: the ragged batch of each table set (the pool's, the rings'), one forward."""
+        began = time.perf_counter()
         batches = [build_ragged_batch(chunks, sample, block_size=self.pool.block_size, windows=ts.windows,
                                       device=self.device, decode_kernel=self.decode_attention)
                    for chunks, ts in zip(chunk_sets, self.storage.table_sets, strict=True)]
         layers = [(batches[s], k, v) for s, k, v in self.storage.layer_blocks()]
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        self._build_s += time.perf_counter() - began
         return self.model(input_ids, PagedBackend(layers))
 
     def _sample(self, live: _Live, logits: torch.Tensor, now: float) -> RequestOutput:

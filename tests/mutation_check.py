@@ -37,6 +37,7 @@ class Mutant:
 
 
 TP_TESTS = "tests/test_tensor_parallel.py"
+ROOFLINE_TESTS = "tests/test_roofline.py"
 
 MUTANTS = [
     Mutant("sliding window off by one (W+1 keys)", "infer/attention.py",
@@ -942,6 +943,21 @@ MUTANTS = [
     Mutant("Q5_0 as stored: the fifth bit of each code dropped", "infer/quant_weights.py",
            "codes = _q5_0_codes(blocks).to(torch.int8).reshape(n, k)",
            "codes = (_q5_0_codes(blocks) & 15).to(torch.int8).reshape(n, k)", ("tests/test_quant_weights.py",)),
+    # ---- the batched bench's roofline (infer/roofline.py) ----
+    Mutant("roofline: attention's keys ignore the sliding window", "infer/roofline.py",
+           "seen = sum(min(p + 1, window or p + 1) for p", "seen = sum((p + 1) for p", (ROOFLINE_TESTS,)),
+    Mutant("roofline: the LM head's FLOPs counted for every token, not the sampled rows", "infer/roofline.py",
+           "flops += 2.0 * sampled * config.hidden_size", "flops += 2.0 * tokens * config.hidden_size",
+           (ROOFLINE_TESTS,)),
+    Mutant("roofline: a step with one decode chunk counted as prefill", "infer/roofline.py",
+           "else \"prefill\" if decodes == 0 else", "else \"prefill\" if decodes <= 1 else", (ROOFLINE_TESTS,)),
+    Mutant("roofline: a one-token chunk taken for a decode", "infer/engine.py",
+           "ChunkShape(c.start, c.num_tokens, c.start >= len(self._live[c.request_id].request.prompt_ids), c.sample)",
+           "ChunkShape(c.start, c.num_tokens, c.num_tokens == 1, c.sample)", (ROOFLINE_TESTS,)),
+    Mutant("roofline: the nearest measured rows taken on a linear scale", "infer/roofline.py",
+           "abs(math.log2(r) - math.log2(max(rows, 1)))", "abs(r - rows)", (ROOFLINE_TESTS,)),
+    Mutant("roofline: profiling hooks left on the model", "infer/roofline.py",
+           "        for handle in handles:\n            handle.remove()\n", "", (ROOFLINE_TESTS,)),
     # ---- tensor parallelism (infer/tensor_parallel.py) ----
     Mutant("tensor parallel: a row-parallel product's partial sums not all-reduced", "infer/tensor_parallel.py",
            "    dist.all_reduce(out, group=module.__dict__[\"_tp_group\"])\n", "", (TP_TESTS,)),

@@ -62,6 +62,13 @@ def test_batched_workload_report(tmp_path: Path, capsys: pytest.CaptureFixture[s
                    zip(run["ttft_s"], run["latency_s"], strict=True))
     stats = report["engine_stats"]
     assert stats["prefix_hit_rate"] > 0, "prompts sharing a full block (20 tokens) must hit the prefix cache"
+    roofline = report["roofline"]  # the machine's limits measured in the run, the engine's steps against them
+    phases = {row["phase"]: row for row in roofline["phases"]}
+    assert phases["all"]["steps"] == stats["steps"]
+    assert sum(row["steps"] for p, row in phases.items() if p != "all") == stats["steps"]
+    assert all(0 < row["fraction"] <= row["fraction_at_shape"] for row in phases.values())
+    assert roofline["read_bandwidth"] > 0 and all(r > 0 for r in roofline["matmul_flops_by_rows"].values())
+    assert {p["part"] for p in roofline["profile"]} >= {"projections (matmuls)", "attention", "scheduling"}
     assert stats["max_waste_slots_per_running_seq"] < stats["block_size"]
 
 

@@ -1,0 +1,303 @@
+"""The batched engine against the machine's limits: what each step costs (FLOPs, bytes), the time the roofline
+allows for it, and where a step's time goes.
+
+A step's roofline time is `max(flops / peak FLOP/s, bytes / read bandwidth)`, both limits measured on the machine
+in the same run (`measure_matmul_flops` at the workload's projection shapes; the read bandwidth as the
+single-request bench measures it). Its FLOPs are the projections' (2 x rows x weights, the LM head only for the
+rows that sample) and attention's (QK^T and PV over the keys each query sees); its bytes are every weight read
+once, each sequence's K/V read once per layer and the new K/V written. `engine_trace` records each step of an
+engine run (phase, chunks, time split into scheduling, batch building, forward, sampling); `profile_forward`
+splits the forward into projections, attention and the rest by timing hooks, in a run of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from infer.config import ModelConfig
+
+PHASES = ("prefill", "mixed", "decode")
+
+
+@dataclass(frozen=True)
+class ChunkShape:
+    """One chunk of a step: `num_tokens` new tokens at positions `start ..`; `decode`: one token of a request
+    past its prompt; `sample`: it yields a token (its LM head row is computed)."""
+
+    start: int
+    num_tokens: int
+    decode: bool
+    sample: bool
+
+
+@dataclass
+class StepRecord:
+    """One engine step: its chunks and where its wall time went (seconds)."""
+
+    chunks: list[ChunkShape]
+    schedule_s: float = 0.0  # the scheduler's plan and the storage following it
+    build_s: float = 0.0  # block tables and the ragged batch's tensors
+    forward_s: float = 0.0  # the model's forward (and CoW copies)
+    sample_s: float = 0.0  # sampling and stop checks
+
+    @property
+    def phase(self) -> str:
+        """"prefill" (no decode chunk), "decode" (only decode chunks) or "mixed"."""
+        decodes = sum(c.decode for c in self.chunks)
+        return "decode" if decodes == len(self.chunks) else "prefill" if decodes == 0 else "mixed"
+
+    @property
+    def total_s(self) -> float:
+        """The step's wall time."""
+        return self.schedule_s + self.build_s + self.forward_s + self.sample_s
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What a step must do: floating-point operations and bytes moved to and from memory."""
+
+    flops: float
+    bytes: float
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the costs need of a model: its config, the bytes of its stored weights (the decoder's and the LM
+    head's) and of one K or V element."""
+
+    config: ModelConfig
+    layer_weight_bytes: int
+    head_weight_bytes: int
+    kv_elem_bytes: int
+
+    @classmethod
+    def of(cls, model: nn.Module, kv_elem_bytes: int) -> ModelShape:
+        """The shape of a loaded model (its projections' storage as it is: dense or quantized)."""
+        stored = [*model.named_parameters(), *model.named_buffers()]
+        layers = sum(t.nbytes for name, t in stored if name.startswith("layers."))
+        head = sum(t.nbytes for name, t in stored if name.startswith("lm_head."))
+        if not head:  # tied: the head reads the embedding
+            head = sum(t.nbytes for name, t in stored if name.startswith("embed_tokens."))
+        return cls(model.config, layers, head, kv_elem_bytes)  # type: ignore[arg-type]
+
+
+def projection_weights_per_token(config: ModelConfig) -> int:
+    """Multiply-adds per token in one layer's projections (q, k, v, o, gate, up, down)."""
+    d, h, kv, hidden = config.head_dim, config.num_attention_heads, config.num_key_value_heads, config.hidden_size
+    return hidden * d * (2 * h + 2 * kv) + 3 * hidden * config.intermediate_size
+
+
+def step_cost(shape: ModelShape, chunks: list[ChunkShape]) -> StepCost:
+    """FLOPs and bytes of one step over `chunks` (see the module docstring)."""
+    config = shape.config
+    tokens = sum(c.num_tokens for c in chunks)
+    sampled = sum(c.sample for c in chunks)
+    layers = config.num_hidden_layers
+    flops = 2.0 * tokens * layers * projection_weights_per_token(config)
+    flops += 2.0 * sampled * config.hidden_size * config.vocab_size
+    kv_row = 2 * config.num_key_value_heads * config.head_dim * shape.kv_elem_bytes  # K and V of one position
+    kv_bytes = 0.0
+    for layer in range(layers):
+        window = config.sliding_window if config.is_sliding(layer) else None
+        for c in chunks:
+            # keys the chunk's queries see: position p sees min(p + 1, window) keys
+            seen = sum(min(p + 1, window or p + 1) for p in range(c.start, c.start + c.num_tokens))
+            flops += 4.0 * config.num_attention_heads * config.head_dim * seen
+            end = c.start + c.num_tokens
+            kv_bytes += kv_row * (min(end, window or end) + c.num_tokens)  # read once, the new ones written
+    weight_bytes = shape.layer_weight_bytes + (shape.head_weight_bytes if sampled else 0)
+    return StepCost(flops, weight_bytes + kv_bytes)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The machine's limits, measured: `torch.matmul`'s FLOP/s at the workload's projection shape for several
+    row counts (a step's tokens), and the read bandwidth."""
+
+    flops_by_rows: dict[int, float]
+    bandwidth: float
+
+    @property
+    def peak_flops(self) -> float:
+        """The best matmul rate measured: the classic roofline's compute limit."""
+        return max(self.flops_by_rows.values())
+
+    def flops_at(self, rows: int) -> float:
+        """The matmul rate measured at the row count nearest `rows` (on a log scale): the compute limit of a step
+        of that many tokens (a 16-row product cannot reach a 512-row one's rate)."""
+        nearest = min(self.flops_by_rows, key=lambda r: abs(math.log2(r) - math.log2(max(rows, 1))))
+        return self.flops_by_rows[nearest]
+
+
+def roofline_s(cost: StepCost, peak_flops: float, bandwidth: float) -> float:
+    """The least time the machine's limits allow for a step of `cost`."""
+    return max(cost.flops / peak_flops, cost.bytes / bandwidth)
+
+
+def measure_limits(dtype: torch.dtype, device: torch.device, inputs: int, outputs: int, max_rows: int,
+                   bandwidth: float) -> Limits:
+    """`Limits` with matmul rates of `[rows, inputs] @ [inputs, outputs]` for rows 1, 4, 16, 64, 256 and
+    `max_rows` (the step's token budget)."""
+    rows = sorted({r for r in (1, 4, 16, 64, 256) if r < max_rows} | {max_rows})
+    _, rates = measure_matmul_flops(dtype, device, [(r, inputs, outputs) for r in rows])
+    return Limits(dict(zip(rows, rates.values(), strict=True)), bandwidth)
+
+
+def measure_matmul_flops(dtype: torch.dtype, device: torch.device, shapes: list[tuple[int, int, int]],
+                         repeats: int = 5) -> tuple[float, dict[str, float]]:
+    """FLOP/s of `torch.matmul` in `dtype` at each `(rows, inputs, outputs)` shape (the best of `repeats`), and
+    the best of them."""
+    rates: dict[str, float] = {}
+    for m, k, n in shapes:
+        a = torch.randn(m, k, device=device).to(dtype)
+        b = torch.randn(k, n, device=device).to(dtype)
+        torch.matmul(a, b)  # warm-up: first-call costs out
+        best = float("inf")
+        for _ in range(repeats):
+            _sync(device)
+            start = time.perf_counter()
+            torch.matmul(a, b)
+            _sync(device)
+            best = min(best, time.perf_counter() - start)
+        rates[f"{m}x{k} @ {k}x{n}"] = 2.0 * m * k * n / best
+    return max(rates.values()), rates
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class PhaseSummary:
+    """The steps of one phase: how many, their time, what they had to do, and the fraction of the roofline."""
+
+    phase: str
+    steps: int = 0
+    seconds: float = 0.0
+    flops: float = 0.0
+    bytes: float = 0.0
+    roofline_s: float = 0.0  # against the peak matmul rate
+    shape_bound_s: float = 0.0  # against the matmul rate at each step's row count
+
+    @property
+    def fraction(self) -> float:
+        """Roofline time over measured time (1.0: at the machine's limit)."""
+        return self.roofline_s / self.seconds if self.seconds else 0.0
+
+    @property
+    def fraction_at_shape(self) -> float:
+        """The same against the matmul rate at each step's own row count."""
+        return self.shape_bound_s / self.seconds if self.seconds else 0.0
+
+
+def summarize_phases(records: list[StepRecord], shape: ModelShape, limits: Limits) -> list[PhaseSummary]:
+    """Per phase (and "all"): steps, seconds, FLOPs, bytes, and the time the limits allow."""
+    rows = {p: PhaseSummary(p) for p in (*PHASES, "all")}
+    for record in records:
+        cost = step_cost(shape, record.chunks)
+        tokens = sum(c.num_tokens for c in record.chunks)
+        for row in (rows[record.phase], rows["all"]):
+            row.steps += 1
+            row.seconds += record.total_s
+            row.flops += cost.flops
+            row.bytes += cost.bytes
+            row.roofline_s += roofline_s(cost, limits.peak_flops, limits.bandwidth)
+            row.shape_bound_s += roofline_s(cost, limits.flops_at(tokens), limits.bandwidth)
+    return [row for row in rows.values() if row.steps]
+
+
+@dataclass
+class ForwardProfile:
+    """Seconds of the profiled forwards spent in the projections, in attention, and in everything else."""
+
+    projections_s: float = 0.0
+    attention_s: float = 0.0
+    forward_s: float = 0.0
+    _starts: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def other_s(self) -> float:
+        """Norms, RoPE, embedding, residuals, the LM head's gather and Python between the ops."""
+        return max(0.0, self.forward_s - self.projections_s - self.attention_s)
+
+
+@contextlib.contextmanager
+def profile_forward(model: nn.Module, profile: ForwardProfile) -> Iterator[None]:
+    """Time every projection (forward hooks on each Linear / QuantizedLinear, fused ones included) and every
+    attention call (the backend's `attend`) of the forwards run inside, into `profile`; the device is
+    synchronised around each, so the figures are a profile, not a throughput."""
+    from infer.backends import PagedBackend
+    from infer.models.transformer import Linear, QuantizedLinear
+
+    device = next(model.parameters()).device
+    projections = [m for m in model.modules() if isinstance(m, (Linear, QuantizedLinear))]
+    for layer in model.layers:  # type: ignore[union-attr]
+        projections += [f for f in (layer.self_attn.__dict__["qkv"], layer.mlp.__dict__["gate_up"]) if f is not None]
+
+    def before(module: nn.Module, args: object) -> None:
+        _sync(device)
+        profile._starts[id(module)] = time.perf_counter()
+
+    def after(module: nn.Module, args: object, out: object) -> None:
+        _sync(device)
+        profile.projections_s += time.perf_counter() - profile._starts.pop(id(module))
+
+    handles = [h for m in projections for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
+    attend, forward = PagedBackend.attend, type(model).forward
+
+    def timed_attend(self: PagedBackend, *args: object, **kwargs: object) -> torch.Tensor:
+        _sync(device)
+        start = time.perf_counter()
+        out = attend(self, *args, **kwargs)  # type: ignore[arg-type]
+        _sync(device)
+        profile.attention_s += time.perf_counter() - start
+        return out
+
+    def timed_forward(self: nn.Module, *args: object, **kwargs: object) -> torch.Tensor:
+        _sync(device)
+        start = time.perf_counter()
+        out = forward(self, *args, **kwargs)
+        _sync(device)
+        profile.forward_s += time.perf_counter() - start
+        return out
+
+    PagedBackend.attend = timed_attend  # type: ignore[method-assign]
+    type(model).forward = timed_forward
+    try:
+        yield
+    finally:
+        PagedBackend.attend = attend  # type: ignore[method-assign]
+        type(model).forward = forward
+        for handle in handles:
+            handle.remove()
+
+
+def profile_table(records: list[StepRecord], profile: ForwardProfile) -> list[dict[str, float | str]]:
+    """Where a step's time goes, as rows of (part, seconds, share): the profiled run's steps split into
+    scheduling, batch building, sampling and the forward, the forward split by `profile`."""
+    schedule = sum(r.schedule_s for r in records)
+    build = sum(r.build_s for r in records)
+    sample = sum(r.sample_s for r in records)
+    forward = sum(r.forward_s for r in records)
+    # The hooks time the forward itself; what the step's forward time holds beyond it (copy-on-write copies,
+    # the call's own overhead) goes with "other".
+    parts = {"projections (matmuls)": profile.projections_s, "attention": profile.attention_s,
+             "other forward ops and Python": max(0.0, forward - profile.projections_s - profile.attention_s),
+             "sampling and stop checks": sample, "scheduling": schedule, "batch building": build}
+    total = sum(parts.values()) or 1.0
+    return [{"part": name, "seconds": seconds, "share": seconds / total} for name, seconds in parts.items()]
+
+
+def median_step_ms(records: list[StepRecord], phase: str) -> float:
+    """The median wall time of the phase's steps, in ms (0 when there are none)."""
+    times = [r.total_s for r in records if r.phase == phase]
+    return statistics.median(times) * 1e3 if times else 0.0

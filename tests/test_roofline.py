@@ -1,0 +1,122 @@
+"""The batched bench's roofline (infer/roofline.py) from the outside: a step's FLOPs against the model's own
+modules and the attention mask's visible keys, its bytes against the stored tensors, the engine's step trace
+against what the engine computed, the nearest-rows matmul rate, and the profiling hooks leaving nothing behind."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from infer.attention import attention_mask
+from infer.backends import PagedBackend
+from infer.engine import Engine
+from infer.models.transformer import Linear
+from infer.roofline import (
+    ChunkShape,
+    ForwardProfile,
+    Limits,
+    ModelShape,
+    StepRecord,
+    profile_forward,
+    profile_table,
+    step_cost,
+    summarize_phases,
+)
+from infer.sampling import SamplingParams
+from tests.helpers import random_model, tiny_config
+
+GEMMA = random_model(tiny_config("gemma3_text", num_layers=4, sliding_window=5), seed=1)
+
+
+def visible_keys(start: int, num_tokens: int, window: int | None) -> int:
+    """Keys the chunk's queries see, counted on the model's own mask."""
+    q = torch.arange(start, start + num_tokens)
+    k = torch.arange(start + num_tokens)
+    return int(attention_mask(q, k, window).sum())
+
+
+chunks = st.lists(st.tuples(st.integers(0, 40), st.integers(1, 12), st.booleans(), st.booleans()), min_size=1,
+                  max_size=5)
+
+
+@given(chunks)
+def test_step_flops_and_bytes_count_what_the_model_computes_and_reads(drawn: list[tuple[int, int, bool, bool]]
+                                                                      ) -> None:
+    model, config = GEMMA, GEMMA.config
+    shape = ModelShape.of(model, kv_elem_bytes=2)
+    step = [ChunkShape(start, n, decode, sample) for start, n, decode, sample in drawn]
+    cost = step_cost(shape, step)
+    tokens = sum(c.num_tokens for c in step)
+    sampled = sum(c.sample for c in step)
+    layer_macs = sum(m.in_features * m.out_features for name, m in model.named_modules()
+                     if isinstance(m, Linear) and name.startswith("layers."))
+    flops = 2 * tokens * layer_macs + 2 * sampled * model.lm_head.in_features * model.lm_head.out_features
+    kv_bytes = 0
+    for layer in model.layers:
+        window = layer.self_attn.window
+        for c in step:
+            flops += 4 * config.num_attention_heads * config.head_dim * visible_keys(c.start, c.num_tokens, window)
+            read = visible_keys(c.start + c.num_tokens - 1, 1, window) if window else c.start + c.num_tokens
+            kv_bytes += 2 * config.num_key_value_heads * config.head_dim * 2 * (read + c.num_tokens)
+    assert cost.flops == flops
+    state = model.state_dict()
+    weights = sum(t.nbytes for n, t in state.items() if n.startswith("layers."))
+    head = state["embed_tokens.weight"].nbytes if sampled else 0  # Gemma's head is the tied embedding
+    assert cost.bytes == weights + head + kv_bytes
+
+
+def test_limits_take_the_rate_at_the_nearest_row_count_and_phases_sum_to_the_run() -> None:
+    limits = Limits({1: 10.0, 16: 160.0, 512: 1000.0}, bandwidth=1e9)
+    assert limits.peak_flops == 1000.0
+    assert [limits.flops_at(r) for r in (1, 3, 5, 16, 60, 100, 600)] == [10.0, 10.0, 160.0, 160.0, 160.0, 1000.0,
+                                                                          1000.0]
+    shape = ModelShape.of(GEMMA, 4)
+    records = [StepRecord([ChunkShape(0, 8, False, True)], forward_s=0.5),
+               StepRecord([ChunkShape(8, 1, True, True), ChunkShape(0, 4, False, False)], forward_s=0.25),
+               StepRecord([ChunkShape(9, 1, True, True)], schedule_s=0.1, forward_s=0.1)]
+    assert [r.phase for r in records] == ["prefill", "mixed", "decode"]
+    rows = {row.phase: row for row in summarize_phases(records, shape, limits)}
+    assert rows["all"].steps == 3 and abs(rows["all"].seconds - 0.95) < 1e-12
+    assert rows["all"].flops == sum(rows[p].flops for p in ("prefill", "mixed", "decode"))
+    # the decode step: one token, so its compute limit is the 1-row rate, not the peak
+    cost = step_cost(shape, records[2].chunks)
+    assert rows["decode"].shape_bound_s == max(cost.flops / 10.0, cost.bytes / 1e9)
+    assert rows["decode"].roofline_s == max(cost.flops / 1000.0, cost.bytes / 1e9)
+
+
+def test_the_engine_trace_records_every_step_it_computed() -> None:
+    model = random_model(tiny_config("llama", num_layers=2), seed=2)
+    engine = Engine(model, None, num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
+                    enable_prefix_caching=False)
+    engine.trace = []
+    # 9 tokens in a budget of 8: the prompt's last token is a one-token chunk that is not a decode
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [11, 12, 13], [14, 15, 16, 17, 18]]
+    new = [4, 6, 3]
+    results = engine.generate(prompts, [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+                                        for n in new])
+    trace = engine.trace
+    assert len(trace) == engine.stats.steps
+    # every prompt token and every generated token but the last is fed once (no preemption, no prefix hits)
+    assert sum(c.num_tokens for r in trace for c in r.chunks) == sum(map(len, prompts)) + sum(new) - len(new)
+    assert sum(c.sample for r in trace for c in r.chunks) == sum(len(r.token_ids) for r in results)
+    assert sum(c.decode for r in trace for c in r.chunks) == sum(new) - len(new)
+    assert trace[0].phase == "prefill" and trace[-1].phase == "decode"
+    assert all(c.num_tokens == 1 for r in trace for c in r.chunks if c.decode)
+    assert all(r.total_s > 0 and min(r.schedule_s, r.build_s, r.forward_s, r.sample_s) >= 0 for r in trace)
+
+
+def test_profiling_splits_the_forward_and_leaves_nothing_behind() -> None:
+    model = random_model(tiny_config("qwen3", num_layers=2), seed=3)
+    attend, forward = PagedBackend.attend, type(model).forward
+    engine = Engine(model, None, num_blocks=64, block_size=4, max_num_batched_tokens=8)
+    engine.trace = []
+    profile = ForwardProfile()
+    with profile_forward(model, profile):
+        engine.generate([[1, 2, 3, 4, 5], [6, 7]], SamplingParams(max_new_tokens=3, temperature=0.0))
+    assert profile.projections_s > 0 and profile.attention_s > 0
+    assert profile.projections_s + profile.attention_s <= profile.forward_s
+    parts = profile_table(engine.trace, profile)
+    assert abs(sum(float(p["share"]) for p in parts) - 1.0) < 1e-9
+    assert PagedBackend.attend is attend and type(model).forward is forward
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
