@@ -15,7 +15,6 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -30,8 +29,10 @@ from infer.bench_common import (
     engine_contender,
     format_table,
     machine_info,
+    measure_read_bandwidth,
     percentile,
     plugin,
+    read_buffer_bytes,
     speed_ratio,
 )
 from infer.bench_memory import MemorySpec
@@ -39,10 +40,8 @@ from infer.bench_memory import measure as measure_memory
 from infer.cli_args import add_model_args, check_model_args, load_with_args
 from infer.config import ModelConfig
 from infer.families import ARCHITECTURES
-from infer.kernels.native import native_kernels
-from infer.memory import available_memory, empty_on_huge_pages
 from infer.models import Transformer
-from infer.tuning import CHOICES, Choice, choose_threads, last_level_cache_bytes, record
+from infer.tuning import CHOICES, Choice, choose_threads, record
 
 
 def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int = 5) -> float:
@@ -58,44 +57,6 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, repe
         _sync(device)
         best = min(best, time.perf_counter() - start)
     return 2 * nbytes / best
-
-
-def read_buffer_bytes(device: torch.device) -> int:
-    """Size of the bandwidth probes' buffer: on the CPU at least 1 GiB and twice the last-level cache (the
-    Xeons here have 480 MiB of L3: a smaller buffer measures the cache), at most a quarter of free memory."""
-    if device.type != "cpu":
-        return 256 * 2**20
-    wanted = max(2**30, 2 * last_level_cache_bytes())
-    free = available_memory(device)
-    return max(64 * 2**20, min(wanted, free // 4)) if free else wanted
-
-
-def measure_read_bandwidth(device: torch.device, nbytes: int | None = None,
-                           repeats: int = 5) -> tuple[float, dict[str, float]]:
-    """Bytes/s of reading a large buffer once, the bound a decode step, which reads weights and K/V and writes
-    almost nothing, can reach: the best of the methods tried (torch's sum; on the CPU also the native read of
-    infer/kernels/cpu_decode.c, streaming as its GEMV does), each the best of `repeats`, and every method's figure.
-    On the CPU the buffer lies on the pages the loader gives weights (huge pages where the kernel has them)."""
-    nbytes = read_buffer_bytes(device) if nbytes is None else nbytes
-    if device.type == "cpu":
-        src = empty_on_huge_pages((nbytes // 4,), torch.float32).fill_(1.0)
-    else:
-        src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    methods: dict[str, Callable[[], object]] = {"torch.sum": src.sum}
-    kernels = native_kernels() if device.type == "cpu" else None
-    if kernels is not None:
-        methods[f"native read ({kernels.isa})"] = lambda: kernels.read(src)
-    rates = {}
-    for name, read in methods.items():
-        best = float("inf")
-        for _ in range(repeats):
-            _sync(device)
-            start = time.perf_counter()
-            read()
-            _sync(device)
-            best = min(best, time.perf_counter() - start)
-        rates[name] = src.nbytes / best
-    return max(rates.values()), rates
 
 
 def decode_bytes_per_step(model: torch.nn.Module, config: ModelConfig, context: int, kv_bytes_per_elem: int) -> int:

@@ -24,7 +24,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from infer.bench_common import format_table, machine_info, percentile, speed_ratio
+from infer.bench_common import format_table, machine_info, measure_read_bandwidth, percentile, speed_ratio
 from infer.cache.paged_quantized import KV_CACHE_DTYPES
 from infer.models import Transformer
 from infer.ragged import DECODE_KERNELS
@@ -234,8 +234,6 @@ def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: d
                     ) -> dict[str, Any]:
     """Print (and return for the JSON) the machine's limits measured now, the engine run's FLOPs and bytes and its
     fraction of the roofline per phase, and where a step's time goes (a further run under timing hooks)."""
-    from infer.bench import measure_read_bandwidth  # the single-request bench's probe (it imports this module)
-
     config, dtype, device = model.config, model.dtype, model.device
     budget = int(engine_args.get("max_num_batched_tokens", 512))
     bandwidth, _ = measure_read_bandwidth(device)

@@ -14,6 +14,7 @@ import os
 import resource
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,9 @@ from typing import Any, cast
 
 import torch
 
-from infer.tuning import cpu_flags
+from infer.kernels.native import native_kernels
+from infer.memory import available_memory, empty_on_huge_pages
+from infer.tuning import cpu_flags, last_level_cache_bytes
 
 
 @dataclass
@@ -155,3 +158,46 @@ def plugin(group: str, name: str) -> Callable[..., Any]:
         return cast(Callable[..., Any], found[name].load())
     except ImportError as e:
         raise ValueError(f"the bench plugin {name!r} cannot load ({e}); pip install -e '.[bench]'") from e
+
+
+def read_buffer_bytes(device: torch.device) -> int:
+    """Size of the bandwidth probes' buffer: on the CPU at least 1 GiB and twice the last-level cache (the
+    Xeons here have 480 MiB of L3: a smaller buffer measures the cache), at most a quarter of free memory."""
+    if device.type != "cpu":
+        return 256 * 2**20
+    wanted = max(2**30, 2 * last_level_cache_bytes())
+    free = available_memory(device)
+    return max(64 * 2**20, min(wanted, free // 4)) if free else wanted
+
+
+def measure_read_bandwidth(device: torch.device, nbytes: int | None = None,
+                           repeats: int = 5) -> tuple[float, dict[str, float]]:
+    """Bytes/s of reading a large buffer once, the bound a decode step, which reads weights and K/V and writes
+    almost nothing, can reach: the best of the methods tried (torch's sum; on the CPU also the native read of
+    infer/kernels/cpu_decode.c, streaming as its GEMV does), each the best of `repeats`, and every method's figure.
+    On the CPU the buffer lies on the pages the loader gives weights (huge pages where the kernel has them)."""
+    nbytes = read_buffer_bytes(device) if nbytes is None else nbytes
+    if device.type == "cpu":
+        src = empty_on_huge_pages((nbytes // 4,), torch.float32).fill_(1.0)
+    else:
+        src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    methods: dict[str, Callable[[], object]] = {"torch.sum": src.sum}
+    kernels = native_kernels() if device.type == "cpu" else None
+    if kernels is not None:
+        methods[f"native read ({kernels.isa})"] = lambda: kernels.read(src)
+    rates = {}
+    for name, read in methods.items():
+        best = float("inf")
+        for _ in range(repeats):
+            _sync(device)
+            start = time.perf_counter()
+            read()
+            _sync(device)
+            best = min(best, time.perf_counter() - start)
+        rates[name] = src.nbytes / best
+    return max(rates.values()), rates
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -575,7 +575,7 @@ MUTANTS = [
     Mutant("huge pages: load_model(huge_pages=False) ignored", "infer/loader.py",
            "if direct and huge_pages else torch.empty(shape", "if direct else torch.empty(shape",
            ("tests/test_huge_pages.py",)),
-    Mutant("bench: the read bound is the slower read", "infer/bench.py",
+    Mutant("bench: the read bound is the slower read", "infer/bench_common.py",
            "return max(rates.values()), rates", "return min(rates.values()), rates",
            ("tests/test_bench.py",)),
     Mutant("fused q/k/v split with k and v swapped", "infer/models/transformer.py",
