@@ -246,24 +246,20 @@ def _run(argv: list[str] | None) -> int:
 def _rank_zero_prints() -> Iterator[None]:
     """Under `torchrun` only rank 0 prints: the other ranks run the same steps with stdout and stderr silenced,
     except for an error, which each rank reports on its own line, naming itself."""
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     from infer.tensor_parallel import shutdown
 
-    if rank == 0 or world <= 1:
-        try:
-            yield
-        except BaseException:
-            shutdown(finished=False)
-            raise
-        shutdown()
-        return
     global _error_prefix
-    _error_prefix = f"rank {rank}: "  # the error line is printed whole, in one write (ranks share stderr)
-    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    with contextlib.ExitStack() as stack:
+        if rank != 0 and world > 1:
+            _error_prefix = f"rank {rank}: "  # the error line is printed whole, in one write (ranks share stderr)
+            quiet = stack.enter_context(open(os.devnull, "w"))
+            stack.enter_context(contextlib.redirect_stdout(quiet))
+            stack.enter_context(contextlib.redirect_stderr(quiet))
         try:
             yield
         except BaseException:
-            shutdown(finished=False)
+            shutdown(finished=False)  # another rank may never reach a barrier
             raise
         shutdown()
 

@@ -40,6 +40,7 @@ from infer.bench_memory import measure as measure_memory
 from infer.cli_args import add_model_args, check_model_args, load_with_args
 from infer.config import ModelConfig
 from infer.families import ARCHITECTURES
+from infer.memory import synchronize
 from infer.models import Transformer
 from infer.tuning import CHOICES, Choice, choose_threads, record
 
@@ -51,10 +52,10 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, repe
     dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(repeats):
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         dst.copy_(src)
-        _sync(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * nbytes / best
 
@@ -71,11 +72,6 @@ def decode_bytes_per_step(model: torch.nn.Module, config: ModelConfig, context: 
         seen = min(context, config.sliding_window or context) if config.is_sliding(layer) else context
         kv += 2 * config.num_key_value_heads * seen * config.head_dim * kv_bytes_per_elem
     return weights + kv
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def summarize(c: Contender, bytes_per_step: int | None, bandwidth: float | None) -> dict[str, float | str]:
@@ -303,7 +299,7 @@ def cache_kind_table(
                 cache.advance(context)
                 token, times = first.view(1, 1), []
                 for _ in range(new_tokens):
-                    _sync(weight.device)
+                    synchronize(weight.device)
                     start = time.perf_counter()
                     token = model(token, cache)[:, -1].argmax(-1, keepdim=True)
                     token.item()

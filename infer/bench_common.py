@@ -23,7 +23,7 @@ from typing import Any, cast
 import torch
 
 from infer.kernels.native import native_kernels
-from infer.memory import available_memory, empty_on_huge_pages
+from infer.memory import available_memory, empty_on_huge_pages, synchronize
 from infer.tuning import cpu_flags, last_level_cache_bytes
 
 
@@ -189,15 +189,12 @@ def measure_read_bandwidth(device: torch.device, nbytes: int | None = None,
     for name, read in methods.items():
         best = float("inf")
         for _ in range(repeats):
-            _sync(device)
+            synchronize(device)
             start = time.perf_counter()
             read()
-            _sync(device)
+            synchronize(device)
             best = min(best, time.perf_counter() - start)
         rates[name] = src.nbytes / best
     return max(rates.values()), rates
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -19,6 +19,7 @@ import torch
 
 from infer.cache import CacheSnapshot, KVCache, create_cache
 from infer.graphs import graphed_decoder
+from infer.memory import synchronize
 from infer.models import Transformer
 from infer.sampling import SamplingParams, sample_next
 from infer.tensor_parallel import broadcast_token
@@ -120,11 +121,6 @@ def _check_prompt_ids(model: Transformer, prompt_ids: list[int]) -> None:
         raise ValueError(f"prompt token id {bad} is outside the model's vocabulary [0, {vocab})")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @dataclass
 class _Step:
     token_id: int
@@ -162,7 +158,7 @@ def _token_steps(
     with torch.inference_mode():
         for _ in range(params.max_new_tokens):
             seen = all_ids[:, :length]
-            _sync(device)
+            synchronize(device)
             start = time.perf_counter()
             # The unoptimised path re-runs the whole sequence; the cached one only the new tokens.
             if kv_cache is None:

@@ -116,3 +116,9 @@ def release_freed_memory() -> None:
         libc.malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op off CUDA): before reading a timer."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from infer.config import ModelConfig
+from infer.memory import synchronize
 
 PHASES = ("prefill", "mixed", "decode")
 
@@ -162,18 +163,13 @@ def measure_matmul_flops(dtype: torch.dtype, device: torch.device, shapes: list[
         torch.matmul(a, b)  # warm-up: first-call costs out
         best = float("inf")
         for _ in range(repeats):
-            _sync(device)
+            synchronize(device)
             start = time.perf_counter()
             torch.matmul(a, b)
-            _sync(device)
+            synchronize(device)
             best = min(best, time.perf_counter() - start)
         rates[f"{m}x{k} @ {k}x{n}"] = 2.0 * m * k * n / best
     return max(rates.values()), rates
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @dataclass
@@ -244,29 +240,29 @@ def profile_forward(model: nn.Module, profile: ForwardProfile) -> Iterator[None]
         projections += [f for f in (layer.self_attn.__dict__["qkv"], layer.mlp.__dict__["gate_up"]) if f is not None]
 
     def before(module: nn.Module, args: object) -> None:
-        _sync(device)
+        synchronize(device)
         profile._starts[id(module)] = time.perf_counter()
 
     def after(module: nn.Module, args: object, out: object) -> None:
-        _sync(device)
+        synchronize(device)
         profile.projections_s += time.perf_counter() - profile._starts.pop(id(module))
 
     handles = [h for m in projections for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
     attend, forward = PagedBackend.attend, type(model).forward
 
     def timed_attend(self: PagedBackend, *args: object, **kwargs: object) -> torch.Tensor:
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         out = attend(self, *args, **kwargs)  # type: ignore[arg-type]
-        _sync(device)
+        synchronize(device)
         profile.attention_s += time.perf_counter() - start
         return out
 
     def timed_forward(self: nn.Module, *args: object, **kwargs: object) -> torch.Tensor:
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         out = forward(self, *args, **kwargs)
-        _sync(device)
+        synchronize(device)
         profile.forward_s += time.perf_counter() - start
         return out
 

@@ -984,7 +984,7 @@ MUTANTS = [
            "f.seek(header.start + row * row_bytes + start * tensor.element_size())",
            "f.seek(header.start + row * row_bytes)", (TP_TESTS,)),
     Mutant("tensor parallel: every rank of a torchrun CLI prints", "infer/__main__.py",
-           "    if rank == 0 or world <= 1:\n", "    if True:\n", (TP_TESTS,)),
+           "        if rank != 0 and world > 1:\n", "        if False:\n", (TP_TESTS,)),
     Mutant("tensor parallel: a GGUF row cut keeps the whole tensor's RoPE head count", "infer/gguf.py",
            "heads = (stop - start) // per_head", "heads = heads", (TP_TESTS,)),
     Mutant("tensor parallel: the whole-step native call taken without the collectives",
