@@ -299,12 +299,13 @@ def load_model(
         return _placed(part, target, huge_pages)
 
     if gguf_file is not None:
-        if form == "stored":
-            quantized = {name: _stored_gguf(gguf[name]) for name in [*linears, embedding]
-                         if gguf[name].kind in STORED_KINDS}
-        quantized.update({name: quantize(_dequantize_tensors(gguf, [name], cpu, torch_dtype, False)[name],
-                                         scheme[name], group_size, name) for name in targets})
-        quantized = {name: part for name, weight in quantized.items() if (part := placed(name, weight)) is not None}
+        if form == "stored":  # each placed as it is made: the load holds one transient copy at a time
+            quantized = {name: part for name in [*linears, embedding] if gguf[name].kind in STORED_KINDS
+                         and (part := placed(name, _stored_gguf(gguf[name]))) is not None}
+        for name in targets:
+            dense_weight = _dequantize_tensors(gguf, [name], cpu, torch_dtype, False)[name]
+            if (part := placed(name, quantize(dense_weight, scheme[name], group_size, name))) is not None:
+                quantized[name] = part
         dense = [name for name in expected if name not in quantized and name not in dense_parts]
         state = _dequantize_tensors(gguf, dense, target, torch_dtype, huge_pages, cuts)
         files = dict.fromkeys([*state, *quantized, *dense_parts], gguf_file)
