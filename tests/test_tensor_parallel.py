@@ -235,3 +235,22 @@ def test_torchrun_generate_prints_once_what_one_process_prints() -> None:
     # the rank unless it is rank 0.
     lines = [line for line in bad.stderr.splitlines() if "error: tensor parallelism over 2 ranks" in line]
     assert lines and all(line.startswith(("error:", "rank 1: error:")) for line in lines), bad.stderr[-2000:]
+
+
+def test_torchrun_bench_reports_once() -> None:
+    """`torchrun --nproc-per-node 2 -m infer bench`: the single-request table printed by rank 0 alone; contenders
+    that cannot run split (Hugging Face) refused before anything loads, naming the options to drop."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    bench = ["-m", "infer", "bench", "--model", str(build_checkpoint("llama")), "--prompt-len", "8", "--new-tokens",
+             "4", "--trials", "1", "--warmup", "0", "--threads", "1"]
+    run = subprocess.run([*torchrun, *bench], capture_output=True, text=True, env=env, timeout=180)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.count("infer[contiguous]") == 1 and "decode_tok_s" in run.stdout
+    refused = subprocess.run([*torchrun, *bench, "--against-hf"], capture_output=True, text=True, env=env,
+                             timeout=180)
+    assert refused.returncode != 0 and "drop --against / --against-hf" in refused.stderr
