@@ -36,7 +36,7 @@ from infer.tensor_parallel import (
     install,
     local_config,
     local_shape,
-    vocab_part,
+    vocab_sizes,
     weight_cut,
 )
 from infer.tuning import (
@@ -264,7 +264,7 @@ def load_model(
                 gguf[name], cuts[name] = gguf[name].rows(cut.part), None
         with torch.device("meta"):  # this rank's model: its heads and hidden units, its rows of the vocabulary
             model = Transformer(local_config(config, shards))
-            vocab = len(range(config.vocab_size)[vocab_part(config, shards)])
+            vocab = vocab_sizes(config, shards.world)[shards.rank]
             model.embed_tokens = nn.Embedding(vocab, config.hidden_size)
             model.lm_head = Linear(config.hidden_size, vocab, bias=False)
     form = weights or ("stored" if (gguf_file is not None and not explicit_dtype) or saved else "dense")

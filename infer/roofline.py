@@ -2,7 +2,7 @@
 allows for it, and where a step's time goes.
 
 A step's roofline time is `max(flops / peak FLOP/s, bytes / read bandwidth)`, both limits measured on the machine
-in the same run (`measure_matmul_flops` at the workload's projection shapes; the read bandwidth as the
+in the same run (`measure_limits`: matmul rates at the workload's projection shape; the read bandwidth as the
 single-request bench measures it). Its FLOPs are the projections' (2 x rows x weights, the LM head only for the
 rows that sample) and attention's (QK^T and PV over the keys each query sees); its bytes are every weight read
 once, each sequence's K/V read once per layer and the new K/V written. `engine_trace` records each step of an
@@ -148,28 +148,22 @@ def measure_limits(dtype: torch.dtype, device: torch.device, inputs: int, output
     """`Limits` with matmul rates of `[rows, inputs] @ [inputs, outputs]` for rows 1, 4, 16, 64, 256 and
     `max_rows` (the step's token budget)."""
     rows = sorted({r for r in (1, 4, 16, 64, 256) if r < max_rows} | {max_rows})
-    _, rates = measure_matmul_flops(dtype, device, [(r, inputs, outputs) for r in rows])
-    return Limits(dict(zip(rows, rates.values(), strict=True)), bandwidth)
+    return Limits({r: matmul_rate(dtype, device, r, inputs, outputs) for r in rows}, bandwidth)
 
 
-def measure_matmul_flops(dtype: torch.dtype, device: torch.device, shapes: list[tuple[int, int, int]],
-                         repeats: int = 5) -> tuple[float, dict[str, float]]:
-    """FLOP/s of `torch.matmul` in `dtype` at each `(rows, inputs, outputs)` shape (the best of `repeats`), and
-    the best of them."""
-    rates: dict[str, float] = {}
-    for m, k, n in shapes:
-        a = torch.randn(m, k, device=device).to(dtype)
-        b = torch.randn(k, n, device=device).to(dtype)
-        torch.matmul(a, b)  # warm-up: first-call costs out
-        best = float("inf")
-        for _ in range(repeats):
-            synchronize(device)
-            start = time.perf_counter()
-            torch.matmul(a, b)
-            synchronize(device)
-            best = min(best, time.perf_counter() - start)
-        rates[f"{m}x{k} @ {k}x{n}"] = 2.0 * m * k * n / best
-    return max(rates.values()), rates
+def matmul_rate(dtype: torch.dtype, device: torch.device, m: int, k: int, n: int, repeats: int = 5) -> float:
+    """FLOP/s of `torch.matmul` in `dtype` on `[m, k] @ [k, n]`, the best of `repeats` after a warm-up."""
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, n, device=device).to(dtype)
+    torch.matmul(a, b)  # first-call costs out
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * m * k * n / best
 
 
 @dataclass

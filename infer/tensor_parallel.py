@@ -15,6 +15,7 @@ is torch.distributed's (gloo on CPUs, NCCL between GPUs), set up by `torchrun` o
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -128,6 +129,11 @@ def vocab_part(config: ModelConfig, shards: Shards) -> slice:
     return split(config.vocab_size, shards.world, shards.rank)
 
 
+def vocab_sizes(config: ModelConfig, world: int) -> list[int]:
+    """Rows of the vocabulary each of `world` ranks holds."""
+    return [_length(split(config.vocab_size, world, r), config.vocab_size) for r in range(world)]
+
+
 def weight_cut(name: str, config: ModelConfig, shards: Shards) -> Cut | None:
     """This rank's part of the checkpoint tensor `name` (Hugging Face's names), or None where it is replicated."""
     _check_heads(config, shards.world)
@@ -174,9 +180,9 @@ def local_shape(shape: tuple[int, ...], cut: Cut | None) -> tuple[int, ...]:
 
 # ---- the collectives, as forward hooks ----
 
-def _all_reduce(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
-    """A row-parallel product's partial sums, summed over the ranks."""
-    dist.all_reduce(out, group=module.__dict__["_tp_group"])
+def _all_reduce(group: Any, module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
+    """A row-parallel product's partial sums, summed over the ranks of `group`."""
+    dist.all_reduce(out, group=group)
     return out
 
 
@@ -186,7 +192,7 @@ class _VocabRows:
 
     def __init__(self, part: slice, group: Any) -> None:
         self.part, self.group = part, group
-        self.outside: torch.Tensor | None = None
+        self.outside = torch.empty(0, dtype=torch.bool)  # `before`'s mask, read by `after` in the same call
 
     def before(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         ids = args[0]
@@ -194,9 +200,7 @@ class _VocabRows:
         return ((ids - self.part.start).masked_fill(self.outside, 0), *args[1:])
 
     def after(self, module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
-        assert self.outside is not None  # set by `before`, which always runs first
         out = out.masked_fill(self.outside.unsqueeze(-1), 0)
-        self.outside = None
         dist.all_reduce(out, group=self.group)
         return out
 
@@ -227,14 +231,12 @@ def install(model: nn.Module, config: ModelConfig, shards: Shards) -> None:
     tp.tensor_parallel = shards
     for layer in tp.layers:
         for module in (layer.self_attn.o_proj, layer.mlp.down_proj):
-            module.__dict__["_tp_group"] = shards.group
-            module.register_forward_hook(_all_reduce)
+            module.register_forward_hook(functools.partial(_all_reduce, shards.group))
     rows = _VocabRows(vocab_part(config, shards), shards.group)
     embed = tp.embed_tokens
     embed.register_forward_pre_hook(rows.before)
     embed.register_forward_hook(rows.after)
-    sizes = [_length(split(config.vocab_size, shards.world, r), config.vocab_size) for r in range(shards.world)]
-    tp.lm_head.register_forward_hook(_GatherLogits(sizes, shards.group))
+    tp.lm_head.register_forward_hook(_GatherLogits(vocab_sizes(config, shards.world), shards.group))
 
 
 def broadcast_token(token: torch.Tensor, shards: Shards) -> torch.Tensor:

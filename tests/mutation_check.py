@@ -960,7 +960,7 @@ MUTANTS = [
            "        for handle in handles:\n            handle.remove()\n", "", (ROOFLINE_TESTS,)),
     # ---- tensor parallelism (infer/tensor_parallel.py) ----
     Mutant("tensor parallel: a row-parallel product's partial sums not all-reduced", "infer/tensor_parallel.py",
-           "    dist.all_reduce(out, group=module.__dict__[\"_tp_group\"])\n", "", (TP_TESTS,)),
+           "    dist.all_reduce(out, group=group)\n    return out", "    return out", (TP_TESTS,)),
     Mutant("tensor parallel: ranks outnumbering KV heads take them round-robin, not by query group",
            "infer/tensor_parallel.py", "slice(r // (n // kv), r // (n // kv) + 1)", "slice(r % kv, r % kv + 1)",
            (TP_TESTS,)),
