@@ -157,6 +157,11 @@ class BlockManager:
         block = self._blocks[block_id]
         return block.hash is not None and self._hash_to_block.get(block.hash) == block_id
 
+    def generation(self, block_id: int) -> int:
+        """How many times the block has been handed out for new content (a holder of an older count holds
+        content the block no longer has)."""
+        return self._blocks[block_id].generation
+
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)
@@ -300,6 +305,16 @@ class BlockManager:
                 self._free.append(block_id)
                 released.append(block_id)
         return released
+
+    def forget(self, block_id: int) -> None:
+        """Drop a free block from the prefix cache: no later prompt can find it (nor the blocks cached after
+        it, whose prefix it is). Raises `ValueError` for a block a sequence holds."""
+        block = self._blocks[block_id]
+        if block.ref_count:
+            raise ValueError(f"block {block_id} is held by {block.ref_count} sequences; only a free block can be "
+                             "forgotten")
+        if self.is_cached(block_id) and block.hash is not None:
+            del self._hash_to_block[block.hash]
 
     def truncate(self, seq_id: int, num_tokens: int) -> list[int]:
         """Shrink a sequence to its first `num_tokens` tokens: give back the slots a step reserved but never

@@ -5,19 +5,23 @@ keys have outlier channels that a scale per row cannot hold) and its values as c
 the 4-bit schemes also centre each key channel on its midpoint over the block and store value rows rotated
 (`quant.value_rotation`), as the registered quantized caches do. A block not yet full has no channel scales yet: its
 K/V sit exact, in the model dtype, in a staging slot (KIVI's full-precision residual), and are quantized in the step
-that fills the block. Block tables name a staged block `num_blocks + slot` (`plan_step`), so the ragged batch's writes
-land in staging and its gathers read codes or staging block by block (`QuantizedPoolLayer`).
+that fills the block. A sequence's first block is never quantized: it is its attention sink (BOS and the first
+tokens, where a real model's largest keys sit), kept exact in its slot while any sequence holds it and while the
+prefix cache can still find it (such sinks are forgotten, oldest first, when their slots are needed). Block tables
+name a staged block `num_blocks + slot` (`plan_step`), so the ragged batch's writes land in staging and its gathers
+read codes or staging block by block (`QuantizedPoolLayer`).
 
 The host side is pure Python and all-or-nothing. Each step:
   `plan_step(chunks)`  every block the step writes gets a staging slot, zeroed when written from its first slot
-                       (a full block written in the middle, a prompt's recomputed last token, keeps its codes);
+                       (a full block written in the middle, a prompt's recomputed last token, keeps what it
+                       stores: codes, or a sink's staging);
                        the tables come back with the blocks still partly filled after the step remapped, and the
                        blocks the step fills are listed;
   the forward          each layer zeroes its fresh slots, writes the new K/V there, quantizes the filled blocks into
                        codes (read as codes from this step on, as the quantized cache does), then attends;
   `commit_step()`      filled blocks give their slots back; `abort_step()` gives back the slots `plan_step` took.
 A staged block no sequence holds any more (its request finished or was preempted) gives its slot back at the next
-plan. Sliding-window layers keep their exact rings (infer/cache/batch_storage.py): they are bounded by the window.
+plan, unless it is a sink the prefix cache still finds. Sliding-window layers keep their exact rings (infer/cache/batch_storage.py): they are bounded by the window.
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ class StepPlan:
     they quantize from their slot after the writes (`fill`: (slot, block) pairs, and as device tensors)."""
 
     fill: list[tuple[int, int]] = field(default_factory=list)
-    taken: list[int] = field(default_factory=list)  # blocks given a slot by this plan (undone on abort)
+    taken: list[int] = field(default_factory=list)  # blocks given a free slot by this plan (undone on abort)
+    sealed: list[int] = field(default_factory=list)  # first blocks the step fills: sinks, staged from now on
     fill_slots: torch.Tensor = field(default_factory=lambda: _NO_INTS)
     fill_blocks: torch.Tensor = field(default_factory=lambda: _NO_INTS)
     write_slots: torch.Tensor | None = None  # [N] the staging slot of each new token, in batch order; None: unplanned
@@ -93,6 +98,7 @@ class QuantizedPagedPool:
             extra_bytes=num_blocks * BLOCK_BOOKKEEPING_BYTES)
         self.manager = BlockManager(num_blocks, block_size)
         self._staged: dict[int, int] = {}  # block -> staging slot
+        self._sinks: dict[int, int] = {}  # full first blocks kept staged -> their generation in the manager
         self._free_slots = list(range(stage_slots - 1, -1, -1))
         # Persistent staging by layer: [L, P, Hkv, bs, D] views.
         self.k_persistent = self.k_stage[: self.num_layers * stage_slots].view(self.num_layers, stage_slots,
@@ -143,21 +149,27 @@ class QuantizedPagedPool:
     def plan_step(self, chunks: Sequence[SeqChunk]) -> list[SeqChunk]:
         """Stage every block the chunks write (see the module docstring); return the chunks with the blocks that
         stay staged after the step named `num_blocks + slot` (the blocks the step fills are read as codes, as the
-        quantized cache reads a block in the step that fills it). Raises `CacheFullError`, changing nothing, when
-        staging runs out (the engine sizes it so that it cannot)."""
+        quantized cache reads a block in the step that fills it; a sequence's first block, its sink, stays
+        staged). Raises `CacheFullError`, changing nothing, when staging runs out (the engine sizes it so that it
+        cannot)."""
         bs, n, P = self.block_size, self.num_blocks, self.stage_slots
         self.release_unheld()
-        # Blocks a chunk writes from their first slot: staged across steps unless the step fills them (scratch).
+        # (chunk, block index, first and last position written in the block)
         spans = [(c, j, max(c.start, j * bs), min(c.start + c.num_tokens, (j + 1) * bs)) for c in chunks
                  for j in range(c.start // bs, -(-(c.start + c.num_tokens) // bs))]
-        starting = [(c.block_table[j], last == (j + 1) * bs) for c, j, first, last in spans
+        # Blocks written from their first slot: staged across steps if they stay partly filled or are first blocks
+        # (sinks), else quantized from a scratch row in this step.
+        starting = [(j, last == (j + 1) * bs) for c, j, first, last in spans
                     if first == j * bs and c.block_table[j] not in self._staged]
-        persistent = sum(1 for _, fills in starting if not fills)
-        if persistent > len(self._free_slots) or len(starting) - persistent >= self.scratch_slots:
-            raise CacheFullError(f"the step starts {persistent} blocks that stay partly filled and fills "
-                                 f"{len(starting) - persistent} whole, but {len(self._free_slots)} of "
-                                 f"{self.stage_slots} staging slots and {self.scratch_slots - 1} scratch slots are "
-                                 "free; raise stage_slots / scratch_slots")
+        persistent = sum(1 for j, fills in starting if j == 0 or not fills)
+        free, evictable = len(self._free_slots), self._evictable_sinks()
+        if persistent > free + len(evictable) or len(starting) - persistent >= self.scratch_slots:
+            raise CacheFullError(f"the step starts {persistent} blocks that stay staged and fills "
+                                 f"{len(starting) - persistent} whole, but {free} of {self.stage_slots} staging "
+                                 f"slots and {self.scratch_slots - 1} scratch slots are free; raise stage_slots / "
+                                 "scratch_slots")
+        for block in evictable[: max(persistent - free, 0)]:
+            self._evict_sink(block)
         plan = StepPlan()
         write_slots: list[int] = []
         fresh: list[int] = []
@@ -165,24 +177,26 @@ class QuantizedPagedPool:
         for c, j, first, last in spans:
             block = c.block_table[j]
             fills = last == (j + 1) * bs
+            if block in self._sinks or (block not in self._staged and first > j * bs):
+                # A full block written in the middle holds these very tokens: the last token of a prompt found
+                # whole in the prefix cache, recomputed for its logits. What is stored stays (the write goes to the
+                # discard row), so the request reads what the prefix's first run stored.
+                write_slots += [discard] * (last - first)
+                continue
             if block in self._staged:
                 slot = self._staged[block]
                 if first == j * bs:  # a block taken afresh that its last owner left staged: start it empty
                     fresh.append(slot)
-            elif first > j * bs:
-                # An unstaged block written in the middle is full and holds these very tokens: the last token of a
-                # prompt found whole in the prefix cache, recomputed for its logits. Its codes stay (the write goes
-                # to the discard row), so the request reads what the prefix's first run stored.
-                write_slots += [discard] * (last - first)
-                continue
-            elif fills:  # written whole by this step: quantized from a scratch row
+            elif fills and j > 0:  # written whole by this step: quantized from a scratch row
                 slot, scratch = scratch, scratch + 1
             else:
                 slot = self._staged[block] = self._free_slots.pop()
                 plan.taken.append(block)
                 fresh.append(slot)
             write_slots += [slot] * (last - first)
-            if fills:
+            if fills and j == 0:
+                plan.sealed.append(block)
+            elif fills:
                 plan.fill.append((slot, block))
         device = self.device
 
@@ -192,46 +206,68 @@ class QuantizedPagedPool:
         plan.fill_slots, plan.fill_blocks = ints([f[0] for f in plan.fill]), ints([f[1] for f in plan.fill])
         plan.write_slots, plan.fresh_slots = ints(write_slots), ints(fresh)
         self.plan = plan
-        stays = dict(self._staged)
-        for _, block in plan.fill:
-            stays.pop(block, None)  # a block written whole was never staged
+        filled = {block for _, block in plan.fill}
+        stays = {b: s for b, s in self._staged.items() if b not in filled}
         return [SeqChunk(c.start, c.num_tokens, [n + stays[b] if b in stays else b for b in c.block_table])
                 for c in chunks]
 
     def release_unheld(self) -> None:
         """Staged blocks no sequence holds any more (their request finished or was preempted) give their slots
-        back."""
-        for block in [b for b in self._staged if self.manager.ref_count(b) == 0]:
+        back, except sinks the prefix cache can still find (a later prompt starting the same way reads them); a
+        sink handed out for other content is a sink no longer."""
+        manager = self.manager
+        for block in [b for b, generation in self._sinks.items() if manager.generation(b) != generation]:
+            del self._sinks[block]
+        for block in [b for b in self._staged if manager.ref_count(b) == 0
+                      and not (b in self._sinks and manager.is_cached(b))]:
             self._free_slots.append(self._staged.pop(block))
+            self._sinks.pop(block, None)
+
+    def _evictable_sinks(self) -> list[int]:
+        """Sinks only the prefix cache holds (after `release_unheld`), oldest first: their slots can be had by
+        forgetting them (a later prompt starting the same way recomputes them)."""
+        return [b for b in self._sinks if self.manager.ref_count(b) == 0]
+
+    def _evict_sink(self, block: int) -> None:
+        self.manager.forget(block)
+        del self._sinks[block]
+        self._free_slots.append(self._staged.pop(block))
 
     def commit_step(self) -> None:
-        """The step ran: the blocks it filled are codes now and give their slots back."""
+        """The step ran: the blocks it filled are codes now and give their slots back; the first blocks it filled
+        are sinks from now on."""
         for slot, block in self.plan.fill:
             if slot < self.stage_slots and self._staged.get(block) == slot:
                 del self._staged[block]
                 self._free_slots.append(slot)
+        for block in self.plan.sealed:
+            self._sinks[block] = self.manager.generation(block)
         self.plan = StepPlan()
 
     def abort_step(self) -> None:
         """The step raised: give back the slots it took (its blocks are as they were: staged ones still hold
-        their tokens, the rest their codes)."""
+        their tokens, the rest their codes; sinks it had to evict stay forgotten)."""
         for block in self.plan.taken:
             self._free_slots.append(self._staged.pop(block))
         self.plan = StepPlan()
 
     def copy_blocks(self, copies: Sequence[CopyOnWrite]) -> None:
         """Do the allocator's copy-on-write copies: codes, scales and offsets in every layer, and the staging of a
-        staged source (a block copied while partly filled stays exact in its copy). Raises `CacheFullError`,
-        copying nothing, when a staged source finds no free slot."""
+        staged source (a block copied while partly filled, or a sink, stays exact in its copy). Raises
+        `CacheFullError`, copying nothing, when a staged source finds no free slot."""
         if not copies:
             return
         for c in copies:  # the destination was free: a slot it kept is stale
             if c.dst in self._staged:
                 self._free_slots.append(self._staged.pop(c.dst))
+                self._sinks.pop(c.dst, None)
         staged_src = [c for c in copies if c.src in self._staged]
-        if len(staged_src) > len(self._free_slots):
-            raise CacheFullError(f"copy-on-write of {len(staged_src)} partly filled blocks needs as many staging "
+        evictable = [b for b in self._evictable_sinks() if b not in {c.src for c in copies}]
+        if len(staged_src) > len(self._free_slots) + len(evictable):
+            raise CacheFullError(f"copy-on-write of {len(staged_src)} staged blocks needs as many staging "
                                  f"slots; {len(self._free_slots)} are free")
+        for block in evictable[: max(len(staged_src) - len(self._free_slots), 0)]:
+            self._evict_sink(block)
         src = torch.tensor([c.src for c in copies], device=self.device)
         dst = torch.tensor([c.dst for c in copies], device=self.device)
         for t in (self.k_codes, self.v_codes, self.k_scale, self.v_scale, self.k_offset):
@@ -241,6 +277,8 @@ class QuantizedPagedPool:
             self._staged[c.dst] = slot
             self.k_persistent[:, slot] = self.k_persistent[:, self._staged[c.src]]
             self.v_persistent[:, slot] = self.v_persistent[:, self._staged[c.src]]
+            if c.src in self._sinks:
+                self._sinks[c.dst] = self.manager.generation(c.dst)
 
 
 class QuantizedPoolLayer:
@@ -323,7 +361,11 @@ def _dequantize_rows(pool: QuantizedPagedPool, codes: torch.Tensor, scales: torc
 
 
 def staging_for(max_num_seqs: int, max_num_batched_tokens: int, block_size: int) -> tuple[int, int]:
-    """(stage_slots, scratch_slots) that never run out. A request holds one partly filled block between steps and
-    at most two during one (the one it fills and the next it starts); a step writes at most a block's worth of
-    tokens into each block it fills whole; one more scratch row takes the writes that change nothing."""
-    return 2 * max_num_seqs, max_num_batched_tokens // block_size + 1
+    """(stage_slots, scratch_slots) that never run out. A running request holds at most two staged blocks between
+    steps (its sink, unless shared, and its partly filled last block) and in a step one more only when its chunk
+    fills a staged block and starts the next: a prompt chunk continuing where the token budget cut it, which the
+    scheduler leaves to one request at a time (the last it fits in a step; the next step continues it before
+    admitting another). Sinks only the prefix cache holds are forgotten when their slots are needed. A step
+    writes at most a block's worth of tokens into each block it fills whole; one more scratch row takes the writes
+    that change nothing."""
+    return 2 * max_num_seqs + 1, max_num_batched_tokens // block_size + 1

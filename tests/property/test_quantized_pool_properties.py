@@ -1,9 +1,9 @@
 """The batched engine with quantized blocks (`Engine(kv_cache_dtype=...)`), as properties.
 
 The contract: a request's K/V go through the pool exactly as through the single-request quantized cache with the same
-layout (`QuantizedCache(key_scales="channel", residual_block=block_size)`: keys one scale per channel over each block
-of tokens (4-bit: around each channel's midpoint), values one per row (4-bit: rotated), a block quantized in the step
-that fills it and exact until then), whatever else is batched with it, shares its prefix, preempts it or copies its
+layout (`QuantizedCache(key_scales="channel", residual_block=block_size, sink_tokens=block_size)`: keys one scale per
+channel over each block of tokens (4-bit: around each channel's midpoint), values one per row (4-bit: rotated), a
+block quantized in the step that fills it and exact until then, the first block exact throughout), whatever else is batched with it, shares its prefix, preempts it or copies its
 blocks. A key is read quantized from the step in which its block fills, so the reference replays the engine's chunks:
 token by token when the engine runs one token per step, the engine's own chunk sizes for a lone request. Logits must
 then agree within fp32 rounding: a scale not copied on copy-on-write, a block quantized a step late or read from stale
@@ -36,7 +36,7 @@ def quantized_solo_logits(model: Transformer, scheme: str, block_size: int, prom
     layout, fed `prompt + tokens` in `chunks` (default: one token at a time)."""
     sequence = prompt + tokens[:-1]
     cache = QuantizedCache(model.config, max_seq_len=len(sequence), scheme=scheme, key_scales="channel",
-                           residual_block=block_size, sink_tokens=0, residual_window=0,
+                           residual_block=block_size, sink_tokens=block_size, residual_window=0,
                            key_offsets=DEFAULT_KEY_OFFSETS[scheme], rotate_values=DEFAULT_ROTATE_VALUES[scheme],
                            device=model.embed_tokens.weight.device)
     sizes = list(chunks) if chunks is not None else [1] * len(sequence)
@@ -187,3 +187,37 @@ def test_copy_on_write_of_a_quantized_block_keeps_its_codes_and_scales(
     assert len(copied) == followers, "each follower copies the shared last block once"
     assert all(engine.result(rid).num_prefix_hit_tokens == len(prompt) - 1 for rid in ids[1:])
     check_against_solo(engine, model, scheme, block_size, [prompt] * len(ids), ids, [len(prompt)])
+
+
+@given(data=st.data(), seed=st.integers(0, 999))
+def test_staging_sized_for_the_engine_never_runs_out(data: st.DataObject, seed: int) -> None:
+    """Many requests with their own first blocks (each a sink held exact) and shared ones, prefilled in chunks the
+    token budget cuts mid-block, arriving over time, in pools small enough to preempt: the staging the engine sizes
+    (`staging_for`) is always enough, and between steps every running request holds at most two staged blocks
+    (its sink and its partly filled block) besides the sinks only the prefix cache keeps."""
+    config = even_head_dim(data.draw(model_configs()))
+    model = random_model(config, seed=seed)
+    block_size = data.draw(st.integers(1, 4))
+    shared = data.draw(st.lists(st.integers(0, config.vocab_size - 1), max_size=2 * block_size))
+    prompts = [shared + data.draw(st.lists(st.integers(0, config.vocab_size - 1), min_size=1, max_size=20))
+               for _ in range(data.draw(st.integers(2, 8)))]
+    arrivals = [data.draw(st.integers(0, 6)) for _ in prompts]
+    new = data.draw(st.integers(1, 5))
+    longest = max(len(p) for p in prompts) + new
+    engine = Engine(model, None, num_blocks=data.draw(st.integers(-(-longest // block_size) + 1, 40)),
+                    block_size=block_size, max_num_seqs=data.draw(st.integers(1, 4)),
+                    max_num_batched_tokens=data.draw(st.integers(2, 9)), kv_cache_dtype=data.draw(
+                        st.sampled_from(KV_CACHE_DTYPES)), bound_sliding_layers=False, decode_attention="sdpa")
+    pool, params = engine.pool, SamplingParams(max_new_tokens=new, temperature=0.0)
+    ids = []
+    step = 0
+    while step <= max(arrivals) or engine.has_unfinished():
+        ids += [engine.add_request(p, params) for p, a in zip(prompts, arrivals, strict=True) if a == step]
+        engine.step()  # raises CacheFullError if staging ran out
+        manager = pool.manager
+        pool.release_unheld()  # as the next step's plan does first (a newer identical block may have won the entry)
+        held = {b for s in manager.seq_ids for b in manager.block_table(s)}
+        assert len(set(pool.staged_blocks) & held) <= 2 * len(manager.seq_ids)
+        assert all(manager.is_cached(b) for b in set(pool.staged_blocks) - held), "a stale block kept its slot"
+        step += 1
+    assert all(engine.result(i).finish_reason == "length" for i in ids)
