@@ -33,6 +33,9 @@ def add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
                    help="run a one-token step's norms, rotations and activation as PyTorch ops, not native calls")
     p.add_argument("--no-native-step", action="store_true",
                    help="run a one-token step layer by layer (the per-op path), not every layer in one native call")
+    p.add_argument("--no-few-row-products", action="store_true",
+                   help="run bf16 products of 2-64 rows (the batched engine's decode steps) through F.linear, not "
+                        "the native few-row kernel")
     p.add_argument("--weights", default="auto", choices=["auto", "int8", "int4", "stored", "dense"],
                    help="storage of the projections: int8 / int4 quantize at load, stored keeps a GGUF file's or a "
                         "quantized checkpoint's codes, dense dequantizes (auto: stored where the file is quantized)")
@@ -87,4 +90,6 @@ def load_with_args(path: Path, args: argparse.Namespace) -> Transformer:
                        tensor_parallel=shards is not None)
     model.native_ops = not args.no_native_ops
     model.native_step = not args.no_native_step
+    if getattr(args, "no_few_row_products", False):
+        model.gemm_rows = 1
     return model

@@ -41,6 +41,7 @@ from infer.tensor_parallel import (
 )
 from infer.tuning import (
     choose_decode_gemv,
+    choose_gemm_rows,
     choose_prefill_dtype,
     choose_quantized_gemv,
     choose_quantized_rows,
@@ -357,8 +358,10 @@ def load_model(
             rows = int(choose_quantized_rows(largest.qweight, torch_dtype, model.compute_dtype).value)
             model.quantized_rows = rows
     else:
-        model.decode_gemv = choose_decode_gemv(
-            [m.weight for m in model.modules() if isinstance(m, Linear)], decode_gemv).value
+        dense_weights = [m.weight for m in model.modules() if isinstance(m, Linear)]
+        model.decode_gemv = choose_decode_gemv(dense_weights, decode_gemv).value
+        if model.decode_gemv == "native" and torch_dtype == torch.bfloat16:
+            model.gemm_rows = int(choose_gemm_rows(dense_weights).value)
     if shards is not None:
         install(model, config, shards)
     model.eos_token_ids = config.eos_token_ids if gguf_file else _generation_eos_ids(path, config.eos_token_ids)

@@ -203,6 +203,44 @@ def choose_quantized_rows(weight: QuantizedWeight, dtype: torch.dtype, compute: 
                                           f"({weight.scheme}): {', '.join(timed)}"))
 
 
+def choose_gemm_rows(weights: list[torch.Tensor], forced: int | None = None) -> Choice:
+    """Rows of input up to which dense bf16 products run the native few-row kernel (infer/kernels/cpu_decode.c,
+    `infer_gemm_bf16`) rather than F.linear: the batched engine's decode steps. Timed as a step reads the weights
+    (a sweep over them in model order, as `choose_decode_gemv` does), doubling the rows from 2 while the kernel is
+    the faster by 3%, alternately. 1 where the weights are not bf16 or the build lacks AVX512-BF16. `forced`
+    skips the timing."""
+    name = "few-row bf16 product rows"
+    if forced is not None:
+        return record(Choice(name, str(forced), "forced by the caller"))
+    kernels = native_kernels()
+    sweep = _sweep_weights(weights)
+    if kernels is None or not kernels.gemm_bf16_available:
+        why = unavailable_reason() if kernels is None else f"no AVX512-BF16 in this build ({kernels.isa})"
+        return record(Choice(name, "1", f"F.linear for every multi-row product: {why}"))
+    if not sweep or any(w.dtype != torch.bfloat16 or not kernels.supports(w) for w in sweep):
+        return record(Choice(name, "1", "F.linear for every multi-row product: the weights are not bf16"))
+    rows, timed = 1, []
+    for m in (2, 4, 8, 16, 32, 64):
+        inputs = {w.shape[1]: torch.randn(m, w.shape[1]).to(torch.bfloat16) for w in sweep}
+        times = _time_alternately({
+            "kernel": functools.partial(_sweep_products, kernels.gemm_bf16, sweep, inputs),
+            "linear": functools.partial(_sweep_products, torch.nn.functional.linear, sweep, inputs, swap=True),
+        }, torch.device("cpu"), repeats=3)
+        timed.append(f"{m}: {times['kernel'] * 1e3:.1f} / {times['linear'] * 1e3:.1f} ms")
+        if times["kernel"] >= 0.97 * times["linear"]:
+            break
+        rows = m
+    megabytes = sum(w.nbytes for w in sweep) / 2**20
+    return record(Choice(name, str(rows), f"native kernel / F.linear over {len(sweep)} weights ({megabytes:.0f} "
+                                          f"MiB) by rows: {', '.join(timed)} (medians, alternately)"))
+
+
+def _sweep_products(product: Callable[..., object], sweep: list[torch.Tensor], inputs: dict[int, torch.Tensor],
+                    swap: bool = False) -> list[object]:
+    """`product(weight, x)` (`product(x, weight)` with `swap`) for every weight of the sweep."""
+    return [product(inputs[w.shape[1]], w) if swap else product(w, inputs[w.shape[1]]) for w in sweep]
+
+
 _SWEEP_MIN_BYTES = 2**30
 
 

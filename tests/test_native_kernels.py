@@ -285,3 +285,38 @@ def test_native_step_ops_match_pytorch_ops(arch: str) -> None:
         on = model(batch)
         model.native_ops = False
         assert torch.equal(on, model(batch)), "a batch of one-token rows takes PyTorch's ops"
+
+
+needs_bf16_pairs = pytest.mark.skipif(native_kernels() is None or not native_kernels().gemm_bf16_available,
+                                      reason="the few-row bf16 product needs AVX512-BF16 (and a native build)")
+
+
+@needs_bf16_pairs
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 21), n=st.integers(1, 70), k=st.integers(1, 300), with_bias=st.booleans(),
+       threads=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_the_few_row_bf16_product_is_the_formula(m: int, n: int, k: int, with_bias: bool, threads: int,
+                                                 seed: int) -> None:
+    """Every output of `gemm_bf16` (tiles of 4 weight rows by 4 input rows, spare lanes, the tail of k) within the
+    rounding of fp32 sums rounded once to bf16, and bit for bit what it gives for that input row alone (each
+    output is its own sum in a fixed order: the batch around a request never changes its projections)."""
+    kernels = native_kernels()
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16() if with_bias else None
+    x_before = x.clone()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = kernels.gemm_bf16(w, x, bias)
+        alone = [kernels.gemm_bf16(w, x[j : j + 1], bias)[0] for j in range(m)]
+    finally:
+        torch.set_num_threads(before)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n) and torch.equal(x, x_before)
+    for j in range(m):
+        exact = w.double() @ x[j].double() + (0 if bias is None else bias.double())
+        excess = (y[j].double() - exact).abs() - error_bound(w, x[j], bias, torch.bfloat16)
+        assert excess.max() <= 0, f"m={m} n={n} k={k}: row {j}, output {int(excess.argmax())} off by more than rounding"
+        assert torch.equal(y[j], alone[j]), f"row {j} depends on the other rows of the call"

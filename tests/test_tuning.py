@@ -108,11 +108,58 @@ def test_one_row_forms_leave_batches_and_prefill_to_linear(form: str, arch: str,
 
     path = build_checkpoint(arch, **overrides)
     linear, other = (infer.load_model(path, decode_gemv=f, dtype=dtype) for f in ("linear", form))
+    if form == "native":
+        other.gemm_rows = 1  # bf16 batches of a few rows have their own kernel (the test below)
     ids = torch.randint(0, 400, (2, 5), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert torch.equal(linear(ids), other(ids)), "batches and prefill never take the one-row path"
         assert torch.equal(linear(ids[:, :1]), other(ids[:, :1])), "a batch of one-token rows is not one row"
         assert torch.equal(linear(ids[:1]), other(ids[:1])), "a one-sequence prefill is not one row"
+
+
+def few_row_kernel_here() -> bool:
+    from infer.kernels.native import native_kernels
+
+    kernels = native_kernels()
+    return kernels is not None and kernels.gemm_bf16_available
+
+
+@pytest.mark.skipif(not few_row_kernel_here(), reason="no AVX512-BF16 native build here")
+@pytest.mark.parametrize(("arch", "overrides"), PREFILL_CASES, ids=["qwen3-bias", "gemma3-h48"])
+def test_bf16_batches_of_a_few_rows_take_the_native_product_within_rounding(
+        arch: str, overrides: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `gemm_rows`, bf16 products of 2 to that many rows (a batch of one-token rows, a short prefill) run the
+    native few-row kernel, longer ones F.linear; the logits stay within bf16 rounding of the F.linear model's (fp32
+    sums in another order, each rounded once to bf16)."""
+    import infer
+    from infer.kernels.native import NativeKernels
+    from reference import build_checkpoint
+
+    path = build_checkpoint(arch, **overrides)
+    linear = infer.load_model(path, decode_gemv="linear", dtype="bfloat16")
+    native = infer.load_model(path, decode_gemv="native", dtype="bfloat16")
+    native.gemm_rows, native.native_step = 8, False
+    rows: list[int] = []
+    product = NativeKernels.gemm_bf16
+
+    def counted(self: NativeKernels, w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        rows.append(x.numel() // w.shape[1])
+        return product(self, w, x, bias)
+
+    monkeypatch.setattr(NativeKernels, "gemm_bf16", counted)
+    ids = torch.randint(0, 400, (6, 3), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        for batch in (ids[:, :1], ids[:2], ids[:1]):  # 6 one-token rows, 2 x 3 = 6 rows, 3 rows
+            rows.clear()
+            got, want = native(batch).float(), linear(batch).float()
+            assert rows and set(rows) == {batch.numel()}, f"{tuple(batch.shape)}: the few-row kernel was not used"
+            assert (got - want).abs().max() <= 0.05 * want.abs().max(), "beyond bf16 rounding of F.linear's logits"
+        rows.clear()
+        native(ids)  # 18 rows: past gemm_rows
+        assert not rows, "more rows than gemm_rows still took the few-row kernel"
+    with pytest.raises(ValueError, match="gemm_rows must be an int >= 1"):
+        native.gemm_rows = 0
 
 
 @pytest.mark.skipif(not native_here(), reason="no native build here")
@@ -270,3 +317,17 @@ def test_native_form_is_refused_off_the_cpu() -> None:
     with pytest.raises(ValueError, match="runs on the CPU; this model is on meta"):
         model.decode_gemv = "native"
     assert model.decode_gemv == "linear", "a refused form changes nothing"
+
+
+def test_few_row_product_rows_are_measured_forced_or_one() -> None:
+    """fp32 weights keep F.linear for every multi-row product; forcing skips the timing; bf16 weights on a build
+    with the kernel get a measured count, doubling from 2, that the timing shows."""
+    from infer.tuning import choose_gemm_rows
+
+    assert choose_gemm_rows([torch.randn(64, 64)]).value == "1"
+    assert choose_gemm_rows([torch.randn(64, 64).bfloat16()], forced=16).value == "16"
+    chosen = choose_gemm_rows([torch.randn(256, 128).bfloat16()])
+    if few_row_kernel_here():
+        assert chosen.value in {"1", "2", "4", "8", "16", "32", "64"} and "2: " in chosen.reason
+    else:
+        assert chosen.value == "1", "no kernel here: F.linear for every multi-row product"

@@ -21,7 +21,8 @@ The host side is pure Python and all-or-nothing. Each step:
                        codes (read as codes from this step on, as the quantized cache does), then attends;
   `commit_step()`      filled blocks give their slots back; `abort_step()` gives back the slots `plan_step` took.
 A staged block no sequence holds any more (its request finished or was preempted) gives its slot back at the next
-plan, unless it is a sink the prefix cache still finds. Sliding-window layers keep their exact rings (infer/cache/batch_storage.py): they are bounded by the window.
+plan, unless it is a sink the prefix cache still finds. Sliding-window layers keep their exact rings
+(infer/cache/batch_storage.py): they are bounded by the window.
 """
 
 from __future__ import annotations

@@ -110,11 +110,16 @@ class NativeKernels:
         lib.infer_decode_step.restype = ctypes.c_int
         self._decode_step = lib.infer_decode_step
         self._gemv = lib.infer_gemv
+        lib.infer_gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        lib.infer_gemm_bf16.restype = ctypes.c_int
+        self._gemm_bf16 = lib.infer_gemm_bf16
         self._read = lib.infer_read
         self.path = path
         self.isa: str = lib.infer_isa().decode()
         self.openmp = openmp  # without OpenMP a build runs on one thread
         self.dtypes = frozenset(d for d, code in DTYPE_CODES.items() if lib.infer_supports(code))
+        # The few-row bf16 product needs the bf16 pair instruction (AVX512-BF16); a call on no rows asks.
+        self.gemm_bf16_available = lib.infer_gemm_bf16(None, None, None, None, 0, 0, 0, 1) == 0
 
     def __repr__(self) -> str:
         return f"NativeKernels({self.isa}{'' if self.openmp else ', one thread'}, {self.path.name})"
@@ -138,6 +143,22 @@ class NativeKernels:
                       None if bias is None else bias.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads()):
             raise MemoryError(f"the native GEMV could not allocate {4 * k} bytes to widen x")
         return out
+
+    def gemm_bf16(self, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`x @ weight.T (+ bias)` for a few rows `x` `[..., k]` of bf16 (the engine's decode steps): fp32 sums,
+        rounded once, as F.linear's. Needs `gemm_bf16_available` and a bf16 weight `supports` takes."""
+        n, k = weight.shape
+        rows = x.reshape(-1, k)
+        if rows.dtype != torch.bfloat16 or not rows.is_contiguous():
+            rows = rows.to(torch.bfloat16).contiguous()
+        if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+            bias = bias.to(torch.bfloat16).contiguous()
+        out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+        if self._gemm_bf16(weight.data_ptr(), rows.data_ptr(), None if bias is None else bias.data_ptr(),
+                           out.data_ptr(), rows.shape[0], n, k, torch.get_num_threads()):
+            raise ValueError("the native bf16 product needs the AVX512-BF16 pair instruction; this build is "
+                             f"{self.isa}")
+        return out.view(*x.shape[:-1], n)
 
     def takes(self, weight: QuantizedWeight) -> bool:
         """Whether `quantized_gemv` and `dequantize` take this quantized weight: contiguous CPU tensors whose

@@ -68,10 +68,17 @@ class Linear(ProjectionTraits, nn.Linear):
     can upcast; a one-token decode GEMV is bandwidth-bound and stays in the weights' dtype. For that one
     row, `F.linear` may take a GEMM kernel that streams the weights slower than `torch.mv` does (oneDNN's
     AMX path with a single row), and both stream slower than the native kernel (infer/kernels/cpu_decode.c):
-    `gemv` is chosen by measurement (infer.tuning); "linear" is the unoptimised form and the check.
+    `gemv` is chosen by measurement (infer.tuning); "linear" is the unoptimised form and the check. With "native",
+    bf16 inputs of 2 to `native_rows` rows (the batched engine's decode steps) take the native few-row product,
+    which streams the weights once where ATen's GEMM repacks them on every call (infer.tuning.choose_gemm_rows).
     """
 
+    native_rows = 1  # rows up to which "native" runs the compiled kernels: one the GEMV, more the few-row product
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.gemv == "native" and self.native_rows > 1 and x.dtype == torch.bfloat16 == self.weight.dtype
+                and not x.requires_grad and self.in_features < x.numel() <= self.native_rows * self.in_features):
+            return native_kernels_or_raise().gemm_bf16(self.weight, x, self.bias)
         if self.gemv != "linear" and self.one_row(x):
             # One row: the matrix-vector product itself, without the GEMM machinery.
             if self.gemv == "native":
@@ -105,7 +112,7 @@ def fuse_linears(parts: list[Linear], huge_pages: bool = False) -> Linear:
         fused = Linear(parts[0].in_features, weight.shape[0], bias=bias is not None)
     fused.weight = nn.Parameter(weight, requires_grad=False)
     fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-    fused.upcast, fused.gemv = parts[0].upcast, parts[0].gemv
+    fused.upcast, fused.gemv, fused.native_rows = parts[0].upcast, parts[0].gemv, parts[0].native_rows
     start = 0
     for p in parts:
         rows = p.out_features
@@ -511,6 +518,26 @@ class Transformer(nn.Module):
             raise ValueError(f"quantized_rows must be an int >= 0, got {rows!r}")
         for module in self._linears():
             if isinstance(module, QuantizedLinear):
+                module.native_rows = rows
+
+    @property
+    def gemm_rows(self) -> int:
+        """Rows of input up to which dense bf16 products run the native few-row kernel when `decode_gemv` is
+        "native" (1: only one-row products; infer.tuning.choose_gemm_rows measures it at load). Sums in another
+        order than F.linear: equal within rounding."""
+        projections = [m for m in self._linears() if isinstance(m, Linear)]
+        return projections[0].native_rows if projections else 1
+
+    @gemm_rows.setter
+    def gemm_rows(self, rows: int) -> None:
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise ValueError(f"gemm_rows must be an int >= 1, got {rows!r}")
+        kernels = native_kernels()
+        if rows > 1 and (kernels is None or not kernels.gemm_bf16_available):
+            why = unavailable_reason() if kernels is None else f"this build ({kernels.isa}) has no AVX512-BF16"
+            raise ValueError(f"gemm_rows > 1 needs the native few-row bf16 kernel: {why}; leave it at 1")
+        for module in self._linears():
+            if isinstance(module, Linear):
                 module.native_rows = rows
 
     @property

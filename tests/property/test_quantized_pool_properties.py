@@ -2,13 +2,13 @@
 
 The contract: a request's K/V go through the pool exactly as through the single-request quantized cache with the same
 layout (`QuantizedCache(key_scales="channel", residual_block=block_size, sink_tokens=block_size)`: keys one scale per
-channel over each block of tokens (4-bit: around each channel's midpoint), values one per row (4-bit: rotated), a
-block quantized in the step that fills it and exact until then, the first block exact throughout), whatever else is batched with it, shares its prefix, preempts it or copies its
-blocks. A key is read quantized from the step in which its block fills, so the reference replays the engine's chunks:
-token by token when the engine runs one token per step, the engine's own chunk sizes for a lone request. Logits must
-then agree within fp32 rounding: a scale not copied on copy-on-write, a block quantized a step late or read from stale
-staging shows up at once, where a lossy bound would hide it (tests/test_quantized_pool.py holds the pool to the exact
-cache by the bounds).
+channel over each block of tokens (4-bit: around each channel's midpoint), values one per row (4-bit: rotated), a block
+quantized in the step that fills it and exact until then, the first block exact throughout), whatever else is batched
+with it, shares its prefix, preempts it or copies its blocks. A key is read quantized from the step in which its block
+fills, so the reference replays the engine's chunks: token by token when the engine runs one token per step, the
+engine's own chunk sizes for a lone request. Logits must then agree within fp32 rounding: a scale not copied on
+copy-on-write, a block quantized a step late or read from stale staging shows up at once, where a lossy bound would
+hide it (tests/test_quantized_pool.py holds the pool to the exact cache by the bounds).
 """
 
 from __future__ import annotations
