@@ -453,8 +453,13 @@ def _read_saved(headers: dict[str, _Header], prefix: str, layout: _SavedLayout) 
     weight = QuantizedWeight(layout.scheme, read(f"{prefix}.codes"), read(f"{prefix}.scales"), mins, layout.group)
     n, k = layout.shape
     expected_codes = (n, k // 2) if weight.fmt == "q4" else (n, k)
-    if tuple(weight.codes.shape) != expected_codes or tuple(weight.scales.shape) != (n, k // max(layout.group, 1)) \
-            or (mins is not None and mins.shape != weight.scales.shape) or (weight.fmt == "q4") != (mins is not None):
+    # factored k-quant scales (int8) carry a row's float16 super-scales, one per 256 inputs, after its multipliers
+    factored = weight.factored and layout.scheme in ("Q4_K", "Q6_K") and k % 256 == 0
+    expected_scales = (n, k // max(layout.group, 1) + (2 * (k // 256) if factored else 0))
+    if tuple(weight.codes.shape) != expected_codes or tuple(weight.scales.shape) != expected_scales \
+            or (weight.factored and not factored) or (mins is not None and (mins.shape != weight.scales.shape
+                                                                            or mins.dtype != weight.scales.dtype)) \
+            or (weight.fmt == "q4") != (mins is not None):
         raise CheckpointError(f"{headers[prefix + '.codes'].file}: the quantized weight {prefix} ({layout.scheme}, "
                               f"group {layout.group}) has tensors of the wrong shapes for {layout.shape}")
     if layout.scheme == "Q6_K" and (weight.codes.dtype != torch.int8 or weight.codes.numel() and bool(

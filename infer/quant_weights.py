@@ -15,9 +15,14 @@ The schemes (`QuantizedWeight.scheme`, recorded when a model is saved):
   "int4"  asymmetric group-wise (groups of 32, 64 or 128 inputs), float16 scales and mins: made here
   "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q6_K"  a GGUF file's blocks re-laid out without changing a value: Q4_0's
           `d * (q - 8)` is `d * q + (-8 d)`, exact in fp32; Q4_K's per-32 `d * sc` and `dmin * m` are the fp32
-          products llama.cpp forms (so its scales are float32); Q5_0 is q8 codes `q - 16` under its fp16 `d`;
-          Q6_K is q8 codes `q - 32` in groups of 16 (its
-          sub-blocks) under its fp32 `d * sc` (the one format whose group is not whole runs of 32)
+          products llama.cpp forms; Q5_0 is q8 codes `q - 16` under its fp16 `d`; Q6_K is q8 codes `q - 32` in
+          groups of 16 (its sub-blocks; the one format whose group is not whole runs of 32) under `d * sc`
+
+Q4_K's and Q6_K's scales (and Q4_K's mins) stay factored as the file stores them ("factored" scales, int8): per
+row, one int8 multiplier per group (sc, m) then one float16 super-scale per 256 inputs (d, -dmin) as bytes; the
+kernels form each group's `super * multiplier` in fp32, the same product, so nothing changes but the bytes: 0.58 and
+1.07 bytes a weight with the codes instead of 0.75 and 1.25 with float32 scales per group (`unfactored()` gives
+those, for the GPU kernels and the other readers).
 
 `dequantize` is the reference every kernel is held to: `scale * q (+ min)` in fp32, two roundings, as
 llama.cpp's dequantization and `infer.gguf_quants` compute them.
@@ -46,8 +51,8 @@ class QuantizedWeight:
 
     scheme: str  # "int8" | "int4" | one of STORED_KINDS: what made the codes
     codes: torch.Tensor  # q8: int8 [n, k]; q4: uint8 [n, k // 2]
-    scales: torch.Tensor  # [n, k // group], float16 or float32
-    mins: torch.Tensor | None  # q4: [n, k // group], the scales' dtype; q8: None
+    scales: torch.Tensor  # [n, k // group], float16 or float32; factored (int8): [n, k // group + 2 * (k // 256)]
+    mins: torch.Tensor | None  # q4: as scales, the scales' dtype; q8: None
     group: int
 
     @functools.cached_property
@@ -59,6 +64,21 @@ class QuantizedWeight:
         mins = None if self.mins is None else self.mins.data_ptr()
         fmt = "q6" if self.scheme == "Q6_K" else self.fmt
         return fmt, self.codes.data_ptr(), self.scales.dtype, self.scales.data_ptr(), mins, n, k, self.group
+
+    @property
+    def factored(self) -> bool:
+        """Whether the scales (and mins) are a k-quant's factored form (int8 multipliers under float16
+        super-scales; see the module docstring)."""
+        return self.scales.dtype == torch.int8
+
+    def unfactored(self) -> QuantizedWeight:
+        """The same weight with float32 scales (and mins) per group: each `super * multiplier`, the product the
+        kernels form. Itself where the scales are not factored."""
+        if not self.factored:
+            return self
+        k = self.shape[1]
+        mins = None if self.mins is None else _unfactor(self.mins, k)
+        return replace(self, scales=_unfactor(self.scales, k), mins=mins)
 
     @property
     def fmt(self) -> str:
@@ -86,7 +106,9 @@ class QuantizedWeight:
         return (self.codes, self.scales) if self.mins is None else (self.codes, self.scales, self.mins)
 
     def to(self, device: torch.device | str) -> QuantizedWeight:
-        """The same weight on `device`."""
+        """The same weight on `device` (off the CPU with float32 scales per group: the GPU kernels read those)."""
+        if self.factored and torch.device(device).type != "cpu":
+            return self.unfactored().to(device)
         mins = None if self.mins is None else self.mins.to(device)
         return replace(self, codes=self.codes.to(device), scales=self.scales.to(device), mins=mins)
 
@@ -102,6 +124,8 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense `[n, k]` weight: `scale * q (+ min)` in fp32, then rounded once to `dtype`."""
+        if self.factored:
+            return self.unfactored().dequantize(dtype)
         n, k = self.shape
         q = unpack_q4(self.codes) if self.fmt == "q4" else self.codes
         q = q.float().reshape(n, k // self.group, self.group)
@@ -109,6 +133,23 @@ class QuantizedWeight:
         if self.mins is not None:
             w = w + self.mins.float().unsqueeze(-1)
         return w.reshape(n, k).to(dtype)
+
+
+def factor(multipliers: torch.Tensor, supers: torch.Tensor) -> torch.Tensor:
+    """Factored scales: per row the int8 `multipliers` `[n, groups]`, then the float16 `supers` `[n, k // 256]` as
+    their bytes (int8 `[n, groups + 2 * (k // 256)]`)."""
+    n = multipliers.shape[0]
+    super_bytes = supers.to(torch.float16).contiguous().view(torch.int8).reshape(n, -1)
+    return torch.cat((multipliers.to(torch.int8), super_bytes), dim=1)
+
+
+def _unfactor(factored: torch.Tensor, k: int) -> torch.Tensor:
+    """float32 `[n, groups]`: each group's `super * multiplier` (the kernels' product: exact in fp32)."""
+    supers = k // 256
+    groups = factored.shape[1] - 2 * supers
+    multipliers = factored[:, :groups].float()
+    d = factored[:, groups:].contiguous().view(torch.float16).float()
+    return d.repeat_interleave(groups // supers, dim=1) * multipliers
 
 
 def unpack_q4(packed: torch.Tensor) -> torch.Tensor:
@@ -248,16 +289,16 @@ def _from_gguf_rows(raw: torch.Tensor, kind: str, shape: tuple[int, int]) -> Qua
         return QuantizedWeight(kind, codes, _f16(blocks, 0).reshape(n, -1).clone(), None, 32)
     if kind == "Q6_K":  # 16 sub-blocks of 16: int8 scales under one fp16 d, 6-bit codes offset by 32
         q = _q6_k_codes(blocks).reshape(n, k)
-        scales = _f16(blocks, 208).float().unsqueeze(1) * blocks[:, 192:208].contiguous().view(torch.int8).float()
-        return QuantizedWeight(kind, q, scales.reshape(n, -1), None, 16)
+        sc = blocks[:, 192:208].contiguous().view(torch.int8).reshape(n, -1)
+        return QuantizedWeight(kind, q, factor(sc, _f16(blocks, 208).reshape(n, -1)), None, 16)
     # Q4_K: super-blocks of 256 in 8 sub-blocks of 32, 6-bit scales and mins under fp16 d and dmin; each run of
     # 32 bytes holds sub-block 2j in its low nibbles and 2j + 1 in its high ones.
     sc, mn = _k_scales(blocks[:, 4:16])
-    scales = _f16(blocks, 0).float().unsqueeze(1) * sc
-    mins = -(_f16(blocks, 2).float().unsqueeze(1) * mn)
     packed = blocks[:, 16:].reshape(-1, 4, 32)
     q = torch.stack((packed & 0x0F, packed >> 4), dim=2).reshape(n, k)  # element order restored
-    return QuantizedWeight(kind, pack_q4(q), scales.reshape(n, -1), mins.reshape(n, -1), 32)
+    # mins under -dmin (a float16 negation is exact): -(dmin * m), the product llama.cpp subtracts
+    return QuantizedWeight(kind, pack_q4(q), factor(sc.reshape(n, -1), _f16(blocks, 0).reshape(n, -1)),
+                           factor(mn.reshape(n, -1), -_f16(blocks, 2).reshape(n, -1)), 32)
 
 
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | None:

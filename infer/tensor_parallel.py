@@ -255,6 +255,7 @@ def cut_weight(weight: QuantizedWeight, cut: Cut | None) -> QuantizedWeight | No
         return weight.rows(cut.part).clone()
     _, k = weight.shape
     start, stop, _ = cut.part.indices(k)
+    weight = weight.unfactored()  # a column cut splits a row's groups from its super-scales
     grain = max(weight.group, 32 if weight.fmt == "q4" else 1)
     if start % grain or stop % grain:
         return None

@@ -19,7 +19,7 @@ from infer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeCon
 from infer.families import FAMILIES
 from infer.models import Transformer
 from infer.models.transformer import Linear, QuantizedEmbedding, QuantizedLinear
-from infer.quant_weights import QuantizedWeight, quantize_int4, quantize_int8
+from infer.quant_weights import QuantizedWeight, factor, quantize_int4, quantize_int8
 
 # Chat rendering is pinned to the transformers this suite was checked against: older releases differ
 # (5.17 maps a Literal tool argument to "object", does not alias `thinking`, keeps a None `name`).
@@ -171,8 +171,20 @@ def solo_logits(model: Transformer, prompt: list[int], tokens: list[int]) -> tor
 
 def weight_of(scheme: str, n: int, k: int, group: int, seed: int) -> QuantizedWeight:
     """A quantized weight of every storage variant the kernels meet: int8 per channel (fp32 scales), int4 (fp16),
-    Q8_0 (int8 codes, fp16 scales per 32), Q6_K (int8 codes, fp32 scales per 16) and Q4_K's fp32 scales and mins."""
+    Q8_0 (int8 codes, fp16 scales per 32), Q6_K (int8 codes, fp32 scales per 16) and Q4_K's fp32 scales and mins;
+    "Q4_K-factored" and "Q6_K-factored" as a GGUF file's blocks load (k a multiple of 256): int8 multipliers under
+    float16 super-scales (Q4_K's mins under a negative one)."""
     g = torch.Generator().manual_seed(seed)
+    if scheme.endswith("-factored"):
+        kind, supers = scheme.removesuffix("-factored"), k // 256
+        if kind == "Q6_K":
+            codes = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
+            sc = torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int8)
+            return QuantizedWeight(kind, codes, factor(sc, torch.rand(n, supers, generator=g) / 500), None, 16)
+        q = quantize_int4(torch.randn(n, k, generator=g), 32)
+        sc, m = (torch.randint(0, 64, (n, k // 32), generator=g) for _ in range(2))
+        d, dmin = (torch.rand(n, supers, generator=g) / 100 for _ in range(2))
+        return QuantizedWeight(kind, q.codes, factor(sc, d), factor(m, -dmin), 32)
     w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 4
     if scheme == "int8":
         return quantize_int8(w)

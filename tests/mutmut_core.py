@@ -26,7 +26,7 @@ PYTEST = f"{sys.executable} -m pytest -x -q -p no:cacheprovider -p no:xdist"
 CORE = {
     "infer/scheduler.py": "tests/test_scheduler.py",
     "infer/cache/block_manager.py": "tests/test_block_manager_machine.py tests/test_scheduler.py",
-    "infer/sampling.py": "tests/test_sampling_oracle.py",
+    "infer/sampling.py": "tests/test_sampling_oracle.py tests/test_bad_inputs.py",
     "infer/config.py": "tests/test_config_oracle.py",
     "infer/chat_tools.py": "tests/test_chat.py",
     "infer/bench_common.py": "tests/test_bench_statistics.py tests/test_bench.py",

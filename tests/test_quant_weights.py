@@ -122,6 +122,13 @@ def test_gguf_blocks_kept_as_stored_dequantize_as_llama_cpp(kind: str, rows: int
     assert all(torch.equal(a, b) for a, b in zip(chunked.tensors(), weight.tensors(), strict=True)), kind
     # Equal values (Q4_0's d * q + (-8 d) gives +0 where llama.cpp's (q - 8) * d gives -0 for a negative d).
     assert np.array_equal(weight.dequantize().numpy(), expected.numpy()), kind
+    if kind in ("Q4_K", "Q6_K"):  # the k-quants keep their scales factored: a few bytes a super-block over the file's
+        file_bytes = {"Q4_K": 144, "Q6_K": 210}[kind] * rows * blocks
+        # the file packs Q4_K's 6-bit scales and mins in 12 bytes (we keep a byte each: 16) and Q6_K's 6-bit codes
+        # (a byte each: 64 more)
+        extra = {"Q4_K": 4, "Q6_K": 64}[kind] * rows * blocks
+        assert weight.factored and weight.nbytes == file_bytes + extra, (kind, weight.nbytes, file_bytes)
+        assert np.array_equal(weight.unfactored().dequantize().numpy(), expected.numpy()), kind
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -130,7 +137,8 @@ def test_gguf_blocks_kept_as_stored_dequantize_as_llama_cpp(kind: str, rows: int
 @pytest.mark.parametrize("flavour", RUNNABLE)
 # INFER_QGEMV_FOUR_RUNS and INFER_QGEMV_Q6_PAIRS: the bf16 q4 and Q6_K fast paths, and their checks
 @pytest.mark.parametrize("four_runs", ["1", "0"])
-@given(scheme=st.sampled_from(["int8", "int4", "Q8_0", "Q4_K", "Q6_K"]), n=st.integers(1, 40), runs=st.integers(1, 13),
+@given(scheme=st.sampled_from(["int8", "int4", "Q8_0", "Q4_K", "Q6_K", "Q4_K-factored", "Q6_K-factored"]),
+       n=st.integers(1, 40), runs=st.integers(1, 13),
        group=st.sampled_from([32, 64, 128]), m=st.integers(1, 9), dtype=st.sampled_from(["float32", "bfloat16"]),
        with_bias=st.booleans(), threads=st.integers(1, 3), seed=st.integers(0, 2**31))
 @settings(max_examples=40, deadline=None)
@@ -140,8 +148,10 @@ def test_native_quantized_gemv_is_dequantize_then_matmul(flavour: str, four_runs
     kernels = kernels_or_skip(flavour)
     os.environ["INFER_QGEMV_FOUR_RUNS"] = four_runs  # read by the kernel on each call; restored below
     os.environ["INFER_QGEMV_Q6_PAIRS"] = four_runs
-    group = group if scheme == "int4" else 16 if scheme == "Q6_K" else 32
+    group = group if scheme == "int4" else 16 if scheme.startswith("Q6_K") else 32
     k = max(runs * 32 // group, 1) * group
+    if scheme.endswith("-factored"):  # a k-quant's rows are whole super-blocks of 256
+        k = 256 * (1 + runs % 2)
     weight = weight_of(scheme, n, k, group, seed)
     torch_dtype = getattr(torch, dtype)
     g = torch.Generator().manual_seed(seed + 1)
@@ -157,8 +167,9 @@ def test_native_quantized_gemv_is_dequantize_then_matmul(flavour: str, four_runs
     exact = reference_product(weight, x, bias)
     # fp32 sums in another order (and, bf16 q4, codes offset by 128): a few fp32 ulps of the summed magnitudes;
     # then one rounding to the output dtype.
-    offset = 160 if scheme == "Q6_K" else 128  # what the bf16 pair paths add to a code (and take back)
-    magnitude = x.double().abs() @ (weight.dequantize().double().abs() + offset * weight.scales.double().abs()
+    offset = 160 if scheme.startswith("Q6_K") else 128  # what the bf16 pair paths add to a code (and take back)
+    scales = weight.unfactored().scales
+    magnitude = x.double().abs() @ (weight.dequantize().double().abs() + offset * scales.double().abs()
                                     .repeat_interleave(weight.group, dim=1)).T
     ulp = 2.0**-8 if torch_dtype == torch.bfloat16 else 2.0**-24  # the one rounding to the output dtype
     bound = 1e-6 * magnitude + ulp * exact.abs() + 1e-30
@@ -174,8 +185,8 @@ def test_native_dequantize_is_the_reference_bit_for_bit(flavour: str, dtype: tor
     kernels = kernels_or_skip(flavour)
     if dtype not in kernels.dtypes:
         pytest.skip(f"{flavour} computes no {dtype}")
-    for scheme in ("int8", "int4", "Q8_0", "Q4_K", "Q6_K"):
-        weight = weight_of(scheme, 19, 256, 64, 7)
+    for scheme in ("int8", "int4", "Q8_0", "Q4_K", "Q6_K", "Q4_K-factored", "Q6_K-factored"):
+        weight = weight_of(scheme, 19, 512, 64, 7)
         assert torch.equal(kernels.dequantize(weight, dtype), weight.dequantize(dtype)), scheme
 
 

@@ -1125,13 +1125,68 @@ static inline void qcodes(int fmt, const uint8_t *c, qvec w[4]) {
 }
 #endif
 
-/* A row's scales or mins as they are stored: float16 or float32. */
+/* Scales and mins stored factored (FK, a k-quant's own form): per row, one int8 multiplier per group, then one
+ * float16 super-scale per 256 inputs; a group's scale is super * multiplier in fp32, the product llama.cpp forms
+ * (exact: 11 + 8 significant bits). Q4_K's sc and m under d and -dmin, Q6_K's int8 sc under d: 0.58 and 1.07
+ * bytes a weight with the codes, where float32 scales per group took 0.75 and 1.25. */
+enum { FK = 3 };
+
+/* A row's scales or mins as they are stored: float16, float32, or factored (`super`, the row's super-scales;
+ * `base`, the row's group this one starts at; 1 << `shift` groups per super-scale: 8 for Q4_K, 16 for Q6_K). */
 typedef struct {
     int dtype;
     const void *p;
+    const uint16_t *super;
+    int64_t base;
+    int shift;
 } scale_row;
 
-static inline float scale_at(scale_row s, int64_t g) { return load_scale(s.dtype, s.p, g); }
+/* Bytes of one row's scales (or mins). */
+static inline int64_t scale_row_bytes(int sdtype, int64_t groups, int64_t k) {
+    return sdtype == FK ? groups + 2 * (k / 256) : groups * (sdtype == F32 ? 4 : 2);
+}
+
+/* Row r's scales (or mins) of a matrix's `all`. */
+static inline scale_row scale_row_of(int sdtype, const void *all, int64_t r, int64_t groups, int64_t k) {
+    const char *row = all ? (const char *)all + r * scale_row_bytes(sdtype, groups, k) : NULL;
+    scale_row s = {sdtype, row, row ? (const uint16_t *)(row + groups) : NULL, 0, 0};
+    if (sdtype == FK && k >= 256)
+        while ((1 << s.shift) < groups / (k / 256)) s.shift++;
+    return s;
+}
+
+/* A factored row's `groups` scales as float32 into `out` (then read as an F32 row: every fast path takes it);
+ * 16 at a time where the build has AVX512 (a super-scale covers 8 or 16 groups, so 16 groups meet one or two). */
+static inline scale_row expand_scale_row(scale_row s, int64_t groups, float *out) {
+    int64_t g = 0;
+#if defined(HAVE_AVX512)
+    if (s.shift >= 3)
+        for (; g + 16 <= groups; g += 16) {
+            __m512 m = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)s.p + g))));
+            __m512 d = _mm512_set1_ps(load_scale(F16, s.super, g >> s.shift));
+            if (s.shift == 3) d = _mm512_mask_mov_ps(d, 0xFF00, _mm512_set1_ps(load_scale(F16, s.super, (g >> 3) + 1)));
+            _mm512_storeu_ps(out + g, _mm512_mul_ps(d, m));
+        }
+#endif
+    for (; g < groups; g++) out[g] = load_scale(F16, s.super, g >> s.shift) * (float)((const int8_t *)s.p)[g];
+    scale_row e = {F32, out, NULL, 0, 0};
+    return e;
+}
+
+/* The same row from its group g on. */
+static inline scale_row scale_row_from(scale_row s, int64_t g) {
+    if (s.dtype == FK) s.base += g;
+    else s.p = (const char *)s.p + g * (s.dtype == F32 ? 4 : 2);
+    return s;
+}
+
+static inline float scale_at(scale_row s, int64_t g) {
+    if (s.dtype == FK) {
+        int64_t i = s.base + g;
+        return load_scale(F16, s.super, i >> s.shift) * (float)((const int8_t *)s.p)[i];
+    }
+    return load_scale(s.dtype, s.p, g);
+}
 
 /* Shapes the quantized kernels take: k whole runs of 32; groups of whole runs dividing k, or (q8) of 16, half a
  * run (Q6_K's sub-blocks: a vector's 16 codes, or two AVX2 vectors', share a scale). */
@@ -1299,6 +1354,12 @@ static inline __attribute__((always_inline)) void q4row_dot_bf16(const uint8_t *
 static inline __m512 four_run_scales(scale_row scales, int64_t run, int64_t group) {
     if (group >= 128) return _mm512_set1_ps(scale_at(scales, run * QCHUNK / group));
     __m128 v;
+    if (group == 32 && scales.dtype == FK) {
+        float four[4] = {scale_at(scales, run), scale_at(scales, run + 1), scale_at(scales, run + 2),
+                         scale_at(scales, run + 3)};
+        return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                     _mm512_castps128_ps512(_mm_loadu_ps(four)));
+    }
     if (group == 32) {
         v = scales.dtype == F32 ? _mm_loadu_ps((const float *)scales.p + run)
                                 : _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)scales.p + run)));
@@ -1362,7 +1423,7 @@ static inline __attribute__((always_inline)) void q4row_dot_bf16x4(const uint8_t
     }
     float tail[4] = {0.f, 0.f, 0.f, 0.f};
     if (done < k) { /* the tail starts on a group boundary: the caller checked that group divides it */
-        scale_row rest = {scales.dtype, (const char *)scales.p + done / group * (scales.dtype == F32 ? 4 : 2)};
+        scale_row rest = scale_row_from(scales, done / group);
         q4row_dot_bf16(codes + done / 2, rest, k - done, group, x + done, k, mt, tail);
     }
     for (int j = 0; j < mt; j++) out[j] = _mm512_reduce_add_ps(total[j]) + tail[j];
@@ -1414,7 +1475,7 @@ static inline float group_dot(scale_row v, const float *xsum, int64_t groups) {
     float sum = 0.f;
 #if defined(HAVE_AVX512)
     __m512 acc = _mm512_setzero_ps();
-    for (; g + 16 <= groups; g += 16) {
+    for (; v.dtype != FK && g + 16 <= groups; g += 16) {
         __m512 f = v.dtype == F32 ? _mm512_loadu_ps((const float *)v.p + g)
                                   : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v.p + g)));
         acc = _mm512_fmadd_ps(f, _mm512_loadu_ps(xsum + g), acc);
@@ -1435,7 +1496,8 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
     int narrow = fmt == Q6; /* q8 everywhere but the bf16 path below */
     if (narrow) fmt = Q8;
     if (!qshape_ok(fmt, k, group)) return -2;
-    int64_t groups = k / group, row_bytes = fmt == Q8 ? k : k / 2, sbytes = sdtype == F32 ? 4 : 2;
+    if (sdtype == FK && k % 256) return -2;
+    int64_t groups = k / group, row_bytes = fmt == Q8 ? k : k / 2;
     float *xf = (float *)malloc((size_t)(m * k + m * groups) * sizeof(float));
     if (!xf) return -1;
     float *xsum = xf + m * k;
@@ -1446,6 +1508,8 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
             xsum[j * groups + g] = s;
         }
     int bf16_q4 = 0, four_runs = 0; /* q4 codes against bf16 inputs by the pair instruction (codes carry +128) */
+    int expand = sdtype == FK; /* factored scales: each row's expanded to float32 once, in a buffer per thread */
+    int failed = 0;
     int bf16_q6 = 0;                 /* Q6_K's codes the same way (codes carry +160) */
     uint16_t *xp = NULL;
     (void)narrow;
@@ -1467,10 +1531,20 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
     {
         int64_t r0, r1;
         thread_rows(n, &r0, &r1);
+        float *expanded = expand ? (float *)malloc((size_t)(2 * groups) * sizeof(float)) : NULL;
+        if (expand && !expanded) { /* no memory: this thread computes nothing (reported below) */
+            r1 = r0;
+#pragma omp atomic write
+            failed = 1;
+        }
         for (int64_t r = r0; r < r1; r++) {
             const uint8_t *row = codes + r * row_bytes;
-            scale_row rs = {sdtype, (const char *)scales + r * groups * sbytes};
-            scale_row rm = {sdtype, mins ? (const char *)mins + r * groups * sbytes : NULL};
+            scale_row rs = scale_row_of(sdtype, scales, r, groups, k);
+            scale_row rm = scale_row_of(sdtype, mins, r, groups, k);
+            if (expand) {
+                rs = expand_scale_row(rs, groups, expanded);
+                if (mins) rm = expand_scale_row(rm, groups, expanded + groups);
+            }
             for (int64_t j0 = 0; j0 < m; j0 += 4) {
                 float out[4];
                 int mt = m - j0 < 4 ? (int)(m - j0) : 4;
@@ -1501,10 +1575,11 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
                 }
             }
         }
+        free(expanded);
     }
     free(xp);
     free(xf);
-    return 0;
+    return failed ? -1 : 0;
 }
 
 /* The dense `[n, k]` weight in `dtype`: scale * q (+ min) in fp32 (two roundings, as infer/quant_weights.py's
@@ -1531,19 +1606,20 @@ static inline void store16(int dtype, void *out, int64_t i, __m512 v) {
 int infer_qdequant(int fmt, const uint8_t *codes, int sdtype, const void *scales, const void *mins, int dtype,
                    void *out, int64_t n, int64_t k, int64_t group, int threads) {
     if (fmt == Q6) fmt = Q8;
-    if (!qshape_ok(fmt, k, group)) return -2;
+    if (!qshape_ok(fmt, k, group) || (sdtype == FK && k % 256)) return -2;
     int64_t groups = k / group, row_bytes = fmt == Q8 ? k : k / 2, run_bytes = fmt == Q8 ? QCHUNK : QCHUNK / 2;
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t r = 0; r < n; r++) {
+        scale_row rs = scale_row_of(sdtype, scales, r, groups, k), rm = scale_row_of(sdtype, mins, r, groups, k);
 #if defined(HAVE_AVX512)
         if (dtype != F16) {
             for (int64_t i = 0; i < k; i += QCHUNK) {
                 __m512 w[2];
                 qcodes(fmt, codes + r * row_bytes + i / QCHUNK * run_bytes, w);
                 for (int v = 0; v < 2; v++) { /* a vector's 16 codes share a group (groups are 16 or whole runs) */
-                    int64_t g = r * groups + (i + 16 * v) / group;
-                    __m512 s = _mm512_set1_ps(load_scale(sdtype, scales, g));
-                    __m512 lo = _mm512_set1_ps(mins ? load_scale(sdtype, mins, g) : 0.f);
+                    int64_t g = (i + 16 * v) / group;
+                    __m512 s = _mm512_set1_ps(scale_at(rs, g));
+                    __m512 lo = _mm512_set1_ps(mins ? scale_at(rm, g) : 0.f);
                     __m512 x = _mm512_mul_ps(s, w[v]);
                     if (mins) x = _mm512_add_ps(x, lo);
                     store16(dtype, out, r * k + i + 16 * v, x);
@@ -1556,8 +1632,8 @@ int infer_qdequant(int fmt, const uint8_t *codes, int sdtype, const void *scales
         for (int64_t i = 0; i < k; i += QCHUNK) {
             codes_chunk(fmt, codes + r * row_bytes + i / QCHUNK * run_bytes, w);
             for (int t = 0; t < QCHUNK; t++) {
-                int64_t g = r * groups + (i + t) / group;
-                float s = load_scale(sdtype, scales, g), lo = mins ? load_scale(sdtype, mins, g) : 0.f;
+                int64_t g = (i + t) / group;
+                float s = scale_at(rs, g), lo = mins ? scale_at(rm, g) : 0.f;
                 float v = s * w[t];
                 if (mins) v = v + lo;
                 store_scalar(dtype, out, r * k + i + t, v);

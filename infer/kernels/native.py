@@ -30,6 +30,7 @@ from infer.quant_weights import QuantizedWeight
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+SCALE_CODES = {torch.float32: 0, torch.float16: 2, torch.int8: 3}  # quantized scales: int8 is the factored form (FK)
 QFORMATS = {"q8": 0, "q4": 1, "q6": 2}  # QuantizedWeight.kernel_args' format -> cpu_decode.c's Q8 / Q4 / Q6
 
 # Compiler flags per flavour: "native" is the widest path the CPU has; the others switch paths off (x86).
@@ -162,8 +163,9 @@ class NativeKernels:
 
     def takes(self, weight: QuantizedWeight) -> bool:
         """Whether `quantized_gemv` and `dequantize` take this quantized weight: contiguous CPU tensors whose
-        scales are float16 or float32."""
-        return (weight.device.type == "cpu" and weight.scales.dtype in (torch.float16, torch.float32)
+        scales are float16, float32 or factored."""
+        return (weight.device.type == "cpu" and weight.scales.dtype in SCALE_CODES
+                and (not weight.factored or weight.shape[1] % 256 == 0)
                 and all(t.is_contiguous() for t in weight.tensors()))
 
     def quantized_gemv(self, weight: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -179,7 +181,7 @@ class NativeKernels:
         if bias is not None and (bias.dtype != xs.dtype or not bias.is_contiguous()):
             bias = bias.to(xs.dtype).contiguous()
         out = torch.empty(*x.shape[:-1], n, dtype=xs.dtype)
-        code = self._qgemv(QFORMATS[fmt], codes, DTYPE_CODES[sdtype], scales, mins, DTYPE_CODES[xs.dtype],
+        code = self._qgemv(QFORMATS[fmt], codes, SCALE_CODES[sdtype], scales, mins, DTYPE_CODES[xs.dtype],
                            xs.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), xs.numel() // k,
                            n, k, group, torch.get_num_threads())
         if code == -1:
@@ -199,7 +201,7 @@ class NativeKernels:
         elif out.shape != (n, k) or out.dtype != dtype or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous [{n}, {k}] {dtype} tensor, got {tuple(out.shape)} {out.dtype}")
         mins = weight.mins
-        if self._qdequant(QFORMATS[weight.kernel_args[0]], weight.codes.data_ptr(), DTYPE_CODES[weight.scales.dtype],
+        if self._qdequant(QFORMATS[weight.kernel_args[0]], weight.codes.data_ptr(), SCALE_CODES[weight.scales.dtype],
                           weight.scales.data_ptr(), None if mins is None else mins.data_ptr(), DTYPE_CODES[dtype],
                           out.data_ptr(), n, k, weight.group, torch.get_num_threads()):
             raise ValueError(f"the native dequantizer takes k a multiple of 32 and groups of whole runs of 32 (or, "

@@ -56,6 +56,7 @@ def triton_qgemm(weight: QuantizedWeight, x: torch.Tensor, blocks: tuple[int, in
     n, k = weight.shape
     if x.shape[-1] != k:
         raise ValueError(f"triton_qgemm: x has {x.shape[-1]} inputs, the weight {k}")
+    weight = weight.unfactored()  # factored k-quant scales only stay so on the CPU (QuantizedWeight.to)
     xs = x.reshape(-1, k).contiguous()
     m = xs.shape[0]
     block_m, block_n, block_k = blocks or (min(triton.next_power_of_2(m), 4), 16, 64)

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from infer.config import ModelConfig
-from infer.kernels.native import DTYPE_CODES, QFORMATS, NativeKernels, StepLayer, StepProj
+from infer.kernels.native import QFORMATS, SCALE_CODES, NativeKernels, StepLayer, StepProj
 
 QUANTIZED_KINDS = {"q8": 1, "q4": 2, "q6": 3}  # QuantizedWeight.kernel_args' format -> step_proj.kind (0: dense)
 
@@ -95,7 +95,7 @@ class NativeStep:
         if hasattr(module, "qweight"):
             fmt, codes, sdtype, scales, mins, n, k, group = module.qweight.kernel_args
             self.keep.extend(module.qweight.tensors())
-            desc.kind, desc.sdtype = QUANTIZED_KINDS[fmt], DTYPE_CODES[sdtype]
+            desc.kind, desc.sdtype = QUANTIZED_KINDS[fmt], SCALE_CODES[sdtype]
             desc.w, desc.scales, desc.mins, desc.n, desc.k, desc.group = codes, scales, mins, n, k, group
         else:
             desc.kind, desc.n, desc.k = 0, module.out_features, module.in_features
