@@ -160,7 +160,8 @@ def check_pool_invariants(manager: BlockManager, tokens: dict[int, list[int]] | 
 def solo_logits(model: Transformer, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """The solo cached run's logits for each generated token, fed the given tokens."""
     device = model.device
-    cache = create_cache("contiguous", model.config, max_seq_len=len(prompt) + len(tokens), device=device)
+    cache = create_cache("contiguous", model.config, max_seq_len=len(prompt) + len(tokens), device=device,
+                         dtype=model.dtype)
     with torch.inference_mode():
         rows = [model(torch.tensor([prompt], device=device), cache)[0, -1]]
         rows += [model(torch.tensor([[t]], device=device), cache)[0, -1] for t in tokens[:-1]]

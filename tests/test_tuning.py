@@ -128,11 +128,13 @@ def few_row_kernel_here() -> bool:
 @pytest.mark.parametrize(("arch", "overrides"), PREFILL_CASES, ids=["qwen3-bias", "gemma3-h48"])
 def test_bf16_batches_of_a_few_rows_take_the_native_product_within_rounding(
         arch: str, overrides: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With `gemm_rows`, bf16 products of 2 to that many rows (a batch of one-token rows, a short prefill) run the
-    native few-row kernel, longer ones F.linear; the logits stay within bf16 rounding of the F.linear model's (fp32
-    sums in another order, each rounded once to bf16)."""
+    """With `gemm_rows`, inside `few_row_products()` (the batched engine's steps), bf16 products of 2 to that many
+    rows (a batch of one-token rows, a short prefill) run the native few-row kernel, longer ones F.linear; the
+    logits stay within bf16 rounding of the F.linear model's (fp32 sums in another order, each rounded once to
+    bf16). Outside it, every multi-row product is F.linear's, bit for bit."""
     import infer
     from infer.kernels.native import NativeKernels
+    from infer.models.transformer import few_row_products
     from reference import build_checkpoint
 
     path = build_checkpoint(arch, **overrides)
@@ -150,14 +152,16 @@ def test_bf16_batches_of_a_few_rows_take_the_native_product_within_rounding(
     monkeypatch.setattr(NativeKernels, "gemm_bf16", counted)
     ids = torch.randint(0, 400, (6, 3), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        for batch in (ids[:, :1], ids[:2], ids[:1]):  # 6 one-token rows, 2 x 3 = 6 rows, 3 rows
+        assert torch.equal(native(ids[:2]), linear(ids[:2])) and not rows, "outside the engine: F.linear's bits"
+        with few_row_products():
+            for batch in (ids[:, :1], ids[:2], ids[:1]):  # 6 one-token rows, 2 x 3 = 6 rows, 3 rows
+                rows.clear()
+                got, want = native(batch).float(), linear(batch).float()
+                assert rows and set(rows) == {batch.numel()}, f"{tuple(batch.shape)}: the few-row kernel was not used"
+                assert (got - want).abs().max() <= 0.05 * want.abs().max(), "beyond bf16 rounding of F.linear's logits"
             rows.clear()
-            got, want = native(batch).float(), linear(batch).float()
-            assert rows and set(rows) == {batch.numel()}, f"{tuple(batch.shape)}: the few-row kernel was not used"
-            assert (got - want).abs().max() <= 0.05 * want.abs().max(), "beyond bf16 rounding of F.linear's logits"
-        rows.clear()
-        native(ids)  # 18 rows: past gemm_rows
-        assert not rows, "more rows than gemm_rows still took the few-row kernel"
+            native(ids)  # 18 rows: past gemm_rows
+            assert not rows, "more rows than gemm_rows still took the few-row kernel"
     with pytest.raises(ValueError, match="gemm_rows must be an int >= 1"):
         native.gemm_rows = 0
 
@@ -331,3 +335,38 @@ def test_few_row_product_rows_are_measured_forced_or_one() -> None:
         assert chosen.value in {"1", "2", "4", "8", "16", "32", "64"} and "2: " in chosen.reason
     else:
         assert chosen.value == "1", "no kernel here: F.linear for every multi-row product"
+
+
+@pytest.mark.skipif(not few_row_kernel_here(), reason="no AVX512-BF16 native build here")
+def test_the_batched_engine_steps_take_the_few_row_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's steps run inside `few_row_products()`: a bf16 model's batched decode steps take the kernel, and
+    each request's logits stay within bf16 rounding of its solo run."""
+    import infer
+    from infer.engine import Engine
+    from infer.kernels.native import NativeKernels
+    from infer.sampling import SamplingParams
+    from reference import build_checkpoint
+    from tests.helpers import solo_logits
+
+    model = infer.load_model(build_checkpoint("llama"), decode_gemv="native", dtype="bfloat16")
+    model.gemm_rows = 8
+    calls: list[int] = []
+    product = NativeKernels.gemm_bf16
+
+    def counted(self: NativeKernels, w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        calls.append(x.numel() // w.shape[1])
+        return product(self, w, x, bias)
+
+    monkeypatch.setattr(NativeKernels, "gemm_bf16", counted)
+    prompts = [[5, 9, 2], [7, 7, 1, 3], [11]]
+    engine = Engine(model, None, num_blocks=32, keep_logits=True)
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=4, temperature=0.0)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    assert 3 in calls, "three one-token rows of a batched decode step took the few-row kernel"
+    for prompt, rid in zip(prompts, ids, strict=True):
+        result = engine.result(rid)
+        assert result.logits is not None
+        solo = solo_logits(model, prompt, result.token_ids).float()
+        assert (result.logits.float() - solo).abs().max() <= 0.05 * solo.abs().max()

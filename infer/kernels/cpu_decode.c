@@ -1354,12 +1354,6 @@ static inline __attribute__((always_inline)) void q4row_dot_bf16(const uint8_t *
 static inline __m512 four_run_scales(scale_row scales, int64_t run, int64_t group) {
     if (group >= 128) return _mm512_set1_ps(scale_at(scales, run * QCHUNK / group));
     __m128 v;
-    if (group == 32 && scales.dtype == FK) {
-        float four[4] = {scale_at(scales, run), scale_at(scales, run + 1), scale_at(scales, run + 2),
-                         scale_at(scales, run + 3)};
-        return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
-                                     _mm512_castps128_ps512(_mm_loadu_ps(four)));
-    }
     if (group == 32) {
         v = scales.dtype == F32 ? _mm_loadu_ps((const float *)scales.p + run)
                                 : _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)scales.p + run)));
@@ -1475,7 +1469,7 @@ static inline float group_dot(scale_row v, const float *xsum, int64_t groups) {
     float sum = 0.f;
 #if defined(HAVE_AVX512)
     __m512 acc = _mm512_setzero_ps();
-    for (; v.dtype != FK && g + 16 <= groups; g += 16) {
+    for (; g + 16 <= groups; g += 16) {
         __m512 f = v.dtype == F32 ? _mm512_loadu_ps((const float *)v.p + g)
                                   : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v.p + g)));
         acc = _mm512_fmadd_ps(f, _mm512_loadu_ps(xsum + g), acc);

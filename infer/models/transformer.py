@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -38,6 +39,19 @@ from infer.tensor_parallel import Shards
 
 # Kernels of one-row (decode) products; "linear" is the unoptimised form, the others are chosen by measurement.
 GEMV_FORMS = ("linear", "mv", "native", "triton")
+_FEW_ROW_PRODUCTS: ContextVar[bool] = ContextVar("few_row_products", default=False)
+
+
+@contextlib.contextmanager
+def few_row_products() -> Iterator[None]:
+    """Inside, bf16 products of 2 to `Transformer.gemm_rows` rows take the native few-row kernel: the batched
+    engine's steps, held to their solo runs within rounding. Outside, a multi-row product stays `F.linear`'s, bit
+    for bit the bf16 logits Hugging Face computes (the single-request paths' oracle)."""
+    token = _FEW_ROW_PRODUCTS.set(True)
+    try:
+        yield
+    finally:
+        _FEW_ROW_PRODUCTS.reset(token)
 
 
 class ProjectionTraits:
@@ -69,15 +83,17 @@ class Linear(ProjectionTraits, nn.Linear):
     row, `F.linear` may take a GEMM kernel that streams the weights slower than `torch.mv` does (oneDNN's
     AMX path with a single row), and both stream slower than the native kernel (infer/kernels/cpu_decode.c):
     `gemv` is chosen by measurement (infer.tuning); "linear" is the unoptimised form and the check. With "native",
-    bf16 inputs of 2 to `native_rows` rows (the batched engine's decode steps) take the native few-row product,
-    which streams the weights once where ATen's GEMM repacks them on every call (infer.tuning.choose_gemm_rows).
+    inside `few_row_products()` (the batched engine's steps), bf16 inputs of 2 to `native_rows` rows take the native
+    few-row product, which streams the weights once where ATen's GEMM repacks them on every call
+    (infer.tuning.choose_gemm_rows).
     """
 
     native_rows = 1  # rows up to which "native" runs the compiled kernels: one the GEMV, more the few-row product
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.gemv == "native" and self.native_rows > 1 and x.dtype == torch.bfloat16 == self.weight.dtype
-                and not x.requires_grad and self.in_features < x.numel() <= self.native_rows * self.in_features):
+                and not x.requires_grad and self.in_features < x.numel() <= self.native_rows * self.in_features
+                and _FEW_ROW_PRODUCTS.get()):
             return native_kernels_or_raise().gemm_bf16(self.weight, x, self.bias)
         if self.gemv != "linear" and self.one_row(x):
             # One row: the matrix-vector product itself, without the GEMM machinery.
@@ -522,9 +538,10 @@ class Transformer(nn.Module):
 
     @property
     def gemm_rows(self) -> int:
-        """Rows of input up to which dense bf16 products run the native few-row kernel when `decode_gemv` is
-        "native" (1: only one-row products; infer.tuning.choose_gemm_rows measures it at load). Sums in another
-        order than F.linear: equal within rounding."""
+        """Rows of input up to which dense bf16 products run the native few-row kernel inside `few_row_products()`
+        (the batched engine's steps) when `decode_gemv` is "native" (1: only one-row products;
+        infer.tuning.choose_gemm_rows measures it at load). Sums in another order than F.linear: equal within
+        rounding."""
         projections = [m for m in self._linears() if isinstance(m, Linear)]
         return projections[0].native_rows if projections else 1
 
