@@ -587,6 +587,9 @@ MUTANTS = [
            "for (int64_t r = r0; r < r1; r += 4) {\n            int rt = r1 - r < 4 ? (int)(r1 - r) : 4;",
            "for (int64_t r = r0; r + 4 <= r1; r += 4) {\n            int rt = r1 - r < 4 ? (int)(r1 - r) : 4;",
            ("tests/test_native_kernels.py",)),
+    Mutant("sampling params: changeable after validation", "infer/sampling.py",
+           "@dataclass(frozen=True)\nclass SamplingParams:", "@dataclass\nclass SamplingParams:",
+           ("tests/test_sampling_oracle.py",)),
     Mutant("engine: steps run outside few_row_products() (bf16 decode batches through F.linear)", "infer/engine.py",
            "        with few_row_products():  # the engine answers to solo runs within rounding, not to F.linear's bits\n"
            "            return self.model(input_ids, PagedBackend(layers))",

@@ -199,3 +199,17 @@ def test_top_p_boundary_token_is_removed_as_hf_does() -> None:
         break
     else:
         pytest.fail("no exact boundary found for these logits")
+
+
+def test_sampling_params_cannot_be_changed_after_validation() -> None:
+    """SamplingParams is checked once, when made; one shared by many requests (the engine's per-prompt list, a
+    caller's constant) must not be changed under them: assignment raises, and `dataclasses.replace` makes a new,
+    re-checked one."""
+    import dataclasses
+
+    params = SamplingParams(max_new_tokens=4, temperature=0.7)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params.temperature = -1.0  # type: ignore[misc]
+    assert params.temperature == 0.7
+    with pytest.raises(ValueError, match="temperature"):
+        dataclasses.replace(params, temperature=-1.0)
