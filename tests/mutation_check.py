@@ -591,8 +591,8 @@ MUTANTS = [
            "@dataclass(frozen=True)\nclass SamplingParams:", "@dataclass\nclass SamplingParams:",
            ("tests/test_sampling_oracle.py",)),
     Mutant("engine: steps run outside few_row_products() (bf16 decode batches through F.linear)", "infer/engine.py",
-           "        with few_row_products():  # the engine answers to solo runs within rounding, not to F.linear's bits\n"
-           "            return self.model(input_ids, PagedBackend(layers))",
+           "        with few_row_products():  # the engine answers to solo runs within rounding, "
+           "not to F.linear's bits\n            return self.model(input_ids, PagedBackend(layers))",
            "        return self.model(input_ids, PagedBackend(layers))",
            ("tests/test_tuning.py",)),
     Mutant("Linear: a batch of a few bf16 rows never takes the few-row product", "infer/models/transformer.py",

@@ -124,23 +124,10 @@ def few_row_kernel_here() -> bool:
     return kernels is not None and kernels.gemm_bf16_available
 
 
-@pytest.mark.skipif(not few_row_kernel_here(), reason="no AVX512-BF16 native build here")
-@pytest.mark.parametrize(("arch", "overrides"), PREFILL_CASES, ids=["qwen3-bias", "gemma3-h48"])
-def test_bf16_batches_of_a_few_rows_take_the_native_product_within_rounding(
-        arch: str, overrides: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With `gemm_rows`, inside `few_row_products()` (the batched engine's steps), bf16 products of 2 to that many
-    rows (a batch of one-token rows, a short prefill) run the native few-row kernel, longer ones F.linear; the
-    logits stay within bf16 rounding of the F.linear model's (fp32 sums in another order, each rounded once to
-    bf16). Outside it, every multi-row product is F.linear's, bit for bit."""
-    import infer
+def count_few_row_products(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of every `NativeKernels.gemm_bf16` call from now on (the calls still compute)."""
     from infer.kernels.native import NativeKernels
-    from infer.models.transformer import few_row_products
-    from reference import build_checkpoint
 
-    path = build_checkpoint(arch, **overrides)
-    linear = infer.load_model(path, decode_gemv="linear", dtype="bfloat16")
-    native = infer.load_model(path, decode_gemv="native", dtype="bfloat16")
-    native.gemm_rows, native.native_step = 8, False
     rows: list[int] = []
     product = NativeKernels.gemm_bf16
 
@@ -150,6 +137,26 @@ def test_bf16_batches_of_a_few_rows_take_the_native_product_within_rounding(
         return product(self, w, x, bias)
 
     monkeypatch.setattr(NativeKernels, "gemm_bf16", counted)
+    return rows
+
+
+@pytest.mark.skipif(not few_row_kernel_here(), reason="no AVX512-BF16 native build here")
+@pytest.mark.parametrize(("arch", "overrides"), PREFILL_CASES, ids=["qwen3-bias", "gemma3-h48"])
+def test_bf16_batches_of_a_few_rows_take_the_native_product_within_rounding(
+        arch: str, overrides: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `gemm_rows`, inside `few_row_products()` (the batched engine's steps), bf16 products of 2 to that many
+    rows (a batch of one-token rows, a short prefill) run the native few-row kernel, longer ones F.linear; the
+    logits stay within bf16 rounding of the F.linear model's (fp32 sums in another order, each rounded once to
+    bf16). Outside it, every multi-row product is F.linear's, bit for bit."""
+    import infer
+    from infer.models.transformer import few_row_products
+    from reference import build_checkpoint
+
+    path = build_checkpoint(arch, **overrides)
+    linear = infer.load_model(path, decode_gemv="linear", dtype="bfloat16")
+    native = infer.load_model(path, decode_gemv="native", dtype="bfloat16")
+    native.gemm_rows, native.native_step = 8, False
+    rows = count_few_row_products(monkeypatch)
     ids = torch.randint(0, 400, (6, 3), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         assert torch.equal(native(ids[:2]), linear(ids[:2])) and not rows, "outside the engine: F.linear's bits"
@@ -343,22 +350,13 @@ def test_the_batched_engine_steps_take_the_few_row_product(monkeypatch: pytest.M
     each request's logits stay within bf16 rounding of its solo run."""
     import infer
     from infer.engine import Engine
-    from infer.kernels.native import NativeKernels
     from infer.sampling import SamplingParams
     from reference import build_checkpoint
     from tests.helpers import solo_logits
 
     model = infer.load_model(build_checkpoint("llama"), decode_gemv="native", dtype="bfloat16")
     model.gemm_rows = 8
-    calls: list[int] = []
-    product = NativeKernels.gemm_bf16
-
-    def counted(self: NativeKernels, w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        calls.append(x.numel() // w.shape[1])
-        return product(self, w, x, bias)
-
-    monkeypatch.setattr(NativeKernels, "gemm_bf16", counted)
+    calls = count_few_row_products(monkeypatch)
     prompts = [[5, 9, 2], [7, 7, 1, 3], [11]]
     engine = Engine(model, None, num_blocks=32, keep_logits=True)
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=4, temperature=0.0)) for p in prompts]
