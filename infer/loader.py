@@ -45,6 +45,7 @@ from infer.tuning import (
     choose_prefill_dtype,
     choose_quantized_gemv,
     choose_quantized_rows,
+    choose_quantized_tile_rows,
     record_weight_pages,
 )
 
@@ -357,6 +358,8 @@ def load_model(
             largest = max(projections, key=lambda m: m.codes.numel() if m is not model.lm_head else 0)
             rows = int(choose_quantized_rows(largest.qweight, torch_dtype, model.compute_dtype).value)
             model.quantized_rows = rows
+            if torch_dtype == torch.bfloat16:
+                model.gemm_rows = int(choose_quantized_tile_rows(largest.qweight, rows).value)
     else:
         dense_weights = [m.weight for m in model.modules() if isinstance(m, Linear)]
         model.decode_gemv = choose_decode_gemv(dense_weights, decode_gemv).value

@@ -235,6 +235,34 @@ def choose_gemm_rows(weights: list[torch.Tensor], forced: int | None = None) -> 
                                           f"MiB) by rows: {', '.join(timed)} (medians, alternately)"))
 
 
+def choose_quantized_tile_rows(weight: QuantizedWeight, quantized_rows: int, forced: int | None = None) -> Choice:
+    """Rows of bf16 input up to which a quantized product past `quantized_rows` runs the native tile kernel (each
+    tile of 4 weight rows dequantized in cache, infer/kernels/cpu_decode.c's `infer_qgemm_bf16`) rather than
+    dequantizing the whole weight into the GEMM: the batched engine's decode steps. Timed on `weight` (the model's
+    largest projection), doubling the rows from twice `quantized_rows` while the kernel is faster by 3%,
+    alternately; 1 (never) without AVX512-BF16. `forced` skips the timing."""
+    name = "few-row bf16 product rows"
+    if forced is not None:
+        return record(Choice(name, str(forced), "forced by the caller"))
+    kernels = native_kernels()
+    if kernels is None or not kernels.gemm_bf16_available or not kernels.takes(weight):
+        return record(Choice(name, "1", "quantized products past the codes kernel's rows dequantize into the GEMM "
+                                        "(no AVX512-BF16 tile kernel here)"))
+    rows, timed, m = 1, [], max(2 * quantized_rows, 2)
+    while m <= 64:
+        x = torch.randn(m, weight.shape[1]).to(torch.bfloat16)
+        times = _time_alternately({
+            "kernel": functools.partial(kernels.quantized_gemm_bf16, weight, x),
+            "gemm": functools.partial(dequantized_product, kernels, x, weight, None),
+        }, torch.device("cpu"), repeats=5)
+        timed.append(f"{m}: {times['kernel'] * 1e3:.2f} / {times['gemm'] * 1e3:.2f} ms")
+        if times["kernel"] >= 0.97 * times["gemm"]:
+            break
+        rows, m = m, 2 * m
+    return record(Choice(name, str(rows), f"tile kernel / dequantize + GEMM on {tuple(weight.shape)} "
+                                          f"({weight.scheme}) by rows: {', '.join(timed)}"))
+
+
 def _sweep_products(product: Callable[..., object], sweep: list[torch.Tensor], inputs: dict[int, torch.Tensor],
                     swap: bool = False) -> list[object]:
     """`product(weight, x)` (`product(x, weight)` with `swap`) for every weight of the sweep."""

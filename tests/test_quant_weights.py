@@ -431,3 +431,38 @@ def test_the_batched_engine_runs_quantized_weights_as_solo_generation_does(schem
     results = Engine(model, tok, num_blocks=64, block_size=4, max_num_batched_tokens=24).generate(prompts, params)
     for prompt, p, result in zip(prompts, params, results, strict=True):
         assert result.token_ids == infer.generate(model, tok, prompt, p).token_ids
+
+
+@pytest.mark.skipif(native_kernels() is None or not native_kernels().gemm_bf16_available,
+                    reason="the quantized tile kernel needs AVX512-BF16 (and a native build)")
+@given(scheme=st.sampled_from(["int8", "int4", "Q8_0", "Q4_K", "Q6_K", "Q4_K-factored", "Q6_K-factored"]),
+       n=st.integers(1, 40), runs=st.integers(1, 13), group=st.sampled_from([32, 64, 128]), m=st.integers(1, 21),
+       with_bias=st.booleans(), threads=st.integers(1, 3), seed=st.integers(0, 2**31))
+@settings(max_examples=40, deadline=None)
+def test_the_quantized_tile_kernel_is_the_gemm_on_the_bf16_dequantized_weight(
+        scheme: str, n: int, runs: int, group: int, m: int, with_bias: bool, threads: int, seed: int) -> None:
+    """`quantized_gemm_bf16` (each tile of 4 weight rows dequantized once to bf16 in cache) computes what the
+    dequantize-then-GEMM path multiplies, `x @ dequantize(bf16).T`, within fp32 summation and one bf16 rounding; and
+    each output row is what that input row gives alone."""
+    kernels = native_kernels()
+    assert kernels is not None
+    group = group if scheme == "int4" else 16 if scheme.startswith("Q6_K") else 32
+    k = 256 * (1 + runs % 2) if scheme.endswith("-factored") else max(runs * 32 // group, 1) * group
+    weight = weight_of(scheme, n, k, group, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernels.quantized_gemm_bf16(weight, x, bias)
+        alone = [kernels.quantized_gemm_bf16(weight, x[j : j + 1], bias)[0] for j in range(m)]
+    finally:
+        torch.set_num_threads(before)
+    w = weight.dequantize(torch.bfloat16).double()
+    exact = x.double() @ w.T + (0 if bias is None else bias.double())
+    magnitude = x.double().abs() @ w.abs().T + (0 if bias is None else bias.double().abs())
+    bound = (k + 2) * 2.0**-24 * magnitude + 2.0**-8 * exact.abs() + 1e-30
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    assert ((got.double() - exact).abs() <= bound).all(), f"{scheme}: beyond rounding of the bf16-dequantized GEMM"
+    assert all(torch.equal(got[j], alone[j]) for j in range(m)), "a row depends on the other rows of the call"

@@ -368,3 +368,38 @@ def test_the_batched_engine_steps_take_the_few_row_product(monkeypatch: pytest.M
         assert result.logits is not None
         solo = solo_logits(model, prompt, result.token_ids).float()
         assert (result.logits.float() - solo).abs().max() <= 0.05 * solo.abs().max()
+
+
+@pytest.mark.skipif(not few_row_kernel_here(), reason="no AVX512-BF16 native build here")
+def test_quantized_batches_past_the_codes_kernel_take_the_tile_kernel_in_the_engine(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """int4 weights in bf16: inside `few_row_products()` products of more than `quantized_rows` and up to
+    `gemm_rows` rows take the tile kernel (outside it, or past `gemm_rows`, they dequantize into the GEMM), and the
+    logits stay within bf16 rounding of the dequantize-then-GEMM path's."""
+    import infer
+    from infer.kernels.native import NativeKernels
+    from infer.models.transformer import few_row_products
+    from reference import build_checkpoint
+
+    path = build_checkpoint("llama", hidden_size=64, intermediate_size=128)
+    model = infer.load_model(path, dtype="bfloat16", weights="int4", decode_gemv="native")
+    model.native_step, model.quantized_rows, model.gemm_rows = False, 2, 16
+    calls: list[int] = []
+    product = NativeKernels.quantized_gemm_bf16
+
+    def counted(self: NativeKernels, w: object, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        calls.append(x.numel() // x.shape[-1])
+        return product(self, w, x, bias)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(NativeKernels, "quantized_gemm_bf16", counted)
+    ids = torch.randint(0, 400, (1, 12), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        plain = model(ids).float()
+        assert not calls, "outside the engine's steps the GEMM path runs"
+        with few_row_products():
+            tiled = model(ids).float()
+            assert calls and set(calls) == {12}, "12 rows (past quantized_rows 2, within gemm_rows 16)"
+            calls.clear()
+            model(torch.cat([ids, ids], 1))
+            assert not calls, "24 rows: past gemm_rows"
+    assert (tiled - plain).abs().max() <= 0.05 * plain.abs().max()

@@ -993,6 +993,46 @@ int infer_qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_cod
  * thread streams its own rows of w once, in tiles of 4 weight rows against 4 rows of x: 16 sums in registers, 8
  * loads per 16 pair instructions, x staying in cache across the tiles; the 16 sums are folded at once
  * (sum16x16). Returns -2 where the build has no bf16 pair instruction (nothing written). */
+#if defined(HAVE_DOT_BF16)
+/* One tile: weight rows wr[0..3] (the first `rt` real; spare ones repeat a row) against every row of x `[m, k]`,
+ * into y's columns r..r+rt-1 (+ bias[r + a]). `pf`..`pf_end` (the next tile's bytes) are prefetched, `per_iter`
+ * cache lines per iteration, while this tile runs. */
+static inline void gemm_tile_bf16(const uint16_t *const wr[4], int rt, const uint16_t *x, const uint16_t *bias,
+                                  uint16_t *y, int64_t m, int64_t n, int64_t k, int64_t r, const char *pf,
+                                  const char *pf_end, int64_t per_iter) {
+    for (int64_t j = 0; j < m; j += 4) {
+        int jt = m - j < 4 ? (int)(m - j) : 4;
+        const uint16_t *xr[4];
+        for (int b = 0; b < 4; b++) xr[b] = x + (j + (b < jt ? b : jt - 1)) * k;
+        __m512 acc[16];
+        for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
+        int64_t i = 0;
+        for (; i + 32 <= k; i += 32) {
+            __m512bh wv[4], xv[4];
+            for (int64_t q = 0; q < per_iter && pf < pf_end; q++, pf += 64) prefetch(pf);
+            for (int a = 0; a < 4; a++) wv[a] = (__m512bh)_mm512_loadu_si512(wr[a] + i);
+            for (int b = 0; b < 4; b++) xv[b] = (__m512bh)_mm512_loadu_si512(xr[b] + i);
+            for (int a = 0; a < 4; a++)
+                for (int b = 0; b < 4; b++) acc[a * 4 + b] = _mm512_dpbf16_ps(acc[a * 4 + b], wv[a], xv[b]);
+        }
+        if (i < k) {
+            __mmask32 mask = (__mmask32)((1u << (k - i)) - 1);
+            __m512bh wv[4], xv[4];
+            for (int a = 0; a < 4; a++) wv[a] = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr[a] + i);
+            for (int b = 0; b < 4; b++) xv[b] = (__m512bh)_mm512_maskz_loadu_epi16(mask, xr[b] + i);
+            for (int a = 0; a < 4; a++)
+                for (int b = 0; b < 4; b++) acc[a * 4 + b] = _mm512_dpbf16_ps(acc[a * 4 + b], wv[a], xv[b]);
+        }
+        qv16 sums = sum16x16((const qv16 *)acc);
+        for (int a = 0; a < rt; a++)
+            for (int b = 0; b < jt; b++) {
+                float v = sums[a * 4 + b] + (bias ? bf16_to_f32(bias[r + a]) : 0.f);
+                y[(j + b) * n + r + a] = f32_to_bf16(v);
+            }
+    }
+}
+#endif
+
 int infer_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t m, int64_t n,
                     int64_t k, int threads) {
 #if defined(HAVE_DOT_BF16)
@@ -1010,36 +1050,7 @@ int infer_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, 
             const uint16_t *wr[4];
             for (int a = 0; a < 4; a++) wr[a] = w + (r + (a < rt ? a : rt - 1)) * k; /* spare lanes repeat a row */
             const char *pf = (const char *)(w + (r + 4) * k), *pf_end = (const char *)(w + (r1 < r + 8 ? r1 : r + 8) * k);
-            for (int64_t j = 0; j < m; j += 4) {
-                int jt = m - j < 4 ? (int)(m - j) : 4;
-                const uint16_t *xr[4];
-                for (int b = 0; b < 4; b++) xr[b] = x + (j + (b < jt ? b : jt - 1)) * k;
-                __m512 acc[16];
-                for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
-                int64_t i = 0;
-                for (; i + 32 <= k; i += 32) {
-                    __m512bh wv[4], xv[4];
-                    for (int64_t q = 0; q < per_iter && pf < pf_end; q++, pf += 64) prefetch(pf);
-                    for (int a = 0; a < 4; a++) wv[a] = (__m512bh)_mm512_loadu_si512(wr[a] + i);
-                    for (int b = 0; b < 4; b++) xv[b] = (__m512bh)_mm512_loadu_si512(xr[b] + i);
-                    for (int a = 0; a < 4; a++)
-                        for (int b = 0; b < 4; b++) acc[a * 4 + b] = _mm512_dpbf16_ps(acc[a * 4 + b], wv[a], xv[b]);
-                }
-                if (i < k) {
-                    __mmask32 mask = (__mmask32)((1u << (k - i)) - 1);
-                    __m512bh wv[4], xv[4];
-                    for (int a = 0; a < 4; a++) wv[a] = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr[a] + i);
-                    for (int b = 0; b < 4; b++) xv[b] = (__m512bh)_mm512_maskz_loadu_epi16(mask, xr[b] + i);
-                    for (int a = 0; a < 4; a++)
-                        for (int b = 0; b < 4; b++) acc[a * 4 + b] = _mm512_dpbf16_ps(acc[a * 4 + b], wv[a], xv[b]);
-                }
-                qv16 sums = sum16x16((const qv16 *)acc);
-                for (int a = 0; a < rt; a++)
-                    for (int b = 0; b < jt; b++) {
-                        float v = sums[a * 4 + b] + (bias ? bf16_to_f32(bias[r + a]) : 0.f);
-                        y[(j + b) * n + r + a] = f32_to_bf16(v);
-                    }
-            }
+            gemm_tile_bf16(wr, rt, x, bias, y, m, n, k, r, pf, pf_end, per_iter);
         }
     }
     return 0;
@@ -1597,44 +1608,101 @@ static inline void store16(int dtype, void *out, int64_t i, __m512 v) {
  * dequantize), rounded once to dtype. For multi-row products through the GEMM: 16 weights a vector where the
  * build has AVX512 and dtype is fp32 or bf16 (the prefill of a quantized model waits on it), else one at a time.
  * Returns -2 on a bad shape. */
+/* One row of `k` codes dequantized into `out` (`dtype`): scale * q (+ min) in fp32, rounded once. */
+static void dequant_row(int fmt, const uint8_t *codes, scale_row rs, scale_row rm, int has_mins, int dtype, void *out,
+                        int64_t k, int64_t group) {
+    int64_t run_bytes = fmt == Q8 ? QCHUNK : QCHUNK / 2;
+#if defined(HAVE_AVX512)
+    if (dtype != F16) {
+        for (int64_t i = 0; i < k; i += QCHUNK) {
+            __m512 w[2];
+            qcodes(fmt, codes + i / QCHUNK * run_bytes, w);
+            for (int v = 0; v < 2; v++) { /* a vector's 16 codes share a group (groups are 16 or whole runs) */
+                int64_t g = (i + 16 * v) / group;
+                __m512 s = _mm512_set1_ps(scale_at(rs, g));
+                __m512 lo = _mm512_set1_ps(has_mins ? scale_at(rm, g) : 0.f);
+                __m512 x = _mm512_mul_ps(s, w[v]);
+                if (has_mins) x = _mm512_add_ps(x, lo);
+                store16(dtype, out, i + 16 * v, x);
+            }
+        }
+        return;
+    }
+#endif
+    float w[QCHUNK];
+    for (int64_t i = 0; i < k; i += QCHUNK) {
+        codes_chunk(fmt, codes + i / QCHUNK * run_bytes, w);
+        for (int t = 0; t < QCHUNK; t++) {
+            int64_t g = (i + t) / group;
+            float s = scale_at(rs, g), lo = has_mins ? scale_at(rm, g) : 0.f;
+            float v = s * w[t];
+            if (has_mins) v = v + lo;
+            store_scalar(dtype, out, i + t, v);
+        }
+    }
+}
+
 int infer_qdequant(int fmt, const uint8_t *codes, int sdtype, const void *scales, const void *mins, int dtype,
                    void *out, int64_t n, int64_t k, int64_t group, int threads) {
     if (fmt == Q6) fmt = Q8;
     if (!qshape_ok(fmt, k, group) || (sdtype == FK && k % 256)) return -2;
-    int64_t groups = k / group, row_bytes = fmt == Q8 ? k : k / 2, run_bytes = fmt == Q8 ? QCHUNK : QCHUNK / 2;
+    int64_t groups = k / group, row_bytes = fmt == Q8 ? k : k / 2, esize = dtype == F32 ? 4 : 2;
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-    for (int64_t r = 0; r < n; r++) {
-        scale_row rs = scale_row_of(sdtype, scales, r, groups, k), rm = scale_row_of(sdtype, mins, r, groups, k);
-#if defined(HAVE_AVX512)
-        if (dtype != F16) {
-            for (int64_t i = 0; i < k; i += QCHUNK) {
-                __m512 w[2];
-                qcodes(fmt, codes + r * row_bytes + i / QCHUNK * run_bytes, w);
-                for (int v = 0; v < 2; v++) { /* a vector's 16 codes share a group (groups are 16 or whole runs) */
-                    int64_t g = (i + 16 * v) / group;
-                    __m512 s = _mm512_set1_ps(scale_at(rs, g));
-                    __m512 lo = _mm512_set1_ps(mins ? scale_at(rm, g) : 0.f);
-                    __m512 x = _mm512_mul_ps(s, w[v]);
-                    if (mins) x = _mm512_add_ps(x, lo);
-                    store16(dtype, out, r * k + i + 16 * v, x);
-                }
-            }
-            continue;
-        }
-#endif
-        float w[QCHUNK];
-        for (int64_t i = 0; i < k; i += QCHUNK) {
-            codes_chunk(fmt, codes + r * row_bytes + i / QCHUNK * run_bytes, w);
-            for (int t = 0; t < QCHUNK; t++) {
-                int64_t g = (i + t) / group;
-                float s = scale_at(rs, g), lo = mins ? scale_at(rm, g) : 0.f;
-                float v = s * w[t];
-                if (mins) v = v + lo;
-                store_scalar(dtype, out, r * k + i + t, v);
-            }
-        }
-    }
+    for (int64_t r = 0; r < n; r++)
+        dequant_row(fmt, codes + r * row_bytes, scale_row_of(sdtype, scales, r, groups, k),
+                    scale_row_of(sdtype, mins, r, groups, k), mins != NULL, dtype, (char *)out + r * k * esize, k,
+                    group);
     return 0;
+}
+
+/* y = x W^T (+ bias) for a few bf16 rows x `[m, k]` and quantized W (the batched engine's decode steps): each
+ * tile of 4 weight rows is dequantized once into a bf16 buffer the thread keeps in cache (the numbers the
+ * dequantize-then-GEMM path multiplies: scale * q (+ min) rounded once to bf16), then multiplied as
+ * infer_gemm_bf16's tiles are; the weight is never written out whole. Returns -2 on a bad shape or a build without
+ * the bf16 pair instruction, -1 without memory (nothing written). */
+int infer_qgemm_bf16(int fmt, const uint8_t *codes, int sdtype, const void *scales, const void *mins,
+                     const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t m, int64_t n, int64_t k,
+                     int64_t group, int threads) {
+#if defined(HAVE_DOT_BF16)
+    if (fmt == Q6) fmt = Q8;
+    if (!qshape_ok(fmt, k, group) || (sdtype == FK && k % 256)) return -2;
+    if (m <= 0 || n <= 0) return 0;
+    int64_t groups = k / group, row_bytes = fmt == Q8 ? k : k / 2;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t first, last;
+        thread_rows(n, &first, &last);
+        uint16_t *tile = (uint16_t *)malloc((size_t)(4 * k) * sizeof(uint16_t));
+        if (!tile) {
+            last = first;
+#pragma omp atomic write
+            failed = 1;
+        }
+        int64_t lines = 4 * row_bytes / 64, iters = ((m + 3) / 4) * ((k + 31) / 32);
+        int64_t per_iter = (lines + iters - 1) / iters;
+        for (int64_t t = first; t < last; t += 4) {
+            int rows = last - t < 4 ? (int)(last - t) : 4;
+            const uint16_t *wr[4];
+            for (int a = 0; a < 4; a++) {
+                int64_t r = t + a;
+                wr[a] = tile + (a < rows ? a : rows - 1) * k; /* spare lanes repeat a row */
+                if (a < rows)
+                    dequant_row(fmt, codes + r * row_bytes, scale_row_of(sdtype, scales, r, groups, k),
+                                scale_row_of(sdtype, mins, r, groups, k), mins != NULL, BF16, tile + a * k, k, group);
+            }
+            const char *pf = (const char *)(codes + (t + 4) * row_bytes);
+            const char *pf_end = (const char *)(codes + (last < t + 8 ? last : t + 8) * row_bytes);
+            gemm_tile_bf16(wr, rows, x, bias, y, m, n, k, t, pf, pf_end, per_iter);
+        }
+        free(tile);
+    }
+    return failed ? -1 : 0;
+#else
+    (void)fmt, (void)codes, (void)sdtype, (void)scales, (void)mins, (void)x, (void)bias, (void)y, (void)m, (void)n;
+    (void)k, (void)group, (void)threads;
+    return -2;
+#endif
 }
 
 /* ---- a one-token step of one sequence: every decoder layer in one call ----

@@ -114,6 +114,12 @@ class NativeKernels:
         lib.infer_gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         lib.infer_gemm_bf16.restype = ctypes.c_int
         self._gemm_bf16 = lib.infer_gemm_bf16
+        # fmt, codes, scale dtype, scales, mins, x, bias, y, m, n, k, group, threads
+        qgemm_args: list[Any] = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * 5,
+                                 *[ctypes.c_int64] * 4, ctypes.c_int]
+        lib.infer_qgemm_bf16.argtypes = qgemm_args
+        lib.infer_qgemm_bf16.restype = ctypes.c_int
+        self._qgemm_bf16 = lib.infer_qgemm_bf16
         self._read = lib.infer_read
         self.path = path
         self.isa: str = lib.infer_isa().decode()
@@ -159,6 +165,28 @@ class NativeKernels:
                            out.data_ptr(), rows.shape[0], n, k, torch.get_num_threads()):
             raise ValueError("the native bf16 product needs the AVX512-BF16 pair instruction; this build is "
                              f"{self.isa}")
+        return out.view(*x.shape[:-1], n)
+
+    def quantized_gemm_bf16(self, weight: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None = None
+                            ) -> torch.Tensor:
+        """`x @ W.T (+ bias)` for a few bf16 rows `x` `[..., k]` and the quantized `weight`: each tile of 4 weight
+        rows dequantized once to bf16 in cache (the numbers `dequantize(bf16)` gives), then the few-row product's
+        tiles; fp32 sums rounded once. Needs `gemm_bf16_available` and a weight `takes` accepts."""
+        fmt, codes, sdtype, scales, mins, n, k, group = weight.kernel_args
+        rows = x.reshape(-1, k)
+        if rows.dtype != torch.bfloat16 or not rows.is_contiguous():
+            rows = rows.to(torch.bfloat16).contiguous()
+        if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+            bias = bias.to(torch.bfloat16).contiguous()
+        out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+        code = self._qgemm_bf16(QFORMATS[fmt], codes, SCALE_CODES[sdtype], scales, mins, rows.data_ptr(),
+                                None if bias is None else bias.data_ptr(), out.data_ptr(), rows.shape[0], n, k, group,
+                                torch.get_num_threads())
+        if code == -1:
+            raise MemoryError(f"the native quantized few-row product could not allocate {8 * k} bytes")
+        if code:
+            raise ValueError(f"the native quantized few-row product needs AVX512-BF16 (this build: {self.isa}) and "
+                             f"k a multiple of 32 in groups of whole runs (k={k}, group={group})")
         return out.view(*x.shape[:-1], n)
 
     def takes(self, weight: QuantizedWeight) -> bool:

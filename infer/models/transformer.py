@@ -146,13 +146,16 @@ class QuantizedLinear(ProjectionTraits, nn.Module):
     "linear", the unoptimised form and the check, dequantizes the weight (`QuantizedWeight.dequantize`) and
     calls F.linear. "native" runs the compiled kernel on the codes for up to `native_rows` rows of input (decode
     steps, the engine's batches, short chunks): codes read once, widened in registers, fp32 sums; longer inputs
-    dequantize with the native dequantizer (bit-equal to the reference) into the GEMM. "triton" runs the
-    Triton kernel (infer/kernels/qgemv.py) on as many rows."""
+    dequantize with the native dequantizer (bit-equal to the reference) into the GEMM, except that inside
+    `few_row_products()` (the batched engine's steps) bf16 inputs of up to `tile_rows` rows take the native tile
+    kernel (each tile of 4 weight rows dequantized to bf16 in cache: the GEMM's numbers, the weight never written
+    out whole). "triton" runs the Triton kernel (infer/kernels/qgemv.py) on as many rows."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
     native_rows = 16  # rows up to which the native kernel beats dequantize + GEMM (infer.tuning times it)
+    tile_rows = 1  # rows up to which the tile kernel runs past native_rows (Transformer.gemm_rows; 1: never)
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -176,6 +179,9 @@ class QuantizedLinear(ProjectionTraits, nn.Module):
         rows = x.numel() // self.in_features
         if self.gemv == "native" and rows <= self.native_rows and not x.requires_grad:
             return native_kernels_or_raise().quantized_gemv(self.qweight, x, self.bias)
+        if (self.gemv == "native" and rows <= self.tile_rows and x.dtype == torch.bfloat16 and not x.requires_grad
+                and _FEW_ROW_PRODUCTS.get()):
+            return native_kernels_or_raise().quantized_gemm_bf16(self.qweight, x, self.bias)
         if self.gemv == "triton" and rows <= self.native_rows and not x.requires_grad:
             from infer.kernels.qgemv import triton_qgemm  # imported where Triton is (decode_gemv's setter)
 
@@ -253,6 +259,7 @@ def fuse_quantized(parts: list[QuantizedLinear]) -> QuantizedLinear | None:
     bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts if p.bias is not None])
     fused = QuantizedLinear(weight, bias)
     fused.upcast, fused.gemv, fused.native_rows = parts[0].upcast, parts[0].gemv, parts[0].native_rows
+    fused.tile_rows = parts[0].tile_rows
     start = 0
     for p in parts:
         rows = slice(start, start + p.out_features)
@@ -538,12 +545,15 @@ class Transformer(nn.Module):
 
     @property
     def gemm_rows(self) -> int:
-        """Rows of input up to which dense bf16 products run the native few-row kernel inside `few_row_products()`
-        (the batched engine's steps) when `decode_gemv` is "native" (1: only one-row products;
-        infer.tuning.choose_gemm_rows measures it at load). Sums in another order than F.linear: equal within
-        rounding."""
-        projections = [m for m in self._linears() if isinstance(m, Linear)]
-        return projections[0].native_rows if projections else 1
+        """Rows of input up to which bf16 products run the native few-row kernels inside `few_row_products()` (the
+        batched engine's steps) when `decode_gemv` is "native": dense weights instead of F.linear, quantized ones
+        past `quantized_rows` instead of dequantizing the weight into the GEMM (1: neither;
+        infer.tuning.choose_gemm_rows measures it at load). Sums in another order: equal within rounding."""
+        dense = [m for m in self._linears() if isinstance(m, Linear)]
+        if dense:
+            return dense[0].native_rows
+        quantized = [m for m in self._linears() if isinstance(m, QuantizedLinear)]
+        return quantized[0].tile_rows if quantized else 1
 
     @gemm_rows.setter
     def gemm_rows(self, rows: int) -> None:
@@ -556,6 +566,8 @@ class Transformer(nn.Module):
         for module in self._linears():
             if isinstance(module, Linear):
                 module.native_rows = rows
+            elif isinstance(module, QuantizedLinear):
+                module.tile_rows = rows
 
     @property
     def quantized(self) -> bool:
