@@ -155,12 +155,7 @@ class NativeKernels:
         """`x @ weight.T (+ bias)` for a few rows `x` `[..., k]` of bf16 (the engine's decode steps): fp32 sums,
         rounded once, as F.linear's. Needs `gemm_bf16_available` and a bf16 weight `supports` takes."""
         n, k = weight.shape
-        rows = x.reshape(-1, k)
-        if rows.dtype != torch.bfloat16 or not rows.is_contiguous():
-            rows = rows.to(torch.bfloat16).contiguous()
-        if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
-            bias = bias.to(torch.bfloat16).contiguous()
-        out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+        rows, bias, out = _bf16_operands(x, k, n, bias)
         if self._gemm_bf16(weight.data_ptr(), rows.data_ptr(), None if bias is None else bias.data_ptr(),
                            out.data_ptr(), rows.shape[0], n, k, torch.get_num_threads()):
             raise ValueError("the native bf16 product needs the AVX512-BF16 pair instruction; this build is "
@@ -173,12 +168,7 @@ class NativeKernels:
         rows dequantized once to bf16 in cache (the numbers `dequantize(bf16)` gives), then the few-row product's
         tiles; fp32 sums rounded once. Needs `gemm_bf16_available` and a weight `takes` accepts."""
         fmt, codes, sdtype, scales, mins, n, k, group = weight.kernel_args
-        rows = x.reshape(-1, k)
-        if rows.dtype != torch.bfloat16 or not rows.is_contiguous():
-            rows = rows.to(torch.bfloat16).contiguous()
-        if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
-            bias = bias.to(torch.bfloat16).contiguous()
-        out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+        rows, bias, out = _bf16_operands(x, k, n, bias)
         code = self._qgemm_bf16(QFORMATS[fmt], codes, SCALE_CODES[sdtype], scales, mins, rows.data_ptr(),
                                 None if bias is None else bias.data_ptr(), out.data_ptr(), rows.shape[0], n, k, group,
                                 torch.get_num_threads())
@@ -368,6 +358,18 @@ class NativeKernels:
         float sum, so the read cannot be skipped)."""
         return float(self._read(buffer.data_ptr(), buffer.numel() * buffer.element_size(),
                                 torch.get_num_threads()))
+
+
+def _bf16_operands(x: torch.Tensor, k: int, n: int, bias: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The few-row products' operands: x as contiguous bf16 rows `[m, k]`, the bias likewise, and the output
+    `[m, n]`."""
+    rows = x.reshape(-1, k)
+    if rows.dtype != torch.bfloat16 or not rows.is_contiguous():
+        rows = rows.to(torch.bfloat16).contiguous()
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+        bias = bias.to(torch.bfloat16).contiguous()
+    return rows, bias, torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
