@@ -1655,6 +1655,28 @@ int infer_qdequant(int fmt, const uint8_t *codes, int sdtype, const void *scales
     return 0;
 }
 
+#if defined(HAVE_DOT_BF16)
+/* dequant_row into bf16 for the tile kernel: the same products and sums (scale * q, then + min: two roundings in
+ * fp32), rounded to bf16 by the conversion instruction, 32 values at a time (it rounds to nearest even as
+ * store16 does; only fp32 denormals, far below any weight's magnitude, would differ: it flushes them). */
+static void dequant_row_bf16(int fmt, const uint8_t *codes, scale_row rs, scale_row rm, int has_mins, uint16_t *out,
+                             int64_t k, int64_t group) {
+    int64_t run_bytes = fmt == Q8 ? QCHUNK : QCHUNK / 2;
+    for (int64_t i = 0; i < k; i += QCHUNK) {
+        __m512 w[2];
+        qcodes(fmt, codes + i / QCHUNK * run_bytes, w);
+        int64_t g0 = i / group, g1 = (i + 16) / group; /* the same group unless groups are 16 (Q6_K) */
+        __m512 lo = _mm512_mul_ps(_mm512_set1_ps(scale_at(rs, g0)), w[0]);
+        __m512 hi = _mm512_mul_ps(_mm512_set1_ps(scale_at(rs, g1)), w[1]);
+        if (has_mins) {
+            lo = _mm512_add_ps(lo, _mm512_set1_ps(scale_at(rm, g0)));
+            hi = _mm512_add_ps(hi, _mm512_set1_ps(scale_at(rm, g1)));
+        }
+        _mm512_storeu_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+#endif
+
 /* y = x W^T (+ bias) for a few bf16 rows x `[m, k]` and quantized W (the batched engine's decode steps): each
  * tile of 4 weight rows is dequantized once into a bf16 buffer the thread keeps in cache (the numbers the
  * dequantize-then-GEMM path multiplies: scale * q (+ min) rounded once to bf16), then multiplied as
@@ -1688,8 +1710,8 @@ int infer_qgemm_bf16(int fmt, const uint8_t *codes, int sdtype, const void *scal
                 int64_t r = t + a;
                 wr[a] = tile + (a < rows ? a : rows - 1) * k; /* spare lanes repeat a row */
                 if (a < rows)
-                    dequant_row(fmt, codes + r * row_bytes, scale_row_of(sdtype, scales, r, groups, k),
-                                scale_row_of(sdtype, mins, r, groups, k), mins != NULL, BF16, tile + a * k, k, group);
+                    dequant_row_bf16(fmt, codes + r * row_bytes, scale_row_of(sdtype, scales, r, groups, k),
+                                     scale_row_of(sdtype, mins, r, groups, k), mins != NULL, tile + a * k, k, group);
             }
             const char *pf = (const char *)(codes + (t + 4) * row_bytes);
             const char *pf_end = (const char *)(codes + (last < t + 8 ? last : t + 8) * row_bytes);
