@@ -157,6 +157,17 @@ def check_pool_invariants(manager: BlockManager, tokens: dict[int, list[int]] | 
             assert tokens[first[0]][:n] == tokens[seq_id][:n], f"block {b} is shared by different prefixes"
 
 
+@contextmanager
+def on_threads(threads: int) -> Iterator[None]:
+    """Run the body on `threads` PyTorch (and native kernel) threads, restoring the count after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def solo_logits(model: Transformer, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """The solo cached run's logits for each generated token, fed the given tokens."""
     device = model.device

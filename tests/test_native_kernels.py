@@ -16,6 +16,7 @@ from infer.families import ARCHITECTURES
 from infer.kernels import native
 from infer.kernels.native import DTYPE_CODES, FLAVOUR_NEEDS, FLAVOURS, native_kernels, unavailable_reason
 from infer.tuning import cpu_flags
+from tests.helpers import on_threads
 
 
 def runnable_flavours() -> list[str]:
@@ -54,12 +55,8 @@ def test_every_path_computes_the_product(flavour: str, dtype: torch.dtype, n: in
     w = torch.randn(n, k, generator=gen).to(dtype)
     x = torch.randn(k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with on_threads(threads):
         y = kernels.gemv(w, x, bias)
-    finally:
-        torch.set_num_threads(before)
     exact = w.double() @ x.double() + (0 if bias is None else bias.double())
     assert y.dtype == dtype and y.shape == (n,)
     excess = (y.double() - exact).abs() - error_bound(w, x, bias, dtype)
@@ -307,13 +304,9 @@ def test_the_few_row_bf16_product_is_the_formula(m: int, n: int, k: int, with_bi
     x = torch.randn(m, k, generator=gen).bfloat16()
     bias = torch.randn(n, generator=gen).bfloat16() if with_bias else None
     x_before = x.clone()
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with on_threads(threads):
         y = kernels.gemm_bf16(w, x, bias)
         alone = [kernels.gemm_bf16(w, x[j : j + 1], bias)[0] for j in range(m)]
-    finally:
-        torch.set_num_threads(before)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n) and torch.equal(x, x_before)
     for j in range(m):
         exact = w.double() @ x[j].double() + (0 if bias is None else bias.double())

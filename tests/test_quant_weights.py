@@ -35,7 +35,7 @@ from infer.quant_weights import (
 )
 from reference.checkpoints import build_checkpoint
 from reference.oracle import Oracle
-from tests.helpers import assert_close, dequantized_twin, fp32_bound, reference_product, weight_of
+from tests.helpers import assert_close, dequantized_twin, fp32_bound, on_threads, reference_product, weight_of
 from tests.test_gguf import random_blocks
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text"]
@@ -157,12 +157,8 @@ def test_native_quantized_gemv_is_dequantize_then_matmul(flavour: str, four_runs
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(m, k, generator=g).to(torch_dtype)
     bias = torch.randn(n, generator=g).to(torch_dtype) if with_bias else None
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)  # rows split in 16-row ranges per thread
-    try:
+    with on_threads(threads):  # rows split in 16-row ranges per thread
         got = kernels.quantized_gemv(weight, x, bias)
-    finally:
-        torch.set_num_threads(before)
     assert got.dtype == torch_dtype and got.shape == (m, n)
     exact = reference_product(weight, x, bias)
     # fp32 sums in another order (and, bf16 q4, codes offset by 128): a few fp32 ulps of the summed magnitudes;
@@ -452,13 +448,9 @@ def test_the_quantized_tile_kernel_is_the_gemm_on_the_bf16_dequantized_weight(
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(m, k, generator=g).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with on_threads(threads):
         got = kernels.quantized_gemm_bf16(weight, x, bias)
         alone = [kernels.quantized_gemm_bf16(weight, x[j : j + 1], bias)[0] for j in range(m)]
-    finally:
-        torch.set_num_threads(before)
     w = weight.dequantize(torch.bfloat16).double()
     exact = x.double() @ w.T + (0 if bias is None else bias.double())
     magnitude = x.double().abs() @ w.abs().T + (0 if bias is None else bias.double().abs())
