@@ -305,6 +305,12 @@ MUTANTS = [
            ("tests/test_scheduler.py",)),
     Mutant("scheduler: the oldest request preempted instead of the youngest", "infer/scheduler.py",
            "victim = victims[-1]", "victim = victims[0]", ("tests/test_scheduler.py",)),
+    Mutant("scheduler: a later admission drops an earlier one's copy-on-write", "infer/scheduler.py",
+           "request.status = Status.RUNNING\n            out.copies += self.blocks.append(",
+           "request.status = Status.RUNNING\n            out.copies = self.blocks.append(",
+           ("tests/test_scheduler.py",)),
+    Mutant("scheduler: the prefix-hit figure keeps only the last admission's hits", "infer/scheduler.py",
+           "self.prefix_hit_tokens += num_cached", "self.prefix_hit_tokens = num_cached", ("tests/test_scheduler.py",)),
     Mutant("block manager: a freed sequence gives its leading blocks back first", "infer/cache/block_manager.py",
            "        for block_id in reversed(seq.block_table):\n            block = self._blocks[block_id]\n"
            "            block.ref_count -= 1",

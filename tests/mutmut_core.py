@@ -1,10 +1,18 @@
 """Mechanical mutation testing of the pure-Python core with mutmut, module by module, each against the tests that
-own it: `make mutation` (not collected by pytest; CI does not run it: it takes about a quarter of an hour per
-module on 2 cores). Works in a scratch copy of the tree (mutmut edits files in place), prints a table of killed /
-survived / timed-out mutants per module, and leaves each module's mutmut cache there for `mutmut show <id>`.
+own it: `make mutation` (not collected by pytest; CI does not run it). Works in scratch copies of the tree (mutmut
+edits files in place), two lanes at once by default (one per core), each lane's pytest runs forked from a server
+that imported torch, transformers and Hypothesis once (tests/pytest_forkserver.py). Prints a table of mutants,
+scores and survivors per module; `--survivors WORD` prints the surviving mutants' diffs from the saved caches.
 
   python tests/mutmut_core.py                 # every module below
   python tests/mutmut_core.py scheduler       # the modules whose path contains a word
+  python tests/mutmut_core.py --jobs 1        # one lane
+  python tests/mutmut_core.py --survivors sampling   # what survived, as diffs
+  python tests/mutmut_core.py --work DIR      # where scratch trees and saved caches live (default: tmp/infer-mutmut)
+
+Each module runs in two stages: its owning tests against every mutant, then the wider suite that also reaches the
+module against the survivors; the table gives both scores. Caches are kept between runs: a mutant once killed
+stays killed, and survivors are tried again (after a test is added, only they run).
 
 Needs `pip install mutmut==2.4.5` (the 2.x command line). Complements tests/mutation_check.py, whose planted bugs
 are realistic ones written by hand; mutmut's are mechanical (operators, constants, strings), so some survivors are
@@ -13,58 +21,167 @@ equivalent (an enum's value, a message's wording): say why when leaving one.
 
 from __future__ import annotations
 
-import re
+import ast
+import queue
 import shutil
+import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PYTEST = f"{sys.executable} -m pytest -x -q -p no:cacheprovider -p no:xdist"
-# module -> the tests that own it (fast ones: mutmut runs them once per mutant)
+# module -> (the tests that own it, run against every mutant; the wider suite that also reaches it, run against the
+# mutants the owners let through). Two stages keep a module to minutes while the score is the suite's.
 CORE = {
-    "infer/scheduler.py": "tests/test_scheduler.py",
-    "infer/cache/block_manager.py": "tests/test_block_manager_machine.py tests/test_scheduler.py",
-    "infer/sampling.py": "tests/test_sampling_oracle.py tests/test_bad_inputs.py",
-    "infer/config.py": "tests/test_config_oracle.py",
-    "infer/chat_tools.py": "tests/test_chat.py",
-    "infer/bench_common.py": "tests/test_bench_statistics.py tests/test_bench.py",
+    "infer/scheduler.py": ("tests/test_scheduler.py",
+                           "tests/test_engine.py tests/property/test_engine_properties.py tests/test_paged.py"),
+    "infer/cache/block_manager.py": ("tests/test_block_manager_machine.py tests/test_scheduler.py tests/test_paged.py",
+                                     "tests/test_engine.py tests/property/test_engine_properties.py "
+                                     "tests/test_prompt_cache.py tests/test_quantized_pool.py "
+                                     "tests/property/test_quantized_pool_properties.py"),
+    "infer/sampling.py": ("tests/test_sampling_oracle.py tests/test_bad_inputs.py",
+                          "tests/test_generate.py tests/test_engine.py tests/test_stopping.py"),
+    "infer/config.py": ("tests/test_config_oracle.py",
+                        "tests/test_models.py tests/test_checkpoint_validation.py tests/test_gguf.py "
+                        "tests/test_loader.py tests/test_bad_inputs.py"),
+    "infer/chat_tools.py": ("tests/test_chat.py", "tests/test_tokenizer.py tests/test_cli.py"),
+    "infer/tokenizer.py": ("tests/test_tokenizer.py tests/test_stopping.py",
+                           "tests/test_chat.py tests/test_generate.py tests/test_engine.py"),
+    "infer/bench_common.py": ("tests/test_bench_statistics.py tests/test_bench.py",
+                              "tests/test_bench_memory.py tests/test_roofline.py tests/test_llamacpp_bench.py "
+                              "tests/test_asv_benches.py"),
 }
+# Modules mutated only in part: the named top-level classes or functions (the issue's "stream decoder").
+ONLY = {"infer/tokenizer.py": ("StreamDecoder",)}
+# mutmut's statuses that count as caught: killed, killed but slowly ("suspicious": the tests failed after taking
+# much longer than unmutated, e.g. Hypothesis shrinking), and timed out (a hang is noticed).
+KILLED = ("ok_killed", "ok_suspicious", "bad_timeout")
+PYTEST_ARGS = "-x -q -p no:cacheprovider -p no:xdist -W ignore::pytest.PytestAssertRewriteWarning"
 
 
-def run(module: str, tests: str, scratch: Path) -> dict[str, int]:
-    """mutmut over one module in the scratch tree; the counts of its results."""
-    (scratch / "setup.cfg").write_text(f"[mutmut]\npaths_to_mutate={module}\ntests_dir=tests/\n"
-                                       f"runner={PYTEST} {tests}\n")
-    cache = scratch / ".mutmut-cache"
-    cache.unlink(missing_ok=True)
+def line_ranges(path: Path, names: tuple[str, ...]) -> list[tuple[int, int]]:
+    """0-based inclusive line ranges of the named top-level definitions (mutmut counts lines from 0)."""
+    tree = ast.parse(path.read_text())
+    return [(node.lineno - 1, (node.end_lineno or node.lineno) - 1) for node in tree.body
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name in names]
+
+
+def mutmut(scratch: Path, module: str, tests: str, socket: Path) -> None:
+    """One `mutmut run` over the module with the given tests as the runner (mutants already killed are kept)."""
+    runner = f"{sys.executable} tests/pytest_forkserver.py run {socket} -- {PYTEST_ARGS} {tests}"
+    (scratch / "setup.cfg").write_text(f"[mutmut]\npaths_to_mutate={module}\ntests_dir=tests/\nrunner={runner}\n")
     subprocess.run([sys.executable, "-m", "mutmut", "run", "--no-progress"], cwd=scratch, capture_output=True)
-    shutil.copy(cache, scratch / f".mutmut-cache-{Path(module).stem}")
-    out = subprocess.run([sys.executable, "-m", "mutmut", "results"], cwd=scratch, capture_output=True, text=True)
-    counts = {kind: int(n) for kind, n in re.findall(r"^(Killed|Timed out|Suspicious|Survived|Skipped) \S* \((\d+)\)",
-                                                      out.stdout, re.M)}
-    total = subprocess.run([sys.executable, "-c", "import sqlite3,sys; print(sqlite3.connect(sys.argv[1])"
-                            ".execute('select count(*) from Mutant').fetchone()[0])", str(cache)],
-                           capture_output=True, text=True)
-    counts["total"] = int(total.stdout.strip() or 0)
-    return counts
+
+
+def counts(cache: Path) -> dict[str, int]:
+    """The mutants of a mutmut cache by status."""
+    rows = sqlite3.connect(cache).execute("select status, count(*) from Mutant group by status").fetchall()
+    return {str(status): int(n) for status, n in rows}
+
+
+def run(module: str, own: str, wider: str, scratch: Path, socket: Path, caches: Path) -> dict[str, int]:
+    """Both stages over one module in a lane's scratch tree, resuming from its saved cache (a mutant killed
+    before stays killed; survivors are tried again whenever the tests changed); the counts of the results."""
+    ranges = line_ranges(scratch / module, ONLY[module]) if module in ONLY else None
+    (scratch / "mutmut_config.py").write_text(
+        f"RANGES = {ranges!r}\n\n\ndef pre_mutation(context):\n"
+        "    if RANGES is not None and not any(a <= context.current_line_index <= b for a, b in RANGES):\n"
+        "        context.skip = True\n")
+    cache, saved = scratch / ".mutmut-cache", caches / f"{Path(module).stem}.sqlite"
+    cache.unlink(missing_ok=True)
+    if saved.exists():
+        shutil.copy(saved, cache)
+    mutmut(scratch, module, own, socket)
+    after_own = counts(cache)
+    with sqlite3.connect(cache) as db:  # survivors: untested again, for the wider suite
+        db.execute("update Mutant set tested_against_hash = 'stage-2' where status = 'bad_survived'")
+    mutmut(scratch, module, f"{own} {wider}", socket)
+    shutil.copy(cache, saved)
+    final = counts(cache)
+    return {"total": sum(final.values()), "skipped": final.get("skipped", 0),
+            "killed_own": sum(after_own.get(s, 0) for s in KILLED), "killed": sum(final.get(s, 0) for s in KILLED),
+            "survived": final.get("bad_survived", 0),
+            "untested": final.get("untested", 0)}
+
+
+def lane(todo: queue.Queue[str], results: dict[str, dict[str, int]], n: int, work: Path) -> None:
+    """One scratch tree and one fork server; modules from the queue until it is empty."""
+    scratch = work / f"lane{n}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    shutil.copytree(ROOT, scratch, ignore=shutil.ignore_patterns(".venv", ".git", "*.pyc", "__pycache__",
+                                                                  ".mutmut-cache*", "bench_results"))
+    socket = work / f"lane{n}.sock"
+    server = subprocess.Popen([sys.executable, "tests/pytest_forkserver.py", "serve", str(socket)], cwd=scratch,
+                              stdout=subprocess.PIPE, text=True)
+    if server.stdout is None or "ready" not in server.stdout.readline():
+        raise RuntimeError(f"lane {n}: the pytest fork server did not start")
+    try:
+        while True:
+            try:
+                module = todo.get_nowait()
+            except queue.Empty:
+                return
+            start = time.monotonic()
+            results[module] = c = run(module, *CORE[module], scratch, socket, work / "caches")
+            tested = c["total"] - c["skipped"]
+            print(f"{module:30} {tested:7} {c['killed_own'] / tested:6.0%} {c['killed'] / tested:6.0%} "
+                  f"{c['survived']:8} {c['untested']:8} {time.monotonic() - start:6.0f} s", flush=True)
+    finally:
+        server.kill()
+
+
+def show_survivors(work: Path, module: str) -> None:
+    """Print each surviving mutant of a module as mutmut's diff, from its saved cache (in a scratch tree)."""
+    saved = work / "caches" / f"{Path(module).stem}.sqlite"
+    if not saved.exists():
+        print(f"{module}: no saved run in {work}")
+        return
+    scratch = work / "show"
+    shutil.rmtree(scratch, ignore_errors=True)
+    shutil.copytree(ROOT / "infer", scratch / "infer", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(saved, scratch / ".mutmut-cache")
+    ids = [i for (i,) in sqlite3.connect(saved).execute(
+        "select id from Mutant where status = 'bad_survived' order by id")]
+    print(f"# {module}: {len(ids)} survivors")
+    for i in ids:
+        diff = subprocess.run([sys.executable, "-m", "mutmut", "show", str(i)], cwd=scratch, capture_output=True,
+                              text=True).stdout
+        changed = [line for line in diff.splitlines() if line[:1] in ("-", "+", "@") and line[:3] not in ("---", "+++")]
+        print(f"#{i}", *changed, sep="\n")
 
 
 def main() -> int:
-    words = sys.argv[1:]
-    chosen = {m: t for m, t in CORE.items() if not words or any(w in m for w in words)}
-    scratch = Path(tempfile.mkdtemp(prefix="mutmut-")) / "tree"
-    shutil.copytree(ROOT, scratch, ignore=shutil.ignore_patterns(".venv", ".git", "*.pyc", "__pycache__",
-                                                                  ".mutmut-cache*", "bench_results"))
-    print(f"scratch tree: {scratch}")
-    print(f"{'module':32} {'mutants':>7} {'killed':>6} {'survived':>8} {'timeout':>7} {'score':>6}")
-    for module, tests in chosen.items():
-        c = run(module, tests, scratch)
-        survived = c.get("Survived", 0) + c.get("Suspicious", 0)
-        killed = c["total"] - survived - c.get("Skipped", 0)
-        score = killed / c["total"] if c["total"] else float("nan")
-        print(f"{module:32} {c['total']:7} {killed:6} {survived:8} {c.get('Timed out', 0):7} {score:6.0%}", flush=True)
+    """Run the chosen modules (all by default) in lanes; print one table row per module as it finishes."""
+    args = sys.argv[1:]
+    jobs, work, survivors = 2, Path(tempfile.gettempdir()) / "infer-mutmut", False
+    for flag in ("--jobs", "--work"):
+        if flag in args:
+            i = args.index(flag)
+            jobs, work = (int(args[i + 1]), work) if flag == "--jobs" else (jobs, Path(args[i + 1]))
+            del args[i:i + 2]
+    if "--survivors" in args:
+        args.remove("--survivors")
+        survivors = True
+    (work / "caches").mkdir(parents=True, exist_ok=True)
+    chosen = [module for module in CORE if not args or any(w in module for w in args)]
+    if survivors:
+        for module in chosen:
+            show_survivors(work, module)
+        return 0
+    todo: queue.Queue[str] = queue.Queue()
+    for module in chosen:
+        todo.put(module)
+    print(f"work directory (scratch trees, saved mutmut caches): {work}")
+    print(f"{'module':30} {'mutants':>7} {'own':>6} {'suite':>6} {'survived':>8} {'untested':>8} {'time':>8}")
+    results: dict[str, dict[str, int]] = {}
+    threads = [threading.Thread(target=lane, args=(todo, results, n, work)) for n in range(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     return 0
 
 

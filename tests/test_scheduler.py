@@ -24,6 +24,8 @@ def workloads(draw: st.DrawFn) -> dict:
     for _ in range(n):
         own = draw(st.lists(st.integers(0, 9), min_size=1, max_size=20))
         prompt = (shared if draw(st.booleans()) else []) + own
+        if requests and draw(st.integers(0, 3)) == 0:  # the same prompt again: all of it cached, copy-on-write
+            prompt = list(draw(st.sampled_from(requests))["prompt"])
         requests.append({
             "prompt": prompt,
             "outputs": draw(st.integers(1, 12)),
@@ -44,9 +46,9 @@ def workloads(draw: st.DrawFn) -> dict:
     }
 
 
-def simulate(w: dict) -> tuple[Scheduler, dict[int, Request], list[int], int]:
+def simulate(w: dict) -> tuple[Scheduler, dict[int, Request], list[int], int, int]:
     """Run the workload to the end; check every step. Returns the scheduler, requests, order of first
-    scheduling and number of preemptions."""
+    scheduling, number of preemptions and number of block copies."""
     manager = BlockManager(w["num_blocks"], w["block_size"])
     sched = Scheduler(manager, max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
                       enable_prefix_caching=w["prefix_caching"])
@@ -54,21 +56,35 @@ def simulate(w: dict) -> tuple[Scheduler, dict[int, Request], list[int], int]:
             for i, r in enumerate(w["requests"])}
     first_scheduled: list[int] = []
     arrival: dict[int, int] = {}  # request -> its place in the order of arrival
-    preemptions = 0
+    preemptions = copies = 0
+    admitted_tokens = hit_tokens = 0  # the prefix-cache figures, summed from the admissions seen
+    pool: dict[int, dict[int, int]] = {}  # the pool's contents as a forward would leave them: block -> slot -> token
     step = 0
     while step < 10_000:
         for i, r in enumerate(w["requests"]):
             if r["arrival"] == step:
                 sched.add(reqs[i])
+                assert reqs[i].status is Status.WAITING
                 arrival[i] = len(arrival)
             if r["abort_at"] == step and r["arrival"] <= step:
                 sched.finish(i)
+                assert reqs[i].status is Status.FINISHED and i not in sched.requests
         if step > max(r["arrival"] for r in w["requests"]) and not sched.has_unfinished():
             break
         waiting_before = [r.request_id for r in sched.waiting]
         known_before = {i: reqs[i].num_tokens for i in reqs}
         plan = sched.schedule()
         check_policy(plan, waiting_before, known_before, arrival, sched)
+        for c in plan.chunks:
+            if c.request_id in waiting_before:  # admitted: its first chunk starts where its cached prefix ends
+                assert reqs[c.request_id].num_prefix_hit_tokens == c.start
+                assert c.start == 0 or w["prefix_caching"], "a prefix hit with prefix caching off"
+                admitted_tokens += known_before[c.request_id]
+                hit_tokens += c.start
+        assert (sched.prompt_tokens_admitted, sched.prefix_hit_tokens) == (admitted_tokens, hit_tokens)
+        assert sched.prefix_hit_rate == (hit_tokens / admitted_tokens if admitted_tokens else 0.0)
+        assert all(r.status is Status.WAITING for r in sched.waiting)
+        assert all(r.status is Status.RUNNING for r in sched.running)
         preemptions += len(plan.preempted)
         assert not plan.failed, "every request fits the pool alone"
         assert plan.num_batched_tokens <= w["budget"]
@@ -84,6 +100,9 @@ def simulate(w: dict) -> tuple[Scheduler, dict[int, Request], list[int], int]:
                 first_scheduled.append(c.request_id)
         if sched.has_unfinished():
             assert plan.chunks or plan.preempted, f"step {step}: requests wait but nothing runs (deadlock)"
+        copies += len(plan.copies)
+        for copy in plan.copies:  # copy-on-write, done before the forward as the engine does
+            pool[copy.dst] = dict(pool.get(copy.src, {}))
         if w.get("fail_every") and step % w["fail_every"] == 1:  # the forward raised: its slots come back
             sched.discard(plan.chunks)
             for c in plan.chunks:
@@ -92,17 +111,37 @@ def simulate(w: dict) -> tuple[Scheduler, dict[int, Request], list[int], int]:
             check_pool_invariants(manager, {i: reqs[i].token_ids for i in manager.seq_ids})
             step += 1
             continue
+        write_chunks(pool, manager, plan, reqs)
         sched.computed(plan.chunks)
+        for r in sched.running:  # every running request reads back its own tokens (copies done, none lost)
+            assert read_back(pool, manager, r.request_id, r.num_computed) == r.token_ids[: r.num_computed]
         for c in plan.chunks:
             req = reqs[c.request_id]
             if c.sample and c.request_id in sched.requests:
                 sched.append_token(c.request_id, 100 + len(req.output_ids))
                 if req.num_tokens >= req.max_tokens:
                     sched.finish(c.request_id)
+                    assert req.status is Status.FINISHED
         check_pool_invariants(manager, {i: reqs[i].token_ids for i in manager.seq_ids})
         step += 1
     assert not sched.has_unfinished(), "the workload did not finish"
-    return sched, reqs, first_scheduled, preemptions
+    return sched, reqs, first_scheduled, preemptions, copies
+
+
+def write_chunks(pool: dict[int, dict[int, int]], manager: BlockManager, plan: SchedulerOutput,
+                 reqs: dict[int, Request]) -> None:
+    """What the forward does to the pool: each chunk's tokens into the slots its request's block table names."""
+    bs = manager.block_size
+    for c in plan.chunks:
+        table = manager.block_table(c.request_id)
+        for pos in range(c.start, c.start + c.num_tokens):
+            pool.setdefault(table[pos // bs], {})[pos % bs] = reqs[c.request_id].token_ids[pos]
+
+
+def read_back(pool: dict[int, dict[int, int]], manager: BlockManager, seq_id: int, n: int) -> list[int | None]:
+    """The first `n` tokens a sequence's block table points at in the simulated pool."""
+    bs, table = manager.block_size, manager.block_table(seq_id)
+    return [pool.get(table[pos // bs], {}).get(pos % bs) for pos in range(n)]
 
 
 def check_policy(plan: SchedulerOutput, waiting_before: list[int], known: dict[int, int], arrival: dict[int, int],
@@ -134,8 +173,9 @@ def check_policy(plan: SchedulerOutput, waiting_before: list[int], known: dict[i
 @settings(max_examples=300)  # pure Python, milliseconds each: enough draws to reach preemption then resumption
 @given(workloads())
 def test_every_request_finishes_within_the_rules(w: dict) -> None:
-    sched, reqs, first_scheduled, preemptions = simulate(w)
+    sched, reqs, first_scheduled, preemptions, copies = simulate(w)
     event(f"preempted: {preemptions > 0}")
+    event(f"copy-on-write: {copies > 0}")
     manager = sched.blocks
     assert manager.num_free == manager.num_blocks, "blocks still held after every request ended"
     for i, r in enumerate(w["requests"]):
@@ -180,6 +220,35 @@ def test_shared_prompt_prefix_is_computed_once() -> None:
     (chunk,) = [c for c in plan.chunks if c.request_id == 1]
     assert chunk.start == 16 and chunk.num_tokens == 1, "the second request recomputed the shared prefix"
     assert sched.prefix_hit_tokens == 16 and sched.prefix_hit_rate == 16 / (18 + 17)
+    sched.computed(plan.chunks)
+    sched.add(Request(2, system + [4, 5], max_tokens=20))
+    sched.schedule()
+    assert sched.prefix_hit_tokens == 32 and sched.prefix_hit_rate == 32 / (18 + 17 + 18), "hits are summed"
+
+
+def test_every_copy_on_write_of_a_step_is_returned() -> None:
+    """A prompt cached whole recomputes its last token into a private copy of the shared last block; the copy
+    must reach the plan even when another request is admitted after it in the same step."""
+    manager = BlockManager(num_blocks=16, block_size=2)
+    sched = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64)
+    first = Request(0, [1, 2, 3, 4], max_tokens=5)
+    sched.add(first)
+    pool: dict[int, dict[int, int]] = {}
+    plan = sched.schedule()
+    write_chunks(pool, manager, plan, {0: first})
+    sched.computed(plan.chunks)
+    sched.append_token(0, 5)  # still running: its blocks are shared, not revived
+    again, other = Request(1, [1, 2, 3, 4], max_tokens=6), Request(2, [7, 8, 9], max_tokens=6)
+    sched.add(again)
+    sched.add(other)
+    plan = sched.schedule()
+    assert len(plan.copies) == 1, "the shared last block of the cached prompt needs exactly one copy"
+    for copy in plan.copies:
+        pool[copy.dst] = dict(pool.get(copy.src, {}))
+    write_chunks(pool, manager, plan, {0: first, 1: again, 2: other})
+    sched.computed(plan.chunks)
+    assert read_back(pool, manager, 1, 4) == [1, 2, 3, 4] and read_back(pool, manager, 2, 3) == [7, 8, 9]
+    assert read_back(pool, manager, 0, 5) == [1, 2, 3, 4, 5]
 
 
 def test_long_prompt_is_chunked_beside_decode_steps() -> None:
