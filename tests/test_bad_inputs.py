@@ -22,7 +22,7 @@ from infer.cache import CACHE_KINDS, KVCache, create_cache
 from infer.cache.paged import PagedKVPool
 from infer.errors import InferError
 from infer.generation import generate, stream_generate
-from infer.sampling import SamplingParams
+from infer.sampling import SamplingParams, process_logits
 from infer.tokenizer import Tokenizer
 from reference import build_checkpoint
 
@@ -104,6 +104,30 @@ def test_sampling_params_field(name: str, value: Any) -> None:
         result = generate(model, tok, [1, 2, 3], small)
         assert len(result.token_ids) <= small.max_new_tokens
         assert all(0 <= t < model.config.vocab_size for t in result.token_ids)
+
+
+# The documented ranges, at their edges: (field, value accepted exactly at the edge, value just past it).
+PARAM_EDGES = [("max_new_tokens", 0, -1), ("temperature", 0.0, -1e-9), ("top_k", 0, -1), ("top_p", 1.0, 1.0 + 1e-9),
+               ("top_p", 1e-9, 0.0), ("min_p", 0.0, -1e-9), ("min_p", 1.0, 1.0 + 1e-9),
+               ("repetition_penalty", 1e-30, 0.0), ("repetition_penalty", 1e30, 1.0001e30),
+               ("stop_token_ids", [0], [-1]), ("stop", ["x"], [""])]
+
+
+@pytest.mark.parametrize(("name", "edge", "past"), PARAM_EDGES, ids=lambda v: repr(v))
+def test_sampling_params_ranges_hold_at_their_edges(name: str, edge: Any, past: Any) -> None:
+    """Each field takes its documented range up to the edge and refuses a value just outside, by name."""
+    assert getattr(SamplingParams(**{name: edge}), name) == (tuple(edge) if isinstance(edge, list) else edge)
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**{name: past})
+
+
+def test_default_sampling_params_turn_everything_off() -> None:
+    """The defaults are plain greedy decoding: no temperature, truncation or penalty, stopping at EOS."""
+    params = SamplingParams()
+    assert params.is_greedy and not params.ignore_eos and params.stop == () and params.stop_token_ids is None
+    logits = torch.randn(2, 50)
+    seen = torch.randint(0, 50, (2, 7))
+    assert torch.equal(process_logits(logits, params, seen), logits), "the defaults changed the logits"
 
 
 @given(top_k=st.integers(1, 20), seed=st.integers(0, 2**31))
