@@ -311,6 +311,13 @@ MUTANTS = [
            ("tests/test_scheduler.py",)),
     Mutant("scheduler: the prefix-hit figure keeps only the last admission's hits", "infer/scheduler.py",
            "self.prefix_hit_tokens += num_cached", "self.prefix_hit_tokens = num_cached", ("tests/test_scheduler.py",)),
+    Mutant("block manager: forgetting a superseded block drops its successor's entry", "infer/cache/block_manager.py",
+           '"forgotten")\n        if self.is_cached(block_id) and block.hash is not None:',
+           '"forgotten")\n        if self.is_cached(block_id) or block.hash is not None:', ("tests/test_paged.py",)),
+    Mutant("block manager: registration stops at a block a fork registered", "infer/cache/block_manager.py",
+           "pass the sequence's own tokens from position 0\"\n                    )\n                continue",
+           "pass the sequence's own tokens from position 0\"\n                    )\n                break",
+           ("tests/test_paged.py",)),
     Mutant("block manager: a freed sequence gives its leading blocks back first", "infer/cache/block_manager.py",
            "        for block_id in reversed(seq.block_table):\n            block = self._blocks[block_id]\n"
            "            block.ref_count -= 1",

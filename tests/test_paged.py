@@ -3,6 +3,7 @@ one pool with real tiny models, each checked against the same sequence alone on 
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from typing import Any
@@ -162,6 +163,24 @@ class BlockManagerMachine(RuleBasedStateMachine):
         free = set(self.manager.free_block_ids())
         assert all(self.manager.ref_count(b) == 0 and b in free for b in released)
 
+    @precondition(lambda self: self.manager.num_free)
+    @rule(data=st.data())
+    def forget(self, data: st.DataObject) -> None:
+        """Drop a free block from the prefix cache (the quantized pool's sinks do): that block, and only it,
+        stops being findable; a held block is refused."""
+        manager = self.manager
+        block = data.draw(st.sampled_from(manager.free_block_ids()), label="forget")
+        cached = [manager.is_cached(b) for b in range(manager.num_blocks)]
+        manager.forget(block)
+        cached[block] = False
+        assert [manager.is_cached(b) for b in range(manager.num_blocks)] == cached
+        held = [b for b in range(manager.num_blocks) if manager.ref_count(b)]
+        if held:
+            before = fingerprint(manager)
+            with pytest.raises(ValueError, match="only a free block"):
+                manager.forget(held[0])
+            assert fingerprint(manager) == before
+
     @precondition(lambda self: self.freed)
     @rule(data=st.data())
     def free_again(self, data: st.DataObject) -> None:
@@ -195,6 +214,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
         stats = manager.stats()
         assert stats.blocks_shared == sum(1 for n in holders if n > 1)
         assert stats.blocks_used == manager.num_used and stats.waste_slots >= 0
+        free = manager.free_block_ids()
+        assert stats.blocks_free == len(free) and stats.blocks_cached == sum(map(manager.is_cached, free))
+        bs = manager.block_size
+        for n in (len(free) * bs, len(free) * bs + 1):  # the edge: exactly the free blocks, and one token more
+            assert manager.can_allocate(n) == (n <= len(free) * bs)
+
+    @invariant()
+    def reclaimable_is_what_free_gives_back(self) -> None:
+        """`num_reclaimable(seqs)` equals what freeing those sequences releases, tried on a copy."""
+        seq_ids = sorted(self.tokens)
+        for chosen in ([*seq_ids], *([s] for s in seq_ids[:3])):
+            trial = copy.deepcopy(self.manager)
+            released = sum(len(trial.free(s)) for s in chosen)
+            assert self.manager.num_reclaimable(chosen) == released
 
     @invariant()
     def blocks_hold_their_sequences_tokens(self) -> None:
@@ -306,6 +339,7 @@ def test_truncating_a_whole_block_prefix_hit_keeps_its_shared_blocks(block_size:
 @example(cached=[1, 2, 3, 4], prompt=[3, 4, 1, 2, 5], block_size=2, hash_name="constant")
 @example(cached=[1, 2, 3, 4], prompt=[3, 4, 5], block_size=2, hash_name="blind_to_prefix")
 @example(cached=[7, 7, 7, 7, 7, 7], prompt=[7, 7, 7, 7, 7, 7, 7], block_size=3, hash_name="constant")
+@example(cached=[1, 2, 3, 4], prompt=[1, 2, 5, 6, 3, 4, 5], block_size=2, hash_name="real")  # a hole ends the match
 @given(cached=st.lists(st.integers(0, 2), max_size=12), prompt=st.lists(st.integers(0, 2), max_size=12),
        block_size=st.integers(1, 4), hash_name=st.sampled_from(sorted(HASHES)))
 def test_prefix_sharing_never_shares_other_tokens(cached: list[int], prompt: list[int], block_size: int,
@@ -321,6 +355,41 @@ def test_prefix_sharing_never_shares_other_tokens(cached: list[int], prompt: lis
     assert shared == most if hash_name == "real" else shared <= most, f"{hash_name} hash shared {shared} of {most}"
     for i, block in enumerate(manager.block_table(1)):
         assert manager.registered_token_ids(block) == tuple(prompt[i * block_size : (i + 1) * block_size])
+
+
+def test_a_block_registered_through_one_fork_is_checked_not_redone_for_the_other() -> None:
+    """Forked before registration, both holders register the shared full block: the second finds it recorded,
+    accepts the same tokens without a new entry, refuses other tokens, and goes on to its own later blocks."""
+    manager = BlockManager(num_blocks=8, block_size=2)
+    manager.new_sequence(0)
+    manager.append(0, 3)
+    manager.fork(0, 1)
+    manager.fork(0, 2)
+    shared = manager.block_table(0)[0]
+    assert manager.register_full_blocks(0, [1, 2, 3]) == 1
+    with pytest.raises(ValueError, match="differ from the tokens its shared block holds"):
+        manager.register_full_blocks(2, [9, 9, 3])
+    manager.append(1, 3)  # its own tokens past the shared block (copy-on-write of the partial one)
+    assert manager.register_full_blocks(1, [1, 2, 3, 4, 5, 6]) == 2, "the blocks after the shared one"
+    table = manager.block_table(1)
+    assert table[0] == shared and [manager.registered_token_ids(b) for b in table] == [(1, 2), (3, 4), (5, 6)]
+
+
+def test_forgetting_a_superseded_block_leaves_the_newer_copy_findable() -> None:
+    """Two blocks with the same content: the newest holder owns the hash entry, so forgetting the older one
+    (free, recorded, no longer findable) must not drop the entry of the other."""
+    manager = BlockManager(num_blocks=4, block_size=2)
+    for seq_id in (0, 1):
+        manager.new_sequence(seq_id)  # no prompt given: no prefix hit, its own block
+        manager.append(seq_id, 2)
+        manager.register_full_blocks(seq_id, [1, 2])
+    older, newer = manager.block_table(0)[0], manager.block_table(1)[0]
+    manager.free(0)
+    assert manager.registered_token_ids(older) == (1, 2) and not manager.is_cached(older)
+    manager.forget(older)
+    assert manager.is_cached(newer)
+    manager.free(1)
+    assert manager.new_sequence(2, [1, 2, 3]) == 2 and manager.block_table(2) == (newer,)
 
 
 def test_manager_rejects_misuse_with_clear_errors() -> None:
