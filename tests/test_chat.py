@@ -162,8 +162,51 @@ class Toolbox:
         return word if isinstance(word, str) else str(word)
 
 
+def shapes(items: list, pair: tuple, table: dict, either: int | str, mixed: int | list[int],
+           maybe: list[str] | None = None, flags: dict[str, bool] | None = None,
+           fixed: tuple[int, str] = (1, "a"), seq: list | tuple = ()) -> set:
+    """Bare containers, unions of scalars and of other types, and an odd return hint.
+
+    Args:
+        items: Anything listed.
+
+        pair: Two things (a blank line above).
+        table: A mapping.
+        either: A number or a word.
+        mixed: One or many.
+        maybe: Optional words.
+        flags: Named switches.
+        fixed: A fixed pair.
+        seq: Either container (one JSON type for two hints).
+    """
+    return set()
+
+
+class Units:
+    @classmethod
+    def convert(cls, value: float, unit: Unit) -> float:
+        """Convert a temperature.
+
+        Args:
+            value: The temperature.
+            unit: Its unit.
+        """
+        return value
+
+
+def typed_self(self: int, cls: str) -> str:
+    """Arguments that only look like receivers: annotated, so the model must fill them.
+
+    Args:
+        self: A number named self.
+        cls: A word named cls.
+    """
+    return cls
+
+
 @needs_chat_oracle
-@pytest.mark.parametrize("tool", [get_weather, search, Toolbox().lookup], ids=["weather", "search", "method"])
+@pytest.mark.parametrize("tool", [get_weather, search, Toolbox().lookup, shapes, Units.convert, typed_self],
+                         ids=["weather", "search", "method", "shapes", "classmethod", "typed-self"])
 def test_tool_schema_equals_transformers(tool: Any) -> None:
     assert tool_schema(tool) == get_json_schema(tool)
 
@@ -182,7 +225,24 @@ def undocumented(city: str) -> str:
     return city
 
 
-@pytest.mark.parametrize("tool, match", [(no_hint, "no type hint"), (undocumented, "does not describe")])
+def var_tuple(xs: tuple[int, ...]) -> None:
+    """Numbers.
+
+    Args:
+        xs: Numbers.
+    """
+
+
+def one_tuple(xs: tuple[int]) -> None:
+    """A number.
+
+    Args:
+        xs: One number.
+    """
+
+
+@pytest.mark.parametrize("tool, match", [(no_hint, "no type hint"), (undocumented, "does not describe"),
+                                         (var_tuple, "variable-length tuple"), (one_tuple, "one-element")])
 def test_bad_tool_functions_are_named_errors(tool: Any, match: str) -> None:
     with pytest.raises(Exception):  # noqa: B017 (transformers raises its own classes; only that it refuses)
         get_json_schema(tool)
