@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from infer.bench_batched import BatchRequest, run_one_by_one, summarize_batched
-from infer.bench_common import percentile
+from infer.bench_batched import BatchedRun, BatchRequest, run_one_by_one, summarize_batched
+from infer.bench_common import format_table, percentile, speed_ratio
 from infer.generation import GenerationResult
 
 
@@ -60,3 +60,30 @@ def test_one_by_one_times_count_from_the_workloads_start(monkeypatch: pytest.Mon
     assert row["ttft_p50_ms"] == pytest.approx(1e3 * float(np.percentile(run.ttft_s, 50)))
     assert row["latency_p99_ms"] == pytest.approx(1e3 * float(np.percentile(run.latency_s, 99)))
     assert row["tok_s"] == pytest.approx(run.new_tokens / run.wall_s)
+
+
+def test_report_table_is_right_aligned_under_a_rule() -> None:
+    """The report's table, written out by hand: header, a dashed rule, rows; columns right-aligned to the widest
+    cell and two spaces apart; floats to two decimals; a missing cell blank."""
+    table = format_table([{"name": "engine", "tok/s": 312.456}, {"name": "hf", "tok/s": 98.0, "x": "1"}],
+                         ["name", "tok/s", "x"])
+    assert table == ("  name   tok/s  x\n"
+                     "------  ------  -\n"
+                     "engine  312.46   \n"
+                     "    hf   98.00  1")
+
+
+@pytest.mark.parametrize(("ratio", "text"), [(1.0, "1.00x faster"), (2.5, "2.50x faster"), (0.5, "2.00x slower"),
+                                             (0.0, "no comparison (zero rate)")])
+def test_speed_ratio_words_a_slowdown_as_one(ratio: float, text: str) -> None:
+    assert speed_ratio(ratio) == text
+
+
+def test_batched_summary_from_a_hand_built_run() -> None:
+    """Throughput over the wall time, and each percentile of the per-request times, against numpy."""
+    ttft, latency = [0.1, 0.4, 0.2, 0.9], [1.0, 2.0, 1.5, 3.0]
+    row = summarize_batched(BatchedRun("x", 4.0, ttft, latency, 200))
+    assert row["name"] == "x" and row["wall_s"] == 4.0 and row["tok_s"] == 50.0 and row["req_s"] == 1.0
+    for key, values, q in [("ttft_p50_ms", ttft, 50), ("ttft_p99_ms", ttft, 99), ("latency_p50_ms", latency, 50),
+                           ("latency_p99_ms", latency, 99)]:
+        assert row[key] == pytest.approx(1e3 * float(np.percentile(values, q))), key
