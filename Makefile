@@ -36,8 +36,9 @@ gpu-check:
 	$(GPU_PY) -m pip install -q --no-deps --no-build-isolation --no-index -e .
 	$(GPU_PY) tests/gpu_check.py
 
-# The suite measured by bugs: the hand-planted realistic ones (tests/mutation_check.py, ~15 min), then mutmut's
-# mechanical ones over the pure-Python core, module by module (tests/mutmut_core.py, ~15 min per module). Not in CI.
+# The suite measured by bugs: the hand-planted realistic ones (tests/mutation_check.py, ~40 min), then mutmut's
+# mechanical ones over the pure-Python core (tests/mutmut_core.py: two lanes, pytest forked from a server that
+# imported torch once; about an hour from scratch, minutes when rerun: caches in $TMPDIR/infer-mutmut). Not in CI.
 mutation: setup
 	$(PY) -m pip install -q "mutmut==2.4.5"
 	$(PY) tests/mutation_check.py

@@ -132,6 +132,19 @@ def lane(todo: queue.Queue[str], results: dict[str, dict[str, int]], n: int, wor
         server.kill()
 
 
+def kind_of(diff: list[str]) -> str:
+    """What a surviving mutant changed: only a string's text (mutmut wraps it in XX: a message's wording), only
+    a type annotation (`|` to `&`: annotations are never evaluated here), or anything else (to be read)."""
+    removed = [line[1:] for line in diff if line.startswith("-")]
+    added = [line[1:] for line in diff if line.startswith("+")]
+    if len(removed) == len(added) == 1:
+        if "XX" in added[0] and added[0].replace("XX", "") == removed[0]:
+            return "string"
+        if added[0] == removed[0].replace(" | ", " & ", 1):
+            return "annotation"
+    return "other"
+
+
 def show_survivors(work: Path, module: str) -> None:
     """Print each surviving mutant of a module as mutmut's diff, from its saved cache (in a scratch tree)."""
     saved = work / "caches" / f"{Path(module).stem}.sqlite"
@@ -144,12 +157,17 @@ def show_survivors(work: Path, module: str) -> None:
     shutil.copy(saved, scratch / ".mutmut-cache")
     ids = [i for (i,) in sqlite3.connect(saved).execute(
         "select id from Mutant where status = 'bad_survived' order by id")]
-    print(f"# {module}: {len(ids)} survivors")
+    kinds: dict[str, int] = {}
+    out = []
     for i in ids:
         diff = subprocess.run([sys.executable, "-m", "mutmut", "show", str(i)], cwd=scratch, capture_output=True,
                               text=True).stdout
-        changed = [line for line in diff.splitlines() if line[:1] in ("-", "+", "@") and line[:3] not in ("---", "+++")]
-        print(f"#{i}", *changed, sep="\n")
+        changed = [line for line in diff.splitlines() if line[:1] in ("-", "+") and line[:3] not in ("---", "+++")]
+        kind = kind_of(changed)
+        kinds[kind] = kinds.get(kind, 0) + 1
+        out.append(f"#{i} ({kind})\n" + "\n".join(changed))
+    print(f"# {module}: {len(ids)} survivors: " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
+    print(*out, sep="\n")
 
 
 def main() -> int:

@@ -56,6 +56,7 @@ def test_one_by_one_times_count_from_the_workloads_start(monkeypatch: pytest.Mon
         assert waited + prefill <= run.ttft_s[i] <= waited + prefill + slack * (i + 1), f"request {i} ttft"
         assert finished[i] <= run.latency_s[i] <= finished[i] + slack * (i + 1), f"request {i} latency"
     assert run.new_tokens == sum(r.max_new_tokens for r in work)
+    assert finished[-1] <= run.wall_s <= finished[-1] + slack * len(work), "the wall time is the whole run's"
     row = summarize_batched(run)
     assert row["ttft_p50_ms"] == pytest.approx(1e3 * float(np.percentile(run.ttft_s, 50)))
     assert row["latency_p99_ms"] == pytest.approx(1e3 * float(np.percentile(run.latency_s, 99)))
