@@ -57,6 +57,7 @@ def simulate(w: dict) -> tuple[Scheduler, dict[int, Request], list[int], int, in
     first_scheduled: list[int] = []
     arrival: dict[int, int] = {}  # request -> its place in the order of arrival
     preemptions = copies = 0
+    times_preempted: dict[int, int] = {}
     admitted_tokens = hit_tokens = 0  # the prefix-cache figures, summed from the admissions seen
     pool: dict[int, dict[int, int]] = {}  # the pool's contents as a forward would leave them: block -> slot -> token
     step = 0
@@ -86,6 +87,9 @@ def simulate(w: dict) -> tuple[Scheduler, dict[int, Request], list[int], int, in
         assert all(r.status is Status.WAITING for r in sched.waiting)
         assert all(r.status is Status.RUNNING for r in sched.running)
         preemptions += len(plan.preempted)
+        for rid in plan.preempted:
+            times_preempted[rid] = times_preempted.get(rid, 0) + 1
+            assert reqs[rid].num_preemptions == times_preempted[rid], "a request's preemption count"
         assert not plan.failed, "every request fits the pool alone"
         assert plan.num_batched_tokens <= w["budget"]
         assert len(sched.running) <= w["max_num_seqs"]
