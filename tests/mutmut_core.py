@@ -22,6 +22,7 @@ equivalent (an enum's value, a message's wording): say why when leaving one.
 from __future__ import annotations
 
 import ast
+import os
 import queue
 import shutil
 import sqlite3
@@ -113,8 +114,11 @@ def lane(todo: queue.Queue[str], results: dict[str, dict[str, int]], n: int, wor
     shutil.copytree(ROOT, scratch, ignore=shutil.ignore_patterns(".venv", ".git", "*.pyc", "__pycache__",
                                                                   ".mutmut-cache*", "bench_results"))
     socket = work / f"lane{n}.sock"
+    # The CI profile: derandomized (every mutant meets the same examples, the ones CI runs) and no example
+    # database, where an example one mutant failed on would be replayed against every later mutant.
+    env = {**os.environ, "INFER_HYPOTHESIS_PROFILE": "ci"}
     server = subprocess.Popen([sys.executable, "tests/pytest_forkserver.py", "serve", str(socket)], cwd=scratch,
-                              stdout=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, text=True, env=env)
     if server.stdout is None or "ready" not in server.stdout.readline():
         raise RuntimeError(f"lane {n}: the pytest fork server did not start")
     try:
