@@ -288,7 +288,7 @@ def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6),
-        max_position_embeddings=_int(raw, "max_position_embeddings", 8192),
+        max_position_embeddings=_int(raw, "max_position_embeddings", family.max_position_embeddings),
         tie_word_embeddings=_bool(raw, "tie_word_embeddings", family.tie_word_embeddings),
         attention_bias=_bool(raw, "attention_bias", False),
         mlp_bias=_bool(raw, "mlp_bias", False),

@@ -33,6 +33,7 @@ class Family:
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
     rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
     # Sliding-window layers: "period" (Gemma 3: every `sliding_window_pattern`-th layer is global), "upper"
     # (Qwen: layers from `max_window_layers` on slide, when `use_sliding_window`), or None.
     sliding_layers: str | None = None
@@ -46,10 +47,11 @@ FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
         Family("llama"),
-        Family("qwen2", qkv_bias=True, sliding_layers="upper"),
-        Family("qwen3", qk_norm=True, sliding_layers="upper", head_dim=128),
+        Family("qwen2", qkv_bias=True, sliding_layers="upper", max_position_embeddings=32768),
+        Family("qwen3", qk_norm=True, sliding_layers="upper", head_dim=128, max_position_embeddings=32768),
         Family("gemma3_text", norm_plus_one=True, qk_norm=True, sandwich_norms=True, embed_scale=True,
                head_dim=256, tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh", rope_theta=1_000_000.0,
+               max_position_embeddings=131072,
                sliding_layers="period", local_rope_theta=10000.0, query_pre_attn_scalar=256.0),
     )
 }

@@ -82,6 +82,13 @@ def counts(cache: Path) -> dict[str, int]:
     return {str(status): int(n) for status, n in rows}
 
 
+def untested(saved: Path) -> int:
+    """Mutants a saved run has not tried yet (a module never run: more than any)."""
+    if not saved.exists():
+        return 10**9
+    return counts(saved).get("untested", 0)
+
+
 def run(module: str, own: str, wider: str, scratch: Path, socket: Path, caches: Path) -> dict[str, int]:
     """Both stages over one module in a lane's scratch tree, resuming from its saved cache (a mutant killed
     before stays killed; survivors are tried again whenever the tests changed); the counts of the results."""
@@ -193,8 +200,8 @@ def main() -> int:
             show_survivors(work, module)
         return 0
     todo: queue.Queue[str] = queue.Queue()
-    for module in sorted(chosen, key=lambda m: (work / "caches" / f"{Path(m).stem}.sqlite").exists()):
-        todo.put(module)  # modules never run first: a rerun only retries survivors
+    for module in sorted(chosen, key=lambda m: -untested(work / "caches" / f"{Path(m).stem}.sqlite")):
+        todo.put(module)  # the most work first: a rerun only retries survivors
     print(f"work directory (scratch trees, saved mutmut caches): {work}")
     print(f"{'module':30} {'mutants':>7} {'own':>6} {'suite':>6} {'survived':>8} {'untested':>8} {'time':>8}")
     results: dict[str, dict[str, int]] = {}

@@ -232,6 +232,11 @@ def bench_config_json(arch: str, directory: Path) -> Path:
     return directory
 
 
+OPTIONAL_KEYS = ("max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling", "tie_word_embeddings",
+                 "attention_bias", "mlp_bias", "hidden_act", "hidden_activation", "rope_local_base_freq",
+                 "query_pre_attn_scalar", "head_dim")
+
+
 def real_config_cases() -> list[Any]:
     sliding_on = {**QWEN2_5_0_5B_INSTRUCT, "use_sliding_window": True}  # layers 21-23 would slide
     # Keys left out take transformers' defaults (a 4096-token window, from layer 28 on); a null window is none.
@@ -242,6 +247,8 @@ def real_config_cases() -> list[Any]:
         # The tiny configs without head_dim: hidden / heads, or the family's own default (Qwen 3: 128, Gemma 3:
         # 256), none of which the tiny shapes have.
         *[pytest.param(arch, "tiny", ("head_dim",), id=f"tiny-{arch}-no-head_dim") for arch in ARCHITECTURES],
+        # Every optional key left out: the family's defaults as transformers has them.
+        *[pytest.param(arch, None, OPTIONAL_KEYS, id=f"bench-{arch}-optional-keys-left-out") for arch in ARCHITECTURES],
         pytest.param("qwen2", QWEN2_5_0_5B_INSTRUCT, (), id="Qwen2.5-0.5B-Instruct"),
         pytest.param("qwen2", sliding_on, (), id="Qwen2.5-0.5B-Instruct-sliding-on"),
         pytest.param("qwen2", no_window, (), id="sliding-on-no-window-key"),
