@@ -7,6 +7,7 @@ scores and survivors per module; `--survivors WORD` prints the surviving mutants
   python tests/mutmut_core.py                 # every module below
   python tests/mutmut_core.py scheduler       # the modules whose path contains a word
   python tests/mutmut_core.py --jobs 1        # one lane
+  python tests/mutmut_core.py --own-only      # the owning tests alone (no second stage)
   python tests/mutmut_core.py --survivors sampling   # what survived, as diffs
   python tests/mutmut_core.py --work DIR      # where scratch trees and saved caches live (default: tmp/infer-mutmut)
 
@@ -59,6 +60,7 @@ ONLY = {"infer/tokenizer.py": ("StreamDecoder",),
 # mutmut's statuses that count as caught: killed, killed but slowly ("suspicious": the tests failed after taking
 # much longer than unmutated, e.g. Hypothesis shrinking), and timed out (a hang is noticed).
 KILLED = ("ok_killed", "ok_suspicious", "bad_timeout")
+OWN_ONLY = False
 PYTEST_ARGS = "-x -q -p no:cacheprovider -p no:xdist -W ignore::pytest.PytestAssertRewriteWarning"
 
 
@@ -103,9 +105,10 @@ def run(module: str, own: str, wider: str, scratch: Path, socket: Path, caches: 
         shutil.copy(saved, cache)
     mutmut(scratch, module, own, socket)
     after_own = counts(cache)
-    with sqlite3.connect(cache) as db:  # survivors: untested again, for the wider suite
-        db.execute("update Mutant set tested_against_hash = 'stage-2' where status = 'bad_survived'")
-    mutmut(scratch, module, f"{own} {wider}", socket)
+    if wider:
+        with sqlite3.connect(cache) as db:  # survivors: untested again, for the wider suite
+            db.execute("update Mutant set tested_against_hash = 'stage-2' where status = 'bad_survived'")
+        mutmut(scratch, module, f"{own} {wider}", socket)
     shutil.copy(cache, saved)
     final = counts(cache)
     return {"total": sum(final.values()), "skipped": final.get("skipped", 0),
@@ -135,7 +138,8 @@ def lane(todo: queue.Queue[str], results: dict[str, dict[str, int]], n: int, wor
             except queue.Empty:
                 return
             start = time.monotonic()
-            results[module] = c = run(module, *CORE[module], scratch, socket, work / "caches")
+            own, wider = CORE[module]
+            results[module] = c = run(module, own, "" if OWN_ONLY else wider, scratch, socket, work / "caches")
             tested = c["total"] - c["skipped"]
             print(f"{module:30} {tested:7} {c['killed_own'] / tested:6.0%} {c['killed'] / tested:6.0%} "
                   f"{c['survived']:8} {c['untested']:8} {time.monotonic() - start:6.0f} s", flush=True)
@@ -190,6 +194,10 @@ def main() -> int:
             i = args.index(flag)
             jobs, work = (int(args[i + 1]), work) if flag == "--jobs" else (jobs, Path(args[i + 1]))
             del args[i:i + 2]
+    if "--own-only" in args:  # the first stage alone (quicker; the survivors' score is then the owners')
+        args.remove("--own-only")
+        global OWN_ONLY
+        OWN_ONLY = True
     if "--survivors" in args:
         args.remove("--survivors")
         survivors = True

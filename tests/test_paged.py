@@ -221,6 +221,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert manager.can_allocate(n) == (n <= len(free) * bs)
 
     @invariant()
+    def the_prefix_map_holds_only_live_entries(self) -> None:
+        """Every hash entry names a block that still records that hash: a block handed out for new content takes
+        its entry with it, so the map never outgrows the pool however many prompts pass through."""
+        entries = self.manager._hash_to_block
+        assert len(entries) <= self.manager.num_blocks
+        for h, b in entries.items():
+            assert self.manager._blocks[b].hash == h, f"a stale entry for block {b}"
+
+    @invariant()
     def reclaimable_is_what_free_gives_back(self) -> None:
         """`num_reclaimable(seqs)` equals what freeing those sequences releases, tried on a copy."""
         seq_ids = sorted(self.tokens)
@@ -286,6 +295,7 @@ def test_freed_prefix_blocks_are_reused_until_handed_out() -> None:
     manager.new_sequence(2, [])
     manager.append(2, 4)  # takes both blocks for other content
     assert not manager.is_cached(kept)
+    assert all(manager._blocks[b].hash == h for h, b in manager._hash_to_block.items()), "a stale prefix entry"
     manager.free(2)
     assert manager.new_sequence(3, [1, 2, 7]) == 0
 
