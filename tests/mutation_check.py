@@ -320,7 +320,8 @@ MUTANTS = [
            ("tests/test_paged.py",)),
     Mutant("block manager: a cached block handed out keeps its prefix entry (the map grows stale)",
            "infer/cache/block_manager.py",
-           "        if self.is_cached(block_id) and block.hash is not None:\n            del self._hash_to_block[block.hash]\n"
+           "        if self.is_cached(block_id) and block.hash is not None:\n"
+           "            del self._hash_to_block[block.hash]\n"
            "        block.hash, block.token_ids, block.parent = None, (), None",
            "        block.hash, block.token_ids, block.parent = None, (), None", ("tests/test_paged.py",)),
     Mutant("block manager: a freed sequence gives its leading blocks back first", "infer/cache/block_manager.py",
