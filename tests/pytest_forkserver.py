@@ -66,7 +66,9 @@ def run_in_child(conn: socket.socket, cwd: str, args: list[str]) -> None:
 
 
 def run(path: str, args: list[str]) -> int:
-    """Send one pytest run to the server; echo its output and return its exit code (1 if it died)."""
+    """Send one pytest run to the server; echo its output and return 0 if it passed, 5 if it collected nothing,
+    else 1: mutmut 2 counts only exit code 1 as a kill, so a mutant that breaks an import or collection (pytest's
+    2-4) or kills the run would otherwise count as surviving."""
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     client.connect(path)
     client.sendall(json.dumps({"cwd": os.getcwd(), "args": args}).encode() + b"\n")
@@ -75,7 +77,8 @@ def run(path: str, args: list[str]) -> int:
         data += chunk
     out, mark, rc = data.partition(RC_MARK)
     sys.stdout.write(out.decode(errors="replace"))
-    return int(rc.strip() or 1) if mark else 1
+    code = int(rc.strip() or 1) if mark else 1
+    return code if code in (0, 5) else 1
 
 
 def main() -> int:

@@ -205,8 +205,9 @@ def typed_self(self: int, cls: str) -> str:
 
 
 @needs_chat_oracle
-@pytest.mark.parametrize("tool", [get_weather, search, Toolbox().lookup, shapes, Units.convert, typed_self],
-                         ids=["weather", "search", "method", "shapes", "classmethod", "typed-self"])
+@pytest.mark.parametrize("tool", [get_weather, search, Toolbox().lookup, Toolbox.lookup, shapes, Units.convert,
+                                  typed_self],
+                         ids=["weather", "search", "method", "unbound-method", "shapes", "classmethod", "typed-self"])
 def test_tool_schema_equals_transformers(tool: Any) -> None:
     assert tool_schema(tool) == get_json_schema(tool)
 
