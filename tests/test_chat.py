@@ -11,7 +11,7 @@ import shutil
 from enum import Enum
 from functools import cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Dict, List, Literal, Tuple  # noqa: UP035 (the unsubscripted aliases are what is tested)
 
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -194,6 +194,17 @@ class Units:
         return value
 
 
+def old_style(items: List, pair: Tuple, table: Dict, choice: Literal["a", None] = "a") -> None:  # noqa: UP006
+    """Typing's unsubscripted aliases, and a literal that may be null.
+
+    Args:
+        items: Anything listed.
+        pair: Two things.
+        table: A mapping.
+        choice: A or nothing.
+    """
+
+
 def typed_self(self: int, cls: str) -> str:
     """Arguments that only look like receivers: annotated, so the model must fill them.
 
@@ -205,9 +216,10 @@ def typed_self(self: int, cls: str) -> str:
 
 
 @needs_chat_oracle
-@pytest.mark.parametrize("tool", [get_weather, search, Toolbox().lookup, Toolbox.lookup, shapes, Units.convert,
-                                  typed_self],
-                         ids=["weather", "search", "method", "unbound-method", "shapes", "classmethod", "typed-self"])
+@pytest.mark.parametrize("tool", [get_weather, search, Toolbox().lookup, Toolbox.lookup, shapes, old_style,
+                                  Units.convert, Units.__dict__["convert"].__func__, typed_self],
+                         ids=["weather", "search", "method", "unbound-method", "shapes", "typing-aliases",
+                              "classmethod", "classmethod-function", "typed-self"])
 def test_tool_schema_equals_transformers(tool: Any) -> None:
     assert tool_schema(tool) == get_json_schema(tool)
 
