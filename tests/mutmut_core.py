@@ -60,7 +60,6 @@ ONLY = {"infer/tokenizer.py": ("StreamDecoder",),
 # mutmut's statuses that count as caught: killed, killed but slowly ("suspicious": the tests failed after taking
 # much longer than unmutated, e.g. Hypothesis shrinking), and timed out (a hang is noticed).
 KILLED = ("ok_killed", "ok_suspicious", "bad_timeout")
-OWN_ONLY = False
 PYTEST_ARGS = "-x -q -p no:cacheprovider -p no:xdist -W ignore::pytest.PytestAssertRewriteWarning"
 
 
@@ -117,7 +116,7 @@ def run(module: str, own: str, wider: str, scratch: Path, socket: Path, caches: 
             "untested": final.get("untested", 0)}
 
 
-def lane(todo: queue.Queue[str], results: dict[str, dict[str, int]], n: int, work: Path) -> None:
+def lane(todo: queue.Queue[str], results: dict[str, dict[str, int]], n: int, work: Path, own_only: bool) -> None:
     """One scratch tree and one fork server; modules from the queue until it is empty."""
     scratch = work / f"lane{n}"
     shutil.rmtree(scratch, ignore_errors=True)
@@ -139,7 +138,7 @@ def lane(todo: queue.Queue[str], results: dict[str, dict[str, int]], n: int, wor
                 return
             start = time.monotonic()
             own, wider = CORE[module]
-            results[module] = c = run(module, own, "" if OWN_ONLY else wider, scratch, socket, work / "caches")
+            results[module] = c = run(module, own, "" if own_only else wider, scratch, socket, work / "caches")
             tested = c["total"] - c["skipped"]
             print(f"{module:30} {tested:7} {c['killed_own'] / tested:6.0%} {c['killed'] / tested:6.0%} "
                   f"{c['survived']:8} {c['untested']:8} {time.monotonic() - start:6.0f} s", flush=True)
@@ -194,10 +193,9 @@ def main() -> int:
             i = args.index(flag)
             jobs, work = (int(args[i + 1]), work) if flag == "--jobs" else (jobs, Path(args[i + 1]))
             del args[i:i + 2]
-    if "--own-only" in args:  # the first stage alone (quicker; the survivors' score is then the owners')
+    own_only = "--own-only" in args  # the first stage alone (quicker; the score is then the owners')
+    if own_only:
         args.remove("--own-only")
-        global OWN_ONLY
-        OWN_ONLY = True
     if "--survivors" in args:
         args.remove("--survivors")
         survivors = True
@@ -213,7 +211,7 @@ def main() -> int:
     print(f"work directory (scratch trees, saved mutmut caches): {work}")
     print(f"{'module':30} {'mutants':>7} {'own':>6} {'suite':>6} {'survived':>8} {'untested':>8} {'time':>8}")
     results: dict[str, dict[str, int]] = {}
-    threads = [threading.Thread(target=lane, args=(todo, results, n, work)) for n in range(jobs)]
+    threads = [threading.Thread(target=lane, args=(todo, results, n, work, own_only)) for n in range(jobs)]
     for t in threads:
         t.start()
     for t in threads:
