@@ -105,8 +105,7 @@ def simulate(w: dict) -> tuple[Scheduler, dict[int, Request], list[int], int, in
         if sched.has_unfinished():
             assert plan.chunks or plan.preempted, f"step {step}: requests wait but nothing runs (deadlock)"
         copies += len(plan.copies)
-        for copy in plan.copies:  # copy-on-write, done before the forward as the engine does
-            pool[copy.dst] = dict(pool.get(copy.src, {}))
+        copy_blocks(pool, plan)  # copy-on-write, done before the forward as the engine does
         if w.get("fail_every") and step % w["fail_every"] == 1:  # the forward raised: its slots come back
             sched.discard(plan.chunks)
             for c in plan.chunks:
@@ -130,6 +129,13 @@ def simulate(w: dict) -> tuple[Scheduler, dict[int, Request], list[int], int, in
         step += 1
     assert not sched.has_unfinished(), "the workload did not finish"
     return sched, reqs, first_scheduled, preemptions, copies
+
+
+def copy_blocks(pool: dict[int, dict[int, int]], plan: SchedulerOutput) -> None:
+    """What the engine does with the plan's copies before the forward: each destination block gets the source's
+    contents."""
+    for copy in plan.copies:
+        pool[copy.dst] = dict(pool.get(copy.src, {}))
 
 
 def write_chunks(pool: dict[int, dict[int, int]], manager: BlockManager, plan: SchedulerOutput,
@@ -247,8 +253,7 @@ def test_every_copy_on_write_of_a_step_is_returned() -> None:
     sched.add(other)
     plan = sched.schedule()
     assert len(plan.copies) == 1, "the shared last block of the cached prompt needs exactly one copy"
-    for copy in plan.copies:
-        pool[copy.dst] = dict(pool.get(copy.src, {}))
+    copy_blocks(pool, plan)
     write_chunks(pool, manager, plan, {0: first, 1: again, 2: other})
     sched.computed(plan.chunks)
     assert read_back(pool, manager, 1, 4) == [1, 2, 3, 4] and read_back(pool, manager, 2, 3) == [7, 8, 9]
