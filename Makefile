@@ -32,9 +32,10 @@ test: setup
 # On a CUDA machine, with its own Python (the one holding CUDA torch, Triton, transformers, pytest, hypothesis):
 # the GPU tests, the oracle suites on CUDA and the GPU benches, one report in bench_results/gpu/.
 GPU_PY ?= python3
+GPU_CHECK_ARGS ?=
 gpu-check:
 	$(GPU_PY) -m pip install -q --no-deps --no-build-isolation --no-index -e .
-	$(GPU_PY) tests/gpu_check.py
+	$(GPU_PY) tests/gpu_check.py $(GPU_CHECK_ARGS)
 
 # The suite measured by bugs: the hand-planted realistic ones (tests/mutation_check.py, ~40 min), then mutmut's
 # mechanical ones over the pure-Python core (tests/mutmut_core.py: two lanes, pytest forked from a server that
