@@ -21,6 +21,7 @@ from infer.cache.paged import PagedCache
 from infer.cache.snapshot import load_snapshot, save_snapshot
 from infer.families import ARCHITECTURES
 from reference import build_checkpoint
+from tests.helpers import TEST_DEVICE
 
 KINDS = sorted(CACHE_KINDS)
 
@@ -158,7 +159,7 @@ def test_bad_update_and_advance_change_nothing(kind: str) -> None:
     cache = filled(kind)
     layers = model_of("gemma3_text").config.num_hidden_layers
     kv_heads, head_dim = model_of("gemma3_text").config.num_key_value_heads, model_of("gemma3_text").config.head_dim
-    k = torch.randn(1, kv_heads, 2, head_dim)
+    k = torch.randn(1, kv_heads, 2, head_dim, device=TEST_DEVICE)
     before = state(cache)
     cases: list[tuple[Any, type[Exception], str]] = [
         (lambda: cache.update(-1, k, k), ValueError, "layer"),
@@ -168,6 +169,7 @@ def test_bad_update_and_advance_change_nothing(kind: str) -> None:
         (lambda: cache.update(0, k.long(), k.long()), TypeError, "floating"),
         (lambda: cache.update(0, k, k.double()), TypeError, "dtype"),
         (lambda: cache.update(0, k[:, :, :, :-1], k[:, :, :, :-1]), ValueError, "head_dim"),
+        (lambda: cache.update(0, k.to("meta"), k.to("meta")), ValueError, "device"),  # not a deep error mid-write
         (lambda: cache.advance(1.5), TypeError, "int"),
         (lambda: cache.advance(-1), infer.CacheFullError, "advance"),
         (lambda: cache.advance(10**6), infer.CacheFullError, "max_seq_len"),

@@ -3,10 +3,14 @@ seeded sampling, half precision. Skipped where no CUDA device is present (as in 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 import infer
+from infer.__main__ import main
 from infer.families import ARCHITECTURES
 from infer.generation import generate
 from infer.sampling import SamplingParams
@@ -187,16 +191,39 @@ def test_hf_compiled_static_contender_runs_on_cuda() -> None:
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_attention_off_cudnn_gives_the_cudnn_tokens_and_logits(arch: str) -> None:
-    """The forward keeps SDPA off cuDNN on CUDA (a plan per new shape); PyTorch's own choice is the check."""
-    model = infer.load_model(build_checkpoint(arch), dtype="bfloat16", device="cuda")
-    ids = random_ids(model.config.vocab_size, 24, seed=3).cuda()
-    logits = {}
-    for cudnn in (False, True):
-        model.cudnn_attention = cudnn
-        cache = infer.create_cache("contiguous", model.config, max_seq_len=28, dtype=torch.bfloat16, device="cuda")
+    """The forward keeps SDPA off cuDNN on CUDA (a plan per new shape); PyTorch's own choice is the check: in bf16
+    both are as far from the fp32 model's logits as bf16 allows, and neither further than the other by much (an
+    absolute bound on bf16 logits was too tight for Gemma 3's large activations on an H200, 2026-11-26)."""
+    exact = infer.load_model(build_checkpoint(arch), device="cuda")
+    ids = random_ids(exact.config.vocab_size, 24, seed=3).cuda()
+
+    def run(model: infer.Transformer, dtype: torch.dtype) -> torch.Tensor:
+        cache = infer.create_cache("contiguous", model.config, max_seq_len=28, dtype=dtype, device="cuda")
         with torch.no_grad():
             prefill = model(ids[:, :20], cache, all_logits=True)
             steps = [model(ids[:, t : t + 1], cache) for t in range(20, 24)]
-        logits[cudnn] = torch.cat([prefill, *steps], 1).float().cpu()
-    scale = logits[True].abs().max().item()
-    assert_close(logits[False], logits[True], 3e-2 * scale, f"{arch}: bf16 logits, cuDNN off vs PyTorch's choice")
+        return torch.cat([prefill, *steps], 1).float().cpu()
+
+    reference = run(exact, torch.float32)
+    model = infer.load_model(build_checkpoint(arch), dtype="bfloat16", device="cuda")
+    error = {}
+    for cudnn in (False, True):
+        model.cudnn_attention = cudnn
+        error[cudnn] = ((run(model, torch.bfloat16) - reference).norm() / reference.norm()).item()
+    assert error[False] < 5e-2, f"{arch}: bf16 logits off cuDNN are {error[False]:.2e} from fp32 (relative)"
+    assert error[False] <= 1.5 * error[True] + 1e-3, (
+        f"{arch}: bf16 logits off cuDNN {error[False]:.2e} from fp32, PyTorch's choice {error[True]:.2e}")
+
+
+def test_batched_bench_with_graphs_and_its_profile_on_cuda(tmp_path: Path) -> None:
+    """`bench --batched` on CUDA: the engine replays decode graphs, and the roofline's profiled run (its hooks
+    synchronise around every op, which a graph capture forbids) still completes (it failed on an H200,
+    2026-11-26)."""
+    out = tmp_path / "batched.json"
+    argv = ["bench", "--batched", "--device", "cuda", "--model", str(build_checkpoint("llama")), "--requests", "6",
+            "--batched-prompt-lens", "3-12", "--batched-new-tokens", "4-9", "--no-one-by-one", "--trials", "1",
+            "--no-memory", "--json", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["engine_stats"]["graph_steps"] > 0
+    assert {p["part"] for p in report["roofline"]["profile"]} >= {"projections (matmuls)", "attention"}

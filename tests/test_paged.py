@@ -652,7 +652,7 @@ def test_lifecycle_and_misuse() -> None:
     pool = cache.pool
     assert pool.num_blocks == 10  # 2 rows x ceil(20 / 4)
     assert cache.memory_bytes == pool.k_blocks.nbytes + pool.v_blocks.nbytes
-    k = torch.randn(2, 2, 5, 8)
+    k = torch.randn(2, 2, 5, 8, device=pool.device)
     cache.update(0, k, k)
     cache.update(1, k, k)
     cache.advance(5)

@@ -125,9 +125,10 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=dtype).view(shape)
 
 
-def check_kv_shape(k: torch.Tensor, v: torch.Tensor, batch_size: int, num_kv_heads: int, head_dim: int) -> None:
+def check_kv_shape(k: torch.Tensor, v: torch.Tensor, batch_size: int, num_kv_heads: int, head_dim: int,
+                   device: torch.device) -> None:
     """Raise a TypeError/ValueError naming the mismatch unless `k`/`v` are real floating-point tensors
-    `[batch, kv_heads, T, head_dim]` of one dtype and device."""
+    `[batch, kv_heads, T, head_dim]` of one dtype, on the cache's `device`."""
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -135,6 +136,9 @@ def check_kv_shape(k: torch.Tensor, v: torch.Tensor, batch_size: int, num_kv_hea
             raise TypeError(f"{name} must be a real floating-point tensor, got {t.dtype}")
     if k.dtype != v.dtype or k.device != v.device:
         raise TypeError(f"k and v must share dtype and device, got {k.dtype}/{k.device} and {v.dtype}/{v.device}")
+    if k.device != device:  # caught here, before any slot is reserved, not as a deep torch error mid-write
+        raise ValueError(f"k/v are on {k.device} but the cache is on {device}: create the cache on the model's "
+                         "device (device=...) or move k/v there")
     expected = (batch_size, num_kv_heads, k.shape[2] if k.dim() == 4 else -1, head_dim)
     if k.dim() != 4 or tuple(k.shape) != expected or k.shape != v.shape:
         raise ValueError(

@@ -53,7 +53,7 @@ class ContiguousCache:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write at `offset` and return views of every valid position of this layer."""
         check_layer(layer, self.k_cache.shape[0])
-        check_kv_shape(k, v, self.batch_size, self.num_kv_heads, self.head_dim)
+        check_kv_shape(k, v, self.batch_size, self.num_kv_heads, self.head_dim, self.k_cache.device)
         end = self._offset + k.shape[2]
         if end > self.max_seq_len:
             raise CacheFullError(

@@ -196,7 +196,7 @@ class PagedCache:
         gathered from this batch's own blocks."""
         self._check_live()
         check_layer(layer, self.pool.num_layers)
-        check_kv_shape(k, v, self.batch_size, self.pool.num_kv_heads, self.pool.head_dim)
+        check_kv_shape(k, v, self.batch_size, self.pool.num_kv_heads, self.pool.head_dim, self.pool.device)
         if layer in self._pending_layers:  # the last step stopped part-way: give back what it reserved
             self.discard_step()
         self._pending_layers.add(layer)

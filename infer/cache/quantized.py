@@ -254,7 +254,7 @@ class QuantizedCache:
         """Check and write `k`, `v` `[B, Hkv, T, D]` after the cached tokens (the ring writes pending until
         `advance`); the position after them."""
         check_layer(layer, self.k_data.shape[0])
-        check_kv_shape(k, v, self.batch_size, self.num_kv_heads, self.head_dim)
+        check_kv_shape(k, v, self.batch_size, self.num_kv_heads, self.head_dim, self.k_data.device)
         start, end = self._offset, self._offset + k.shape[2]
         if end > self.max_seq_len:
             raise CacheFullError(

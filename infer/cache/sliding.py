@@ -88,7 +88,7 @@ class SlidingWindowCache:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k/v `[B, Hkv, T, D]`; return what the new queries attend to."""
         check_layer(layer, len(self.is_sliding))
-        check_kv_shape(k, v, self.batch_size, self.num_kv_heads, self.head_dim)
+        check_kv_shape(k, v, self.batch_size, self.num_kv_heads, self.head_dim, self.full_k.device)
         T = k.shape[2]
         end = self._offset + T
         if end > self.max_seq_len:

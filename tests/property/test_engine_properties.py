@@ -20,12 +20,13 @@ from infer.engine import Engine
 from infer.kernels import triton_available
 from infer.ragged import DECODE_KERNELS
 from infer.sampling import SamplingParams
-from tests.helpers import assert_close, check_pool_invariants, random_model, solo_logits
+from tests.helpers import TEST_DEVICE, assert_close, check_pool_invariants, random_model, solo_logits
 from tests.property.strategies import model_configs
 
 # The Triton kernel joins where it can run (on CUDA, or the CPU under TRITON_INTERPRET=1, as tests/conftest.py
-# sets without a GPU).
-KERNELS = [k for k in DECODE_KERNELS if k != "triton" or triton_available("cpu")]
+# sets without a GPU); the native paged kernel is the CPU's alone.
+KERNELS = [k for k in DECODE_KERNELS if (k != "triton" or triton_available(torch.device(TEST_DEVICE).type))
+           and (k != "native" or TEST_DEVICE == "cpu")]
 
 
 @st.composite
