@@ -40,12 +40,13 @@ if TEST_DEVICE != "cpu":
         defaults["device"] = TEST_DEVICE
 
     # Token ids a test builds on the CPU go to the model's device when the test itself calls the model; ids
-    # the library passes are left alone, so a library path that feeds CPU ids to a CUDA model still fails.
+    # the library passes are left alone, so a library path that feeds CPU ids to a CUDA model still fails (and
+    # so are ids a test puts on another device on purpose, such as "meta").
     module_call = infer.Transformer.__call__
 
     def call_from_tests(self: infer.Transformer, input_ids: Any, *args: Any, **kwargs: Any) -> Any:
         caller = sys._getframe(1).f_globals.get("__name__", "")
-        if caller.startswith("tests.") and isinstance(input_ids, torch.Tensor):
+        if caller.startswith("tests.") and isinstance(input_ids, torch.Tensor) and input_ids.device.type == "cpu":
             input_ids = input_ids.to(self.embed_tokens.weight.device)
         return module_call(self, input_ids, *args, **kwargs)
 

@@ -38,7 +38,7 @@ KERNEL_TESTS = ["tests/test_gpu.py", "tests/test_triton_kernels.py", "tests/test
 ORACLE_TESTS = ["tests/property", "tests/test_cache_conformance.py", "tests/test_engine.py",
                 "tests/test_sampling_oracle.py", "tests/test_stopping.py", "tests/test_chat.py",
                 "tests/test_generate.py", "tests/test_models.py", "tests/test_paged.py", "tests/test_sliding.py",
-                "tests/test_prompt_cache.py", "tests/test_real_model.py"]
+                "tests/test_prompt_cache.py", "tests/test_real_model.py", "tests/test_all_or_nothing.py"]
 
 BENCH = ["-m", "infer", "bench", "--device", "cuda", "--no-memory"]
 SINGLE = ["--prompt-len", "512", "--max-new-tokens", "128", "--against-hf", "--trials", "3"]

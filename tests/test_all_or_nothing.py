@@ -123,7 +123,7 @@ def broken_snapshots(good: CacheSnapshot) -> dict[str, CacheSnapshot]:
     floats = sorted(n for n, x in good.tensors.items() if x.numel() and x.dtype.is_floating_point)
     scales = [n for n in floats if n.endswith("_scale")]
     poisoned = {f"{n} holding a NaN": with_tensors(**{n: good.tensors[n].clone().view(-1).index_fill(
-        0, torch.tensor([0]), float("nan")).view(good.tensors[n].shape)}) for n in floats}
+        0, torch.tensor([0], device=t.device), float("nan")).view(good.tensors[n].shape)}) for n in floats}
     poisoned |= {f"{n} holding an inf": with_tensors(**{n: good.tensors[n].clone().fill_(float("inf"))})
                  for n in floats[:1]}
     poisoned |= {f"{n} negative": with_tensors(**{n: -good.tensors[n].abs() - 1}) for n in scales}
@@ -276,7 +276,7 @@ def test_a_quantized_snapshot_with_negative_or_poisoned_scales_is_refused(kind: 
     offsets = [("k_offset", float("nan"))] if good.tensors["k_offset"].numel() else []
     for name, value in [(n, v) for n in ("k_scale", "v_scale") for v in (-1.0, float("nan"))] + offsets:
         tensors = {**good.tensors, name: good.tensors[name].clone().view(-1).index_fill(
-            0, torch.tensor([0]), value).view(good.tensors[name].shape)}
+            0, torch.tensor([0], device=good.tensors[name].device), value).view(good.tensors[name].shape)}
         before = state(cache)
         with pytest.raises(ValueError, match=name):
             cache.restore(CacheSnapshot(good.kind, good.offset, tensors, good.token_ids, dict(good.meta)))
