@@ -99,7 +99,9 @@ def main() -> int:
     model = infer.load_model(build_bench_checkpoint("llama"), dtype="bfloat16", device="cuda")
     print(f"model loaded in {time.perf_counter() - began:.0f} s; decode GEMV: {model.decode_gemv}", flush=True)
     bandwidth, _ = measure_read_bandwidth(torch.device("cuda"))
-    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed" not in n)
+    # Every weight but the embedding table, which a step reads one row of, unless it is the tied LM head.
+    tied = model.config.tie_word_embeddings
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if tied or "embed" not in n)
     print(f"read bandwidth {bandwidth / 1e9:.0f} GB/s; weights read per step {weight_bytes / 1e9:.2f} GB: "
           f"floor {weight_bytes / bandwidth * 1e3:.3f} ms")
     for context in (int(c) for c in args.context.split(",")):

@@ -45,7 +45,8 @@ CORE = {
     "infer/sampling.py": ("tests/test_sampling_oracle.py tests/test_bad_inputs.py",
                           "tests/test_generate.py tests/test_engine.py tests/test_stopping.py"),
     "infer/config.py": ("tests/test_config_oracle.py",
-                        "tests/test_checkpoint_validation.py tests/test_models.py tests/test_loader.py"),
+                        "tests/test_checkpoint_validation.py tests/test_models.py tests/test_loader.py "
+                        "tests/test_sliding.py tests/test_bad_inputs.py"),
     "infer/chat_tools.py": ("tests/test_chat.py", "tests/test_tokenizer.py tests/test_cli.py"),
     "infer/tokenizer.py": ("tests/test_tokenizer.py tests/test_stopping.py",
                            "tests/test_chat.py tests/test_generate.py tests/test_engine.py"),
