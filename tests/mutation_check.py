@@ -472,6 +472,9 @@ MUTANTS = [
     Mutant("input on another device not refused", "infer/models/transformer.py",
            "if input_ids.device != weights:", "if False:",
            ("tests/test_all_or_nothing.py",)),
+    Mutant("K/V on another device than the cache not refused before the write", "infer/cache/base.py",
+           "if k.device != device:", "if False:",
+           ("tests/test_all_or_nothing.py",)),
     # --- tokenizer, loader, generation -------------------------------------------------------------
     Mutant("decode skips special tokens by default", "infer/tokenizer.py",
            "def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:",
