@@ -176,21 +176,37 @@ class StaticBackend(AttentionBackend):
     checks_ids = False  # generate's own ids (checked prompt, sampled tokens); and no host sync in a capture
 
     """A one-token step into a contiguous cache's tensors `k_cache`, `v_cache` `[L, B, Hkv, S, D]` at
-    `position` (a `[1]` tensor): the slot written by index, every slot read, the ones past the position and
-    outside a window masked. The caller checks capacity and advances the cache."""
+    `position` (a `[1]` tensor): the slot written by index, then attention over the slots up to the position.
+    Two forms, side by side: `kernel` (the Triton decode kernel, infer/kernels/paged_attention.py) reads only
+    those slots, split over the GPU; without it, every slot is read and the ones past the position and outside a
+    window are masked (the check; at 8k context on an H200 it made a replayed step 4.6x its kernels' time). The
+    caller checks capacity and advances the cache."""
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, position: torch.Tensor,
-                 windows: dict[str, int | None]) -> None:
+                 windows: dict[str, int | None], kernel: bool = False) -> None:
         self.k_cache, self.v_cache, self.positions = k_cache, v_cache, position
-        keys = torch.arange(k_cache.shape[3], device=k_cache.device)
+        _, batch, kv_heads, slots, _ = k_cache.shape
+        if kernel:
+            from infer.kernels.paged_attention import contiguous_tables
+
+            self.tables: torch.Tensor | None = contiguous_tables(batch, kv_heads, slots, k_cache.device)
+            self.lengths = (position + 1).to(torch.int32).repeat(batch)
+        else:
+            self.tables = None
+        keys = torch.arange(slots, device=k_cache.device)
         self.masks = {lt: attention_mask(position, keys, w) for lt, w in windows.items()}
 
     def attend(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kernels: StepKernels) -> torch.Tensor:
-        """Write the slot at the position, attend over the whole (masked) cache."""
+        """Write the slot at the position, attend over the slots up to it."""
         k_cache, v_cache = self.k_cache[layer.layer_idx], self.v_cache[layer.layer_idx]
         k_cache.index_copy_(2, self.positions, k)
         v_cache.index_copy_(2, self.positions, v)
+        if self.tables is not None and not kernels.reference:
+            from infer.kernels.paged_attention import contiguous_decode_attention
+
+            return contiguous_decode_attention(q[:, :, 0], k_cache, v_cache, self.tables, self.lengths, layer.scale,
+                                               layer.softcap, layer.window)[:, :, None]
         return attend_dense(q, k_cache, v_cache, self.masks[layer.layer_type], layer, kernels)
 
 

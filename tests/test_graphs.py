@@ -17,19 +17,26 @@ from infer.engine import Engine
 from infer.errors import CacheFullError
 from infer.families import ARCHITECTURES
 from infer.graphs import BATCH_BUCKETS, MIN_TABLE_WIDTH, GraphedDecoder, batch_bucket, graphed_decoder, table_width
+from infer.kernels import triton_available
 from infer.sampling import SamplingParams
 from reference import build_checkpoint
 from tests.helpers import assert_close, solo_logits
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["triton-kernel", "masked"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_static_steps_equal_the_ordinary_steps(arch: str, dtype: str) -> None:
+def test_static_steps_equal_the_ordinary_steps(arch: str, dtype: str, kernel: bool) -> None:
     """Two sequences, 10 prompt tokens, 14 static steps each from the ordinary path's state (Gemma's sliding
     layers cross their window of 8): fp32 logits within 1e-5 of the ordinary step's (bf16 within 10% of the
     logit scale, as the other bf16 form comparisons: attention over 32 masked slots rounds otherwise),
-    the same greedy tokens; stale NaN past the prompt (a cache reused after an overflow) never reaches them."""
+    the same greedy tokens; stale NaN past the prompt (a cache reused after an overflow) never reaches them.
+    Both forms of the step's attention: the Triton kernel over the cached positions (under the interpreter on
+    a CPU), and every slot under a mask."""
+    if kernel and not triton_available("cuda" if torch.cuda.is_available() else "cpu"):
+        pytest.skip("needs Triton (on CUDA, or TRITON_INTERPRET=1 on a CPU)")
     model = infer.load_model(build_checkpoint(arch), dtype=dtype)
+    model.static_attention_kernel = kernel
     ids = torch.randint(0, 400, (2, 10), generator=torch.Generator().manual_seed(13))
     caches = [infer.create_cache("contiguous", model.config, max_seq_len=32, batch_size=2,
                                  dtype=model.lm_head.weight.dtype) for _ in range(2)]

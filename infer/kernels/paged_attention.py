@@ -116,6 +116,10 @@ def _paged_decode_split(
     tl.store(L + b * stride_mb + heads * stride_mh + split, l_i, mask=g_ok)
 
 
+# Positions per program iteration when the kernel reads a contiguous cache (contiguous_decode_attention).
+CONTIGUOUS_BLOCK = 64
+
+
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(n))
 
@@ -135,12 +139,57 @@ def paged_decode_attention(
     dtype. `num_splits`: programs per sequence and KV head, each reading an equal run of the sequence's blocks
     (default: enough to give the GPU ~2 programs per SM, at most one per table column). Every sequence must
     have length >= 1."""
-    B, H, D = q.shape
     _, Hkv, block_size, _ = k_blocks.shape
-    if H % Hkv or k_blocks.shape != v_blocks.shape or k_blocks.shape[-1] != D:
+    if q.shape[1] % Hkv or k_blocks.shape != v_blocks.shape or k_blocks.shape[-1] != q.shape[2]:
         raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k/v blocks {tuple(k_blocks.shape)}")
-    if k_blocks.stride(-1) != 1 or v_blocks.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError("q, k_blocks and v_blocks need a contiguous last dimension")
+    return _decode(q, k_blocks, v_blocks, tables, lengths, k_blocks.stride()[:3], v_blocks.stride()[:3], Hkv,
+                   block_size, scale, softcap, window, num_splits)
+
+
+def contiguous_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+    block_size: int = CONTIGUOUS_BLOCK,
+) -> torch.Tensor:
+    """The same kernel over one layer of a contiguous cache, `k_cache`, `v_cache` `[B, Hkv, S, D]`, reading only
+    each row's first `lengths[b]` positions (a one-token step replayed from a CUDA graph, where the dense form would
+    read every slot under a mask). The rows are cut into runs of `block_size` positions addressed in units of one
+    position: `tables` is `contiguous_tables(...)`, so any S works. Returns `[B, H, D]`."""
+    B, Hkv, S, D = k_cache.shape
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or not k_cache.is_contiguous():
+        raise ValueError(f"k_cache and v_cache must be contiguous [B, Hkv, S, D] of one shape, got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if q.shape[0] != B or q.shape[1] % Hkv or q.shape[2] != D:
+        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k/v cache {tuple(k_cache.shape)}")
+    # A table entry is a position's index in the layer's storage (b * Hkv * S + first position of the run):
+    # the "block" stride is one position's, and the head stride moves along the same row.
+    return _decode(q, k_cache, v_cache, tables, lengths, (D, S * D, D), (D, S * D, D), Hkv, block_size, scale,
+                   softcap, window, None)
+
+
+def contiguous_tables(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
+                      block_size: int = CONTIGUOUS_BLOCK) -> torch.Tensor:
+    """`[batch, ceil(max_seq_len / block_size)]` int32: where each run of `block_size` positions of each row
+    starts, counted in positions from the layer's first (see `contiguous_decode_attention`)."""
+    runs = torch.arange(0, max_seq_len, block_size, device=device, dtype=torch.int32)
+    rows = torch.arange(batch, device=device, dtype=torch.int32) * (num_kv_heads * max_seq_len)
+    return rows[:, None] + runs[None, :]
+
+
+def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
+            k_strides: tuple[int, ...], v_strides: tuple[int, ...], Hkv: int, block_size: int, scale: float,
+            softcap: float | None, window: int | None, num_splits: int | None) -> torch.Tensor:
+    """Launch the split kernel over K and V each addressed as `block * s0 + head * s1 + slot * s2` (their
+    strides) and combine the splits."""
+    B, H, D = q.shape
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("q, k and v need a contiguous last dimension")
     if num_splits is None:
         target = 2 * torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
         num_splits = max(1, min(tables.shape[1], -(-target // (B * Hkv))))
@@ -150,14 +199,14 @@ def paged_decode_attention(
     acc = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
     m = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
     l_sum = torch.empty_like(m)
-    tables = tables.to(torch.int32)
-    lengths = lengths.to(torch.int32)
+    tables = tables.to(torch.int32).contiguous()  # the kernel steps rows by stride and lengths by one
+    lengths = lengths.to(torch.int32).contiguous()
     group = H // Hkv
     _paged_decode_split[(B, Hkv, splits)](
-        q, k_blocks, v_blocks, tables, lengths, acc, m, l_sum,
+        q, k, v, tables, lengths, acc, m, l_sum,
         q.stride(0), q.stride(1),
-        k_blocks.stride(0), k_blocks.stride(1), k_blocks.stride(2),
-        v_blocks.stride(0), v_blocks.stride(1), v_blocks.stride(2),
+        *k_strides,
+        *v_strides,
         tables.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2),
         m.stride(0), m.stride(1),

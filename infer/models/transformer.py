@@ -464,6 +464,9 @@ class Transformer(nn.Module):
         self.__dict__["_native_step"] = None  # the model described to that call (built at first use)
         # On CUDA, generate replays one-token steps into a contiguous cache from a CUDA graph (infer/graphs.py).
         self.decode_graphs = True
+        # Such a step attends through the Triton decode kernel over the cached positions only, where Triton runs;
+        # False reads every slot of the cache under a mask (StaticBackend: the check).
+        self.static_attention_kernel = True
         # This rank's place when the model is one shard of a tensor-parallel group (infer/tensor_parallel.py, which
         # puts the collectives on as forward hooks); None in one process.
         self.tensor_parallel: Shards | None = None
@@ -743,8 +746,10 @@ class Transformer(nn.Module):
                        ) -> StaticBackend:
         """The backend of a one-token step with static shapes, what a CUDA graph captures (infer/graphs.py):
         K/V written into slot `position` (a `[1]` tensor) of a contiguous cache's tensors `[L, B, Hkv, S, D]`,
-        every slot read, those past the position (and outside a sliding window) masked."""
-        return StaticBackend(k_cache, v_cache, position, {lt: self._window_of(lt) for lt in self.inv_freq})
+        attention over the slots up to the position (`static_attention_kernel`: the Triton kernel reading only
+        those, where Triton runs; else every slot under a mask)."""
+        kernel = self.static_attention_kernel and triton_available(k_cache.device.type)
+        return StaticBackend(k_cache, v_cache, position, {lt: self._window_of(lt) for lt in self.inv_freq}, kernel)
 
     def _inv_freq_on(self, layer_type: str, device: torch.device) -> torch.Tensor:
         # Kept out of the module's buffers so `model.to(dtype)` never rounds the frequencies.
