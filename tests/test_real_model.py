@@ -113,9 +113,12 @@ def test_the_engine_batches_chunks_and_matches_solo_runs_and_transformers(
 #
 # Measured (64 tokens, 3 prompts, 2-core CPU): the capital and haiku prompts never part; the sky prompt parts at
 # token 27, where the fp32 model's top two logits tie (margin 0.0003: tokens 13242 vs 9732). The threshold
-# 0.5 logits leaves room for another CPU's rounding while refusing a parting at a clear choice.
+# 0.5 logits leaves room for another device's rounding while refusing a parting at a clear choice. On an H100
+# (2026-11-25, cuBLAS and flash attention on both sides) the haiku prompt parted at token 1, where fp32's margin
+# is 0.128: where they part is the near-tie's business, so only the first token (the prompt's clearest choice)
+# must agree, and every parting must be at a near-tie.
 BF16_TIE_MARGIN = 0.5
-BF16_AGREE_FIRST = 8
+BF16_AGREE_FIRST = 1
 
 
 @pytest.fixture(scope="module")
