@@ -120,6 +120,63 @@ def test_split_count_does_not_change_the_result() -> None:
     assert_close(outs[0], outs[2], 1e-5, "default split vs one split")
 
 
+@given(st.integers(1, 9), st.sampled_from([40, 64, 128]), st.sampled_from([torch.float32, torch.bfloat16]),
+       st.integers(0, 2**31 - 1))
+def test_the_one_launch_combine_is_the_pytorch_combine(splits: int, head_dim: int, dtype: torch.dtype,
+                                                        seed: int) -> None:
+    """Flash-decoding's combine in one Triton launch equals the PyTorch form, splits that saw no key (max -inf,
+    sums 0) included."""
+    from infer.kernels.paged_attention import combine_splits, combine_splits_triton
+
+    gen = torch.Generator().manual_seed(seed)
+    B, H = 2, 3
+    m = torch.randn(B, H, splits, generator=gen) * 4
+    empty = torch.rand(B, H, splits, generator=gen) < 0.3
+    empty[..., 0] = False  # every row saw at least one key (lengths >= 1)
+    m[empty] = float("-inf")
+    l_sum = torch.where(empty, 0.0, torch.rand(B, H, splits, generator=gen) + 0.5)
+    acc = torch.where(empty[..., None], 0.0, torch.randn(B, H, splits, head_dim, generator=gen))
+    m, l_sum, acc = m.to(DEVICE), l_sum.to(DEVICE), acc.to(DEVICE)
+    got = combine_splits_triton(acc, m, l_sum, dtype)
+    want = combine_splits(acc, m, l_sum)  # fp32
+    assert got.dtype == dtype and not got.isnan().any()
+    # bf16: only the output's rounding separates them (an ulp, 2**-7 of the magnitude: Triton's interpreter
+    # rounds toward zero).
+    bound = 1e-5 if dtype == torch.float32 else 2**-7 * max(1.0, want.abs().max().item())
+    assert_close(got.float(), want, bound, "one-launch combine")
+
+
+@given(st.lists(st.integers(1, 150), min_size=1, max_size=3), st.integers(0, 40), st.integers(1, 2),
+       st.sampled_from([1, 2, 4]), st.sampled_from([32, 64]), st.none() | st.integers(1, 30),
+       st.none() | st.sampled_from([30.0]), st.integers(0, 2**31 - 1))
+def test_the_kernel_over_a_contiguous_cache_reads_only_the_cached_positions(
+        lengths: list[int], spare: int, kv_heads: int, group: int, head_dim: int, window: int | None,
+        softcap: float | None, seed: int) -> None:
+    """A graph-replayed one-token step attends over a contiguous cache `[B, Hkv, S, D]` through the paged kernel,
+    runs of 64 positions addressed in units of one position: any S (not a multiple of 64 either), rows of
+    different lengths, windows and softcap give the formula's rows; every slot past a row's length is NaN and
+    is never read."""
+    from infer.kernels.paged_attention import contiguous_decode_attention, contiguous_tables
+
+    gen = torch.Generator().manual_seed(seed)
+    B, S = len(lengths), max(lengths) + spare
+    k = torch.full((B, kv_heads, S, head_dim), float("nan"))
+    v = torch.full_like(k, float("nan"))
+    for b, n in enumerate(lengths):
+        k[b, :, :n] = torch.randn(kv_heads, n, head_dim, generator=gen)
+        v[b, :, :n] = torch.randn(kv_heads, n, head_dim, generator=gen)
+    q = torch.randn(B, kv_heads * group, head_dim, generator=gen)
+    q, k, v = q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
+    tables = contiguous_tables(B, kv_heads, S, k.device)
+    got = contiguous_decode_attention(q, k, v, tables, torch.tensor(lengths, device=DEVICE), 0.125, softcap, window)
+    for b, n in enumerate(lengths):
+        pos = torch.arange(n, device=DEVICE)
+        visible = pos <= n - 1 if window is None else pos > n - 1 - window
+        want = attention_reference(q[b][None, :, None], k[b : b + 1, :, :n], v[b : b + 1, :, :n], visible[None],
+                                   0.125, softcap)[0, :, 0]
+        assert_close(got[b], want, 1e-5, f"row {b} of length {n} in a cache of {S} slots")
+
+
 @given(paged_problems(), st.integers(1, 40))
 def test_a_wider_padded_table_changes_nothing(p: dict, extra: int) -> None:
     """The batched engine's graph-captured shapes pad block tables to a width bucket: extra columns naming a

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.kernels.paged_attention import _attend_tile, _load_query_group, _pow2, combine_splits
+from infer.kernels.paged_attention import _attend_tile, _load_query_group, _pow2, combine_splits_triton
 
 SCHEME_CODES = {"int8": 0, "int4": 1, "fp4": 2, "none": 3}
 
@@ -201,7 +201,7 @@ def quantized_decode_attention(
             # The splits' sums of rotated rows, rotated back (linear, so before the combine's weighting).
             acc[:, :, base : base + count] = acc[:, :, base : base + count] @ value_rotation.to(acc)
         base += count
-    return combine_splits(acc, m, l_sum).to(q.dtype)
+    return combine_splits_triton(acc, m, l_sum, q.dtype)
 
 
 def _cdiv(a: int, b: int) -> int:
