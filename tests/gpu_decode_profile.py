@@ -51,14 +51,20 @@ def profile_context(model: object, context: int) -> None:
             for _ in range(5):
                 model(token, cache)  # type: ignore[operator]  # rewrites the same slot: no advance
             torch.cuda.synchronize()
-        graphed = GraphedDecoder(model, cache)  # type: ignore[arg-type]
-        graphed.step(token)
-        graph = graphed.graph
-        graph_ms = timed_ms(graph.replay) if graph is not None else float("nan")
+        replay_ms = {}
+        for kernel in (True, False):  # the step's attention: the Triton kernel, or every slot under a mask
+            model.static_attention_kernel = kernel  # type: ignore[attr-defined]
+            graphed = GraphedDecoder(model, cache)  # type: ignore[arg-type]
+            graphed.step(token)
+            graph = graphed.graph
+            replay_ms[kernel] = timed_ms(graph.replay) if graph is not None else float("nan")
+        model.static_attention_kernel = True  # type: ignore[attr-defined]
+        graph_ms = replay_ms[True]
     events = prof.key_averages()
     total = sum(e.device_time_total for e in events) / 5 / 1e3
-    print(f"\ncontext {context}: eager step {eager_ms:.3f} ms, graph replay {graph_ms:.3f} ms, kernel time per "
-          f"step {total:.3f} ms ({len(events)} kernel kinds)")
+    print(f"\ncontext {context}: eager step {eager_ms:.3f} ms, graph replay {graph_ms:.3f} ms (masked attention "
+          f"over every slot: {replay_ms[False]:.3f} ms), kernel time per eager step {total:.3f} ms "
+          f"({len(events)} kernel kinds)")
     print(f"{'kernel':70s} {'calls/step':>10s} {'ms/step':>8s}")
     for e in sorted(events, key=lambda e: -e.device_time_total)[:14]:
         print(f"{e.key[:70]:70s} {e.count / 5:10.1f} {e.device_time_total / 5 / 1e3:8.3f}", flush=True)
