@@ -246,7 +246,7 @@ def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
     layer_types = tuple(layer_types)
     if len(layer_types) != num_layers or set(layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}:
         raise CheckpointError(
-            f"layer_types must list {num_layers} entries of '{FULL_ATTENTION}' or '{SLIDING_ATTENTION}', "
+            f"config.json: layer_types must list {num_layers} entries of '{FULL_ATTENTION}' or '{SLIDING_ATTENTION}', "
             f"got {list(layer_types)}"
         )
     sliding_window = None

@@ -74,9 +74,14 @@ BAD_FIELDS = [
     ("llama", "v5", "eos_token_id", "</s>", "a token id"),
     ("llama", "v5", "eos_token_id", [2, "3"], "a token id"),
     ("llama", "v5", "eos_token_id", 10**9, "a token id"),
+    ("llama", "v5", "eos_token_id", 512, "a token id"),  # the vocabulary's size: one past the last id
+    ("llama", "v5", "eos_token_id", True, "a token id"),
+    ("llama", "v5", "eos_token_id", [2, False], "a token id"),
     ("llama", "v5", "bos_token_id", -1, "a token id"),
     ("llama", "v5", "hidden_act", "relu", "unsupported activation 'relu'"),
     ("llama", "v5", "layer_types", "full_attention", "layer_types"),
+    ("llama", "v5", "layer_types", 5, "layer_types"),
+    ("llama", "v5", "layer_types", ["full_attention"] * 3, "layer_types must list 2 entries"),  # 2 layers
     ("llama", "v5", "torch_dtype", "float8", "torch_dtype='float8'"),
     ("gemma3_text", "v5", "sliding_window", 0, "an integer >= 1"),
     ("gemma3_text", "v5", "sliding_window", None, "no 'sliding_window'"),
@@ -101,6 +106,14 @@ def test_bad_config_field_is_named(tmp_path: Path, arch: str, fmt: str, field: s
     with pytest.raises(CheckpointError, match="config.json") as info:
         infer.load_model(path)
     assert expected in str(info.value), str(info.value)
+
+
+def test_the_multimodal_gemma3_is_named_as_such() -> None:
+    """model_type "gemma3" is the multimodal wrapper, not an unknown family: the message says which checkpoints
+    to use instead."""
+    raw = json.loads((build_checkpoint("gemma3_text") / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="multimodal Gemma 3.*'gemma3_text'"):
+        ModelConfig.from_dict({**raw, "model_type": "gemma3"})
 
 
 def test_llama3_scaling_needs_high_above_low_frequency_factor() -> None:

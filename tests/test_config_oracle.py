@@ -234,7 +234,13 @@ def bench_config_json(arch: str, directory: Path) -> Path:
 
 OPTIONAL_KEYS = ("max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling", "tie_word_embeddings",
                  "attention_bias", "mlp_bias", "hidden_act", "hidden_activation", "rope_local_base_freq",
-                 "query_pre_attn_scalar", "head_dim")
+                 "query_pre_attn_scalar", "head_dim", "sliding_window_pattern", "use_sliding_window",
+                 "max_window_layers")
+
+
+def bench_with(arch: str, **changes: Any) -> Any:
+    """A case: the bench config of `arch` with some keys changed (`bench_config_json` writes it in the test)."""
+    return ("bench", changes)
 
 
 def real_config_cases() -> list[Any]:
@@ -254,16 +260,32 @@ def real_config_cases() -> list[Any]:
         pytest.param("qwen2", no_window, (), id="sliding-on-no-window-key"),
         pytest.param("qwen2", no_start, (), id="sliding-on-no-max_window_layers"),
         pytest.param("qwen2", {**sliding_on, "sliding_window": None}, (), id="sliding-on-null-window"),
+        # No use_sliding_window key: transformers' default (off), though layers 21-23 would slide if it were on.
+        pytest.param("qwen2", {k: v for k, v in QWEN2_5_0_5B_INSTRUCT.items() if k != "use_sliding_window"}, (),
+                     id="no-use_sliding_window-key"),
+        # Token id 0 is a token (some vocabularies start with their specials there).
+        pytest.param("llama", bench_with("llama", bos_token_id=0, eos_token_id=[0, 5]), (), id="token-id-0"),
+        # The legacy spelling of the RoPE type ("type"), and factors llama3 would refuse on a linear scaling.
+        pytest.param("llama", bench_with("llama", rope_scaling={"type": "linear", "factor": 2.0}), (),
+                     id="rope_scaling-legacy-type-key"),
+        pytest.param("llama", bench_with("llama", rope_scaling={"rope_type": "linear", "factor": 2.0,
+                                                                "low_freq_factor": 4.0, "high_freq_factor": 1.0}),
+                     (), id="linear-rope-with-inverted-frequency-factors"),
+        pytest.param("llama", bench_with("llama", mlp_bias=True), (), id="llama-mlp-bias"),
+        # Gemma 3 reads hidden_activation, whatever hidden_act says.
+        pytest.param("gemma3_text", bench_with("gemma3_text", hidden_act="silu"), (), id="gemma3-hidden_act-differs"),
     ]
 
 
 @pytest.mark.parametrize(("arch", "raw", "left_out"), real_config_cases())
-def test_real_configs_parse_as_transformers_parses_them(arch: str, raw: dict[str, Any] | str | None,
+def test_real_configs_parse_as_transformers_parses_them(arch: str, raw: dict[str, Any] | str | tuple | None,
                                                         left_out: tuple[str, ...], tmp_path: Path) -> None:
     """The real models' config.json (the bench shapes, and Qwen 2.5's file as published), and configs with keys
     left out: every field the engine reads equals what transformers read from the same file."""
     if raw is None:
         raw = json.loads((bench_config_json(arch, tmp_path) / "config.json").read_text())
+    elif isinstance(raw, tuple):  # bench_with(...)
+        raw = {**json.loads((bench_config_json(arch, tmp_path) / "config.json").read_text()), **raw[1]}
     elif raw == "tiny":
         raw = json.loads((build_checkpoint(arch, config_format="legacy") / "config.json").read_text())
     assert isinstance(raw, dict)
