@@ -70,11 +70,6 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     @property
-    def num_kv_groups(self) -> int:
-        """Query heads per KV head (GQA group size)."""
-        return self.num_attention_heads // self.num_key_value_heads
-
-    @property
     def has_sliding_layers(self) -> bool:
         """Whether any layer attends through a sliding window."""
         return SLIDING_ATTENTION in self.layer_types

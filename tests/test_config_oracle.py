@@ -238,6 +238,23 @@ OPTIONAL_KEYS = ("max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_
                  "max_window_layers")
 
 
+def v5_with(arch: str, key: str, value: Any = None, **top: Any) -> Any:
+    """A case: the tiny transformers-5 config of `arch` with the dotted `key` set to `value` (left out when None)
+    and top-level keys `top` added (built in the test)."""
+    def edit() -> dict[str, Any]:
+        raw = json.loads((build_checkpoint(arch) / "config.json").read_text())
+        *parents, leaf = key.split(".")
+        node = raw
+        for parent in parents:
+            node = node[parent]
+        if value is None:
+            del node[leaf]
+        else:
+            node[leaf] = value
+        return {**raw, **top}
+    return edit
+
+
 def bench_with(arch: str, **changes: Any) -> Any:
     """A case: the bench config of `arch` with some keys changed (`bench_config_json` writes it in the test)."""
     return ("bench", changes)
@@ -272,18 +289,30 @@ def real_config_cases() -> list[Any]:
                                                                 "low_freq_factor": 4.0, "high_freq_factor": 1.0}),
                      (), id="linear-rope-with-inverted-frequency-factors"),
         pytest.param("llama", bench_with("llama", mlp_bias=True), (), id="llama-mlp-bias"),
+        # transformers 5 files edited by hand: RoPE keys left out or given the other way.
+        pytest.param("gemma3_text", v5_with("gemma3_text", "rope_parameters.sliding_attention.rope_theta"), (),
+                     id="gemma3-sliding-rope_theta-left-out"),
+        pytest.param("gemma3_text", v5_with("gemma3_text", "rope_parameters",
+                                            {"rope_type": "default", "rope_theta": 1e6}), (),
+                     id="gemma3-rope_parameters-not-by-layer-type"),
+        pytest.param("gemma3_text", v5_with("gemma3_text", "rope_parameters.sliding_attention"), (),
+                     id="gemma3-rope_parameters-full_attention-only"),
+        pytest.param("llama", v5_with("llama", "rope_parameters", {"rope_type": "default"}, rope_theta=12345.0), (),
+                     id="llama-rope_theta-beside-rope_parameters"),
         # Gemma 3 reads hidden_activation, whatever hidden_act says.
         pytest.param("gemma3_text", bench_with("gemma3_text", hidden_act="silu"), (), id="gemma3-hidden_act-differs"),
     ]
 
 
 @pytest.mark.parametrize(("arch", "raw", "left_out"), real_config_cases())
-def test_real_configs_parse_as_transformers_parses_them(arch: str, raw: dict[str, Any] | str | tuple | None,
+def test_real_configs_parse_as_transformers_parses_them(arch: str, raw: Any,
                                                         left_out: tuple[str, ...], tmp_path: Path) -> None:
     """The real models' config.json (the bench shapes, and Qwen 2.5's file as published), and configs with keys
     left out: every field the engine reads equals what transformers read from the same file."""
     if raw is None:
         raw = json.loads((bench_config_json(arch, tmp_path) / "config.json").read_text())
+    elif callable(raw):  # v5_with(...)
+        raw = raw()
     elif isinstance(raw, tuple):  # bench_with(...)
         raw = {**json.loads((bench_config_json(arch, tmp_path) / "config.json").read_text()), **raw[1]}
     elif raw == "tiny":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import infer
-from infer.cache import SlidingWindowCache
+from infer.cache import ContiguousCache, SlidingWindowCache
 from infer.generation import generate
 from infer.sampling import SamplingParams
 from tests.helpers import assert_close, random_model, tiny_config
@@ -67,3 +67,6 @@ def test_contiguous_kind_can_bound_sliding_layers() -> None:
     ringed = generate(model, None, prompt, params, cache_options={"bound_sliding_layers": True})
     assert plain.token_ids == ringed.token_ids
     assert ringed.cache_memory_bytes < plain.cache_memory_bytes
+    # A model without sliding layers has nothing to bound: the plain contiguous layout.
+    full = tiny_config("llama", num_layers=2)
+    assert type(infer.create_cache("contiguous", full, max_seq_len=64, bound_sliding_layers=True)) is ContiguousCache
