@@ -186,15 +186,14 @@ class StaticBackend(AttentionBackend):
                  windows: dict[str, int | None], kernel: bool = False) -> None:
         self.k_cache, self.v_cache, self.positions = k_cache, v_cache, position
         _, batch, kv_heads, slots, _ = k_cache.shape
+        self.windows = windows
+        self.masks: dict[str, Mask] = {}  # built at first use: the kernel form needs none
+        self.tables: torch.Tensor | None = None
         if kernel:
             from infer.kernels.paged_attention import contiguous_tables
 
-            self.tables: torch.Tensor | None = contiguous_tables(batch, kv_heads, slots, k_cache.device)
+            self.tables = contiguous_tables(batch, kv_heads, slots, k_cache.device)
             self.lengths = (position + 1).to(torch.int32).repeat(batch)
-        else:
-            self.tables = None
-        keys = torch.arange(slots, device=k_cache.device)
-        self.masks = {lt: attention_mask(position, keys, w) for lt, w in windows.items()}
 
     def attend(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kernels: StepKernels) -> torch.Tensor:
@@ -207,6 +206,9 @@ class StaticBackend(AttentionBackend):
 
             return contiguous_decode_attention(q[:, :, 0], k_cache, v_cache, self.tables, self.lengths, layer.scale,
                                                layer.softcap, layer.window)[:, :, None]
+        if not self.masks:
+            keys = torch.arange(k_cache.shape[2], device=k_cache.device)
+            self.masks = {lt: attention_mask(self.positions, keys, w) for lt, w in self.windows.items()}
         return attend_dense(q, k_cache, v_cache, self.masks[layer.layer_type], layer, kernels)
 
 
