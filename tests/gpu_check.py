@@ -7,7 +7,8 @@ Stages, each in its own process and time limit, so one that fails or hangs still
 - oracle: the property, conformance, engine, sampling, stopping, chat and real-model suites with every model,
   cache and oracle on CUDA (INFER_TEST_DEVICE=cuda; fp32 with TF32 off);
 - bench-*: batch-1 decode against Hugging Face (eager dynamic, static, static + torch.compile) at the
-  Llama-3.2-1B and Qwen3-1.7B shapes with the fraction of measured read bandwidth; the batched engine on the
+  Llama-3.2-1B and Qwen3-1.7B shapes with the fraction of measured read bandwidth; where the batch-1 step's
+  time goes (tests/gpu_decode_profile.py: kernels, graph replay, one-row products); the batched engine on the
   mixed workload at 64 and 256 requests against HF static batching; quantized KV against bf16 at 8k and 32k.
 
 The report (markdown and JSON: device, driver, versions, every figure, every failure with its test id) goes to
@@ -45,6 +46,8 @@ SINGLE = ["--prompt-len", "512", "--max-new-tokens", "128", "--against-hf", "--t
 # In the order they run: the batch-1 figures first, the ones a short lease is most likely to leave out last.
 BENCHES: dict[str, list[str]] = {
     "bench-llama-1b": [*BENCH, "--arch", "llama", *SINGLE],
+    # Where the batch-1 step goes: top kernels, graph replay with the attention kernel and masked, one-row products.
+    "profile-decode": ["tests/gpu_decode_profile.py"],
     "bench-batched-64": [*BENCH, "--arch", "llama", "--batched", "--requests", "64", "--against-hf",
                          "--batch-size", "32", "--no-one-by-one", "--trials", "2"],
     "bench-kv": [*BENCH, "--arch", "llama", "--cache-table", "contiguous,int8,int4,fp4", "--contexts",
@@ -56,7 +59,7 @@ BENCHES: dict[str, list[str]] = {
     "bench-batched-256": [*BENCH, "--arch", "llama", "--batched", "--requests", "256", "--against-hf",
                           "--batch-size", "32", "--no-one-by-one", "--trials", "1"],
 }
-TIME_LIMITS = {"kernels": 240, "oracle": 240, "bench-llama-1b": 150, "bench-qwen3-1.7b": 150,
+TIME_LIMITS = {"kernels": 240, "oracle": 240, "bench-llama-1b": 150, "profile-decode": 90, "bench-qwen3-1.7b": 150,
                "bench-batched-64": 90, "bench-batched-256": 120, "bench-kv": 90, "bench-llama-1b-int4": 60}
 
 
@@ -154,7 +157,8 @@ def bench_figures(name: str, report: Any) -> Any:
     if name == "bench-kv":
         return report
     keep = ("name", "decode_tok_s", "step_p50_ms", "roofline_fraction", "ttft_ms", "tok_s", "req_s", "wall_s",
-            "ttft_p50_ms", "latency_p50_ms")
+            "ttft_p50_ms", "latency_p50_ms", "context", "eager_ms", "graph_ms", "graph_masked_ms", "kernel_ms",
+            "launches")
     rows = [{k: r[k] for k in keep if k in r} for r in report.get("results", [])]
     extra = {k: report[k] for k in ("bandwidth_bytes_s", "bytes_per_decode_step", "ratios", "model")
              if k in report}

@@ -3,13 +3,14 @@
 shape's one-row product through F.linear, torch.mv and the Triton GEMV, as fractions of the read bandwidth.
 A lease is short: this prints one table per question and nothing else.
 
-    python tests/gpu_decode_profile.py [--context 576,8192]
+    python tests/gpu_decode_profile.py [--context 576,8192] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -35,8 +36,9 @@ def timed_ms(fn: object, repeat: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def profile_context(model: object, context: int) -> None:
-    """One table: the eager step's top kernels after `context` cached tokens, and the graph replay's time."""
+def profile_context(model: object, context: int) -> dict[str, float]:
+    """One table: the eager step's top kernels after `context` cached tokens, and the graph replay's time (with
+    the attention kernel and with masked attention); the figures as a row."""
     import infer
     from infer.graphs import GraphedDecoder
 
@@ -68,12 +70,14 @@ def profile_context(model: object, context: int) -> None:
     print(f"{'kernel':70s} {'calls/step':>10s} {'ms/step':>8s}")
     for e in sorted(events, key=lambda e: -e.device_time_total)[:14]:
         print(f"{e.key[:70]:70s} {e.count / 5:10.1f} {e.device_time_total / 5 / 1e3:8.3f}", flush=True)
+    return {"context": context, "eager_ms": eager_ms, "graph_ms": graph_ms, "graph_masked_ms": replay_ms[False],
+            "kernel_ms": total, "launches": sum(e.count for e in events) / 5}
 
 
 SWEEP = [(1, 1024), (2, 1024), (4, 512), (8, 512), (16, 256), (4, 1024), (8, 256), (2, 2048)]
 
 
-def sweep_shape(out_f: int, in_f: int, bandwidth: float) -> None:
+def sweep_shape(out_f: int, in_f: int, bandwidth: float) -> dict[str, float]:
     """One row: a one-row product of shape [out_f, in_f] by each form, as a fraction of the read bandwidth."""
     from infer.kernels.gemv import triton_gemv
 
@@ -91,11 +95,13 @@ def sweep_shape(out_f: int, in_f: int, bandwidth: float) -> None:
     best = max((b for b in fraction if b.startswith("(")), key=fraction.__getitem__)
     print(f"{str([out_f, in_f]):18s} {fraction['linear']:9.2f} {fraction['mv']:9.2f} {fraction['triton']:9.2f} "
           f"{fraction[best]:11.2f} {best}", flush=True)
+    return {"out": out_f, "in": in_f, **fraction}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--context", default="576,8192", help="cached tokens before the profiled steps")
+    parser.add_argument("--json", default=None, help="write the figures here (rows per context, per shape)")
     args = parser.parse_args()
     import infer
     from infer.bench_common import measure_read_bandwidth
@@ -110,14 +116,16 @@ def main() -> int:
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if tied or "embed" not in n)
     print(f"read bandwidth {bandwidth / 1e9:.0f} GB/s; weights read per step {weight_bytes / 1e9:.2f} GB: "
           f"floor {weight_bytes / bandwidth * 1e3:.3f} ms")
-    for context in (int(c) for c in args.context.split(",")):
-        profile_context(model, context)
+    rows = [profile_context(model, int(c)) for c in args.context.split(",")]
     print(f"\n{'shape [out, in]':18s} {'F.linear':>9s} {'mv':>9s} {'triton':>9s} {'best swept':>11s} blocks"
           "   (fractions of the read bandwidth)")
     config = model.config
     h, kv, f = config.hidden_size, config.num_key_value_heads * config.head_dim, config.intermediate_size
-    for out_f, in_f in ((h, h), (kv, h), (f, h), (h, f), (2 * f, h), (config.vocab_size, h)):
-        sweep_shape(out_f, in_f, bandwidth)
+    shapes = [sweep_shape(o, i, bandwidth) for o, i in ((h, h), (kv, h), (f, h), (h, f), (2 * f, h),
+                                                        (config.vocab_size, h))]
+    if args.json:
+        Path(args.json).write_text(json.dumps({"bandwidth_bytes_s": bandwidth, "weight_bytes": weight_bytes,
+                                               "results": rows, "one_row_products": shapes}, indent=1))
     return 0
 
 
