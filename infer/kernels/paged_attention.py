@@ -224,19 +224,30 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Ten
 @triton.jit
 def _combine_kernel(Acc, M, L, Out, stride_ab, stride_ah, stride_as, stride_mb, stride_mh, stride_ob, stride_oh,
                     num_splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    # Splits in chunks of BLOCK_S: a long context on few KV heads has hundreds of splits, too many for one tile.
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < num_splits
     d_ok = offs_d < HEAD_DIM
-    m = tl.load(M + b * stride_mb + h * stride_mh + offs_s, mask=s_ok, other=float("-inf"))
-    l_sum = tl.load(L + b * stride_mb + h * stride_mh + offs_s, mask=s_ok, other=0.0)
-    weight = tl.where(s_ok, tl.exp(m - tl.max(m, 0)), 0.0)  # a split that saw no key: max -inf, weight 0
-    acc = tl.load(Acc + b * stride_ab + h * stride_ah + offs_s[:, None] * stride_as + offs_d[None, :],
-                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l_sum * weight, 0)
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_ok)
+    m_row = M + b * stride_mb + h * stride_mh
+    l_row = L + b * stride_mb + h * stride_mh
+    top = tl.full((1,), float("-inf"), tl.float32)
+    for start in range(0, num_splits, BLOCK_S):
+        m = tl.load(m_row + start + offs_s, mask=start + offs_s < num_splits, other=float("-inf"))
+        top = tl.maximum(top, tl.max(m, 0))
+    num = tl.zeros((BLOCK_D,), tl.float32)
+    den = tl.zeros((1,), tl.float32)
+    for start in range(0, num_splits, BLOCK_S):
+        s_ok = start + offs_s < num_splits
+        m = tl.load(m_row + start + offs_s, mask=s_ok, other=float("-inf"))
+        l_sum = tl.load(l_row + start + offs_s, mask=s_ok, other=0.0)
+        weight = tl.where(s_ok, tl.exp(m - top), 0.0)  # a split that saw no key: max -inf, weight 0
+        acc = tl.load(Acc + b * stride_ab + h * stride_ah + (start + offs_s)[:, None] * stride_as + offs_d[None, :],
+                      mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        num += tl.sum(acc * weight[:, None], 0)
+        den += tl.sum(l_sum * weight, 0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, (num / den).to(Out.dtype.element_ty), mask=d_ok)
 
 
 def combine_splits_triton(acc: torch.Tensor, m: torch.Tensor, l_sum: torch.Tensor, dtype: torch.dtype
@@ -247,7 +258,7 @@ def combine_splits_triton(acc: torch.Tensor, m: torch.Tensor, l_sum: torch.Tenso
     out = torch.empty(B, H, D, dtype=dtype, device=acc.device)
     _combine_kernel[(B, H)](acc, m, l_sum, out, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0),
                             m.stride(1), out.stride(0), out.stride(1), splits, HEAD_DIM=D, BLOCK_D=_pow2(D),
-                            BLOCK_S=_pow2(splits, 2))
+                            BLOCK_S=min(_pow2(splits, 2), 16))
     return out
 
 
