@@ -162,7 +162,7 @@ def contiguous_decode_attention(
     read every slot under a mask). The rows are cut into runs of `block_size` positions addressed in units of one
     position: `tables` is `contiguous_tables(...)`, so any S works. Returns `[B, H, D]`."""
     B, Hkv, S, D = k_cache.shape
-    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or not k_cache.is_contiguous():
+    if k_cache.shape != v_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError(f"k_cache and v_cache must be contiguous [B, Hkv, S, D] of one shape, got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if q.shape[0] != B or q.shape[1] % Hkv or q.shape[2] != D:
@@ -264,7 +264,8 @@ def combine_splits_triton(acc: torch.Tensor, m: torch.Tensor, l_sum: torch.Tenso
 
 def combine_splits(acc: torch.Tensor, m: torch.Tensor, l_sum: torch.Tensor) -> torch.Tensor:
     """Flash-decoding's combine, in fp32: each split holds (max `m`, sum of exp `l_sum`, exp-weighted values
-    `acc`) over its keys, `[B, H, S(, D)]`; a split with no visible key has max -inf and contributes nothing."""
+    `acc`) over its keys, `[B, H, S(, D)]`; a split with no visible key has max -inf and contributes nothing.
+    The formula `combine_splits_triton` (what the kernels call) is held to."""
     top = m.max(dim=2, keepdim=True).values
     weight = torch.exp(m - top)  # [B, H, S]
     return (acc * weight[..., None]).sum(2) / (l_sum * weight).sum(2)[..., None]
