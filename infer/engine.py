@@ -44,7 +44,7 @@ from infer.sampling import SamplingParams, sample_next
 from infer.scheduler import Request, Scheduler, SchedulerOutput
 from infer.tensor_parallel import Shards, StepOrder, broadcast_step, min_over_ranks
 from infer.tokenizer import Tokenizer
-from infer.tuning import choose_decode_attention
+from infer.tuning import choose_decode_attention, choose_packed_products
 
 
 @dataclass
@@ -112,8 +112,11 @@ class Engine:
         bound_sliding_layers: bool = True,
         decode_graphs: bool | None = None,
         kv_cache_dtype: str | None = None,
+        packed_products: bool | None = None,
     ) -> None:
         _check_model(model, tokenizer)
+        if packed_products is not None and not isinstance(packed_products, bool):
+            raise TypeError(f"packed_products must be True, False or None (auto), got {packed_products!r}")
         if num_blocks is not None and cache_memory is not None:
             raise ValueError("give num_blocks or cache_memory (bytes), not both")
         for name, value in (("cache_memory", cache_memory), ("num_blocks", num_blocks)):
@@ -173,6 +176,11 @@ class Engine:
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    enable_prefix_caching=enable_prefix_caching)
         self.keep_logits = keep_logits
+        # Products past the few-row kernel's rows on weights oneDNN packed once (a second copy of the projections),
+        # where measured faster than F.linear here; the kernel keeps the rows where it still beats them.
+        packing = choose_packed_products(model, max_num_batched_tokens, packed_products)
+        if model.packed_products != packing.on:
+            model.pack_products(packing.on, packing.native_rows)
         # Pure-decode steps at padded static shapes, replayed from CUDA graphs on CUDA (infer/graphs.py).
         self.graphs: BatchedDecodeGraphs | None = None
         if graphs:

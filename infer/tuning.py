@@ -23,7 +23,7 @@ from infer.kernels import triton_available
 from infer.kernels.native import NativeKernels, native_kernels, unavailable_reason
 from infer.memory import huge_pages_mode
 from infer.models import Transformer
-from infer.models.transformer import GEMV_FORMS, dequantized_product
+from infer.models.transformer import GEMV_FORMS, dequantized_product, pack_weight, packed_linear, packing_unavailable
 from infer.quant_weights import QuantizedWeight
 from infer.ragged import DECODE_KERNELS
 
@@ -235,6 +235,88 @@ def choose_gemm_rows(weights: list[torch.Tensor], forced: int | None = None) -> 
                                           f"MiB) by rows: {', '.join(timed)} (medians, alternately)"))
 
 
+@dataclass(frozen=True)
+class PackingChoice:
+    """`choose_packed_products`'s answer: whether the engine packs the weights, and the rows up to which the native
+    few-row kernel stays ahead of the packed product (at most the model's `gemm_rows`)."""
+
+    choice: Choice
+    native_rows: int
+
+    @property
+    def on(self) -> bool:
+        """Whether to pack."""
+        return self.choice.value == "on"
+
+
+_PACKING_SWEEP_BYTES = 64 * 2**20
+
+
+def choose_packed_products(model: Transformer, batch_rows: int, forced: bool | None = None) -> PackingChoice:
+    """Whether the batched engine runs products past `gemm_rows` on weights oneDNN packed once
+    (`Transformer.packed_products`) rather than F.linear, which packs them on every call: timed over the
+    products the engine runs (`packable_products`, in model order, cut after max(64 MiB, 2 x last-level cache)) at 64
+    rows and at `batch_rows` (a step's token budget), alternately; on where packed is 3% faster at one and not 3%
+    slower at the other. Where the native few-row kernel runs, the rows it keeps are measured again against the
+    packed product (doubling from 2 while it is 3% faster). `forced` skips the timing (True raises where packing
+    is unavailable). Cached per model and `batch_rows`."""
+    cached: dict[tuple[int, bool | None, int], PackingChoice] = model.__dict__.setdefault("_packing_choices", {})
+    key = (batch_rows, forced, model.gemm_rows)
+    if key not in cached:
+        cached[key] = _choose_packing(model, batch_rows, forced)
+    record(cached[key].choice)
+    return cached[key]
+
+
+def _choose_packing(model: Transformer, batch_rows: int, forced: bool | None) -> PackingChoice:
+    name = "packed products"
+    weights = [m.weight for m in model.packable_products()]
+    why = "quantized projections have their own kernels" if model.quantized else packing_unavailable(weights)
+    gemm_rows = model.gemm_rows
+    if forced and why is not None:
+        raise ValueError(f"packed_products=True needs oneDNN's bf16 GEMM: {why}; leave it None or False")
+    if forced is False or why is not None:
+        return PackingChoice(Choice(name, "off", why if why is not None else "forced off by the caller"), gemm_rows)
+    limit = max(_PACKING_SWEEP_BYTES, 2 * last_level_cache_bytes())
+    sweep = _sweep_weights(weights, limit)
+    packed = [pack_weight(w) for w in sweep]
+    megabytes = sum(w.nbytes for w in sweep) / 2**20
+    timed: list[str] = []
+    faster: list[float] = []
+    for m in (64, max(batch_rows, 65)):
+        inputs = {w.shape[1]: torch.randn(m, w.shape[1]).to(w.dtype) for w in sweep}
+        times = _time_alternately({
+            "packed": functools.partial(_packed_products, sweep, packed, inputs),
+            "linear": functools.partial(_sweep_products, torch.nn.functional.linear, sweep, inputs, swap=True),
+        }, torch.device("cpu"), repeats=3)
+        faster.append(times["packed"] / times["linear"])
+        timed.append(f"{m} rows: {times['packed'] * 1e3:.1f} / {times['linear'] * 1e3:.1f} ms")
+    on = bool(forced) or (min(faster) < 0.97 and max(faster) < 1.03)
+    reason = (f"oneDNN packed / F.linear over {len(sweep)} weights ({megabytes:.0f} MiB), {', '.join(timed)} "
+              f"(medians, alternately); {'forced by the caller; ' if forced else ''}packed copies "
+              f"{sum(w.nbytes for w in weights) / 2**20:.0f} MiB")
+    kernels, rows = native_kernels(), 1
+    if on and gemm_rows > 1 and kernels is not None:
+        kept: list[str] = []
+        for m in (m for m in (2, 4, 8, 16, 32, 64) if m <= gemm_rows):
+            inputs = {w.shape[1]: torch.randn(m, w.shape[1]).to(w.dtype) for w in sweep}
+            times = _time_alternately({
+                "kernel": functools.partial(_sweep_products, kernels.gemm_bf16, sweep, inputs),
+                "packed": functools.partial(_packed_products, sweep, packed, inputs),
+            }, torch.device("cpu"), repeats=3)
+            kept.append(f"{m}: {times['kernel'] * 1e3:.1f} / {times['packed'] * 1e3:.1f} ms")
+            if times["kernel"] >= 0.97 * times["packed"]:
+                break
+            rows = m
+        reason += f"; native few-row kernel / packed by rows: {', '.join(kept)} -> {rows} rows"
+    return PackingChoice(Choice(name, "on" if on else "off", reason), rows)
+
+
+def _packed_products(sweep: list[torch.Tensor], packed: list[torch.Tensor], inputs: dict[int, torch.Tensor]
+                     ) -> list[object]:
+    return [packed_linear(inputs[w.shape[1]], p, None) for w, p in zip(sweep, packed, strict=True)]
+
+
 def choose_quantized_tile_rows(weight: QuantizedWeight, quantized_rows: int, forced: int | None = None) -> Choice:
     """Rows of bf16 input up to which a quantized product past `quantized_rows` runs the native tile kernel (each
     tile of 4 weight rows dequantized in cache, infer/kernels/cpu_decode.c's `infer_qgemm_bf16`) rather than
@@ -272,9 +354,9 @@ def _sweep_products(product: Callable[..., object], sweep: list[torch.Tensor], i
 _SWEEP_MIN_BYTES = 2**30
 
 
-def _sweep_weights(weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The distinct weights in order, cut after max(1 GiB, 2 x last-level cache) bytes."""
-    limit = max(_SWEEP_MIN_BYTES, 2 * last_level_cache_bytes())
+def _sweep_weights(weights: list[torch.Tensor], limit: int | None = None) -> list[torch.Tensor]:
+    """The distinct weights in order, cut after `limit` (default max(1 GiB, 2 x last-level cache)) bytes."""
+    limit = max(_SWEEP_MIN_BYTES, 2 * last_level_cache_bytes()) if limit is None else limit
     distinct: dict[int, torch.Tensor] = {}
     total = 0
     for w in weights:

@@ -62,6 +62,10 @@ class ProjectionTraits:
     gemv: str = "linear"  # "linear" | "mv" | "native" | "triton": the kernel of a one-row product
     # A fused Linear (fuse_linears) computes its parts' products: all of them, or only one-row native ones.
     all_rows: bool = True
+    # oneDNN's copy of the weight in its own blocked layout (`pack_weight`; Transformer.pack_products), or None,
+    # and the rows of input past which the engine's steps take it (up to them, the native few-row kernel).
+    packed: torch.Tensor | None = None
+    packed_from = 1
 
     def one_row(self, x: torch.Tensor) -> bool:
         """Whether `x` is one row for the decode kernel (an inference input of `in_features` values)."""
@@ -71,7 +75,11 @@ class ProjectionTraits:
         """For a fused Linear: whether it computes `x` rather than its parts. Fused for every product
         (`all_rows`, not bit-exact: a GEMM over more rows may block its sums differently), or only where the
         native kernel takes one row: there every output is its own row's sum, so fusing changes no bit."""
-        return self.all_rows or (self.gemv == "native" and self.one_row(x))
+        if self.all_rows or (self.gemv == "native" and self.one_row(x)):
+            return True
+        # Packed for the engine's steps: one product of every row count there (exact for the native few-row
+        # kernel's rows, where each output is its own row's sum; within rounding past them, as the engine is).
+        return self.packed is not None and _FEW_ROW_PRODUCTS.get() and not self.one_row(x)
 
 
 class Linear(ProjectionTraits, nn.Linear):
@@ -91,6 +99,11 @@ class Linear(ProjectionTraits, nn.Linear):
     native_rows = 1  # rows up to which "native" runs the compiled kernels: one the GEMV, more the few-row product
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.packed is not None and x.dtype == self.weight.dtype and self.upcast is None and not x.requires_grad
+                and x.numel() > self.packed_from * self.in_features and _FEW_ROW_PRODUCTS.get()):
+            # The engine's products past the native kernel's rows: oneDNN's GEMM on the weight it packed once, where
+            # F.linear packs it again on every call (as long as the product itself at a few dozen rows).
+            return packed_linear(x, self.packed, self.bias)
         if (self.gemv == "native" and self.native_rows > 1 and x.dtype == torch.bfloat16 == self.weight.dtype
                 and not x.requires_grad and self.in_features < x.numel() <= self.native_rows * self.in_features
                 and _FEW_ROW_PRODUCTS.get()):
@@ -112,6 +125,33 @@ class Linear(ProjectionTraits, nn.Linear):
             return F.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.to(self.upcast)
         return F.linear(x.to(self.upcast), self.weight.to(self.upcast), bias).to(x.dtype)
+
+
+def packing_unavailable(weights: list[torch.Tensor]) -> str | None:
+    """Why oneDNN cannot pack these weights for `Linear.packed` (None: it can): bf16 on the CPU, a PyTorch built
+    with oneDNN, and a CPU its bf16 kernels run on (not emulated)."""
+    if not weights:
+        return "no dense projections"
+    if any(w.device.type != "cpu" for w in weights):
+        return "the weights are not on the CPU"
+    if any(w.dtype != torch.bfloat16 for w in weights):
+        return "the weights are not bf16"
+    if not torch.backends.mkldnn.is_available():
+        return "this PyTorch has no oneDNN"
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "oneDNN has no bf16 kernels for this CPU"
+    return None
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` `[n, k]` in oneDNN's blocked layout, for `torch.ops.mkldnn._linear_pointwise` (what
+    `torch.compile`'s CPU freezing does to linear weights); a copy, the weight is unchanged."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear of `x` by a weight `pack_weight` packed, without packing it again."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def fuse_linears(parts: list[Linear], huge_pages: bool = False) -> Linear:
@@ -499,10 +539,11 @@ class Transformer(nn.Module):
     def fused_projections(self, on: bool) -> None:
         self._lay_out_fused(all_rows=on)
 
-    def _lay_out_fused(self, all_rows: bool) -> None:
-        """Fused q/k/v and gate/up Linears where every product or the native one-row products use them."""
+    def _lay_out_fused(self, all_rows: bool, fuse: bool = False) -> None:
+        """Fused q/k/v and gate/up Linears where every product, the native one-row products or the packed ones
+        (`fuse`, or packed already: kept with their packed copies) use them."""
         self.forget_native_step()
-        keep = all_rows or self._decode_gemv == "native"
+        keep = all_rows or self._decode_gemv == "native" or fuse or self.packed_products
         for layer in self._decoder_layers():
             attn, mlp = layer.self_attn, layer.mlp
             groups: tuple[tuple[nn.Module, str, list[Projection]], ...] = (
@@ -571,6 +612,54 @@ class Transformer(nn.Module):
                 module.native_rows = rows
             elif isinstance(module, QuantizedLinear):
                 module.tile_rows = rows
+
+    @property
+    def packed_products(self) -> bool:
+        """Whether products of more than a few bf16 rows inside `few_row_products()` (the batched engine's steps) run
+        oneDNN's GEMM on weights packed once (`pack_products`), q/k/v and gate/up as one product each, instead of
+        F.linear, which packs the weight again on every call: at 16-64 rows that costs as much as the product. A
+        second copy of every dense projection (`packed_bytes`), so off by default; the engine turns it on where
+        infer.tuning.choose_packed_products measures it faster. The same sums as F.linear's kernel (bit for bit
+        where measured; held to it within rounding, as the engine's steps are). Outside the engine's steps nothing
+        changes."""
+        return any(m.packed is not None for m in self._linears())
+
+    def pack_products(self, on: bool, native_rows: int = 1) -> None:
+        """Pack the engine's products (`packed_products`), or drop the packed copies. `native_rows`: the rows of
+        input up to which the native few-row kernel keeps them (it must be within `gemm_rows` to run)."""
+        if not isinstance(on, bool):
+            raise TypeError(f"on must be True or False, got {on!r}")
+        if isinstance(native_rows, bool) or not isinstance(native_rows, int) or native_rows < 1:
+            raise ValueError(f"native_rows must be an int >= 1, got {native_rows!r}")
+        if on and (why := packing_unavailable([m.weight for m in self.packable_products()])) is not None:
+            raise ValueError(f"packing the products needs oneDNN's bf16 GEMM: {why}; leave them unpacked")
+        if on and self._decoder_layers()[0].self_attn.__dict__["qkv"] is None:
+            self._lay_out_fused(self.fused_projections, fuse=True)  # one packed product each for q/k/v, gate/up
+        for module in self._linears():
+            if isinstance(module, Linear):
+                module.packed, module.packed_from = None, 1
+        if on:
+            for module in self.packable_products():
+                module.packed, module.packed_from = pack_weight(module.weight), native_rows
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of the packed copies (`packed_products`): the weights they copy, 0 when off."""
+        return sum(m.weight.nbytes for m in self._linears() if m.packed is not None and isinstance(m, Linear))
+
+    def packable_products(self) -> list[Linear]:
+        """The products the engine's steps run, one per distinct product: the fused q/k/v and gate/up where they
+        exist, else their parts; o_proj, down_proj and a dense LM head."""
+        chosen: list[Projection] = []
+        for layer in self._decoder_layers():
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, gate_up = attn.__dict__["qkv"], mlp.__dict__["gate_up"]
+            chosen += [qkv] if qkv is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
+            chosen.append(attn.o_proj)
+            chosen += [gate_up] if gate_up is not None else [mlp.gate_proj, mlp.up_proj]
+            chosen.append(mlp.down_proj)
+        chosen.append(cast(Projection, self.lm_head))
+        return [m for m in chosen if isinstance(m, Linear)]
 
     @property
     def quantized(self) -> bool:

@@ -1,0 +1,175 @@
+"""Packed products (`Transformer.pack_products`): the batched engine's products past the few-row kernel's rows run
+oneDNN's GEMM on weights packed once. Held to the formula (fp32 sums of the bf16 operands, rounded once), to F.linear
+within bf16 rounding, and through the model and the engine to the unpacked model and the solo runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from infer.models.transformer import pack_weight, packed_linear, packing_unavailable
+
+PACKING = packing_unavailable([torch.zeros(2, 2, dtype=torch.bfloat16)])
+needs_packing = pytest.mark.skipif(PACKING is not None, reason=f"no packed products here: {PACKING}")
+
+
+def bf16_bound(want: torch.Tensor, k: int) -> torch.Tensor:
+    """How far a bf16 product's output may sit from the fp32 formula: its own rounding (2^-8 relative) plus fp32
+    sums of k terms in another order."""
+    return want.abs() * 2.0**-8 + 1e-6 * k * want.abs().amax()
+
+
+@needs_packing
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 80), n=st.integers(1, 96), k=st.integers(1, 200), with_bias=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_the_packed_product_is_the_formula(rows: int, n: int, k: int, with_bias: bool, seed: int) -> None:
+    """Any shape, with or without a bias: within bf16 rounding of the fp32 product of the same bf16 operands, and as
+    close to it as F.linear is (the same kernel family, without packing the weight on every call)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    want = x.float() @ w.float().T + (bias.float() if bias is not None else 0.0)
+    got = packed_linear(x, pack_weight(w), bias).float()
+    linear = torch.nn.functional.linear(x, w, bias).float()
+    assert got.shape == (rows, n)
+    assert ((got - want).abs() <= bf16_bound(want, k)).all(), "beyond bf16 rounding of the formula"
+    assert (got - want).abs().max() <= 2 * (linear - want).abs().max() + 1e-6 * want.abs().amax()
+
+
+@needs_packing
+def test_packing_leaves_the_weight_and_takes_three_dimensional_inputs() -> None:
+    w = torch.randn(48, 32).bfloat16()
+    before = w.clone()
+    packed = pack_weight(w)
+    x = torch.randn(2, 5, 32).bfloat16()
+    assert torch.equal(w, before), "packing changed the caller's weight"
+    want = torch.nn.functional.linear(x, w).float()
+    got = packed_linear(x, packed, None).float()
+    assert got.shape == (2, 5, 48) and ((got - want).abs() <= bf16_bound(want, 32) * 2).all()
+
+
+def count_packed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of every packed product from now on (they still compute)."""
+    import infer.models.transformer as transformer
+
+    rows: list[int] = []
+    product = transformer.packed_linear
+
+    def counted(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows.append(x.numel() // x.shape[-1])
+        return product(x, packed, bias)
+
+    monkeypatch.setattr(transformer, "packed_linear", counted)
+    return rows
+
+
+@needs_packing
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3_text"])
+def test_packed_products_run_past_the_native_rows_within_rounding(arch: str, monkeypatch: pytest.MonkeyPatch
+                                                                  ) -> None:
+    """Inside `few_row_products()`, products of more than `native_rows` rows take the packed weights (q/k/v and
+    gate/up fused, one product each: Qwen 2's q/k/v biases included) and the logits stay within bf16 rounding of the
+    unpacked model's; up to them the native kernel keeps them; outside the engine's steps nothing changes, bit for
+    bit. The packed copies survive a change of the one-row kernel (which lays the fused products out again)."""
+    import infer
+    from infer.models.transformer import few_row_products
+    from reference import build_checkpoint
+
+    path = build_checkpoint(arch)
+    plain = infer.load_model(path, decode_gemv="linear", dtype="bfloat16")
+    model = infer.load_model(path, decode_gemv="linear", dtype="bfloat16")
+    model.pack_products(True, native_rows=4)
+    layers = len(model.layers)
+    assert model.packed_products and model.packed_bytes > 0
+    rows = count_packed(monkeypatch)
+    ids = torch.randint(0, 400, (3, 6), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        assert torch.equal(model(ids), plain(ids)) and not rows, "outside the engine's steps: F.linear's bits"
+        with few_row_products():
+            got, want = model(ids).float(), plain(ids).float()
+            # per layer: q/k/v fused, o_proj, gate/up fused, down_proj; then the LM head
+            assert rows == [18] * (4 * layers) + [18], f"not one packed product per fused projection: {rows}"
+            assert (got - want).abs().max() <= 0.05 * want.abs().max(), "beyond bf16 rounding of F.linear's logits"
+            rows.clear()
+            model(ids[:2, :2])  # 4 rows: not past native_rows
+            assert not rows, "a product of native_rows rows took the packed weights"
+    model.decode_gemv = "native"
+    model.decode_gemv = "linear"  # (unpacked, this form keeps no fused products)
+    assert model.packed_products, "laying the fused products out again dropped the packing"
+    with torch.no_grad(), few_row_products():
+        rows.clear()
+        model(ids)
+        assert len(rows) == 4 * layers + 1, "the packed products are no longer the fused ones"
+    model.pack_products(False)
+    assert not model.packed_products and model.packed_bytes == 0
+
+
+def test_packing_is_refused_with_the_reason() -> None:
+    """fp32 weights (and a bad argument) get one clear error; the model is left unpacked."""
+    import infer
+    from reference import build_checkpoint
+
+    model = infer.load_model(build_checkpoint("llama"), dtype="float32")
+    with pytest.raises(ValueError, match="not bf16"):
+        model.pack_products(True)
+    assert not model.packed_products
+    with pytest.raises(TypeError, match="on must be True or False"):
+        model.pack_products("yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="native_rows must be an int >= 1"):
+        model.pack_products(False, native_rows=0)
+
+
+def test_the_engine_chooses_packing_or_takes_the_callers_word() -> None:
+    """`Engine(packed_products=None)` measures (recorded with its reason), True packs, False unpacks; fp32 weights
+    stay unpacked under auto and are refused under True, naming why."""
+    import infer
+    from infer.engine import Engine
+    from infer.tuning import CHOICES
+    from reference import build_checkpoint
+
+    path = build_checkpoint("llama")
+    fp32 = infer.load_model(path, dtype="float32")
+    Engine(fp32, None, num_blocks=16)
+    assert not fp32.packed_products and "not bf16" in CHOICES["packed products"].reason
+    with pytest.raises(ValueError, match="packed_products=True needs oneDNN's bf16 GEMM: the weights are not bf16"):
+        Engine(fp32, None, num_blocks=16, packed_products=True)
+    with pytest.raises(TypeError, match="packed_products must be True, False or None"):
+        Engine(fp32, None, num_blocks=16, packed_products=1)  # type: ignore[arg-type]
+    if PACKING is not None:
+        return
+    bf16 = infer.load_model(path, dtype="bfloat16")
+    Engine(bf16, None, num_blocks=16)
+    assert CHOICES["packed products"].value in {"on", "off"} and "F.linear" in CHOICES["packed products"].reason
+    Engine(bf16, None, num_blocks=16, packed_products=True)
+    assert bf16.packed_products
+    Engine(bf16, None, num_blocks=16, packed_products=False)
+    assert not bf16.packed_products
+
+
+@needs_packing
+def test_the_engine_with_packed_products_answers_to_the_solo_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 engine with packed products (prefill chunks and decode batches past the native rows take them): each
+    request's logits within bf16 rounding of its solo run."""
+    import infer
+    from infer.engine import Engine
+    from infer.sampling import SamplingParams
+    from reference import build_checkpoint
+    from tests.helpers import solo_logits
+
+    model = infer.load_model(build_checkpoint("qwen2"), dtype="bfloat16")
+    rows = count_packed(monkeypatch)
+    prompts = [[5, 9, 2, 8, 8, 1], [7, 7, 1, 3], [11], [4, 4, 4, 4, 4, 4, 4], [6, 2]]
+    engine = Engine(model, None, num_blocks=32, keep_logits=True, packed_products=True)
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=5, temperature=0.0)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    assert rows, "no step took the packed products"
+    for prompt, rid in zip(prompts, ids, strict=True):
+        result = engine.result(rid)
+        assert result.logits is not None
+        solo = solo_logits(model, prompt, result.token_ids).float()
+        assert (result.logits.float() - solo).abs().max() <= 0.05 * solo.abs().max()
