@@ -742,6 +742,26 @@ static inline void add_value_row(int coded, int fast, const float *row, const fl
     }
 }
 
+/* Up to 16 value rows already in `tile` (fp32, [rows][d], decoded in the permuted order where they are codes on
+ * the fast path) into every query head's sums at once, weights sc[g * n + t + r] * rs[r]: each head's d sums stay in
+ * registers across the rows, where one row at a time (add_value_row) loaded, added and stored them again per row.
+ * The same products summed in the same order. Needs d % 16 == 0 and d <= 256. */
+static inline void add_value_tile(const float *tile, const float *sc, const float *rs, float *sums, int64_t groups,
+                                  int64_t n, int64_t t, int64_t rows, int64_t d) {
+    int64_t nv = d / 16;
+    for (int64_t g = 0; g < groups; g++) {
+        qv16 a[16], *out = (qv16 *)(sums + g * d);
+        for (int64_t c = 0; c < nv; c++) a[c] = out[c];
+        for (int64_t r = 0; r < rows; r++) {
+            float w = sc[g * n + t + r] * rs[r];
+            if (w == 0.f) continue;
+            const qv16 *rv = (const qv16 *)(tile + r * d);
+            for (int64_t c = 0; c < nv; c++) a[c] += w * rv[c];
+        }
+        for (int64_t c = 0; c < nv; c++) out[c] = a[c];
+    }
+}
+
 /* The query heads' outputs, heads first .. first + groups - 1 of `out`: the code rows' sums back in the natural
  * order (fast path, through `row`) and rotated back (v_rot), added to the exact rows' sums, stored. */
 static void finish_heads(int dtype, int scheme, int fast, const float *v_rot, const float *accp, float *acc,
@@ -863,7 +883,26 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
             const char *vs = (const char *)v_sink + bh * ns_cap * d * esize;
             const char *vr = (const char *)v_recent + bh * ring * d * esize;
             const uint8_t *vc = v_codes + bh * nq_cap * dp;
-            for (int64_t t = 0; t < n; t++) {
+            for (int64_t t = 0; fast && tiles && d <= 256 && t < n;) { /* up to 16 rows of one part at once */
+                int coded = t >= ns && t < ns + nq;
+                int64_t end = t < ns ? ns : coded ? ns + nq : n, rt = end - t < 16 ? end - t : 16;
+                float rs[16];
+                for (int64_t k = 0; k < rt; k++) {
+                    float *dst = tile + k * d;
+                    rs[k] = 1.f;
+                    if (t + k < ns) {
+                        load_row(dtype, vs + (t + k) * d * esize, dst, d);
+                    } else if (coded) {
+                        decode_row(scheme, fast, vc + (t + k - ns) * dp, dst, d);
+                        rs[k] = bf16_to_f32(v_scale[bh * nq_cap + (t + k - ns)]);
+                    } else {
+                        load_row(dtype, vr + ((t + k - ns) % ring) * d * esize, dst, d);
+                    }
+                }
+                add_value_tile(tile, sc, rs, coded ? accp : acc, groups, n, t, rt, d);
+                t += rt;
+            }
+            for (int64_t t = 0; !(fast && tiles && d <= 256) && t < n; t++) {
                 int coded = t >= ns && t < ns + nq;
                 if (t < ns) {
                     for (int64_t i = 0; i < d; i++) row[i] = load_scalar(dtype, vs, t * d + i);
@@ -881,6 +920,16 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
         free(buf);
     }
     return failed ? -1 : 0;
+}
+
+/* Block `id`'s rows of KV head h (a staged block's exact rows, else its codes) into cache ahead of their use: the
+ * blocks of a table lie anywhere in the pool, beyond what the hardware prefetcher follows. */
+static inline void prefetch_block(int64_t id, int64_t num_blocks, const void *stage, const uint8_t *codes, int64_t h,
+                                  int64_t kv_heads, int64_t bs, int64_t d, int64_t esize, int64_t dp) {
+    const char *p = id >= num_blocks ? (const char *)stage + ((id - num_blocks) * kv_heads + h) * bs * d * esize
+                                     : (const char *)(codes + (id * kv_heads + h) * bs * dp);
+    int64_t bytes = id >= num_blocks ? bs * d * esize : bs * dp;
+    for (int64_t o = 0; o < bytes; o += 64) prefetch(p + o);
 }
 
 /* The engine's quantized pool (infer/cache/paged_quantized.py), one-token queries of B sequences read through
@@ -925,6 +974,8 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
             /* scores, block by block */
             for (int64_t j = 0; j * bs < n; j++) {
                 int64_t id = table[j], rows = n - j * bs < bs ? n - j * bs : bs, t0 = j * bs;
+                if ((j + 1) * bs < n)
+                    prefetch_block(table[j + 1], num_blocks, k_stage, k_codes, h, kv_heads, bs, d, esize, dp);
                 if (id >= num_blocks) { /* staged: exact rows */
                     const char *ks = (const char *)k_stage + ((id - num_blocks) * kv_heads + h) * bs * d * esize;
                     int64_t r = 0;
@@ -955,7 +1006,25 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
                 int64_t id = table[j], rows = n - j * bs < bs ? n - j * bs : bs, t0 = j * bs;
                 int coded = id < num_blocks;
                 const char *vs = coded ? 0 : (const char *)v_stage + ((id - num_blocks) * kv_heads + h) * bs * d * esize;
-                for (int64_t r = 0; r < rows; r++) {
+                if ((j + 1) * bs < n)
+                    prefetch_block(table[j + 1], num_blocks, v_stage, v_codes, h, kv_heads, bs, d, esize, dp);
+                int64_t r = 0;
+                if (fast && tiles && d <= 256) /* up to 16 rows at once, the sums in registers */
+                    for (; r < rows; r += 16) {
+                        int64_t rt = rows - r < 16 ? rows - r : 16;
+                        float rs[16];
+                        for (int64_t k = 0; k < rt; k++) {
+                            rs[k] = 1.f;
+                            if (coded) {
+                                decode_row(scheme, fast, v_codes + ((id * kv_heads + h) * bs + r + k) * dp, tile + k * d, d);
+                                rs[k] = bf16_to_f32(v_scale[(id * kv_heads + h) * bs + r + k]);
+                            } else {
+                                load_row(dtype, vs + (r + k) * d * esize, tile + k * d, d);
+                            }
+                        }
+                        add_value_tile(tile, sc, rs, coded ? accp : acc, groups, n, t0 + r, rt, d);
+                    }
+                for (; r < rows; r++) {
                     float rs = 1.f;
                     if (coded) {
                         decode_row(scheme, fast, v_codes + ((id * kv_heads + h) * bs + r) * dp, row, d);
