@@ -297,9 +297,10 @@ class Engine:
         scheduled = time.perf_counter()
         logits = self._forward(plan)
         done = time.perf_counter()
-        sampling = [c for c in plan.chunks if c.sample]
-        for chunk, row in zip(sampling, logits, strict=True):
-            outputs.append(self._sample(self._live[chunk.request_id], row, done))
+        sampling = [self._live[c.request_id] for c in plan.chunks if c.sample]
+        picked = self._greedy_picks(sampling, logits)
+        for i, (live, row) in enumerate(zip(sampling, logits, strict=True)):
+            outputs.append(self._sample(live, row, done, picked.get(i)))
         if self.trace is not None and shapes is not None:
             self.trace.append(StepRecord(shapes, schedule_s=scheduled - started, build_s=self._build_s,
                                          forward_s=done - scheduled - self._build_s,
@@ -397,13 +398,27 @@ class Engine:
         with few_row_products():  # the engine answers to solo runs within rounding, not to F.linear's bits
             return self.model(input_ids, PagedBackend(layers))
 
-    def _sample(self, live: _Live, logits: torch.Tensor, now: float) -> RequestOutput:
-        request, params = live.request, live.params
-        seen = None
-        if params.repetition_penalty != 1.0:
-            seen = torch.tensor([request.token_ids], dtype=torch.long, device=self.device)
+    @staticmethod
+    def _greedy_picks(sampling: list[_Live], logits: torch.Tensor) -> dict[int, int]:
+        """The tokens of the step's plain greedy requests (no repetition penalty: the argmax of their fp32 logits,
+        as `sample_next` takes it), in one call over their rows (one per row cost ~20 us each); by row."""
+        rows = [i for i, live in enumerate(sampling) if live.params.is_greedy and live.params.repetition_penalty == 1.0]
+        if len(rows) < 2:
+            return {}
         with torch.inference_mode():
-            token_id = int(sample_next(logits[None], params, seen, live.generator)[0])
+            tokens = logits[rows].float().argmax(dim=-1).tolist()
+        return dict(zip(rows, tokens, strict=True))
+
+    def _sample(self, live: _Live, logits: torch.Tensor, now: float, token_id: int | None = None) -> RequestOutput:
+        """The request's next token (`token_id` when the step picked it already, `_greedy_picks`): recorded,
+        streamed, and the request ended if it stops."""
+        request, params = live.request, live.params
+        if token_id is None:
+            seen = None
+            if params.repetition_penalty != 1.0:
+                seen = torch.tensor([request.token_ids], dtype=torch.long, device=self.device)
+            with torch.inference_mode():
+                token_id = int(sample_next(logits[None], params, seen, live.generator)[0])
         if self.keep_logits:
             live.logits.append(logits.float().cpu())
         live.token_times_s.append(now)

@@ -33,6 +33,24 @@ def test_text_chat_and_id_prompts_match_solo_runs_in_prompt_order(llama: tuple) 
         assert len(result.decode_times_s) == len(result.token_ids) - 1 and all(t > 0 for t in result.decode_times_s)
 
 
+def test_a_steps_greedy_picks_are_each_requests_own(llama: tuple) -> None:
+    """The plain greedy requests of a step are picked in one argmax over their rows; sampled ones and greedy ones
+    under a repetition penalty (which changes these tokens) in between keep their own rule: every request equals its
+    solo run."""
+    model, _ = llama
+    prompts = [[5, 6, 7, 8], [9, 9, 9], [3, 1, 4, 1, 5], [2, 7], [8, 8, 8, 8, 8, 8]]
+    params = [SamplingParams(max_new_tokens=12, temperature=1.0, seed=3),
+              SamplingParams(max_new_tokens=12, temperature=0.0),
+              SamplingParams(max_new_tokens=12, temperature=0.0, repetition_penalty=8.0),
+              SamplingParams(max_new_tokens=12, temperature=0.0),
+              SamplingParams(max_new_tokens=12, temperature=0.0)]
+    plain = infer.generate(model, None, prompts[2], SamplingParams(max_new_tokens=12, temperature=0.0))
+    assert plain.token_ids != infer.generate(model, None, prompts[2], params[2]).token_ids, "the penalty changes nothing"
+    results = Engine(model, None, num_blocks=64, block_size=4).generate(prompts, params)
+    for prompt, p, result in zip(prompts, params, results, strict=True):
+        assert result.token_ids == infer.generate(model, None, prompt, p).token_ids, f"{prompt} {p}"
+
+
 def test_incremental_api_streams_text_and_aborts(llama: tuple) -> None:
     model, tok = llama
     engine = Engine(model, tok, num_blocks=64, block_size=4)

@@ -32,8 +32,9 @@ KERNELS = [k for k in DECODE_KERNELS if (k != "triton" or triton_available(torch
 @st.composite
 def sampling(draw: st.DrawFn) -> SamplingParams:
     new = draw(st.integers(1, 8))
-    if draw(st.booleans()):
-        return SamplingParams(max_new_tokens=new, temperature=0.0)
+    if draw(st.booleans()):  # greedy, plain (the step picks these together) or under a repetition penalty
+        return SamplingParams(max_new_tokens=new, temperature=0.0,
+                              repetition_penalty=draw(st.sampled_from([1.0, 1.0, 1.3])))
     return SamplingParams(
         max_new_tokens=new,
         temperature=draw(st.sampled_from([0.5, 1.0, 1.5])),
