@@ -164,6 +164,8 @@ def test_the_engine_with_packed_products_answers_to_the_solo_runs(monkeypatch: p
     rows = count_packed(monkeypatch)
     prompts = [[5, 9, 2, 8, 8, 1], [7, 7, 1, 3], [11], [4, 4, 4, 4, 4, 4, 4], [6, 2]]
     engine = Engine(model, None, num_blocks=32, keep_logits=True, packed_products=True)
+    assert model.packed_products
+    model.pack_products(True, native_rows=2)  # (the engine's measured rows could cover this whole small workload)
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=5, temperature=0.0)) for p in prompts]
     while engine.has_unfinished():
         engine.step()
