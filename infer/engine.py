@@ -179,7 +179,7 @@ class Engine:
         # Products past the few-row kernel's rows on weights oneDNN packed once (a second copy of the projections),
         # where measured faster than F.linear here; the kernel keeps the rows where it still beats them.
         packing = choose_packed_products(model, max_num_batched_tokens, packed_products)
-        if model.packed_products != packing.on:
+        if packing.on or model.packed_products:
             model.pack_products(packing.on, packing.native_rows)
         # Pure-decode steps at padded static shapes, replayed from CUDA graphs on CUDA (infer/graphs.py).
         self.graphs: BatchedDecodeGraphs | None = None

@@ -45,7 +45,8 @@ def test_a_steps_greedy_picks_are_each_requests_own(llama: tuple) -> None:
               SamplingParams(max_new_tokens=12, temperature=0.0),
               SamplingParams(max_new_tokens=12, temperature=0.0)]
     plain = infer.generate(model, None, prompts[2], SamplingParams(max_new_tokens=12, temperature=0.0))
-    assert plain.token_ids != infer.generate(model, None, prompts[2], params[2]).token_ids, "the penalty changes nothing"
+    penalised = infer.generate(model, None, prompts[2], params[2])
+    assert plain.token_ids != penalised.token_ids, "the penalty changes nothing here"
     results = Engine(model, None, num_blocks=64, block_size=4).generate(prompts, params)
     for prompt, p, result in zip(prompts, params, results, strict=True):
         assert result.token_ids == infer.generate(model, None, prompt, p).token_ids, f"{prompt} {p}"

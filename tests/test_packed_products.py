@@ -146,6 +146,9 @@ def test_the_engine_chooses_packing_or_takes_the_callers_word() -> None:
     assert CHOICES["packed products"].value in {"on", "off"} and "F.linear" in CHOICES["packed products"].reason
     Engine(bf16, None, num_blocks=16, packed_products=True)
     assert bf16.packed_products
+    copies = [p.packed for p in bf16.packable_products()]
+    bf16.pack_products(True, native_rows=3)  # packed already: the rows change, the copies stay
+    assert all(p.packed is c and p.packed_from == 3 for p, c in zip(bf16.packable_products(), copies, strict=True))
     Engine(bf16, None, num_blocks=16, packed_products=False)
     assert not bf16.packed_products
 

@@ -635,12 +635,17 @@ class Transformer(nn.Module):
             raise ValueError(f"packing the products needs oneDNN's bf16 GEMM: {why}; leave them unpacked")
         if on and self._decoder_layers()[0].self_attn.__dict__["qkv"] is None:
             self._lay_out_fused(self.fused_projections, fuse=True)  # one packed product each for q/k/v, gate/up
+        products = self.packable_products()
+        if on and all(p.packed is not None for p in products):
+            for product in products:  # packed already: only the rows the native kernel keeps
+                product.packed_from = native_rows
+            return
         for module in self._linears():
             if isinstance(module, Linear):
                 module.packed, module.packed_from = None, 1
         if on:
-            for module in self.packable_products():
-                module.packed, module.packed_from = pack_weight(module.weight), native_rows
+            for product in products:
+                product.packed, product.packed_from = pack_weight(product.weight), native_rows
 
     @property
     def packed_bytes(self) -> int:
