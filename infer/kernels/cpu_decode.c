@@ -597,12 +597,23 @@ static inline qv16 exp16_nonpositive(qv16 x) {
 
 /* This block's channel scales `s` folded into the queries (`s` NULL: keys scaled per row, q as is) and, keys being
  * codes * scales + offsets `o`, q . offsets, the same for the block's every key, into qo; qp: qs permuted (fast). */
+static inline void load_row(int dtype, const char *src, float *out, int64_t d);
+
 static inline void fold_key_scales(int scheme, int fast, const float *qf, const uint16_t *s, const uint16_t *o,
                                    float *qs, float *qp, float *qo, int64_t groups, int64_t d) {
+    float of[256] __attribute__((aligned(64)));
+    int wide = o && d % 16 == 0 && d <= 256;
+    if (wide) load_row(BF16, (const char *)o, of, d);
     for (int64_t g = 0; g < groups; g++) {
         qo[g] = 0.f;
-        if (o)
+        if (wide) { /* q . offsets 16 lanes at a time (a scalar sum through memory was 6% of a 16k-token step) */
+            const qv16 *qv = (const qv16 *)(qf + g * d), *ov = (const qv16 *)of;
+            qv16 a = qv[0] * ov[0];
+            for (int64_t c = 1; c < d / 16; c++) a += qv[c] * ov[c];
+            qo[g] = hsum16(a);
+        } else if (o) {
             for (int64_t i = 0; i < d; i++) qo[g] += qf[g * d + i] * bf16_to_f32(o[i]);
+        }
         for (int64_t i = 0; i < d; i++) qs[g * d + i] = s ? qf[g * d + i] * bf16_to_f32(s[i]) : qf[g * d + i];
         if (fast) permute(scheme, qs + g * d, qp + g * d, d);
     }
@@ -700,13 +711,24 @@ static void softmax_heads(float *sc, int64_t groups, int64_t n, int64_t split, i
                           float softcap, int64_t window) {
     for (int64_t g = 0; g < groups; g++) {
         float *s = sc + g * n, top = -INFINITY, sum = 0.f;
-        for (int64_t t = 0; t < n; t++) {
+        int64_t t = 0;
+        if (softcap <= 0.f && window <= 0) { /* no element to change: the maximum 16 lanes at a time */
+            qv16 m = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
+                      -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+            for (; t + 16 <= n; t += 16) {
+                qv16 v;
+                memcpy(&v, s + t, 64);
+                m = select16(v > m, v, m);
+            }
+            for (int j = 0; j < 16; j++) top = m[j] > top ? m[j] : top;
+        }
+        for (; t < n; t++) {
             int64_t pos = t < split ? t : t + gap;
             if (softcap > 0.f) s[t] = softcap * tanhf(s[t] / softcap);
             if (window > 0 && pos <= qpos - window) s[t] = -INFINITY;
             if (s[t] > top) top = s[t];
         }
-        int64_t t = 0;
+        t = 0;
         for (; t + 16 <= n; t += 16) {
             qv16 v;
             memcpy(&v, s + t, 64);
