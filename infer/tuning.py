@@ -21,7 +21,7 @@ from infer.cache import create_cache
 from infer.config import ModelConfig
 from infer.kernels import triton_available
 from infer.kernels.native import NativeKernels, native_kernels, unavailable_reason
-from infer.memory import huge_pages_mode
+from infer.memory import available_memory, huge_pages_mode
 from infer.models import Transformer
 from infer.models.transformer import GEMV_FORMS, dequantized_product, pack_weight, packed_linear, packing_unavailable
 from infer.quant_weights import QuantizedWeight
@@ -254,12 +254,13 @@ _PACKING_SWEEP_BYTES = 64 * 2**20
 
 def choose_packed_products(model: Transformer, batch_rows: int, forced: bool | None = None) -> PackingChoice:
     """Whether the batched engine runs products past `gemm_rows` on weights oneDNN packed once
-    (`Transformer.packed_products`) rather than F.linear, which packs them on every call: timed over the
+    (`Transformer.pack_products`) rather than F.linear, which packs them on every call: timed over the
     products the engine runs (`packable_products`, in model order, cut after max(64 MiB, 2 x last-level cache)) at 64
     rows and at `batch_rows` (a step's token budget), alternately; on where packed is 3% faster at one and not 3%
     slower at the other. Where the native few-row kernel runs, the rows it keeps are measured again against the
-    packed product (doubling from 2 while it is 3% faster). `forced` skips the timing (True raises where packing
-    is unavailable). Cached per model and `batch_rows`."""
+    packed product (doubling from 2 while it is 3% faster). Off without timing where the copies would take more
+    than half the memory left. `forced` skips the timing and that check (True raises where packing is unavailable).
+    Cached per model and `batch_rows`."""
     cached: dict[tuple[int, bool | None, int], PackingChoice] = model.__dict__.setdefault("_packing_choices", {})
     key = (batch_rows, forced, model.gemm_rows)
     if key not in cached:
@@ -275,6 +276,11 @@ def _choose_packing(model: Transformer, batch_rows: int, forced: bool | None) ->
     gemm_rows = model.gemm_rows
     if forced and why is not None:
         raise ValueError(f"packed_products=True needs oneDNN's bf16 GEMM: {why}; leave it None or False")
+    copy = sum(w.nbytes for w in weights)
+    free = available_memory(torch.device("cpu")) if why is None else None
+    if why is None and not forced and free is not None and copy > free // 2:
+        why = (f"the packed copies ({copy / 2**20:.0f} MiB) would take more than half the free memory "
+               f"({free / 2**20:.0f} MiB)")
     if forced is False or why is not None:
         return PackingChoice(Choice(name, "off", why if why is not None else "forced off by the caller"), gemm_rows)
     limit = max(_PACKING_SWEEP_BYTES, 2 * last_level_cache_bytes())
@@ -294,7 +300,7 @@ def _choose_packing(model: Transformer, batch_rows: int, forced: bool | None) ->
     on = bool(forced) or (min(faster) < 0.97 and max(faster) < 1.03)
     reason = (f"oneDNN packed / F.linear over {len(sweep)} weights ({megabytes:.0f} MiB), {', '.join(timed)} "
               f"(medians, alternately); {'forced by the caller; ' if forced else ''}packed copies "
-              f"{sum(w.nbytes for w in weights) / 2**20:.0f} MiB")
+              f"{copy / 2**20:.0f} MiB")
     kernels, rows = native_kernels(), 1
     if on and gemm_rows > 1 and kernels is not None:
         kept: list[str] = []

@@ -711,6 +711,8 @@ MUTANTS = [
            "keep = all_rows or self._decode_gemv == \"native\" or fuse or self.packed_products",
            "keep = all_rows or self._decode_gemv == \"native\" or fuse",
            ("tests/test_packed_products.py",)),
+    Mutant("packed products: made whatever the memory left", "infer/tuning.py",
+           "and copy > free // 2:", "and copy > free * 2:", ("tests/test_packed_products.py",)),
     Mutant("engine: the packing choice never applied", "infer/engine.py",
            "        if packing.on or model.packed_products:", "        if False:",
            ("tests/test_packed_products.py",)),

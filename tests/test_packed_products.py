@@ -178,3 +178,22 @@ def test_the_engine_with_packed_products_answers_to_the_solo_runs(monkeypatch: p
         assert result.logits is not None
         solo = solo_logits(model, prompt, result.token_ids).float()
         assert (result.logits.float() - solo).abs().max() <= 0.05 * solo.abs().max()
+
+
+@needs_packing
+def test_packing_stays_off_where_the_copies_would_crowd_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under auto, copies larger than half the free memory are not made (the reason names both sizes); forced on,
+    the caller's word stands."""
+    import infer
+    import infer.tuning as tuning
+    from infer.engine import Engine
+    from infer.tuning import CHOICES
+    from reference import build_checkpoint
+
+    model = infer.load_model(build_checkpoint("llama"), dtype="bfloat16")
+    copy = sum(p.weight.nbytes for p in model.packable_products())
+    monkeypatch.setattr(tuning, "available_memory", lambda device: copy)  # the copies would take all of it
+    Engine(model, None, num_blocks=16)
+    assert not model.packed_products and "half the free memory" in CHOICES["packed products"].reason
+    Engine(model, None, num_blocks=16, packed_products=True)
+    assert model.packed_products
