@@ -197,3 +197,14 @@ def test_packing_stays_off_where_the_copies_would_crowd_memory(monkeypatch: pyte
     assert not model.packed_products and "half the free memory" in CHOICES["packed products"].reason
     Engine(model, None, num_blocks=16, packed_products=True)
     assert model.packed_products
+
+
+def test_packing_names_why_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each precondition refused with its own reason: no weights, weights off the CPU, not bf16, no oneDNN."""
+    bf16 = torch.zeros(4, 4, dtype=torch.bfloat16)
+    assert packing_unavailable([]) == "no dense projections"
+    meta = torch.zeros(4, 4, dtype=torch.bfloat16, device="meta")
+    assert packing_unavailable([bf16, meta]) == "the weights are not on the CPU"
+    assert packing_unavailable([bf16, torch.zeros(4, 4)]) == "the weights are not bf16"
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert packing_unavailable([bf16]) == "this PyTorch has no oneDNN"

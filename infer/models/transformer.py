@@ -138,6 +138,8 @@ def packing_unavailable(weights: list[torch.Tensor]) -> str | None:
         return "the weights are not bf16"
     if not torch.backends.mkldnn.is_available():
         return "this PyTorch has no oneDNN"
+    if not all(hasattr(torch.ops.mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise")):
+        return "this PyTorch lacks oneDNN's packed linear ops"
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return "oneDNN has no bf16 kernels for this CPU"
     return None
