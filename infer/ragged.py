@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.attention import attention_mask
+from infer.attention import CAUSAL, Mask, attention_mask
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class SeqSlice:
     num_tokens: int
     context_len: int  # keys 0 .. context_len-1, this step's included
     blocks: torch.Tensor  # physical blocks holding keys first_key .. context_len-1
-    masks: dict[int | None, torch.Tensor | None]  # sliding window (None: full) -> [T, S] bool, None if all visible
+    masks: dict[int | None, Mask]  # sliding window (None: full) -> [T, S] bool, CAUSAL, or None if all visible
     first_key: int = 0  # position of the first key gathered (> 0 when a window makes earlier blocks moot)
 
 
@@ -127,8 +127,12 @@ def build_ragged_batch(
         first_block = 0 if reach is None else max(0, chunk.start - reach + 1) // block_size
         q_pos = torch.arange(chunk.start, end, device=device)
         k_pos = torch.arange(first_block * block_size, end, device=device)
-        masks = {
-            w: None if chunk.num_tokens == 1 and w is None else attention_mask(q_pos, k_pos, w)
+        # A prompt's first chunk sees exactly its own tokens: SDPA's causal flag, as a solo prefill runs (the
+        # fused kernel then skips the blocks above the diagonal instead of reading a mask).
+        masks: dict[int | None, Mask] = {
+            w: None if chunk.num_tokens == 1 and w is None
+            else CAUSAL if chunk.start == 0 and (w is None or w >= chunk.num_tokens)
+            else attention_mask(q_pos, k_pos, w)
             for w in set(windows)
         }
         blocks = torch.tensor(list(chunk.block_table[first_block:need]), dtype=torch.long, device=device)

@@ -193,6 +193,10 @@ def test_gemma_sliding_layers_live_in_rings_bounded_by_the_window(gemma3_dir: Pa
     unbounded = Engine(model, tok, num_blocks=64, block_size=4, bound_sliding_layers=False)
     assert unbounded.ring is None and unbounded.pool.num_layers == config.num_hidden_layers
     assert unbounded.prefix_caching
+    # The whole long prompt in one first chunk (budget 512), longer than the window: the local layers' mask cuts it.
+    short = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    got = unbounded.generate([prompts[1]], short)[0].token_ids
+    assert got == infer.generate(model, tok, prompts[1], short).token_ids
 
 
 def test_rings_come_back_when_requests_end(gemma3_dir: Path) -> None:
