@@ -219,17 +219,8 @@ def choose_gemm_rows(weights: list[torch.Tensor], forced: int | None = None) -> 
         return record(Choice(name, "1", f"F.linear for every multi-row product: {why}"))
     if not sweep or any(w.dtype != torch.bfloat16 or not kernels.supports(w) for w in sweep):
         return record(Choice(name, "1", "F.linear for every multi-row product: the weights are not bf16"))
-    rows, timed = 1, []
-    for m in (2, 4, 8, 16, 32, 64):
-        inputs = {w.shape[1]: torch.randn(m, w.shape[1]).to(torch.bfloat16) for w in sweep}
-        times = _time_alternately({
-            "kernel": functools.partial(_sweep_products, kernels.gemm_bf16, sweep, inputs),
-            "linear": functools.partial(_sweep_products, torch.nn.functional.linear, sweep, inputs, swap=True),
-        }, torch.device("cpu"), repeats=3)
-        timed.append(f"{m}: {times['kernel'] * 1e3:.1f} / {times['linear'] * 1e3:.1f} ms")
-        if times["kernel"] >= 0.97 * times["linear"]:
-            break
-        rows = m
+    rows, timed = _rows_the_kernel_wins(kernels, sweep, functools.partial(
+        _sweep_products, torch.nn.functional.linear, sweep, swap=True), 64)
     megabytes = sum(w.nbytes for w in sweep) / 2**20
     return record(Choice(name, str(rows), f"native kernel / F.linear over {len(sweep)} weights ({megabytes:.0f} "
                                           f"MiB) by rows: {', '.join(timed)} (medians, alternately)"))
@@ -303,19 +294,28 @@ def _choose_packing(model: Transformer, batch_rows: int, forced: bool | None) ->
               f"{copy / 2**20:.0f} MiB")
     kernels, rows = native_kernels(), 1
     if on and gemm_rows > 1 and kernels is not None:
-        kept: list[str] = []
-        for m in (m for m in (2, 4, 8, 16, 32, 64) if m <= gemm_rows):
-            inputs = {w.shape[1]: torch.randn(m, w.shape[1]).to(w.dtype) for w in sweep}
-            times = _time_alternately({
-                "kernel": functools.partial(_sweep_products, kernels.gemm_bf16, sweep, inputs),
-                "packed": functools.partial(_packed_products, sweep, packed, inputs),
-            }, torch.device("cpu"), repeats=3)
-            kept.append(f"{m}: {times['kernel'] * 1e3:.1f} / {times['packed'] * 1e3:.1f} ms")
-            if times["kernel"] >= 0.97 * times["packed"]:
-                break
-            rows = m
+        rows, kept = _rows_the_kernel_wins(kernels, sweep, functools.partial(_packed_products, sweep, packed),
+                                           gemm_rows)
         reason += f"; native few-row kernel / packed by rows: {', '.join(kept)} -> {rows} rows"
     return PackingChoice(Choice(name, "on" if on else "off", reason), rows)
+
+
+def _rows_the_kernel_wins(kernels: NativeKernels, sweep: list[torch.Tensor],
+                          other: Callable[[dict[int, torch.Tensor]], object], limit: int) -> tuple[int, list[str]]:
+    """Rows of bf16 input up to which the native few-row kernel beats `other(inputs)` over the sweep by 3%, doubling
+    from 2 to `limit` (at most 64), alternately; 1 if it never does. Also the timings, for the choice's reason."""
+    rows, timed = 1, []
+    for m in (m for m in (2, 4, 8, 16, 32, 64) if m <= limit):
+        inputs = {w.shape[1]: torch.randn(m, w.shape[1]).to(torch.bfloat16) for w in sweep}
+        times = _time_alternately({
+            "kernel": functools.partial(_sweep_products, kernels.gemm_bf16, sweep, inputs),
+            "other": functools.partial(other, inputs),
+        }, torch.device("cpu"), repeats=3)
+        timed.append(f"{m}: {times['kernel'] * 1e3:.1f} / {times['other'] * 1e3:.1f} ms")
+        if times["kernel"] >= 0.97 * times["other"]:
+            break
+        rows = m
+    return rows, timed
 
 
 def _packed_products(sweep: list[torch.Tensor], packed: list[torch.Tensor], inputs: dict[int, torch.Tensor]
