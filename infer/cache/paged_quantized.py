@@ -36,12 +36,15 @@ from infer.cache import quant
 from infer.cache.base import allocate_zeros, check_counts
 from infer.cache.block_manager import BlockManager, BlockStats, CopyOnWrite
 from infer.cache.paged import BLOCK_BOOKKEEPING_BYTES
-from infer.cache.quantized import DEFAULT_KEY_OFFSETS, DEFAULT_ROTATE_VALUES, SCHEMES
+from infer.cache.quantized import DEFAULT_ROTATE_VALUES, SCHEMES
 from infer.config import ModelConfig
 from infer.errors import CacheFullError
 from infer.ragged import DecodeGroup, RaggedBatch, SeqChunk
 
 KV_CACHE_DTYPES = tuple(SCHEMES)
+# Key channels centred on an offset per block: the 4-bit schemes, as the quantized caches. int8 takes none here: a
+# pool block (16 tokens by default) already spends 1 bit per key on its channel scales, and offsets would add another.
+POOL_KEY_OFFSETS = {"int8": False, "int4": True, "fp4": True}
 _NO_INTS = torch.empty(0, dtype=torch.long)
 
 
@@ -76,7 +79,7 @@ class QuantizedPagedPool:
             raise ValueError(f"kv_cache_dtype={scheme!r} packs two values per byte and needs an even head_dim, got "
                              f"{config.head_dim}; use 'int8'")
         self.scheme, self.dtype = scheme, dtype
-        self.key_offsets = DEFAULT_KEY_OFFSETS[scheme]
+        self.key_offsets = POOL_KEY_OFFSETS[scheme]
         self.rotation = quant.value_rotation(config.head_dim, device) if DEFAULT_ROTATE_VALUES[scheme] else None
         self.num_layers = config.num_hidden_layers if num_layers is None else num_layers
         self.num_blocks, self.block_size, self.stage_slots = num_blocks, block_size, stage_slots
@@ -115,7 +118,7 @@ class QuantizedPagedPool:
         row scales."""
         _, _, per_element, code_dtype = SCHEMES[scheme]
         codes = block_size * (config.head_dim // per_element) * code_dtype.itemsize
-        key_rows = 2 if DEFAULT_KEY_OFFSETS[scheme] else 1
+        key_rows = 2 if POOL_KEY_OFFSETS[scheme] else 1
         scales = (key_rows * config.head_dim + block_size) * quant.SCALE_DTYPE.itemsize
         return num_layers * config.num_key_value_heads * (2 * codes + scales)
 

@@ -20,8 +20,8 @@ import torch
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from infer.cache.paged_quantized import KV_CACHE_DTYPES
-from infer.cache.quantized import DEFAULT_KEY_OFFSETS, DEFAULT_ROTATE_VALUES, QuantizedCache
+from infer.cache.paged_quantized import KV_CACHE_DTYPES, POOL_KEY_OFFSETS
+from infer.cache.quantized import DEFAULT_ROTATE_VALUES, QuantizedCache
 from infer.config import ModelConfig
 from infer.engine import Engine
 from infer.models import Transformer
@@ -37,7 +37,7 @@ def quantized_solo_logits(model: Transformer, scheme: str, block_size: int, prom
     sequence = prompt + tokens[:-1]
     cache = QuantizedCache(model.config, max_seq_len=len(sequence), scheme=scheme, key_scales="channel",
                            residual_block=block_size, sink_tokens=block_size, residual_window=0,
-                           key_offsets=DEFAULT_KEY_OFFSETS[scheme], rotate_values=DEFAULT_ROTATE_VALUES[scheme],
+                           key_offsets=POOL_KEY_OFFSETS[scheme], rotate_values=DEFAULT_ROTATE_VALUES[scheme],
                            device=model.embed_tokens.weight.device)
     sizes = list(chunks) if chunks is not None else [1] * len(sequence)
     sizes += [1] * (len(sequence) - sum(sizes))
