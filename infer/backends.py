@@ -287,12 +287,12 @@ def paged_attention(
     if group is not None and group.kernel == "triton" and not reference:
         from infer.kernels.paged_attention import paged_decode_attention
 
-        if not isinstance(k_blocks, torch.Tensor) or not isinstance(v_blocks, torch.Tensor):
-            raise ValueError("the Triton paged kernel reads exact blocks; a quantized pool attends by 'sdpa' or "
-                             "'matmul'")
         queries = q[0, :, group.rows].transpose(0, 1)  # [B, H, D]
-        attended = paged_decode_attention(queries.contiguous(), k_blocks, v_blocks, group.tables, group.lengths,
-                                          scale, softcap, window)
+        if isinstance(k_blocks, QuantizedPoolLayer):
+            attended = k_blocks.decode_attention(group, queries, scale, softcap, window)
+        else:
+            attended = paged_decode_attention(queries.contiguous(), k_blocks, cast(torch.Tensor, v_blocks),
+                                              group.tables, group.lengths, scale, softcap, window)
         out[0, :, group.rows] = attended.transpose(0, 1)
     elif group is not None and group.kernel == "native" and not reference:
         queries = q[0, :, group.rows].transpose(0, 1)  # [B, H, D]

@@ -140,14 +140,13 @@ class Engine:
         # The decode steps of a forward attend in one padded call, by the kernel measured fastest here
         # ("per-sequence": one call each, the check).
         self.decode_attention = choose_decode_attention(config, model.dtype, self.device, decode_attention).value
-        # A quantized pool (kv_cache_dtype "int8" | "int4" | "fp4") is read by dequantizing gathers: not by the
-        # Triton paged kernel, nor at a graph's static shapes (its staging is planned per step on the host).
+        # A quantized pool (kv_cache_dtype "int8" | "int4" | "fp4") is read in place by the native kernel on the
+        # CPU and the Triton one on CUDA ("sdpa" / "matmul" dequantize gathers); not at a graph's static shapes
+        # (its staging is planned per step on the host).
         if kv_cache_dtype is not None:
-            if decode_attention == "triton" or decode_graphs:
-                raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} attends by dequantizing gathers: drop "
-                                 "decode_attention='triton' / decode_graphs=True")
-            if self.decode_attention == "triton":
-                self.decode_attention = "sdpa"
+            if decode_graphs:
+                raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} plans its staging per step on the host: drop "
+                                 "decode_graphs=True")
             if decode_attention == "auto" and self.device.type == "cpu" and native_kernels() is not None:
                 # Over codes the native kernel reads them in place; sdpa / matmul would dequantize gathers.
                 self.decode_attention = "native"

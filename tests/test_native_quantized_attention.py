@@ -216,6 +216,13 @@ def test_native_paged_kernel_is_the_gathered_formula(p: dict[str, Any]) -> None:
     formula: random codes, scales and offsets in every block, some blocks staged exact, tables in any order and
     starting past the first block, windows and softcaps; fp32 within 1e-5 (bf16 staging: the fp32 formula over
     the same values, rounded once)."""
+    check_pool_kernel(p, "native", 1e-5, 2.0**-8, "cpu")
+
+
+def check_pool_kernel(p: dict[str, Any], kernel: str, fp32_ulp: float, half_ulp: float, device: str) -> None:
+    """A pool drawn as `pool_layouts` describes, its decode group read in place by `kernel` ("native" or
+    "triton"), against the pool's dequantizing gather and the formula in fp32: within `fp32_ulp` (relative to the
+    largest output) for an fp32 pool, `half_ulp` for a bf16 one. Drawn on the CPU, run on `device`."""
     from infer.cache.paged_quantized import QuantizedPagedPool
     from infer.ragged import DecodeGroup
 
@@ -224,19 +231,20 @@ def test_native_paged_kernel_is_the_gathered_formula(p: dict[str, Any]) -> None:
     bs, gen = p["block_size"], torch.Generator().manual_seed(p["seed"])
     need = [-(-n // bs) for n in p["lengths"]]
     pool = QuantizedPagedPool(config, scheme=p["scheme"], num_blocks=sum(need) + 2, block_size=bs,
-                              stage_slots=sum(need), scratch_slots=1, dtype=p["dtype"], device="cpu")
+                              stage_slots=sum(need), scratch_slots=1, dtype=p["dtype"], device=device)
     # Every block filled with codes of random keys (outlier and off-centre channels) and values, as a step would.
     keys = torch.randn(pool.num_blocks, p["kv_heads"], bs, p["head_dim"], generator=gen) * 2
     keys[..., 0] *= 20
     keys[..., -1] += 5
-    values = torch.randn(keys.shape, generator=gen)
+    values = torch.randn(keys.shape, generator=gen).to(device)
+    keys = keys.to(device)
     centres = quant.channel_offsets(keys) if pool.key_offsets else None
     pool.k_codes[0], pool.k_scale[0] = quant.quantize_channels(keys, p["scheme"], centres)
     if centres is not None:
         pool.k_offset[0] = centres
     pool.v_codes[0], pool.v_scale[0] = SCHEMES[p["scheme"]][0](quant.rotate(values, pool.rotation))
-    pool.k_persistent[0].copy_(torch.randn(pool.k_persistent[0].shape, generator=gen))
-    pool.v_persistent[0].copy_(torch.randn(pool.v_persistent[0].shape, generator=gen))
+    pool.k_persistent[0].copy_(torch.randn(pool.k_persistent[0].shape, generator=gen).to(device))
+    pool.v_persistent[0].copy_(torch.randn(pool.v_persistent[0].shape, generator=gen).to(device))
     order = torch.randperm(pool.num_blocks, generator=gen).tolist()
     tables, starts, used = [], [], 0
     stage = torch.rand(sum(need), generator=gen) < p["staged"]
@@ -250,19 +258,20 @@ def test_native_paged_kernel_is_the_gathered_formula(p: dict[str, Any]) -> None:
         tables.append(blocks)
         starts.append(first * bs)
     nb = max(len(t) for t in tables)
-    table = torch.tensor([t + [t[0]] * (nb - len(t)) for t in tables])
-    lengths, start = torch.tensor(p["lengths"]), torch.tensor(starts)
-    group = DecodeGroup("sdpa", torch.arange(len(tables)), table, lengths, {}, start)
-    q = torch.randn(len(tables), p["heads"], p["head_dim"], generator=gen).to(p["dtype"])
+    table = torch.tensor([t + [t[0]] * (nb - len(t)) for t in tables], device=device)
+    lengths, start = torch.tensor(p["lengths"], device=device), torch.tensor(starts, device=device)
+    group = DecodeGroup(kernel, torch.arange(len(tables)), table, lengths, {}, start)
+    q = torch.randn(len(tables), p["heads"], p["head_dim"], generator=gen).to(device=device, dtype=p["dtype"])
     with mock.patch.dict("os.environ", {"INFER_QATTN_TILES": "1" if p["tiles"] else "0"}):
         out = pool.layers[0].decode_attention(group, q, 0.3, p["softcap"], p["window"])
     pool.dtype = torch.float32  # the gather dequantizes into fp32: the kernel sums the codes in fp32
     k_all, v_all = pool.layers[0].gather(table)
     for b in range(len(tables)):
         n = p["lengths"][b] - starts[b]
-        positions = starts[b] + torch.arange(n)
+        positions = starts[b] + torch.arange(n, device=device)
         mask = attention_mask(positions[-1:], positions, p["window"])
         expected = attention_reference(q[b : b + 1, :, None].float(), k_all[b : b + 1, :, :n].float(),
                                        v_all[b : b + 1, :, :n].float(), mask, 0.3, p["softcap"])[0, :, 0]
-        ulp = 1e-5 if p["dtype"] == torch.float32 else 2.0**-8
-        assert_close(out[b].float(), expected, ulp * max(1.0, expected.abs().max().item()) + 1e-6, f"{p} seq {b}")
+        ulp = fp32_ulp if p["dtype"] == torch.float32 else half_ulp
+        assert_close(out[b].float(), expected, ulp * max(1.0, expected.abs().max().item()) + 1e-6,
+                     f"{kernel} {p} seq {b}")

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from infer.attention import attention_reference
 from infer.families import ARCHITECTURES
 from infer.kernels import triton_available
 from tests.helpers import assert_close, dequantized_twin, fp32_bound, weight_of
+from tests.test_native_quantized_attention import check_pool_kernel, pool_layouts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [
@@ -267,6 +268,19 @@ def test_quantized_decode_attention_equals_the_dequantized_formula(p: dict) -> N
         assert not out.isnan().any(), "a NaN scale or ring slot no position owns reached the output"
         expected = quantized_reference(q, keys, values, scale, p["softcap"], p["window"])
         assert_close(out.float(), expected, tol, f"{p['scheme']} kernel vs dequantize-then-attend ({dtype})")
+
+
+@settings(max_examples=25, deadline=None)
+@given(p=pool_layouts())
+@example(p={"scheme": "fp4", "kv_heads": 2, "heads": 4, "head_dim": 64, "block_size": 16, "lengths": [70, 40],
+            "cut": False, "window": None, "softcap": None, "dtype": torch.float32, "tiles": True, "staged": 0.3,
+            "seed": 1})  # the registered 4-bit layout: offsets, rotated values, codes and staged blocks mixed
+def test_quantized_paged_kernel_is_the_gathered_formula(p: dict) -> None:
+    """The engine's quantized pool read in place by the Triton kernel against its dequantizing gather, then the
+    formula: the native kernel's property (random codes, scales and offsets, staged blocks among coded ones,
+    tables in any order and starting past the first block, windows, softcaps); fp32 within 1e-5, bf16 within 2e-2
+    of the largest output (TF32 products, the output rounded to bf16), as the single-cache kernel's test."""
+    check_pool_kernel(p, "triton", 1e-5, 2e-2, DEVICE)
 
 
 def test_quantized_kernel_refuses_what_it_cannot_read() -> None:

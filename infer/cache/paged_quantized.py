@@ -343,14 +343,24 @@ class QuantizedPoolLayer:
 
     def decode_attention(self, group: DecodeGroup, q: torch.Tensor, scale: float, softcap: float | None,
                          window: int | None) -> torch.Tensor:
-        """The decode group's queries `q` `[B, H, D]` over this layer's codes and staged blocks in place, in the
-        native kernel (no gather, no dequantized copy): `[B, H, D]`."""
+        """The decode group's queries `q` `[B, H, D]` over this layer's codes and staged blocks in place (no
+        gather, no dequantized copy), in the group's kernel: the native CPU one, or "triton"'s: `[B, H, D]`."""
+        pool, i = self.pool, self.layer
+        if group.starts is None:
+            raise ValueError("the decode group has no table starts: build it with build_ragged_batch")
+        if group.kernel == "triton":
+            from infer.kernels.quantized_attention import quantized_paged_decode_attention
+
+            return quantized_paged_decode_attention(
+                q.contiguous(), (pool.k_codes[i], pool.v_codes[i]), (pool.k_scale[i], pool.v_scale[i]),
+                (pool.k_persistent[i], pool.v_persistent[i]), group.tables, group.lengths, group.starts,
+                pool.scheme, scale, softcap, window, key_offsets=pool.k_offset[i] if pool.key_offsets else None,
+                value_rotation=pool.rotation)
         from infer.kernels.native import native_kernels
 
         kernels = native_kernels()
-        if kernels is None or group.starts is None:
+        if kernels is None:
             raise ValueError("decode_attention='native' needs the native kernels, which did not build here")
-        pool, i = self.pool, self.layer
         return kernels.quantized_attention_paged(
             q, (pool.k_codes[i], pool.v_codes[i]), (pool.k_scale[i], pool.v_scale[i]),
             pool.k_offset[i] if pool.key_offsets else None, pool.rotation, (pool.k_persistent[i], pool.v_persistent[i]),

@@ -11,6 +11,11 @@ D]` in the model dtype. Each part (sinks, codes, ring) gets its own splits. Grid
 program keeps an online softmax over its split's tiles, with the query heads of a KV group packed into one tile
 (GQA), causal and sliding-window masks and softcap as in infer.kernels.paged_attention, whose split combine this
 shares. The PyTorch path (dequantize, then attention) is the check: tests/test_triton_kernels.py.
+
+`quantized_paged_decode_attention` reads the batched engine's quantized pool (infer/cache/paged_quantized.py) the
+same way, through each sequence's block table: a full block's codes with per-channel key scales (and offsets) and
+per-row value scales, value rows rotated back per tile; a table entry past the pool names a staged block, read
+exact. The pool's dequantizing gather, then attention, is its check (tests/test_native_quantized_attention.py).
 """
 
 from __future__ import annotations
@@ -201,6 +206,159 @@ def quantized_decode_attention(
             # The splits' sums of rotated rows, rotated back (linear, so before the combine's weighting).
             acc[:, :, base : base + count] = acc[:, :, base : base + count] @ value_rotation.to(acc)
         base += count
+    return combine_splits_triton(acc, m, l_sum, q.dtype)
+
+
+@triton.jit
+def _quantized_paged_split(
+    Q, KC, VC, KS, VS, KO, KST, VST, Rot, Tables, Lengths, Starts, Acc, M, L,
+    stride_qb, stride_qh,
+    stride_cn, stride_ch, stride_cs,
+    stride_ksn, stride_ksh,
+    stride_vsn, stride_vsh,
+    stride_sn, stride_sh, stride_ss,
+    stride_tb,
+    stride_ab, stride_ah, stride_as,
+    stride_mb, stride_mh,
+    num_blocks, scale, softcap, window, num_splits,
+    SCHEME: tl.constexpr, PACKED: tl.constexpr, HAS_OFFSETS: tl.constexpr, ROTATED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(Lengths + b)
+    start = tl.load(Starts + b)  # the position of the table's first key
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM
+    q, heads, g_ok = _load_query_group(Q, b, kvh, stride_qb, stride_qh, offs_d, d_ok, GROUP, BLOCK_G)
+    col = offs_d // 2 if PACKED else offs_d
+    odd = (offs_d % 2) == 1
+    if ROTATED:  # H [D, D]: a decoded value row times H is the row as written
+        rot = tl.load(Rot + offs_d[:, None] * HEAD_DIM + offs_d[None, :], mask=d_ok[:, None] & d_ok[None, :],
+                      other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    last = tl.cdiv(length - start, BLOCK_SIZE)
+    first = 0
+    if HAS_WINDOW:  # blocks wholly before the window hold nothing this query sees
+        first = tl.maximum(length - window - start, 0) // BLOCK_SIZE
+    per_split = tl.cdiv(last - first, num_splits)
+    lo = first + split * per_split
+    hi = tl.minimum(lo + per_split, last)
+    for j in range(lo, hi):
+        entry = tl.load(Tables + b * stride_tb + j).to(tl.int64)
+        # Both sources addressed, one read: the other's loads are masked off (the flags as vectors, which the
+        # interpreter's masks need).
+        staged = (tl.zeros([BLOCK_N], tl.int64) + entry) >= num_blocks
+        coded = (tl.zeros([BLOCK_D], tl.int64) + entry) < num_blocks
+        code = tl.where(entry >= num_blocks, 0, entry)
+        slot = tl.where(entry >= num_blocks, entry - num_blocks, 0)
+        pos = start + j * BLOCK_SIZE + offs_n
+        visible = (offs_n < BLOCK_SIZE) & (pos < length)
+        if HAS_WINDOW:
+            visible = visible & (pos > length - 1 - window)
+        kv_ok = visible[:, None] & d_ok[None, :]
+        exact_ok = kv_ok & staged[:, None]
+        code_ok = kv_ok & (staged == 0)[:, None]
+        chan_ok = d_ok & coded
+        rows = offs_n[:, None]
+        k_exact = tl.load(KST + slot * stride_sn + kvh * stride_sh + rows * stride_ss + offs_d[None, :],
+                          mask=exact_ok, other=0.0).to(tl.float32)
+        v_exact = tl.load(VST + slot * stride_sn + kvh * stride_sh + rows * stride_ss + offs_d[None, :],
+                          mask=exact_ok, other=0.0).to(tl.float32)
+        k_raw = tl.load(KC + code * stride_cn + kvh * stride_ch + rows * stride_cs + col[None, :], mask=code_ok,
+                        other=0)
+        v_raw = tl.load(VC + code * stride_cn + kvh * stride_ch + rows * stride_cs + col[None, :], mask=code_ok,
+                        other=0)
+        channel = code * stride_ksn + kvh * stride_ksh + offs_d
+        k = _dequantize(k_raw, SCHEME, odd[None, :]) * tl.load(KS + channel, mask=chan_ok, other=0.0).to(
+            tl.float32)[None, :]
+        if HAS_OFFSETS:
+            k = k + tl.load(KO + channel, mask=chan_ok, other=0.0).to(tl.float32)[None, :]
+        v_scale = tl.load(VS + code * stride_vsn + kvh * stride_vsh + offs_n, mask=visible & (staged == 0),
+                          other=0.0).to(tl.float32)
+        v = _dequantize(v_raw, SCHEME, odd[None, :]) * v_scale[:, None]
+        if ROTATED:
+            v = tl.dot(v, rot, input_precision=PRECISION)
+        k = tl.where(staged[:, None], k_exact, k)
+        v = tl.where(staged[:, None], v_exact, v)
+        m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP, PRECISION)
+
+    tl.store(Acc + b * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :], acc,
+             mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(M + b * stride_mb + heads * stride_mh + split, m_i, mask=g_ok)
+    tl.store(L + b * stride_mb + heads * stride_mh + split, l_i, mask=g_ok)
+
+
+def quantized_paged_decode_attention(
+    q: torch.Tensor,
+    codes: tuple[torch.Tensor, torch.Tensor],
+    scales: tuple[torch.Tensor, torch.Tensor],
+    stage: tuple[torch.Tensor, torch.Tensor],
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    starts: torch.Tensor,
+    scheme: str,
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+    *,
+    key_offsets: torch.Tensor | None = None,
+    value_rotation: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """One query per sequence, `q` `[B, H, D]`, over one layer of the engine's quantized pool through block
+    `tables` `[B, nb]`: entry e < N names full block e, its `codes` (k, v) `[N, Hkv, bs, Dp]` with `scales` (keys
+    `[N, Hkv, D]` per channel, plus `key_offsets` alike when given; values `[N, Hkv, bs]`), value rows stored
+    rotated by `value_rotation` H `[D, D]` when given; e >= N names staged slot e - N of `stage` (k, v) `[P, Hkv,
+    bs, D]`, exact. Sequence b's keys are positions `starts[b] .. lengths[b] - 1`, its table's blocks in order, the
+    query at the last. `[B, H, D]` in q's dtype."""
+    if scheme not in ("int8", "int4", "fp4"):
+        raise ValueError(f"scheme must be 'int8', 'int4' or 'fp4', got {scheme!r}")
+    B, H, D = q.shape
+    k_codes, v_codes = codes
+    k_stage, v_stage = stage
+    num_blocks, Hkv, block_size = k_codes.shape[:3]
+    if H % Hkv or k_codes.shape != v_codes.shape or k_stage.shape[1:] != (Hkv, block_size, D) \
+            or k_stage.shape != v_stage.shape:
+        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, codes {tuple(k_codes.shape)}, staging "
+                         f"{tuple(k_stage.shape)}")
+    if any(t.stride(-1) != 1 for t in (q, k_codes, v_codes, k_stage, v_stage)) or k_stage.stride() != v_stage.stride():
+        raise ValueError("q, the codes and the staging need a contiguous last dimension (and one staging layout)")
+    k_scales, v_scales = (t.contiguous() for t in scales)
+    if num_splits is None:
+        target = 2 * torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+        num_splits = max(1, min(tables.shape[1], _cdiv(target, B * Hkv)))
+    acc = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
+    m = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
+    l_sum = torch.empty_like(m)
+    offsets = k_scales if key_offsets is None else key_offsets.contiguous()  # a placeholder pointer without
+    rotation = k_scales if value_rotation is None else value_rotation.to(torch.float32).contiguous()
+    tables = tables.contiguous()
+    _quantized_paged_split[(B, Hkv, num_splits)](
+        q, k_codes, v_codes, k_scales, v_scales, offsets, k_stage, v_stage, rotation, tables,
+        lengths.contiguous(), starts.contiguous(), acc, m, l_sum,
+        q.stride(0), q.stride(1),
+        k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
+        k_scales.stride(0), k_scales.stride(1),
+        v_scales.stride(0), v_scales.stride(1),
+        k_stage.stride(0), k_stage.stride(1), k_stage.stride(2),
+        tables.stride(0),
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        m.stride(0), m.stride(1),
+        num_blocks, float(scale), float(softcap or 1.0), int(window or 0), num_splits,
+        SCHEME=SCHEME_CODES[scheme], PACKED=scheme in ("int4", "fp4"), HAS_OFFSETS=key_offsets is not None,
+        ROTATED=value_rotation is not None, BLOCK_SIZE=block_size, BLOCK_N=_pow2(block_size), HEAD_DIM=D,
+        BLOCK_D=_pow2(D), GROUP=H // Hkv, BLOCK_G=_pow2(H // Hkv),
+        HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
     return combine_splits_triton(acc, m, l_sum, q.dtype)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+import pytest
 import torch
 from hypothesis import event, given
 from hypothesis import strategies as st
@@ -24,10 +25,17 @@ from infer.cache.paged_quantized import KV_CACHE_DTYPES, POOL_KEY_OFFSETS
 from infer.cache.quantized import DEFAULT_ROTATE_VALUES, QuantizedCache
 from infer.config import ModelConfig
 from infer.engine import Engine
+from infer.kernels import triton_available
+from infer.kernels.native import native_kernels
 from infer.models import Transformer
 from infer.sampling import SamplingParams
-from tests.helpers import assert_close, check_pool_invariants, random_model, solo_logits
+from tests.helpers import assert_close, check_pool_invariants, random_model, solo_logits, tiny_config
 from tests.property.strategies import model_configs
+
+# How the decode steps of these CPU models read the pool: dequantizing gathers ("sdpa", "matmul"), one sequence at
+# a time, or in place (the native kernel; the Triton one under its interpreter, TRITON_INTERPRET=1).
+KERNELS = ["sdpa", "matmul", "per-sequence"] + (["native"] if native_kernels() is not None else []) + (
+    ["triton"] if triton_available("cpu") else [])
 
 
 def quantized_solo_logits(model: Transformer, scheme: str, block_size: int, prompt: list[int], tokens: list[int],
@@ -123,11 +131,11 @@ def test_one_token_per_step_equals_the_quantized_cache(data: st.DataObject, conf
 
 @given(config=model_configs(), seed=st.integers(0, 999), scheme=st.sampled_from(KV_CACHE_DTYPES),
        block_size=st.integers(1, 5), n=st.integers(2, 5), new=st.integers(1, 12),
-       kernel=st.sampled_from(["sdpa", "matmul", "per-sequence"]))
+       kernel=st.sampled_from(KERNELS))
 def test_batched_decode_steps_equal_the_quantized_cache(config: ModelConfig, seed: int, scheme: str, block_size: int,
                                                         n: int, new: int, kernel: str) -> None:
     """One-token prompts, so every step is a batch of one-token chunks read by one padded gather of codes and
-    staging (or one sequence at a time): each request is its token-by-token quantized run."""
+    staging, in place by a kernel, or one sequence at a time: each request is its token-by-token quantized run."""
     config = even_head_dim(config)
     model = random_model(config, seed=seed)
     prompts = [[(7 * i + 3) % config.vocab_size] for i in range(n)]
@@ -161,7 +169,7 @@ def test_chunked_prefill_equals_the_quantized_cache_fed_the_same_chunks(
 
 @given(config=model_configs(), seed=st.integers(0, 999), scheme=st.sampled_from(KV_CACHE_DTYPES),
        block_size=st.integers(2, 4), blocks=st.integers(1, 3), followers=st.integers(1, 3), new=st.integers(2, 8),
-       kernel=st.sampled_from(["sdpa", "matmul", "per-sequence"]))
+       kernel=st.sampled_from(KERNELS))
 def test_copy_on_write_of_a_quantized_block_keeps_its_codes_and_scales(
         config: ModelConfig, seed: int, scheme: str, block_size: int, blocks: int, followers: int, new: int,
         kernel: str) -> None:
@@ -221,3 +229,22 @@ def test_staging_sized_for_the_engine_never_runs_out(data: st.DataObject, seed: 
         assert all(manager.is_cached(b) for b in set(pool.staged_blocks) - held), "a stale block kept its slot"
         step += 1
     assert all(engine.result(i).finish_reason == "length" for i in ids)
+
+
+@pytest.mark.skipif("triton" not in KERNELS, reason="needs Triton, and CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("scheme", KV_CACHE_DTYPES)
+def test_the_triton_kernel_reads_the_pool_as_the_quantized_cache(arch: str, scheme: str) -> None:
+    """Decode steps read in place by the Triton kernel (codes, the first block staged as a sink, blocks filling and
+    quantized while the requests run; Gemma's sliding layers in the pool, so the kernel applies the window): each
+    request is its token-by-token quantized run, as through the gathers."""
+    config = tiny_config(arch, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=32,
+                         vocab_size=64, sliding_window=5)
+    model = random_model(config, seed=5)
+    prompts = [[(7 * i + 3) % 64] for i in range(3)]
+    engine = Engine(model, None, num_blocks=3 * 5, block_size=4, max_num_seqs=3, max_num_batched_tokens=3,
+                    keep_logits=True, kv_cache_dtype=scheme, bound_sliding_layers=False, decode_attention="triton")
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=14, temperature=0.0)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    check_against_solo(engine, model, scheme, 4, prompts, ids)
