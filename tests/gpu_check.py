@@ -55,12 +55,16 @@ BENCHES: dict[str, list[str]] = {
     # Quantized weights (issue 26): the Triton dequantizing kernel in decode steps, against the bf16 run above.
     "bench-llama-1b-int4": [*BENCH, "--arch", "llama", "--weights", "int4", "--prompt-len", "512",
                             "--max-new-tokens", "128", "--trials", "3"],
+    # The quantized pool read in place by the Triton paged kernel, against the bf16 pool at the same memory.
+    "bench-batched-kv": [*BENCH, "--arch", "llama", "--batched", "--requests", "64", "--kv-cache-dtype",
+                         "int8,int4,fp4", "--cache-memory", "2048", "--no-one-by-one", "--trials", "1"],
     "bench-qwen3-1.7b": [*BENCH, "--arch", "qwen3", *SINGLE],
     "bench-batched-256": [*BENCH, "--arch", "llama", "--batched", "--requests", "256", "--against-hf",
                           "--batch-size", "32", "--no-one-by-one", "--trials", "1"],
 }
 TIME_LIMITS = {"kernels": 240, "oracle": 240, "bench-llama-1b": 150, "profile-decode": 90, "bench-qwen3-1.7b": 150,
-               "bench-batched-64": 90, "bench-batched-256": 120, "bench-kv": 90, "bench-llama-1b-int4": 60}
+               "bench-batched-64": 90, "bench-batched-256": 120, "bench-kv": 90, "bench-llama-1b-int4": 60,
+               "bench-batched-kv": 120}
 
 
 @dataclass
