@@ -1,7 +1,7 @@
 """The whole-step native decode call (infer/models/native_step.py, cpu_decode.c's infer_decode_step) held to the
 oracle and to the per-op path it replaces: every architecture, the contiguous and sliding caches (rings and
-windows crossed), dense and quantized weights, fp32 and bf16; taken exactly where it applies; all or nothing
-when it fails part-way; rebuilt when the model's tensors change."""
+windows crossed) and the quantized ones, dense and quantized weights, fp32 and bf16; taken exactly where it
+applies; all or nothing when it fails part-way; rebuilt when the model's tensors change."""
 
 from __future__ import annotations
 
@@ -100,7 +100,8 @@ def test_taken_only_where_it_applies(calls: list[int]) -> None:
     model = infer.load_model(path, decode_gemv="native")
     ids = prompt(6, seed=6)
     decode(model, ids, "paged", prefill=3)
-    decode(model, ids, "int8", prefill=3)
+    decode(model, ids, "int8", prefill=3, attention="dequantize")  # the quantized caches' check path
+    decode(model, ids[:, :4], "int8", prefill=3)  # a step that writes a sink
     batch = infer.create_cache("contiguous", model.config, max_seq_len=8, batch_size=2)
     with torch.no_grad():
         model(ids[:, :3].repeat(2, 1), batch)
@@ -125,16 +126,41 @@ def test_taken_only_where_it_applies(calls: list[int]) -> None:
     assert len(calls) == 3
 
 
-def test_a_step_that_fails_part_way_leaves_cache_and_model_as_they_were() -> None:
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp4"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_quantized_caches_step_natively_as_layer_by_layer(arch: str, kind: str, calls: list[int]) -> None:
+    """A quantized cache's one-token steps that only write its exact ring run in one native call, attending with
+    the kernel the per-layer path calls (infer_qattn): fp32 logits bit for bit that path's, over key blocks
+    filling (those steps quantize in PyTorch, layer by layer), the sinks and Gemma 3's window; every other step
+    taken."""
+    path = build_checkpoint(arch)
+    model = infer.load_model(path, decode_gemv="native")
+    ids = prompt(150, seed=4)
+    got = decode(model, ids, kind, prefill=2)
+    # Per layer: the steps at the 4 sinks, and those whose token fills a key block (blocks of 64 for int8; 32 past
+    # a window of 16 for the 4-bit kinds), quantized as it is written.
+    block, window = (64, 0) if kind == "int8" else (32, 16)
+    fills = [p for p in range(4, 150) if p - 4 + 1 > window and (p - 4 + 1 - window) % block == 0]
+    assert len(calls) == 150 - 4 - len(fills)
+    model.native_step = False
+    assert torch.equal(got, decode(model, ids, kind, prefill=2))
+    # The same step bound to an exact cache next reads its rows as exact again.
+    exact = decode(model, ids[:, :12], "contiguous", prefill=2)
+    model.native_step = True
+    assert (decode(model, ids[:, :12], "contiguous", prefill=2) - exact).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["sliding", "int4"])
+def test_a_step_that_fails_part_way_leaves_cache_and_model_as_they_were(kind: str) -> None:
     """The last layer's quantized product refuses its group after every layer wrote its K/V slot (the rings' past
-    the window of 8 overwrite live tokens): the call raises, every slot is put back, the offset stays, and the
-    next steps equal a run that never failed."""
+    the window of 8 overwrite live tokens; the quantized cache's ring slot): the call raises, every slot is put
+    back, the offset stays, and the next steps equal a run that never failed."""
     model = infer.load_model(build_checkpoint("gemma3_text"), decode_gemv="native", weights="int8")
     ids = prompt(20, seed=7)
     decode(model, ids[:, :3], "contiguous", prefill=2)  # builds the step
     step = model.__dict__["_native_step"]
     assert isinstance(step, NativeStep)
-    cache = infer.create_cache("sliding", model.config, max_seq_len=20)
+    cache = infer.create_cache(kind, model.config, max_seq_len=20)
     with torch.no_grad():
         model(ids[:, :12], cache)
         before = {name: t.clone() for name, t in vars(cache).items() if isinstance(t, torch.Tensor)}
@@ -148,7 +174,7 @@ def test_a_step_that_fails_part_way_leaves_cache_and_model_as_they_were() -> Non
             if isinstance(t, torch.Tensor):
                 assert torch.equal(t, before[name]), name
         got = torch.cat([model(ids[:, i : i + 1], cache) for i in range(12, 20)], 1)
-    assert torch.equal(got, decode(model, ids, "sliding", prefill=12))
+    assert torch.equal(got, decode(model, ids, kind, prefill=12))
 
 
 def test_shapes_are_checked_before_anything_is_written() -> None:

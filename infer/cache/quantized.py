@@ -28,6 +28,7 @@ supported.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -78,6 +79,27 @@ DEFAULT_ROTATE_VALUES = {"int8": False, "int4": True, "fp4": True}
 # and keep the newest 16-46 tokens exact (int4 prose top-1 0.964 -> 0.976): at 4k context on the 1B shapes 0.299x the
 # bf16 cache, the most the 0.30x budget allows. int8's window stays 0.
 DEFAULT_RESIDUAL_WINDOW = {"int8": 0, "int4": 16, "fp4": 16}
+
+
+@dataclass
+class QuantizedLayerRows:
+    """One layer's storage as the whole-step native call reads it (infer/models/native_step.py): the exact ring
+    (where a step writes its row), the sinks, the codes with their scales (and key offsets), the value rotation."""
+
+    k_ring: torch.Tensor
+    v_ring: torch.Tensor
+    k_sink: torch.Tensor
+    v_sink: torch.Tensor
+    k_codes: torch.Tensor
+    v_codes: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    k_offset: torch.Tensor | None
+    rotation: torch.Tensor | None
+    scheme: str
+    channel_keys: bool
+    sinks: int
+    block: int
 
 
 class QuantizedCache:
@@ -246,6 +268,27 @@ class QuantizedCache:
             (self.k_recent[layer], self.v_recent[layer]), stream - quantized, scale, softcap, window,
             self.k_offset[layer] if self.key_offsets else None, self.rotation)
         return out[:, :, None]
+
+    def native_step_codes(self) -> int | None:
+        """For the whole-step native call: how many stream positions a one-token step at the current offset reads
+        as codes, or None where that step runs layer by layer: it writes a sink or fills a block (quantized in
+        PyTorch, as `update` does), the cache holds several sequences, or its attention is not the native kernel.
+        Any other step writes only a ring slot no live token holds, as the per-layer path would."""
+        if self.attention != "native" or self.batch_size != 1 or not self.sink_tokens <= self._offset < \
+                self.max_seq_len or self.ring_size == 0:
+            return None
+        stream = self._in_stream(self._offset)
+        quantized = self.num_quantized(stream)
+        return quantized if self.num_quantized(stream + 1) == quantized else None
+
+    def layer_codes(self, layer: int) -> QuantizedLayerRows:
+        """Layer `layer`'s storage for the whole-step native call (one sequence: batch dim dropped)."""
+        check_layer(layer, self.k_data.shape[0])
+        return QuantizedLayerRows(
+            self.k_recent[layer, 0], self.v_recent[layer, 0], self.k_sink[layer, 0], self.v_sink[layer, 0],
+            self.k_data[layer, 0], self.v_data[layer, 0], self.k_scale[layer, 0], self.v_scale[layer, 0],
+            self.k_offset[layer, 0] if self.key_offsets else None, self.rotation, self.scheme,
+            self.key_scales == "channel", self.sink_tokens, self.residual_block)
 
     def _key_scale_rows(self, num_quantized: int) -> int:
         """Rows of k_scale holding the scales of `num_quantized` tokens: one per token, or one per block."""

@@ -1843,6 +1843,13 @@ typedef struct {
     int64_t ring, window; /* window: keys at positions > p - window only (0: all) */
     int64_t rope;         /* which of the step's (cos, sin) rows this layer rotates by */
     float scale, softcap; /* query scale; attention logit softcap (0: none) */
+    /* A quantized cache's layer (infer/cache/quantized.py) where qscheme > 0 (1 + Q_INT8, Q_INT4 or Q_FP4; 0, as
+     * a zeroed descriptor has it: exact rows): k, v above
+     * are its exact ring (position p at slot (p - sinks) % slots, a ring); the sinks, codes, scales, key offsets
+     * and value rotation as infer_qattn reads them, nq_cap code rows, keys by channel over blocks of `block` rows
+     * (scale_rows rows of scales) or by row. */
+    int64_t qscheme, channel_keys, sinks, nq_cap, block, scale_rows;
+    const void *k_sink, *v_sink, *k_codes, *v_codes, *k_scale, *v_scale, *k_offset, *v_rot;
 } step_layer;
 
 static int step_product(int dtype, const step_proj *p, const void *x, void *y, int threads) {
@@ -1879,7 +1886,13 @@ static int step_layer_fits(const step_layer *L, int64_t pos, int64_t heads, int6
         gate_up += L->gate_up[p].n;
     }
     return qkv == (heads + 2 * kv_heads) * d && gate_up == 2 * inter && L->o.k == heads * d && L->o.n == hidden &&
-           L->down.k == inter && L->down.n == hidden && L->slots > 0 && (L->ring || pos < L->slots);
+           L->down.k == inter && L->down.n == hidden && L->slots > 0 && (L->ring || pos < L->slots) &&
+           (L->qscheme == 0 || (L->ring && pos >= L->sinks && L->block > 0));
+}
+
+/* The slot of position `pos` in layer L's rows: its ring's (past a quantized cache's sinks), or pos itself. */
+static inline int64_t step_slot(const step_layer *L, int64_t pos) {
+    return L->ring ? (pos - (L->qscheme ? L->sinks : 0)) % L->slots : pos;
 }
 
 /* x [hidden] (dtype) becomes the last layer's output; position `pos`'s K/V rows are written to every layer's
@@ -1888,7 +1901,9 @@ static int step_layer_fits(const step_layer *L, int64_t pos, int64_t heads, int6
  * back and x is unchanged, so the step is all or nothing. */
 int infer_decode_step(int dtype, const step_layer *layers, int64_t n_layers, int64_t heads, int64_t kv_heads,
                       int64_t d, int64_t hidden, int64_t inter, float eps, int gemma, int gelu, void *x,
-                      int64_t pos, const void *const *cos, const void *const *sin, int threads) {
+                      int64_t pos, int64_t quantized, const void *const *cos, const void *const *sin, int threads) {
+    /* quantized: how many positions past the sinks a quantized cache's layers hold as codes in this step (the
+     * rest of its stream, this position's included, in the ring) */
     int64_t esize = dtype == F32 ? 4 : 2, qkv_n = (heads + 2 * kv_heads) * d, row = kv_heads * d;
     int64_t act = 2 * inter > qkv_n ? 2 * inter : qkv_n;
     /* scratch in dtype: h, o, x's input (to undo), the products' outputs, act(gate) * up, the attention output;
@@ -1919,18 +1934,30 @@ int infer_decode_step(int dtype, const step_layer *layers, int64_t n_layers, int
         if (L->k_norm) infer_rms_norm(dtype, k, L->k_norm, k, kv_heads, d, eps, gemma);
         infer_rope(dtype, q, cos[L->rope], sin[L->rope], q, heads, d);
         infer_rope(dtype, k, cos[L->rope], sin[L->rope], k, kv_heads, d);
-        int64_t slot = L->ring ? pos % L->slots : pos, start = 0, length = pos + 1;
+        int64_t slot = step_slot(L, pos), start = 0, length = pos + 1;
         if (L->ring) length = pos + 1 < L->slots ? pos + 1 : L->slots;
         else if (L->window > 0 && pos + 1 > L->window) start = pos + 1 - L->window;
         char *keep = undo + l * 2 * row * esize; /* k then v rows: the new ones in, the old ones out */
         memcpy(keep, k, (size_t)(2 * row * esize));
         swap_rows(L, slot, keep, kv_heads, d, esize);
         written++;
-        /* the layer's rows as one staged block of `slots` rows, read from `start` on: keys start .. length - 1 */
-        int64_t table = 0, end = length, first = start;
-        const char *kb = (const char *)L->k + start * d * esize, *vb = (const char *)L->v + start * d * esize;
-        qattn_paged(dtype, Q_INT8, q, NULL, NULL, NULL, NULL, NULL, NULL, kb, vb, &table, &end, &first, attn, 1,
-                    heads, kv_heads, d, L->slots, 1, 0, L->scale, L->softcap, 0, threads, scratch);
+        if (L->qscheme) { /* sinks, codes, then the ring's newest rows: the per-layer path's kernel */
+            if (infer_qattn(dtype, (int)L->qscheme - 1, (int)L->channel_keys, q, L->k_sink, L->v_sink,
+                            (const uint8_t *)L->k_codes, (const uint8_t *)L->v_codes, (const uint16_t *)L->k_scale,
+                            (const uint16_t *)L->v_scale, (const uint16_t *)L->k_offset, (const float *)L->v_rot,
+                            L->k, L->v, attn, 1, heads, kv_heads, d, L->sinks, L->sinks, quantized, L->nq_cap,
+                            L->block, L->scale_rows, pos + 1 - L->sinks - quantized, L->slots, L->scale, L->softcap,
+                            L->window, threads)) {
+                code = -1;
+                break;
+            }
+        } else {
+            /* the layer's rows as one staged block of `slots` rows, read from `start` on: keys start .. length - 1 */
+            int64_t table = 0, end = length, first = start;
+            const char *kb = (const char *)L->k + start * d * esize, *vb = (const char *)L->v + start * d * esize;
+            qattn_paged(dtype, Q_INT8, q, NULL, NULL, NULL, NULL, NULL, NULL, kb, vb, &table, &end, &first, attn, 1,
+                        heads, kv_heads, d, L->slots, 1, 0, L->scale, L->softcap, 0, threads, scratch);
+        }
         if ((code = step_product(dtype, &L->o, attn, o, threads))) break;
         if (L->attn_out) infer_rms_norm(dtype, o, L->attn_out, o, 1, hidden, eps, gemma);
         for (int64_t i = 0; i < hidden; i++) store_scalar(dtype, x, i, load_scalar(dtype, x, i) + load_scalar(dtype, o, i));
@@ -1948,7 +1975,7 @@ int infer_decode_step(int dtype, const step_layer *layers, int64_t n_layers, int
     if (code) { /* put back what the layers run so far overwrote */
         for (int64_t l = 0; l < written; l++) {
             const step_layer *L = layers + l;
-            swap_rows(L, L->ring ? pos % L->slots : pos, undo + l * 2 * row * esize, kv_heads, d, esize);
+            swap_rows(L, step_slot(L, pos), undo + l * 2 * row * esize, kv_heads, d, esize);
         }
         if (saved) memcpy(x, x0, (size_t)(hidden * esize));
     }

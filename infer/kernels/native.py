@@ -64,7 +64,11 @@ class StepLayer(ctypes.Structure):
                 *((name, ctypes.c_void_p) for name in ("attn_in", "attn_out", "mlp_in", "mlp_out", "q_norm", "k_norm",
                                                        "k", "v")),
                 ("slots", ctypes.c_int64), ("ring", ctypes.c_int64), ("window", ctypes.c_int64),
-                ("rope", ctypes.c_int64), ("scale", ctypes.c_float), ("softcap", ctypes.c_float)]
+                ("rope", ctypes.c_int64), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
+                *((name, ctypes.c_int64) for name in ("qscheme", "channel_keys", "sinks", "nq_cap", "block",
+                                                      "scale_rows")),
+                *((name, ctypes.c_void_p) for name in ("k_sink", "v_sink", "k_codes", "v_codes", "k_scale", "v_scale",
+                                                       "k_offset", "v_rot"))]
 
 
 class NativeKernels:
@@ -103,10 +107,11 @@ class NativeKernels:
                                        + [ctypes.c_int] + [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int])
         lib.infer_qdequant.restype = ctypes.c_int
         self._qgemv, self._qdequant = lib.infer_qgemv, lib.infer_qdequant
-        # dtype, layers, n_layers, heads, kv_heads, d, hidden, inter, eps, gemma, gelu, x, pos, cos, sin, threads
+        # dtype, layers, n_layers, heads, kv_heads, d, hidden, inter, eps, gemma, gelu, x, pos, quantized, cos, sin,
+        # threads
         step_args: list[Any] = [ctypes.c_int, ctypes.POINTER(StepLayer), *[ctypes.c_int64] * 6, ctypes.c_float,
-                                ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                ctypes.c_void_p, ctypes.c_int]
+                                ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         lib.infer_decode_step.argtypes = step_args
         lib.infer_decode_step.restype = ctypes.c_int
         self._decode_step = lib.infer_decode_step
@@ -340,14 +345,16 @@ class NativeKernels:
 
     def decode_step(self, layers: ctypes.Array[StepLayer], shape: tuple[int, int, int, int, int], eps: float,
                     gemma: bool, gelu: bool, x: torch.Tensor, position: int, cos: ctypes.Array[ctypes.c_void_p],
-                    sin: ctypes.Array[ctypes.c_void_p]) -> None:
+                    sin: ctypes.Array[ctypes.c_void_p], quantized: int = 0) -> None:
         """Every decoder layer of a one-token step of one sequence in one call (cpu_decode.c's infer_decode_step):
         `x` (contiguous, `hidden` values) becomes the last layer's output and each layer's cache rows get this
         position's K/V. `shape`: heads, KV heads, head size, hidden size, MLP size; `cos`, `sin`: pointers to
-        each rope table's row. All or nothing: on an error x and the caches are as they were."""
+        each rope table's row; `quantized`: the positions a quantized cache's layers hold as codes in this step.
+        All or nothing: on an error x and the caches are as they were."""
         heads, kv_heads, d, hidden, inter = shape
         code = self._decode_step(DTYPE_CODES[x.dtype], layers, len(layers), heads, kv_heads, d, hidden, inter, eps,
-                                 int(gemma), int(gelu), x.data_ptr(), position, cos, sin, torch.get_num_threads())
+                                 int(gemma), int(gelu), x.data_ptr(), position, quantized, cos, sin,
+                                 torch.get_num_threads())
         if code == -1:
             raise MemoryError("the native decode step could not allocate its scratch buffers")
         if code:

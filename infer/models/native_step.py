@@ -10,15 +10,18 @@ cache; the embedding, the final norm and the LM head stay in Python.
 
 Taken only where it applies (`Transformer._native_step_for`): the native small ops' step (one token, one sequence, the
 native GEMV; `Transformer.native_ops`), every projection on the native kernel, and a cache that stores each
-layer's K/V rows in place (`layer_rows`: the contiguous and sliding kinds). Anything else runs the per-op
-path, which stays the check (`Transformer.native_step = False`).
+layer's K/V rows in place (`layer_rows`: the contiguous and sliding kinds), or a quantized cache read by the native
+kernel whose step only writes its exact ring (`native_step_codes`: not the steps that write a sink or fill a key
+block, which quantize in PyTorch); that cache's layers attend with infer_qattn, the per-layer path's kernel, so its
+steps equal that path's bit for bit. Anything else runs the per-op path, which stays the check
+(`Transformer.native_step = False`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import weakref
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -26,6 +29,7 @@ from infer.config import ModelConfig
 from infer.kernels.native import QFORMATS, SCALE_CODES, NativeKernels, StepLayer, StepProj
 
 QUANTIZED_KINDS = {"q8": 1, "q4": 2, "q6": 3}  # QuantizedWeight.kernel_args' format -> step_proj.kind (0: dense)
+QSCHEMES = {"int8": 0, "int4": 1, "fp4": 2}  # a quantized cache's scheme -> cpu_decode.c's Q_INT8, Q_INT4, Q_FP4
 
 
 class RowsCache(Protocol):
@@ -37,6 +41,23 @@ class RowsCache(Protocol):
 
     def layer_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """Layer `layer`'s K and V storage `[B, Hkv, slots, D]` and whether it is a ring."""
+        ...
+
+
+@runtime_checkable
+class CodesCache(Protocol):
+    """A quantized cache (infer/cache/quantized.py) whose one-token steps the whole-step call can take."""
+
+    batch_size: int
+    max_seq_len: int
+    offset: int
+
+    def native_step_codes(self) -> int | None:
+        """The positions read as codes by a one-token step now, or None where it must run layer by layer."""
+        ...
+
+    def layer_codes(self, layer: int) -> Any:
+        """Layer `layer`'s storage (`QuantizedLayerRows`)."""
         ...
 
 
@@ -127,15 +148,42 @@ class NativeStep:
         desc.window, desc.rope = attn.window or 0, self.rope_types.index(attn.layer_type)
         desc.scale, desc.softcap = attn.scale, attn.softcap or 0.0
 
-    def bind(self, cache: RowsCache) -> bool:
+    def bind(self, cache: RowsCache | CodesCache) -> bool:
         """Point every layer at `cache`'s rows (once per cache); False where its storage cannot be taken."""
         if self._cache is not None and self._cache() is cache:
             return True
+        if isinstance(cache, CodesCache):
+            return self._bind_codes(cache)
         rows = [cache.layer_rows(i) for i in range(len(self.layers))]
         if any(k.dtype != self.dtype or not k.is_contiguous() or not v.is_contiguous() for k, v, _ in rows):
             return False
         for desc, (k, v, ring) in zip(self.layers, rows, strict=True):
             desc.k, desc.v, desc.slots, desc.ring = k.data_ptr(), v.data_ptr(), k.shape[2], int(ring)
+            desc.qscheme = 0  # exact rows (where a quantized cache bound before set a scheme)
+        self._cache = weakref.ref(cache)
+        return True
+
+    def _bind_codes(self, cache: CodesCache) -> bool:
+        """A quantized cache's layers: the step writes its row into the exact ring and attends with infer_qattn."""
+        layers = [cache.layer_codes(i) for i in range(len(self.layers))]
+        for rows in layers:
+            parts = [rows.k_ring, rows.v_ring, rows.k_sink, rows.v_sink, rows.k_codes, rows.v_codes, rows.k_scale,
+                     rows.v_scale, *([] if rows.k_offset is None else [rows.k_offset]),
+                     *([] if rows.rotation is None else [rows.rotation])]
+            if rows.k_ring.dtype != self.dtype or not all(t.is_contiguous() for t in parts) or (
+                    rows.rotation is not None and rows.rotation.dtype != torch.float32):
+                return False
+        for desc, rows in zip(self.layers, layers, strict=True):
+            desc.k, desc.v, desc.slots, desc.ring = rows.k_ring.data_ptr(), rows.v_ring.data_ptr(), \
+                rows.k_ring.shape[1], 1
+            desc.qscheme, desc.channel_keys = 1 + QSCHEMES[rows.scheme], int(rows.channel_keys)
+            desc.sinks, desc.nq_cap, desc.block = rows.sinks, rows.k_codes.shape[1], rows.block
+            desc.scale_rows = rows.k_scale.shape[1]
+            desc.k_sink, desc.v_sink = rows.k_sink.data_ptr(), rows.v_sink.data_ptr()
+            desc.k_codes, desc.v_codes = rows.k_codes.data_ptr(), rows.v_codes.data_ptr()
+            desc.k_scale, desc.v_scale = rows.k_scale.data_ptr(), rows.v_scale.data_ptr()
+            desc.k_offset = None if rows.k_offset is None else rows.k_offset.data_ptr()
+            desc.v_rot = None if rows.rotation is None else rows.rotation.data_ptr()
         self._cache = weakref.ref(cache)
         return True
 
@@ -146,11 +194,18 @@ class NativeStep:
         if cache is None:
             raise RuntimeError("a native step runs after bind(cache), while that cache lives")
         position = cache.offset
+        quantized = 0
+        if isinstance(cache, CodesCache):
+            codes = cache.native_step_codes()
+            if codes is None:
+                raise RuntimeError("this step of the quantized cache runs layer by layer (native_step_codes)")
+            quantized = codes
         x = x.contiguous()
         tables = [(rope[lt][0].contiguous(), rope[lt][1].contiguous()) for lt in self.rope_types]
         cos = (ctypes.c_void_p * len(tables))(*(c.data_ptr() for c, _ in tables))
         sin = (ctypes.c_void_p * len(tables))(*(s.data_ptr() for _, s in tables))
-        self.kernels.decode_step(self.layers, self.shape, self.eps, self.gemma, self.gelu, x, position, cos, sin)
+        self.kernels.decode_step(self.layers, self.shape, self.eps, self.gemma, self.gelu, x, position, cos, sin,
+                                 quantized)
         return x
 
 

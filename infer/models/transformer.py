@@ -32,7 +32,7 @@ from infer.families import FAMILIES
 from infer.kernels import triton_available
 from infer.kernels.native import NativeKernels, native_gemv, native_kernels, unavailable_reason
 from infer.memory import empty_on_huge_pages
-from infer.models.native_step import NativeStep, RowsCache, takes_model
+from infer.models.native_step import CodesCache, NativeStep, RowsCache, takes_model
 from infer.quant_weights import QuantizedWeight, concat_rows
 from infer.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from infer.tensor_parallel import Shards
@@ -774,22 +774,27 @@ class Transformer(nn.Module):
 
     def _native_step_for(self, backend: AttentionBackend, kernels: StepKernels) -> NativeStep | None:
         """The whole-step native call for this forward, or None for the per-op path: a step that runs native small
-        ops (`step_kernels`), no reference or in-cache attention, one sequence over a cache with room whose rows
-        a kernel can take in place (`layer_rows`), every projection on the native kernel."""
+        ops (`step_kernels`), no reference attention, one sequence over a cache with room whose rows a kernel can
+        take in place (`layer_rows`, no in-cache attention) or a quantized cache's step that only writes its ring
+        (`native_step_codes`), every projection on the native kernel."""
         if (not self.native_step or self.tensor_parallel is not None or kernels.native is None or kernels.reference
-                or kernels.in_kernel
                 or not isinstance(backend, CacheBackend)):
             return None
         cache = backend.cache
-        if cache is None or not hasattr(cache, "layer_rows") or cache.batch_size != 1 \
-                or cache.offset >= cache.max_seq_len:
+        if cache is None or cache.batch_size != 1 or cache.offset >= cache.max_seq_len:
+            return None
+        if isinstance(cache, CodesCache):  # a quantized cache: a step that only writes its ring
+            if cache.native_step_codes() is None:
+                return None
+        elif kernels.in_kernel or not hasattr(cache, "layer_rows"):
             return None
         step = self.__dict__["_native_step"]
         if step is None:
             native = kernels.native
             step = NativeStep(self, native) if takes_model(self, native) else False
             self.__dict__["_native_step"] = step
-        return step if step and step.bind(cast(RowsCache, cache)) else None
+        return step if step and step.bind(cache if isinstance(cache, CodesCache) else cast(RowsCache, cache)) \
+            else None
 
     def forget_native_step(self) -> None:
         """Drop the whole-step description (it holds the weights' addresses): rebuilt at the next step. Called
