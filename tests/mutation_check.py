@@ -884,7 +884,7 @@ MUTANTS = [
     Mutant("triton pool kernel: the keys' channel offsets ignored", "infer/kernels/quantized_attention.py",
            "k = k + tl.load(KO + channel, mask=chan_ok, other=0.0).to(tl.float32)[None, :]", "k = k",
            ("tests/test_triton_kernels.py", "tests/property/test_quantized_pool_properties.py")),
-    Mutant("triton pool kernel: the window's first block one late", "infer/kernels/quantized_attention.py",
+    Mutant("triton paged kernels: the window's first block one late", "infer/kernels/paged_attention.py",
            "first = tl.maximum(length - window - start, 0) // BLOCK_SIZE",
            "first = tl.maximum(length - window - start, 0) // BLOCK_SIZE + 1",
            ("tests/test_triton_kernels.py", "tests/property/test_quantized_pool_properties.py")),

@@ -88,15 +88,7 @@ def _paged_decode_split(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    # The sequence's own blocks (from the first its window touches) in num_splits equal runs: each split's
-    # work follows the sequence's length, not the table's width (a padded table, or a longer neighbour).
-    last = tl.cdiv(length, BLOCK_SIZE)
-    first = 0
-    if HAS_WINDOW:  # blocks wholly before the window hold nothing this query sees
-        first = tl.maximum(length - window, 0) // BLOCK_SIZE
-    per_split = tl.cdiv(last - first, num_splits)
-    lo = first + split * per_split
-    hi = tl.minimum(lo + per_split, last)
+    lo, hi = _split_blocks(length, 0, window, num_splits, split, BLOCK_SIZE, HAS_WINDOW)
     for j in range(lo, hi):
         block = tl.load(Tables + b * stride_tb + j).to(tl.int64)
         pos = j * BLOCK_SIZE + offs_n
@@ -110,10 +102,33 @@ def _paged_decode_split(
                     mask=kv_ok, other=0.0).to(tl.float32)
         m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP, PRECISION)
 
-    tl.store(Acc + b * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :], acc,
+    _store_split(Acc, M, L, b, heads, split, acc, m_i, l_i, g_ok, d_ok, offs_d, stride_ab, stride_ah, stride_as,
+                 stride_mb, stride_mh)
+
+
+@triton.jit
+def _split_blocks(length, start, window, num_splits, split, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """The table columns [lo, hi) split `split` of `num_splits` reads: the sequence's own blocks (keys at positions
+    start .. length - 1, from the first block its window touches) in equal runs, so each split's work follows the
+    sequence's length, not the table's width (a padded table, or a longer neighbour)."""
+    last = tl.cdiv(length - start, BLOCK_SIZE)
+    first = 0
+    if HAS_WINDOW:  # blocks wholly before the window hold nothing this query sees
+        first = tl.maximum(length - window - start, 0) // BLOCK_SIZE
+    per_split = tl.cdiv(last - first, num_splits)
+    lo = first + split * per_split
+    return lo, tl.minimum(lo + per_split, last)
+
+
+@triton.jit
+def _store_split(Acc, M, L, b, heads, slot, acc, m_i, l_i, g_ok, d_ok, offs_d, stride_ab, stride_ah, stride_as,
+                 stride_mb, stride_mh):
+    """One program's online-softmax state (weighted values, running max, sum) into split `slot` of the combine's
+    inputs, for the query heads `heads` of sequence b."""
+    tl.store(Acc + b * stride_ab + heads[:, None] * stride_ah + slot * stride_as + offs_d[None, :], acc,
              mask=g_ok[:, None] & d_ok[None, :])
-    tl.store(M + b * stride_mb + heads * stride_mh + split, m_i, mask=g_ok)
-    tl.store(L + b * stride_mb + heads * stride_mh + split, l_i, mask=g_ok)
+    tl.store(M + b * stride_mb + heads * stride_mh + slot, m_i, mask=g_ok)
+    tl.store(L + b * stride_mb + heads * stride_mh + slot, l_i, mask=g_ok)
 
 
 # Positions per program iteration when the kernel reads a contiguous cache (contiguous_decode_attention).

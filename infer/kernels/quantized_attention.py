@@ -24,7 +24,14 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.kernels.paged_attention import _attend_tile, _load_query_group, _pow2, combine_splits_triton
+from infer.kernels.paged_attention import (
+    _attend_tile,
+    _load_query_group,
+    _pow2,
+    _split_blocks,
+    _store_split,
+    combine_splits_triton,
+)
 
 SCHEME_CODES = {"int8": 0, "int4": 1, "fp4": 2, "none": 3}
 
@@ -110,11 +117,8 @@ def _quantized_decode_split(
             v = v * v_scale[:, None]
         m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP, PRECISION)
 
-    slot = split_base + split
-    tl.store(Acc + b * stride_ab + heads[:, None] * stride_ah + slot * stride_as + offs_d[None, :], acc,
-             mask=g_ok[:, None] & d_ok[None, :])
-    tl.store(M + b * stride_mb + heads * stride_mh + slot, m_i, mask=g_ok)
-    tl.store(L + b * stride_mb + heads * stride_mh + slot, l_i, mask=g_ok)
+    _store_split(Acc, M, L, b, heads, split_base + split, acc, m_i, l_i, g_ok, d_ok, offs_d, stride_ab, stride_ah,
+                 stride_as, stride_mb, stride_mh)
 
 
 def quantized_decode_attention(
@@ -244,13 +248,7 @@ def _quantized_paged_split(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    last = tl.cdiv(length - start, BLOCK_SIZE)
-    first = 0
-    if HAS_WINDOW:  # blocks wholly before the window hold nothing this query sees
-        first = tl.maximum(length - window - start, 0) // BLOCK_SIZE
-    per_split = tl.cdiv(last - first, num_splits)
-    lo = first + split * per_split
-    hi = tl.minimum(lo + per_split, last)
+    lo, hi = _split_blocks(length, start, window, num_splits, split, BLOCK_SIZE, HAS_WINDOW)
     for j in range(lo, hi):
         entry = tl.load(Tables + b * stride_tb + j).to(tl.int64)
         # Both sources addressed, one read: the other's loads are masked off (the flags as vectors, which the
@@ -290,10 +288,8 @@ def _quantized_paged_split(
         v = tl.where(staged[:, None], v_exact, v)
         m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP, PRECISION)
 
-    tl.store(Acc + b * stride_ab + heads[:, None] * stride_ah + split * stride_as + offs_d[None, :], acc,
-             mask=g_ok[:, None] & d_ok[None, :])
-    tl.store(M + b * stride_mb + heads * stride_mh + split, m_i, mask=g_ok)
-    tl.store(L + b * stride_mb + heads * stride_mh + split, l_i, mask=g_ok)
+    _store_split(Acc, M, L, b, heads, split, acc, m_i, l_i, g_ok, d_ok, offs_d, stride_ab, stride_ah, stride_as,
+                 stride_mb, stride_mh)
 
 
 def quantized_paged_decode_attention(
