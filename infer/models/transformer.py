@@ -32,7 +32,7 @@ from infer.families import FAMILIES
 from infer.kernels import triton_available
 from infer.kernels.native import NativeKernels, native_gemv, native_kernels, unavailable_reason
 from infer.memory import empty_on_huge_pages
-from infer.models.native_step import CodesCache, NativeStep, RowsCache, takes_model
+from infer.models.native_step import NativeStep, codes_cache, takes_model
 from infer.quant_weights import QuantizedWeight, concat_rows
 from infer.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from infer.tensor_parallel import Shards
@@ -783,8 +783,9 @@ class Transformer(nn.Module):
         cache = backend.cache
         if cache is None or cache.batch_size != 1 or cache.offset >= cache.max_seq_len:
             return None
-        if isinstance(cache, CodesCache):  # a quantized cache: a step that only writes its ring
-            if cache.native_step_codes() is None:
+        codes = codes_cache(cache)
+        if codes is not None:  # a quantized cache: a step that only writes its ring
+            if codes.native_step_codes() is None:
                 return None
         elif kernels.in_kernel or not hasattr(cache, "layer_rows"):
             return None
@@ -793,8 +794,7 @@ class Transformer(nn.Module):
             native = kernels.native
             step = NativeStep(self, native) if takes_model(self, native) else False
             self.__dict__["_native_step"] = step
-        return step if step and step.bind(cache if isinstance(cache, CodesCache) else cast(RowsCache, cache)) \
-            else None
+        return step if step and step.bind(cache) else None
 
     def forget_native_step(self) -> None:
         """Drop the whole-step description (it holds the weights' addresses): rebuilt at the next step. Called
