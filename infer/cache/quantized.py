@@ -71,7 +71,7 @@ DEFAULT_SINK_TOKENS = 4
 # The registered kinds centre each key channel within its block (keys after RoPE sit off-centre): the 4-bit kinds
 # over blocks of 32 (int4 prose top-1 0.942 -> 0.978, KL 0.011 -> 0.003, for 0.5 more bits per key), int8 over blocks
 # of 64, where a scale and an offset cost what a scale per 32 tokens did (mean KL 3.3e-5 -> 1.1e-5 on prose, 6.4e-5
-# -> 2.2e-5 on code; the exact ring grows to 63 tokens: 0.528x -> 0.532x the bf16 cache at 4k, 0.527x at 8k).
+# -> 2.4e-5 on code; the exact ring grows to 63 tokens: 0.528x -> 0.532x the bf16 cache at 4k, 0.527x at 8k).
 DEFAULT_KEY_OFFSETS = {"int8": True, "int4": True, "fp4": True}
 DEFAULT_KEY_BLOCK = {"int8": 64, "int4": DEFAULT_RESIDUAL_BLOCK, "fp4": DEFAULT_RESIDUAL_BLOCK}
 # The 4-bit kinds also rotate the values; rotating int8's changed nothing measurable (prose mean KL 3.2e-5 either way).
