@@ -194,20 +194,15 @@ class NativeStep:
         self._cache = weakref.ref(cache)
         return True
 
-    def __call__(self, x: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                 quantized: int = 0) -> torch.Tensor:
         """The hidden state `[1, 1, hidden]` after every layer at the bound cache's next position, whose K/V it
-        writes there."""
+        writes there; `quantized`: a quantized cache's positions read as codes in this step (its
+        `native_step_codes()`, which the caller checked is not None)."""
         cache = None if self._cache is None else self._cache()
         if cache is None:
             raise RuntimeError("a native step runs after bind(cache), while that cache lives")
         position = cache.offset
-        quantized = 0
-        codes = codes_cache(cache)
-        if codes is not None:
-            held = codes.native_step_codes()
-            if held is None:
-                raise RuntimeError("this step of the quantized cache runs layer by layer (native_step_codes)")
-            quantized = held
         x = x.contiguous()
         tables = [(rope[lt][0].contiguous(), rope[lt][1].contiguous()) for lt in self.rope_types]
         cos = (ctypes.c_void_p * len(tables))(*(c.data_ptr() for c, _ in tables))

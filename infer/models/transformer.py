@@ -732,10 +732,10 @@ class Transformer(nn.Module):
         rope = {lt: rope_cos_sin(self._inv_freq_on(lt, input_ids.device), backend.positions, x.dtype)
                 for lt in self.inv_freq}
         ctx = StepContext(rope, backend, kernels)
-        whole = self._native_step_for(backend, kernels)
+        whole = self._native_step_for(backend, kernels)  # (the step, positions read as codes) or None
         try:
             if whole is not None:
-                x = whole(x, rope)
+                x = whole[0](x, rope, whole[1])
             else:
                 with sdpa_backends(x.device, self.cudnn_attention):
                     for layer in self.layers:
@@ -772,21 +772,24 @@ class Transformer(nn.Module):
         in_kernel = backend.attends_in_kernel and input_ids.shape[1] == 1 and not reference
         return StepKernels(native, reference, self.compute_dtype, in_kernel)
 
-    def _native_step_for(self, backend: AttentionBackend, kernels: StepKernels) -> NativeStep | None:
-        """The whole-step native call for this forward, or None for the per-op path: a step that runs native small
-        ops (`step_kernels`), no reference attention, one sequence over a cache with room whose rows a kernel can
-        take in place (`layer_rows`, no in-cache attention) or a quantized cache's step that only writes its ring
-        (`native_step_codes`), every projection on the native kernel."""
+    def _native_step_for(self, backend: AttentionBackend, kernels: StepKernels) -> tuple[NativeStep, int] | None:
+        """The whole-step native call for this forward and the positions it reads as codes (0 but for a quantized
+        cache), or None for the per-op path: a step that runs native small ops (`step_kernels`), no reference
+        attention, one sequence over a cache with room whose rows a kernel can take in place (`layer_rows`, no
+        in-cache attention) or a quantized cache's step that only writes its ring (`native_step_codes`), every
+        projection on the native kernel."""
         if (not self.native_step or self.tensor_parallel is not None or kernels.native is None or kernels.reference
                 or not isinstance(backend, CacheBackend)):
             return None
         cache = backend.cache
         if cache is None or cache.batch_size != 1 or cache.offset >= cache.max_seq_len:
             return None
-        codes = codes_cache(cache)
+        codes, quantized = codes_cache(cache), 0
         if codes is not None:  # a quantized cache: a step that only writes its ring
-            if codes.native_step_codes() is None:
+            held = codes.native_step_codes()
+            if held is None:
                 return None
+            quantized = held
         elif kernels.in_kernel or not hasattr(cache, "layer_rows"):
             return None
         step = self.__dict__["_native_step"]
@@ -794,7 +797,7 @@ class Transformer(nn.Module):
             native = kernels.native
             step = NativeStep(self, native) if takes_model(self, native) else False
             self.__dict__["_native_step"] = step
-        return step if step and step.bind(cache) else None
+        return (step, quantized) if step and step.bind(cache) else None
 
     def forget_native_step(self) -> None:
         """Drop the whole-step description (it holds the weights' addresses): rebuilt at the next step. Called
