@@ -40,6 +40,7 @@ def layouts(draw: st.DrawFn) -> dict[str, Any]:
         "sink_tokens": draw(st.integers(0, 4)),
         "residual_window": draw(st.integers(0, 6)),
         "residual_block": draw(st.integers(1, 8) | st.sampled_from([16, 32])),  # 16+: whole tiles of 16 keys
+        "value_block": draw(st.none() | st.integers(1, 8) | st.just(16)),  # values aging on their own count
         "batch": draw(st.integers(1, 2)),
         "kv_heads": kv_heads,
         "heads": kv_heads * draw(st.integers(1, 3)),
@@ -61,7 +62,8 @@ def filled(p: dict[str, Any], dtype: torch.dtype, attention: str, seed: int = 0,
     cache = QuantizedCache(config, max_seq_len=p["length"] + 1, batch_size=p["batch"], dtype=dtype,
                            scheme=p["scheme"], key_scales=p["key_scales"], sink_tokens=p["sink_tokens"],
                            residual_window=p["residual_window"], residual_block=p["residual_block"],
-                           key_offsets=p["key_offsets"], rotate_values=p["rotate_values"], attention=attention)
+                           key_offsets=p["key_offsets"], rotate_values=p["rotate_values"], attention=attention,
+                           value_block=p.get("value_block"))
     gen = torch.Generator().manual_seed(seed)
     done = 0
     while done < p["length"]:  # a prefill, then chunks: the ring wraps and blocks age out on the way
@@ -189,12 +191,14 @@ REGISTERED = {"key_scales": "channel", "key_offsets": True, "rotate_values": Tru
 
 @needs_build
 @pytest.mark.parametrize("tiles", [True, False])
-@pytest.mark.parametrize("block", [32, 5])
+@pytest.mark.parametrize(("block", "value_block"), [(32, None), (5, None), (32, 16)])
 @pytest.mark.parametrize("scheme", ["int8", "int4", "fp4"])
-def test_the_registered_layout_through_both_scoring_paths(scheme: str, block: int, tiles: bool) -> None:
+def test_the_registered_layout_through_both_scoring_paths(scheme: str, block: int, value_block: int | None,
+                                                          tiles: bool) -> None:
     """Whatever Hypothesis draws: the 4-bit kinds' layout (offsets, rotated values, sinks, a window) at head_dim 64
-    scored 16 keys at a time and one at a time, blocks that hold whole tiles and blocks that do not."""
-    p = {**REGISTERED, "scheme": scheme, "residual_block": block}
+    scored 16 keys at a time and one at a time, blocks that hold whole tiles and blocks that do not, values aging
+    with their keys or on their own (int8's blocks of 16 under keys' of 32)."""
+    p = {**REGISTERED, "scheme": scheme, "residual_block": block, "value_block": value_block}
     reference = filled(p, torch.float32, "dequantize")
     cache = copy.deepcopy(reference)
     cache.attention = "native"

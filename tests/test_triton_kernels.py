@@ -203,6 +203,8 @@ def test_a_wider_padded_table_changes_nothing(p: dict, extra: int) -> None:
 def quantized_problems(draw: st.DrawFn) -> dict:
     length = draw(st.integers(1, 70))
     quantized = draw(st.integers(0, length))
+    # values may age on their own count, with their own ring (int8's values in blocks of 16 under keys' of 64)
+    v_quantized = draw(st.just(quantized) | st.integers(0, length))
     return {
         "scheme": draw(st.sampled_from(["int8", "int4", "fp4"])),
         "batch": draw(st.integers(1, 3)), "kv_heads": draw(st.integers(1, 3)),
@@ -210,6 +212,8 @@ def quantized_problems(draw: st.DrawFn) -> dict:
         "length": length, "quantized": quantized,
         # the ring holds at least the unquantized tail; 0 slots when there is none
         "ring": 0 if quantized == length else draw(st.integers(length - quantized, length - quantized + 4)),
+        "v_quantized": v_quantized,
+        "v_ring": 0 if v_quantized == length else draw(st.integers(length - v_quantized, length - v_quantized + 4)),
         "window": draw(st.none() | st.integers(1, 20)),
         "softcap": draw(st.none() | st.sampled_from([5.0, 30.0])),
         "tile": draw(st.sampled_from([16, 32])), "tiles_per_split": draw(st.none() | st.integers(1, 3)),
@@ -226,11 +230,12 @@ def build_quantized(p: dict, dtype: torch.dtype) -> tuple:
     dequantize = {"int8": quant.dequantize_int8, "int4": quant.dequantize_int4,
                   "fp4": quant.dequantize_fp4}[p["scheme"]]
     gen = torch.Generator().manual_seed(p["seed"])
-    B, Hkv, D, n, nq, R = p["batch"], p["kv_heads"], p["head_dim"], p["length"], p["quantized"], p["ring"]
+    B, Hkv, D, n = p["batch"], p["kv_heads"], p["head_dim"], p["length"]
     k_true, v_true = (torch.randn(B, Hkv, n, D, generator=gen) for _ in range(2))
     spare = 3  # code rows past the quantized ones
     codes, scales, recents, values = [], [], [], []
-    for x in (k_true, v_true):
+    counts = ((p["quantized"], p["ring"]), (p.get("v_quantized", p["quantized"]), p.get("v_ring", p["ring"])))
+    for x, (nq, R) in zip((k_true, v_true), counts, strict=True):
         c, s = quantize(torch.cat((x[:, :, :nq], torch.randn(B, Hkv, spare, D, generator=gen)), 2))
         s[:, :, nq:] = float("nan")
         ring = torch.full((B, Hkv, R, D), float("nan"))
@@ -263,7 +268,8 @@ def test_quantized_decode_attention_equals_the_dequantized_formula(p: dict) -> N
         scale = p["head_dim"] ** -0.5
         lengths = torch.full((p["batch"],), p["length"], device=DEVICE)
         out = quantized_decode_attention(q, codes, scales, recent, lengths, p["quantized"], p["scheme"], scale,
-                                         p["softcap"], p["window"], p["tile"], p["tiles_per_split"])
+                                         p["softcap"], p["window"], p["tile"], p["tiles_per_split"],
+                                         value_quantized=p["v_quantized"])
         assert out.dtype == dtype and out.shape == q.shape
         assert not out.isnan().any(), "a NaN scale or ring slot no position owns reached the output"
         expected = quantized_reference(q, keys, values, scale, p["softcap"], p["window"])

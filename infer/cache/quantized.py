@@ -18,7 +18,9 @@ After the sinks the tokens form a stream. With `residual_window=N` the newest to
 small ring buffer and are quantized a block at a time as they age: after `n` stream tokens the oldest
 `num_quantized(n) = block * floor((n - N) / block)` are quantized (0 while n <= N), so between N and
 N + block - 1 of the newest tokens are exact. `residual_window=0` quantizes every token on arrival, except that keys
-scaled by channel wait for their block to fill (up to block - 1 newest tokens exact).
+scaled by channel wait for their block to fill (up to block - 1 newest tokens exact). Values, scaled per row, need
+no block: they age on their own count, in blocks of `value_block` (default: the keys' block) past the window, with
+their own ring (int8 takes blocks of 16 against its keys' 64, so its ring of exact values is a quarter as long).
 
 `update` ages tokens out of the ring as it writes, so call it once per layer per step, then
 `advance` (the model's calling pattern); a second `update` of a layer before `advance` is not
@@ -74,6 +76,10 @@ DEFAULT_SINK_TOKENS = 4
 # -> 2.4e-5 on code; the exact ring grows to 63 tokens: 0.528x -> 0.532x the bf16 cache at 4k, 0.527x at 8k).
 DEFAULT_KEY_OFFSETS = {"int8": True, "int4": True, "fp4": True}
 DEFAULT_KEY_BLOCK = {"int8": 64, "int4": DEFAULT_RESIDUAL_BLOCK, "fp4": DEFAULT_RESIDUAL_BLOCK}
+# int8's values leave the exact ring 16 at a time, not with their keys' blocks of 64 (a value row's scale needs no
+# block): 0.532x -> 0.529x the bf16 cache at 4k, at the cost of one step in 16 (not 64) running layer by layer. The
+# 4-bit kinds' values age with their keys (the quality study's layout, values exact for the newest 16-46 tokens).
+DEFAULT_VALUE_BLOCK = {"int8": 16, "int4": DEFAULT_RESIDUAL_BLOCK, "fp4": DEFAULT_RESIDUAL_BLOCK}
 # The 4-bit kinds also rotate the values; rotating int8's changed nothing measurable (prose mean KL 3.2e-5 either way).
 DEFAULT_ROTATE_VALUES = {"int8": False, "int4": True, "fp4": True}
 # and keep the newest 16-46 tokens exact (int4 prose top-1 0.964 -> 0.976): at 4k context on the 1B shapes 0.299x the
@@ -121,6 +127,7 @@ class QuantizedCache:
         sink_tokens: int = 0,
         key_offsets: bool = False,
         rotate_values: bool = False,
+        value_block: int | None = None,
     ) -> None:
         if scheme not in SCHEMES:
             raise ValueError(
@@ -147,6 +154,9 @@ class QuantizedCache:
                 "residual_window must be >= 0 and residual_block >= 1, "
                 f"got {residual_window} and {residual_block}"
             )
+        if value_block is not None and (isinstance(value_block, bool) or not isinstance(value_block, int)
+                                        or value_block < 1):
+            raise ValueError(f"value_block must be an int >= 1 (or None: the keys' block), got {value_block!r}")
         self.attention = _attention_path(attention, resolve_device(device, allow_meta=True))
         self.key_scales = key_scales
         self.key_offsets = key_offsets
@@ -166,32 +176,36 @@ class QuantizedCache:
         # Without a window every token is quantized at once (blocks of one), unless keys take a scale per channel
         # over each block: then the newest tokens of a block not yet full stay exact (KIVI's residual).
         self.residual_block = residual_block if residual_window or key_scales == "channel" else 1
+        # Values never wait longer than their keys (without a window or channel keys, both come on arrival).
+        self.value_block = self.residual_block if value_block is None else min(value_block, self.residual_block)
         self._quantize, self._dequantize = quantize, dequantize
         self._offset = 0
         self._pending = PendingWrites()  # residual-ring writes of the forward in progress
 
         lbh = (config.num_hidden_layers, batch_size, self.num_kv_heads)
         stream = max_seq_len - self.sink_tokens
-        num_slots = self.num_quantized(stream)
+        num_slots, value_slots = self.num_quantized(stream), self.num_values_quantized(stream)
         packed_shape = (*lbh, num_slots, self.head_dim // per_element)
-        # k_data, v_data: [L, B, Hkv, Sq, D or D/2]; k_scale, v_scale: [L, B, Hkv, Sq]
-        # The ring never holds more than N + block - 1 tokens (see num_quantized); position p sits
-        # at slot p % R.
+        value_shape = (*lbh, value_slots, self.head_dim // per_element)
+        # The rings never hold more than N + block - 1 tokens (see num_quantized); stream position p sits
+        # at slot p % R (keys), p % Rv (values).
         self.ring_size = min(residual_window + self.residual_block - 1, stream)
+        self.value_ring_size = min(residual_window + self.value_block - 1, stream)
         scale_shape, recent_shape = (*lbh, num_slots), (*lbh, self.ring_size, self.head_dim)
+        v_recent_shape = (*lbh, self.value_ring_size, self.head_dim)
         # Keys with a scale per channel: one [D] row of scales per block of residual_block tokens.
         k_scale_shape = (*lbh, num_slots // self.residual_block, self.head_dim) if key_scales == "channel" \
             else scale_shape
         k_offset_shape = k_scale_shape if key_offsets else (*lbh, 0, self.head_dim)
-        # k_data, v_data: [L, B, Hkv, Sq, D or D/2]; k_scale, v_scale: [L, B, Hkv, Sq];
-        # k_recent, v_recent: [L, B, Hkv, R, D] in the model dtype
+        # k_data: [L, B, Hkv, Sq, D or D/2], v_data as many rows as values are quantized (Sv); k_scale: [L, B, Hkv,
+        # Sq], v_scale: [L, B, Hkv, Sv]; k_recent: [L, B, Hkv, R, D], v_recent [L, B, Hkv, Rv, D] in the model dtype
         # k_sink, v_sink: [L, B, Hkv, sink_tokens, D] in the model dtype; k_offset as k_scale (empty without)
         sink_shape = (*lbh, self.sink_tokens, self.head_dim)
         (self.k_data, self.v_data, self.k_scale, self.v_scale, self.k_recent, self.v_recent, self.k_sink,
          self.v_sink, self.k_offset) = allocate_zeros(
-            f"an {scheme} cache", device, (packed_shape, storage_dtype), (packed_shape, storage_dtype),
-            (k_scale_shape, quant.SCALE_DTYPE), (scale_shape, quant.SCALE_DTYPE), (recent_shape, dtype),
-            (recent_shape, dtype), (sink_shape, dtype), (sink_shape, dtype), (k_offset_shape, quant.SCALE_DTYPE),
+            f"an {scheme} cache", device, (packed_shape, storage_dtype), (value_shape, storage_dtype),
+            (k_scale_shape, quant.SCALE_DTYPE), ((*lbh, value_slots), quant.SCALE_DTYPE), (recent_shape, dtype),
+            (v_recent_shape, dtype), (sink_shape, dtype), (sink_shape, dtype), (k_offset_shape, quant.SCALE_DTYPE),
         )
 
     @property
@@ -206,10 +220,17 @@ class QuantizedCache:
         return self.attention in ("triton", "native")
 
     def num_quantized(self, num_tokens: int) -> int:
-        """How many of the oldest of `num_tokens` tokens past the sinks are held quantized."""
+        """How many of the oldest of `num_tokens` tokens past the sinks have their keys held quantized."""
+        return self._aged(num_tokens, self.residual_block)
+
+    def num_values_quantized(self, num_tokens: int) -> int:
+        """How many of the oldest of `num_tokens` tokens past the sinks have their values held quantized."""
+        return self._aged(num_tokens, self.value_block)
+
+    def _aged(self, num_tokens: int, block: int) -> int:
+        """The oldest of `num_tokens` stream tokens out of the window, in whole blocks of `block`."""
         if num_tokens <= self.residual_window:
             return 0
-        block = self.residual_block
         return (num_tokens - self.residual_window) // block * block
 
     def key_positions(self, layer: int, q_len: int) -> torch.Tensor:
@@ -221,9 +242,10 @@ class QuantizedCache:
         dequantized, `[B, Hkv, offset + T, D]` in the cache dtype."""
         end = self._store(layer, k, v)
         return (self._read(self.k_data[layer], self.k_scale[layer], self.k_recent[layer], self.k_sink[layer], end,
-                           self.key_scales == "channel", self.k_offset[layer] if self.key_offsets else None),
+                           self.residual_block, self.key_scales == "channel",
+                           self.k_offset[layer] if self.key_offsets else None),
                 self._read(self.v_data[layer], self.v_scale[layer], self.v_recent[layer], self.v_sink[layer], end,
-                           rotation=self.rotation))
+                           self.value_block, rotation=self.rotation))
 
     def decode_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                          softcap: float | None, window: int | None) -> torch.Tensor:
@@ -245,7 +267,8 @@ class QuantizedCache:
             (self.k_recent[layer], self.v_recent[layer]), lengths, self.num_quantized(stream), self.scheme, scale,
             softcap, window, sinks=(self.k_sink[layer], self.v_sink[layer]), num_sinks=end - stream,
             channel_block=self.residual_block if self.key_scales == "channel" else None,
-            key_offsets=self.k_offset[layer] if self.key_offsets else None, value_rotation=self.rotation)
+            key_offsets=self.k_offset[layer] if self.key_offsets else None, value_rotation=self.rotation,
+            value_quantized=self.num_values_quantized(stream))
         return out[:, :, None]
 
     def _native_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -266,20 +289,23 @@ class QuantizedCache:
             (self.k_data[layer], self.v_data[layer]), (self.k_scale[layer], self.v_scale[layer]), quantized,
             self.residual_block, self.scheme, self.key_scales == "channel",
             (self.k_recent[layer], self.v_recent[layer]), stream - quantized, scale, softcap, window,
-            self.k_offset[layer] if self.key_offsets else None, self.rotation)
+            self.k_offset[layer] if self.key_offsets else None, self.rotation, self.num_values_quantized(stream))
         return out[:, :, None]
 
-    def native_step_codes(self) -> int | None:
+    def native_step_codes(self) -> tuple[int, int] | None:
         """For the whole-step native call: how many stream positions a one-token step at the current offset reads
-        as codes, or None where that step runs layer by layer: it writes a sink or fills a block (quantized in
-        PyTorch, as `update` does), the cache holds several sequences, or its attention is not the native kernel.
-        Any other step writes only a ring slot no live token holds, as the per-layer path would."""
+        as key and as value codes, or None where that step runs layer by layer: it writes a sink or fills a key or
+        value block (quantized in PyTorch, as `update` does), the cache holds several sequences, or its attention
+        is not the native kernel. Any other step writes only ring slots no live token holds, as the per-layer path
+        would."""
         if self.attention != "native" or self.batch_size != 1 or not self.sink_tokens <= self._offset < \
-                self.max_seq_len or self.ring_size == 0:
+                self.max_seq_len or self.ring_size == 0 or self.value_ring_size == 0:
             return None
         stream = self._in_stream(self._offset)
-        quantized = self.num_quantized(stream)
-        return quantized if self.num_quantized(stream + 1) == quantized else None
+        keys, values = self.num_quantized(stream), self.num_values_quantized(stream)
+        if self.num_quantized(stream + 1) != keys or self.num_values_quantized(stream + 1) != values:
+            return None
+        return keys, values
 
     def layer_codes(self, layer: int) -> QuantizedLayerRows:
         """Layer `layer`'s storage for the whole-step native call (one sequence: batch dim dropped)."""
@@ -294,8 +320,9 @@ class QuantizedCache:
         """Rows of k_scale holding the scales of `num_quantized` tokens: one per token, or one per block."""
         return num_quantized // self.residual_block if self.key_scales == "channel" else num_quantized
 
-    def _ring_slots(self, first: int, stop: int) -> torch.Tensor:
-        return torch.arange(first, stop, device=self.k_data.device) % max(self.ring_size, 1)
+    def _ring_slots(self, first: int, stop: int, ring: int) -> torch.Tensor:
+        """The slots of stream positions first..stop-1 in a ring of `ring` slots."""
+        return torch.arange(first, stop, device=self.k_data.device) % max(ring, 1)
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
         """Check and write `k`, `v` `[B, Hkv, T, D]` after the cached tokens (the ring writes pending until
@@ -316,9 +343,10 @@ class QuantizedCache:
             k, v = k[:, :, sinks:], v[:, :, sinks:]
         first, stop = self._in_stream(start), self._in_stream(end)
         self._write(self.k_data[layer], self.k_scale[layer], self.k_recent[layer], k, first, stop,
-                    self.key_scales == "channel", self.k_offset[layer] if self.key_offsets else None)
+                    self.residual_block, self.key_scales == "channel",
+                    self.k_offset[layer] if self.key_offsets else None)
         self._write(self.v_data[layer], self.v_scale[layer], self.v_recent[layer], v, first, stop,
-                    rotation=self.rotation)
+                    self.value_block, rotation=self.rotation)
         return end
 
     def _in_stream(self, num_tokens: int) -> int:
@@ -333,22 +361,24 @@ class QuantizedCache:
         x: torch.Tensor,
         start: int,
         end: int,
+        block: int,
         by_channel: bool = False,
         offsets: torch.Tensor | None = None,
         rotation: torch.Tensor | None = None,
     ) -> None:
         """Store one layer's K or V: data [B, Hkv, Sq, Dp], scale [B, Hkv, Sq] (`by_channel`: [B, Hkv,
         Sq / block, D], and `offsets` as many to fill, or None), recent [B, Hkv, R, D], new x [B, Hkv, T, D] for
-        stream positions start..end-1; rows quantized as `x @ rotation` when given."""
-        old_quantized, new_quantized = self.num_quantized(start), self.num_quantized(end)
+        stream positions start..end-1, aging out of the ring in blocks of `block`; rows quantized as
+        `x @ rotation` when given."""
+        old_quantized, new_quantized = self._aged(start, block), self._aged(end, block)
+        ring = recent.shape[2]
         if new_quantized > old_quantized:
             # Positions old_quantized..new_quantized-1 age out: the older ones from the ring (read
             # before the ring is written below), the rest straight from x.
-            from_ring = recent[:, :, self._ring_slots(old_quantized, min(new_quantized, start))]
+            from_ring = recent[:, :, self._ring_slots(old_quantized, min(new_quantized, start), ring)]
             from_x = x[:, :, : max(new_quantized - start, 0)]
             aged = torch.cat((from_ring, from_x.to(recent.dtype)), dim=2)
-            if by_channel:  # whole blocks age together (num_quantized counts blocks): a scale per channel each
-                block = self.residual_block
+            if by_channel:  # whole blocks age together (_aged counts blocks): a scale per channel each
                 B, H, M, D = aged.shape
                 blocks = aged.reshape(B, H, M // block, block, D)
                 centres = None if offsets is None else quant.channel_offsets(blocks)
@@ -365,17 +395,16 @@ class QuantizedCache:
         if end > first_kept:
             # Codes and scales past the committed count are never read, but ring slots may hold live tokens.
             kept = x[:, :, first_kept - start :].to(recent.dtype)
-            self._pending.write(recent, self._ring_slots(first_kept, end), kept)
+            self._pending.write(recent, self._ring_slots(first_kept, end, ring), kept)
 
     def _read(self, data: torch.Tensor, scale: torch.Tensor, recent: torch.Tensor, sinks: torch.Tensor, end: int,
-              by_channel: bool = False, offsets: torch.Tensor | None = None,
+              block: int, by_channel: bool = False, offsets: torch.Tensor | None = None,
               rotation: torch.Tensor | None = None) -> torch.Tensor:
-        """Positions 0..end-1 of one layer's K or V, dequantized (with the keys' `offsets`, rows rotated back by
-        `rotation`): [B, Hkv, end, D] in the cache dtype."""
+        """Positions 0..end-1 of one layer's K or V (aged in blocks of `block`), dequantized (with the keys'
+        `offsets`, rows rotated back by `rotation`): [B, Hkv, end, D] in the cache dtype."""
         stream = self._in_stream(end)
-        quantized = self.num_quantized(stream)
+        quantized = self._aged(stream, block)
         if by_channel:
-            block = self.residual_block
             codes = data[:, :, :quantized]
             blocks = codes.reshape(*codes.shape[:2], quantized // block, block, codes.shape[-1])
             old = quant.dequantize_channels(blocks, scale[:, :, : quantized // block], self.scheme, self.dtype,
@@ -387,7 +416,7 @@ class QuantizedCache:
         else:
             old = self._dequantize(data[:, :, :quantized], scale[:, :, :quantized], self.dtype)
         return torch.cat((sinks[:, :, : min(end, self.sink_tokens)], old,
-                          recent[:, :, self._ring_slots(quantized, stream)]), dim=2)
+                          recent[:, :, self._ring_slots(quantized, stream, recent.shape[2])]), dim=2)
 
     def advance(self, n: int) -> None:
         """Count `n` more tokens as cached (the forward's ring writes are kept)."""
@@ -415,25 +444,25 @@ class QuantizedCache:
         self._pending.undo()  # a forward that stopped part-way is not part of the state
         n = self._offset
         stream = self._in_stream(n)
-        q = self.num_quantized(stream)
-        slots = self._ring_slots(q, stream)
+        q, qv = self.num_quantized(stream), self.num_values_quantized(stream)
         return CacheSnapshot(
             kind=self.scheme,
             offset=n,
             tensors={
                 "k_data": self.k_data[:, :, :, :q].clone(),
-                "v_data": self.v_data[:, :, :, :q].clone(),
+                "v_data": self.v_data[:, :, :, :qv].clone(),
                 "k_scale": self.k_scale[:, :, :, : self._key_scale_rows(q)].clone(),
                 "k_offset": self.k_offset[:, :, :, : self._key_scale_rows(q) if self.key_offsets else 0].clone(),
-                "v_scale": self.v_scale[:, :, :, :q].clone(),
-                "k_recent": self.k_recent[:, :, :, slots].clone(),  # [L, B, Hkv, stream - q, D]
-                "v_recent": self.v_recent[:, :, :, slots].clone(),
+                "v_scale": self.v_scale[:, :, :, :qv].clone(),
+                # [L, B, Hkv, stream - q (or - qv), D]
+                "k_recent": self.k_recent[:, :, :, self._ring_slots(q, stream, self.ring_size)].clone(),
+                "v_recent": self.v_recent[:, :, :, self._ring_slots(qv, stream, self.value_ring_size)].clone(),
                 "k_sink": self.k_sink[:, :, :, : n - stream].clone(),  # [L, B, Hkv, min(n, sink_tokens), D]
                 "v_sink": self.v_sink[:, :, :, : n - stream].clone(),
             },
             meta={"residual_window": self.residual_window, "residual_block": self.residual_block,
                   "key_scales": self.key_scales, "sink_tokens": self.sink_tokens, "key_offsets": self.key_offsets,
-                  "rotate_values": self.rotation is not None},
+                  "rotate_values": self.rotation is not None, "value_block": self.value_block},
         )
 
     def restore(self, snapshot: CacheSnapshot) -> None:
@@ -441,41 +470,43 @@ class QuantizedCache:
         check_snapshot(snapshot, self.scheme, self.max_seq_len)
         layout = (snapshot.meta.get("residual_window"), snapshot.meta.get("residual_block"),
                   snapshot.meta.get("key_scales", "row"), snapshot.meta.get("sink_tokens", 0),
-                  snapshot.meta.get("key_offsets", False), snapshot.meta.get("rotate_values", False))
+                  snapshot.meta.get("key_offsets", False), snapshot.meta.get("rotate_values", False),
+                  snapshot.meta.get("value_block", snapshot.meta.get("residual_block")))
         mine = (self.residual_window, self.residual_block, self.key_scales, self.sink_tokens, self.key_offsets,
-                self.rotation is not None)
+                self.rotation is not None, self.value_block)
         if layout != mine:
             raise ValueError(
                 "the snapshot was taken with residual_window, residual_block, key_scales, sink_tokens, key_offsets, "
-                f"rotate_values = {layout}, "
+                f"rotate_values, value_block = {layout}, "
                 f"this cache has {mine}; restore into a cache built the same way"
             )
         n = snapshot.offset
         stream = self._in_stream(n)
-        q = self.num_quantized(stream)
+        q, qv = self.num_quantized(stream), self.num_values_quantized(stream)
         lbh = tuple(self.k_data.shape[:3])
         data = ((*lbh, q, self.k_data.shape[-1]), self.k_data.dtype)
-        scale = ((*lbh, q), self.k_scale.dtype)
+        v_data = ((*lbh, qv, self.k_data.shape[-1]), self.k_data.dtype)
         k_scale = ((*lbh, self._key_scale_rows(q), self.head_dim), self.k_scale.dtype) \
-            if self.key_scales == "channel" else scale
+            if self.key_scales == "channel" else ((*lbh, q), self.k_scale.dtype)
         recent = ((*lbh, stream - q, self.head_dim), FLOAT)
+        v_recent = ((*lbh, stream - qv, self.head_dim), FLOAT)
         sinks = ((*lbh, n - stream, self.head_dim), FLOAT)
         k_offset = ((*lbh, self._key_scale_rows(q) if self.key_offsets else 0, self.head_dim), self.k_offset.dtype)
-        t = check_snapshot_tensors(snapshot, {"k_data": data, "v_data": data, "k_scale": k_scale, "v_scale": scale,
-                                              "k_offset": k_offset, "k_recent": recent, "v_recent": recent,
+        t = check_snapshot_tensors(snapshot, {"k_data": data, "v_data": v_data, "k_scale": k_scale,
+                                              "v_scale": ((*lbh, qv), self.k_scale.dtype), "k_offset": k_offset,
+                                              "k_recent": recent, "v_recent": v_recent,
                                               "k_sink": sinks, "v_sink": sinks}, self.k_data.device)
         for name in ("k_scale", "v_scale"):  # absmax / qmax: never negative (a negative one flips signs)
             if t[name].numel() and bool((t[name] < 0).any()):
                 raise ValueError(f"snapshot tensor {name!r} holds negative scales: the file is corrupt or edited")
         self._pending.commit()
         self.k_data[:, :, :, :q] = t["k_data"]
-        self.v_data[:, :, :, :q] = t["v_data"]
+        self.v_data[:, :, :, :qv] = t["v_data"]
         self.k_scale[:, :, :, : self._key_scale_rows(q)] = t["k_scale"]
         self.k_offset[:, :, :, : t["k_offset"].shape[3]] = t["k_offset"]
-        self.v_scale[:, :, :, :q] = t["v_scale"]
-        slots = self._ring_slots(q, stream)
-        self.k_recent[:, :, :, slots] = t["k_recent"]
-        self.v_recent[:, :, :, slots] = t["v_recent"]
+        self.v_scale[:, :, :, :qv] = t["v_scale"]
+        self.k_recent[:, :, :, self._ring_slots(q, stream, self.ring_size)] = t["k_recent"]
+        self.v_recent[:, :, :, self._ring_slots(qv, stream, self.value_ring_size)] = t["v_recent"]
         self.k_sink[:, :, :, : n - stream] = t["k_sink"]
         self.v_sink[:, :, :, : n - stream] = t["v_sink"]
         self._offset = n
@@ -518,12 +549,14 @@ def quantized_cache_factory(scheme: str) -> Callable[..., QuantizedCache]:
     def create(config: ModelConfig, *, key_scales: str = DEFAULT_KEY_SCALES, key_offsets: bool | None = None,
                rotate_values: bool | None = None, sink_tokens: int = DEFAULT_SINK_TOKENS,
                residual_window: int = DEFAULT_RESIDUAL_WINDOW[scheme],
-               residual_block: int = DEFAULT_KEY_BLOCK[scheme], **options: Any) -> QuantizedCache:
+               residual_block: int = DEFAULT_KEY_BLOCK[scheme], value_block: int | None = None,
+               **options: Any) -> QuantizedCache:
         # Offsets centre a channel over a block: the default only where keys are scaled by channel.
         offsets = DEFAULT_KEY_OFFSETS[scheme] and key_scales == "channel" if key_offsets is None else key_offsets
         rotate = DEFAULT_ROTATE_VALUES[scheme] if rotate_values is None else rotate_values
+        vblock = DEFAULT_VALUE_BLOCK[scheme] if value_block is None else value_block
         return QuantizedCache(config, scheme=scheme, key_scales=key_scales, key_offsets=offsets,
                               rotate_values=rotate, sink_tokens=sink_tokens, residual_window=residual_window,
-                              residual_block=residual_block, **options)
+                              residual_block=residual_block, value_block=vblock, **options)
 
     return create

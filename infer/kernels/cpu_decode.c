@@ -395,7 +395,8 @@ double infer_read(const void *p, int64_t nbytes, int threads) {
  * The layout of infer/cache/quantized.py: the first `ns` tokens exact (sinks), then `nq` tokens as codes
  * (int8; int4 or FP4 two per byte, element 2i in the low nibble) with values scaled per row and keys per row
  * or per channel over blocks of `block` tokens, then `nr` newest tokens exact in a ring of `ring` slots (stream
- * index s at slot s % ring). Per (sequence, KV head) the G query heads that share it are scored against every key
+ * index s at slot s % ring). Values age on their own count (a row's scale needs no block): the first `nqv` stream
+ * tokens' values are codes (`nqv_cap` rows a sequence and head), the rest exact in a ring of `vring` slots. Per (sequence, KV head) the G query heads that share it are scored against every key
  * row decoded once, in fp32: q.k = sum_d (q_d * channel_scale_d) * code_d (or (q . code) * row_scale); softmax
  * in fp32; values summed as sum_t (p_t * row_scale_t) * code_t. No dequantized copy of the cache is made: each
  * code is read once per step. Keys outside `window` (> 0) of the query's position are skipped, `softcap` (> 0)
@@ -842,8 +843,8 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
                 const uint8_t *k_codes, const uint8_t *v_codes, const uint16_t *k_scale, const uint16_t *v_scale,
                 const uint16_t *k_offset, const float *v_rot, const void *k_recent, const void *v_recent, void *out, int64_t batch, int64_t heads,
                 int64_t kv_heads, int64_t d, int64_t ns, int64_t ns_cap, int64_t nq, int64_t nq_cap,
-                int64_t block, int64_t scale_rows, int64_t nr, int64_t ring, float scale, float softcap,
-                int64_t window, int threads) {
+                int64_t block, int64_t scale_rows, int64_t nr, int64_t ring, int64_t nqv, int64_t nqv_cap,
+                int64_t vring, float scale, float softcap, int64_t window, int threads) {
     int64_t esize = dtype == F32 ? 4 : 2, groups = heads / kv_heads, n = ns + nq + nr;
     int64_t dp = scheme == Q_INT8 ? d : d / 2, qpos = ns_cap + nq + nr - 1;
     int fast = d % 32 == 0; /* whole 32-element chunks: the vector path */
@@ -903,11 +904,11 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
             memset(acc, 0, sizeof(float) * (size_t)(groups * d));
             memset(accp, 0, sizeof(float) * (size_t)(groups * d));
             const char *vs = (const char *)v_sink + bh * ns_cap * d * esize;
-            const char *vr = (const char *)v_recent + bh * ring * d * esize;
-            const uint8_t *vc = v_codes + bh * nq_cap * dp;
+            const char *vr = (const char *)v_recent + bh * vring * d * esize;
+            const uint8_t *vc = v_codes + bh * nqv_cap * dp;
             for (int64_t t = 0; fast && tiles && d <= 256 && t < n;) { /* up to 16 rows of one part at once */
-                int coded = t >= ns && t < ns + nq;
-                int64_t end = t < ns ? ns : coded ? ns + nq : n, rt = end - t < 16 ? end - t : 16;
+                int coded = t >= ns && t < ns + nqv;
+                int64_t end = t < ns ? ns : coded ? ns + nqv : n, rt = end - t < 16 ? end - t : 16;
                 float rs[16];
                 for (int64_t k = 0; k < rt; k++) {
                     float *dst = tile + k * d;
@@ -916,25 +917,25 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
                         load_row(dtype, vs + (t + k) * d * esize, dst, d);
                     } else if (coded) {
                         decode_row(scheme, fast, vc + (t + k - ns) * dp, dst, d);
-                        rs[k] = bf16_to_f32(v_scale[bh * nq_cap + (t + k - ns)]);
+                        rs[k] = bf16_to_f32(v_scale[bh * nqv_cap + (t + k - ns)]);
                     } else {
-                        load_row(dtype, vr + ((t + k - ns) % ring) * d * esize, dst, d);
+                        load_row(dtype, vr + ((t + k - ns) % vring) * d * esize, dst, d);
                     }
                 }
                 add_value_tile(tile, sc, rs, coded ? accp : acc, groups, n, t, rt, d);
                 t += rt;
             }
             for (int64_t t = 0; !(fast && tiles && d <= 256) && t < n; t++) {
-                int coded = t >= ns && t < ns + nq;
+                int coded = t >= ns && t < ns + nqv;
                 if (t < ns) {
                     for (int64_t i = 0; i < d; i++) row[i] = load_scalar(dtype, vs, t * d + i);
                 } else if (coded) {
                     decode_row(scheme, fast, vc + (t - ns) * dp, row, d);
                 } else {
-                    int64_t slot = (t - ns) % ring;
+                    int64_t slot = (t - ns) % vring;
                     for (int64_t i = 0; i < d; i++) row[i] = load_scalar(dtype, vr, slot * d + i);
                 }
-                float rs = coded ? bf16_to_f32(v_scale[bh * nq_cap + (t - ns)]) : 1.f;
+                float rs = coded ? bf16_to_f32(v_scale[bh * nqv_cap + (t - ns)]) : 1.f;
                 add_value_row(coded, fast, row, sc, rs, acc, accp, groups, n, t, d);
             }
             finish_heads(dtype, scheme, fast, v_rot, accp, acc, row, groups, d, out, b * heads + bh % kv_heads * groups);
@@ -1845,10 +1846,10 @@ typedef struct {
     float scale, softcap; /* query scale; attention logit softcap (0: none) */
     /* A quantized cache's layer (infer/cache/quantized.py) where qscheme > 0 (1 + Q_INT8, Q_INT4 or Q_FP4; 0, as
      * a zeroed descriptor has it: exact rows): k, v above
-     * are its exact ring (position p at slot (p - sinks) % slots, a ring); the sinks, codes, scales, key offsets
-     * and value rotation as infer_qattn reads them, nq_cap code rows, keys by channel over blocks of `block` rows
-     * (scale_rows rows of scales) or by row. */
-    int64_t qscheme, channel_keys, sinks, nq_cap, block, scale_rows;
+     * are its exact rings (position p at slot (p - sinks) % slots for keys, % vslots for values); the sinks, codes,
+     * scales, key offsets and value rotation as infer_qattn reads them, nq_cap key and nqv_cap value code rows,
+     * keys by channel over blocks of `block` rows (scale_rows rows of scales) or by row. */
+    int64_t qscheme, channel_keys, sinks, nq_cap, block, scale_rows, vslots, nqv_cap;
     const void *k_sink, *v_sink, *k_codes, *v_codes, *k_scale, *v_scale, *k_offset, *v_rot;
 } step_layer;
 
@@ -1858,11 +1859,22 @@ static int step_product(int dtype, const step_proj *p, const void *x, void *y, i
                        p->bias, y, 1, p->n, p->k, p->group, threads);
 }
 
-/* Layer l's K/V rows at slot `slot` swapped with `keep` [2, Hkv, D]: saved before the write, put back on failure. */
-static void swap_rows(const step_layer *L, int64_t slot, char *keep, int64_t kv_heads, int64_t d, int64_t esize) {
+/* Value rows of layer L: a quantized cache's value ring has its own length. */
+static inline int64_t step_vslots(const step_layer *L) { return L->qscheme ? L->vslots : L->slots; }
+
+/* The slot of position `pos` in layer L's key (or `value`) rows: its ring's (past a quantized cache's sinks), or pos
+ * itself. */
+static inline int64_t step_slot(const step_layer *L, int64_t pos, int value) {
+    return L->ring ? (pos - (L->qscheme ? L->sinks : 0)) % (value ? step_vslots(L) : L->slots) : pos;
+}
+
+/* Layer l's K/V rows of position `pos` swapped with `keep` [2, Hkv, D]: saved before the write, put back on failure. */
+static void swap_rows(const step_layer *L, int64_t pos, char *keep, int64_t kv_heads, int64_t d, int64_t esize) {
     char tmp[1024];
+    int64_t slot = step_slot(L, pos, 0), vslot = step_slot(L, pos, 1);
     for (int64_t g = 0; g < 2 * kv_heads; g++) {
-        char *cache = (char *)(g < kv_heads ? L->k : L->v) + ((g % kv_heads) * L->slots + slot) * d * esize;
+        char *cache = g < kv_heads ? (char *)L->k + ((g % kv_heads) * L->slots + slot) * d * esize
+                                   : (char *)L->v + ((g % kv_heads) * step_vslots(L) + vslot) * d * esize;
         for (int64_t i = 0; i < d * esize; i += (int64_t)sizeof tmp) {
             size_t n = (size_t)(d * esize - i < (int64_t)sizeof tmp ? d * esize - i : (int64_t)sizeof tmp);
             memcpy(tmp, cache + i, n);
@@ -1887,13 +1899,9 @@ static int step_layer_fits(const step_layer *L, int64_t pos, int64_t heads, int6
     }
     return qkv == (heads + 2 * kv_heads) * d && gate_up == 2 * inter && L->o.k == heads * d && L->o.n == hidden &&
            L->down.k == inter && L->down.n == hidden && L->slots > 0 && (L->ring || pos < L->slots) &&
-           (L->qscheme == 0 || (L->ring && pos >= L->sinks && L->block > 0));
+           (L->qscheme == 0 || (L->ring && pos >= L->sinks && L->block > 0 && L->vslots > 0));
 }
 
-/* The slot of position `pos` in layer L's rows: its ring's (past a quantized cache's sinks), or pos itself. */
-static inline int64_t step_slot(const step_layer *L, int64_t pos) {
-    return L->ring ? (pos - (L->qscheme ? L->sinks : 0)) % L->slots : pos;
-}
 
 /* x [hidden] (dtype) becomes the last layer's output; position `pos`'s K/V rows are written to every layer's
  * cache. cos/sin: one row of D per rope table. Returns 0; -1 where memory ran out, -2 where a layer's shapes do
@@ -1901,9 +1909,10 @@ static inline int64_t step_slot(const step_layer *L, int64_t pos) {
  * back and x is unchanged, so the step is all or nothing. */
 int infer_decode_step(int dtype, const step_layer *layers, int64_t n_layers, int64_t heads, int64_t kv_heads,
                       int64_t d, int64_t hidden, int64_t inter, float eps, int gemma, int gelu, void *x,
-                      int64_t pos, int64_t quantized, const void *const *cos, const void *const *sin, int threads) {
-    /* quantized: how many positions past the sinks a quantized cache's layers hold as codes in this step (the
-     * rest of its stream, this position's included, in the ring) */
+                      int64_t pos, int64_t quantized, int64_t vquantized, const void *const *cos,
+                      const void *const *sin, int threads) {
+    /* quantized, vquantized: how many positions past the sinks a quantized cache's layers hold as key and value
+     * codes in this step (the rest of its stream, this position's included, in the rings) */
     int64_t esize = dtype == F32 ? 4 : 2, qkv_n = (heads + 2 * kv_heads) * d, row = kv_heads * d;
     int64_t act = 2 * inter > qkv_n ? 2 * inter : qkv_n;
     /* scratch in dtype: h, o, x's input (to undo), the products' outputs, act(gate) * up, the attention output;
@@ -1934,20 +1943,20 @@ int infer_decode_step(int dtype, const step_layer *layers, int64_t n_layers, int
         if (L->k_norm) infer_rms_norm(dtype, k, L->k_norm, k, kv_heads, d, eps, gemma);
         infer_rope(dtype, q, cos[L->rope], sin[L->rope], q, heads, d);
         infer_rope(dtype, k, cos[L->rope], sin[L->rope], k, kv_heads, d);
-        int64_t slot = step_slot(L, pos), start = 0, length = pos + 1;
+        int64_t start = 0, length = pos + 1;
         if (L->ring) length = pos + 1 < L->slots ? pos + 1 : L->slots;
         else if (L->window > 0 && pos + 1 > L->window) start = pos + 1 - L->window;
         char *keep = undo + l * 2 * row * esize; /* k then v rows: the new ones in, the old ones out */
         memcpy(keep, k, (size_t)(2 * row * esize));
-        swap_rows(L, slot, keep, kv_heads, d, esize);
+        swap_rows(L, pos, keep, kv_heads, d, esize);
         written++;
         if (L->qscheme) { /* sinks, codes, then the ring's newest rows: the per-layer path's kernel */
             if (infer_qattn(dtype, (int)L->qscheme - 1, (int)L->channel_keys, q, L->k_sink, L->v_sink,
                             (const uint8_t *)L->k_codes, (const uint8_t *)L->v_codes, (const uint16_t *)L->k_scale,
                             (const uint16_t *)L->v_scale, (const uint16_t *)L->k_offset, (const float *)L->v_rot,
                             L->k, L->v, attn, 1, heads, kv_heads, d, L->sinks, L->sinks, quantized, L->nq_cap,
-                            L->block, L->scale_rows, pos + 1 - L->sinks - quantized, L->slots, L->scale, L->softcap,
-                            L->window, threads)) {
+                            L->block, L->scale_rows, pos + 1 - L->sinks - quantized, L->slots, vquantized,
+                            L->nqv_cap, L->vslots, L->scale, L->softcap, L->window, threads)) {
                 code = -1;
                 break;
             }
@@ -1975,7 +1984,7 @@ int infer_decode_step(int dtype, const step_layer *layers, int64_t n_layers, int
     if (code) { /* put back what the layers run so far overwrote */
         for (int64_t l = 0; l < written; l++) {
             const step_layer *L = layers + l;
-            swap_rows(L, step_slot(L, pos), undo + l * 2 * row * esize, kv_heads, d, esize);
+            swap_rows(L, pos, undo + l * 2 * row * esize, kv_heads, d, esize);
         }
         if (saved) memcpy(x, x0, (size_t)(hidden * esize));
     }

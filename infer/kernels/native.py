@@ -66,7 +66,7 @@ class StepLayer(ctypes.Structure):
                 ("slots", ctypes.c_int64), ("ring", ctypes.c_int64), ("window", ctypes.c_int64),
                 ("rope", ctypes.c_int64), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
                 *((name, ctypes.c_int64) for name in ("qscheme", "channel_keys", "sinks", "nq_cap", "block",
-                                                      "scale_rows")),
+                                                      "scale_rows", "vslots", "nqv_cap")),
                 *((name, ctypes.c_void_p) for name in ("k_sink", "v_sink", "k_codes", "v_codes", "k_scale", "v_scale",
                                                        "k_offset", "v_rot"))]
 
@@ -89,7 +89,7 @@ class NativeKernels:
         lib.infer_gated.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
         for fn in (lib.infer_rms_norm, lib.infer_rope, lib.infer_gated):
             fn.restype = None
-        lib.infer_qattn.argtypes = ([ctypes.c_int] * 3 + [ctypes.c_void_p] * 12 + [ctypes.c_int64] * 12
+        lib.infer_qattn.argtypes = ([ctypes.c_int] * 3 + [ctypes.c_void_p] * 12 + [ctypes.c_int64] * 15
                                     + [ctypes.c_float] * 2 + [ctypes.c_int64, ctypes.c_int])
         lib.infer_qattn.restype = ctypes.c_int
         self._qattn = lib.infer_qattn
@@ -107,10 +107,10 @@ class NativeKernels:
                                        + [ctypes.c_int] + [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int])
         lib.infer_qdequant.restype = ctypes.c_int
         self._qgemv, self._qdequant = lib.infer_qgemv, lib.infer_qdequant
-        # dtype, layers, n_layers, heads, kv_heads, d, hidden, inter, eps, gemma, gelu, x, pos, quantized, cos, sin,
-        # threads
+        # dtype, layers, n_layers, heads, kv_heads, d, hidden, inter, eps, gemma, gelu, x, pos, quantized,
+        # vquantized, cos, sin, threads
         step_args: list[Any] = [ctypes.c_int, ctypes.POINTER(StepLayer), *[ctypes.c_int64] * 6, ctypes.c_float,
-                                ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                ctypes.c_int, ctypes.c_int, ctypes.c_void_p, *[ctypes.c_int64] * 3,
                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         lib.infer_decode_step.argtypes = step_args
         lib.infer_decode_step.restype = ctypes.c_int
@@ -265,14 +265,16 @@ class NativeKernels:
                             num_quantized: int, block: int, scheme: str, channel_keys: bool,
                             recent: tuple[torch.Tensor, torch.Tensor], num_recent: int, scale: float,
                             softcap: float | None, window: int | None, key_offsets: torch.Tensor | None = None,
-                            value_rotation: torch.Tensor | None = None) -> torch.Tensor:
+                            value_rotation: torch.Tensor | None = None, value_quantized: int | None = None
+                            ) -> torch.Tensor:
         """One query row per head `q` `[B, H, D]` attending over one layer of the quantized cache's layout
         (infer/cache/quantized.py): `num_sinks` exact tokens of `sinks` `[B, Hkv, S0, D]`, `num_quantized` tokens of
         `codes` `[B, Hkv, Sq, D or D/2]` with bf16 `scales` (keys `[B, Hkv, Sq / block, D]` by channel or
         `[B, Hkv, Sq]` by row; values `[B, Hkv, Sq]`) and, keys by channel, bf16 `key_offsets` shaped as their
         scales (or None), value rows stored rotated by `value_rotation` `[D, D]` (symmetric; or None), then
-        `num_recent` exact tokens of the ring `recent` `[B, Hkv, R, D]`. `[B, H, D]` in q's dtype; no dequantized
-        copy of the cache is made."""
+        `num_recent` exact tokens of the ring `recent` `[B, Hkv, R, D]`. Values may age on their own count:
+        `value_quantized` (default `num_quantized`) of them are codes, the rest exact in `recent[1]` (its own ring
+        length). `[B, H, D]` in q's dtype; no dequantized copy of the cache is made."""
         scheme_code = {"int8": 0, "int4": 1, "fp4": 2}[scheme]
         q = _dense(q.to(sinks[0].dtype))
         parts = [_dense(t) for t in (*sinks, *codes, *scales, *recent)]
@@ -292,7 +294,9 @@ class NativeKernels:
                        None if rotation is None else rotation.data_ptr(), k_recent.data_ptr(), v_recent.data_ptr(),
                        out.data_ptr(), B, H,
                        k_codes.shape[1], D, num_sinks, k_sink.shape[2], num_quantized, k_codes.shape[2], block,
-                       k_scale.shape[2], num_recent, max(k_recent.shape[2], 1), scale, softcap or 0.0, window or 0,
+                       k_scale.shape[2], num_recent, max(k_recent.shape[2], 1),
+                       num_quantized if value_quantized is None else value_quantized, v_codes.shape[2],
+                       max(v_recent.shape[2], 1), scale, softcap or 0.0, window or 0,
                        torch.get_num_threads()):
             raise MemoryError("the native quantized attention could not allocate its score buffers")
         return out
@@ -345,15 +349,16 @@ class NativeKernels:
 
     def decode_step(self, layers: ctypes.Array[StepLayer], shape: tuple[int, int, int, int, int], eps: float,
                     gemma: bool, gelu: bool, x: torch.Tensor, position: int, cos: ctypes.Array[ctypes.c_void_p],
-                    sin: ctypes.Array[ctypes.c_void_p], quantized: int = 0) -> None:
+                    sin: ctypes.Array[ctypes.c_void_p], quantized: tuple[int, int] = (0, 0)) -> None:
         """Every decoder layer of a one-token step of one sequence in one call (cpu_decode.c's infer_decode_step):
         `x` (contiguous, `hidden` values) becomes the last layer's output and each layer's cache rows get this
         position's K/V. `shape`: heads, KV heads, head size, hidden size, MLP size; `cos`, `sin`: pointers to
-        each rope table's row; `quantized`: the positions a quantized cache's layers hold as codes in this step.
+        each rope table's row; `quantized`: the positions a quantized cache's layers hold as key and as value codes
+        in this step.
         All or nothing: on an error x and the caches are as they were."""
         heads, kv_heads, d, hidden, inter = shape
         code = self._decode_step(DTYPE_CODES[x.dtype], layers, len(layers), heads, kv_heads, d, hidden, inter, eps,
-                                 int(gemma), int(gelu), x.data_ptr(), position, quantized, cos, sin,
+                                 int(gemma), int(gelu), x.data_ptr(), position, *quantized, cos, sin,
                                  torch.get_num_threads())
         if code == -1:
             raise MemoryError("the native decode step could not allocate its scratch buffers")

@@ -7,7 +7,8 @@ Layout (one layer of `infer.cache.quantized.QuantizedCache`, every one of its la
 then codes `[B, Hkv, Sq, Dp]` (int8, or uint8 with two 4-bit codes per byte, element 2i in the low nibble) with
 bf16 scales (values per row `[B, Hkv, Sq]`; keys per row, or per channel over blocks with optional offsets `[B,
 Hkv, Sq / block, D]`; value rows optionally stored rotated), and the exact ring of the newest tokens `[B, Hkv, R,
-D]` in the model dtype. Each part (sinks, codes, ring) gets its own splits. Grid: (sequence, KV head, split); each
+D]` in the model dtype (values may age on their own count, with their own ring: a part where keys are exact and
+values coded lies between). Each part (sinks, codes, ring) gets its own splits. Grid: (sequence, KV head, split); each
 program keeps an online softmax over its split's tiles, with the query heads of a KV group packed into one tile
 (GQA), causal and sliding-window masks and softcap as in infer.kernels.paged_attention, whose split combine this
 shares. The PyTorch path (dequantize, then attention) is the check: tests/test_triton_kernels.py.
@@ -64,9 +65,9 @@ def _quantized_decode_split(
     stride_sb, stride_sh,
     stride_ab, stride_ah, stride_as,
     stride_mb, stride_mh,
-    start, stop, ring, base, channel_block, split_base,
+    start, stop, k_ring, v_ring, base, channel_block, split_base,
     scale, softcap, window,
-    SCHEME: tl.constexpr, PACKED: tl.constexpr, CHANNEL: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+    K_SCHEME: tl.constexpr, V_SCHEME: tl.constexpr, CHANNEL: tl.constexpr, HAS_OFFSETS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
@@ -81,8 +82,9 @@ def _quantized_decode_split(
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
     q, heads, g_ok = _load_query_group(Q, b, kvh, stride_qb, stride_qh, offs_d, d_ok, GROUP, BLOCK_G)
-    # Element d of a row lies in byte d // 2 (high nibble for odd d) when two codes share a byte.
-    col = offs_d // 2 if PACKED else offs_d
+    # Element d of a row lies in byte d // 2 (high nibble for odd d) when two codes share a byte (int4, fp4).
+    k_col = offs_d // 2 if K_SCHEME == 1 or K_SCHEME == 2 else offs_d
+    v_col = offs_d // 2 if V_SCHEME == 1 or V_SCHEME == 2 else offs_d
     odd = (offs_d % 2) == 1
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -95,25 +97,27 @@ def _quantized_decode_split(
         if HAS_WINDOW:
             visible = visible & (pos > length - 1 - window)
         # The part's rows start at position `base` (the sinks come first); a ring holds stream position p at p % ring.
-        row = tl.where(ring > 0, (pos - base) % tl.maximum(ring, 1), pos - base)
+        k_row = tl.where(k_ring > 0, (pos - base) % tl.maximum(k_ring, 1), pos - base)
+        v_row = tl.where(v_ring > 0, (pos - base) % tl.maximum(v_ring, 1), pos - base)
         kv_ok = visible[:, None] & d_ok[None, :]
-        k_raw = tl.load(K + b * stride_kb + kvh * stride_kh + row[:, None] * stride_ks + col[None, :],
+        k_raw = tl.load(K + b * stride_kb + kvh * stride_kh + k_row[:, None] * stride_ks + k_col[None, :],
                         mask=kv_ok, other=0)
-        v_raw = tl.load(V + b * stride_vb + kvh * stride_vh + row[:, None] * stride_vs + col[None, :],
+        v_raw = tl.load(V + b * stride_vb + kvh * stride_vh + v_row[:, None] * stride_vs + v_col[None, :],
                         mask=kv_ok, other=0)
-        k = _dequantize(k_raw, SCHEME, odd[None, :])
-        v = _dequantize(v_raw, SCHEME, odd[None, :])
-        if SCHEME != 3:
+        k = _dequantize(k_raw, K_SCHEME, odd[None, :])
+        v = _dequantize(v_raw, V_SCHEME, odd[None, :])
+        if K_SCHEME != 3:
             if CHANNEL:  # one scale (and offset) per channel over each block of `channel_block` rows
-                where = b * stride_ksb + kvh * stride_ksh + (row // channel_block)[:, None] * stride_ksr \
+                where = b * stride_ksb + kvh * stride_ksh + (k_row // channel_block)[:, None] * stride_ksr \
                     + offs_d[None, :]
                 k = k * tl.load(KS + where, mask=kv_ok, other=0.0).to(tl.float32)
                 if HAS_OFFSETS:
                     k = k + tl.load(KO + where, mask=kv_ok, other=0.0).to(tl.float32)
             else:
-                k_scale = tl.load(KS + b * stride_ksb + kvh * stride_ksh + row, mask=visible, other=0.0)
+                k_scale = tl.load(KS + b * stride_ksb + kvh * stride_ksh + k_row, mask=visible, other=0.0)
                 k = k * k_scale.to(tl.float32)[:, None]
-            v_scale = tl.load(VS + b * stride_sb + kvh * stride_sh + row, mask=visible, other=0.0).to(tl.float32)
+        if V_SCHEME != 3:
+            v_scale = tl.load(VS + b * stride_sb + kvh * stride_sh + v_row, mask=visible, other=0.0).to(tl.float32)
             v = v * v_scale[:, None]
         m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP, PRECISION)
 
@@ -140,16 +144,18 @@ def quantized_decode_attention(
     channel_block: int | None = None,
     key_offsets: torch.Tensor | None = None,
     value_rotation: torch.Tensor | None = None,
+    value_quantized: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence, `q` `[B, H, D]`, over positions `0 .. lengths[b]-1`: the first
     `num_sinks` exact from `sinks` (k, v) `[B, Hkv, S0, D]`, the next `quantized` from `codes` (k, v)
     `[B, Hkv, Sq, Dp]` with `scales` (keys `[B, Hkv, Sq]` per row, or `[B, Hkv, Sq / channel_block, D]` per channel
     over blocks of `channel_block` rows, with `key_offsets` shaped alike added when given; values `[B, Hkv, Sq]`),
     the rest from the ring `recent` (k, v) `[B, Hkv, R, D]` (stream position p = position - num_sinks in slot
-    p % R). Value rows stored rotated (`v @ H`, `value_rotation` H `[D, D]` symmetric) are rotated back once per
-    split, before the splits combine. Returns `[B, H, D]` in q's dtype. `scheme`: "int8", "int4" or "fp4". `tile`:
-    positions a program reads at once; `tiles_per_split`: tiles per program (default: enough splits to give a GPU
-    ~2 programs per SM). Every sequence must have length >= 1."""
+    p % R). Values may age on their own count: `value_quantized` (default `quantized`) value rows are codes, the
+    rest in `recent[1]` (its own ring length). Value rows stored rotated (`v @ H`, `value_rotation` H `[D, D]`
+    symmetric) are rotated back once per split, before the splits combine. Returns `[B, H, D]` in q's dtype.
+    `scheme`: "int8", "int4" or "fp4". `tile`: positions a program reads at once; `tiles_per_split`: tiles per
+    program (default: enough splits to give a GPU ~2 programs per SM). Every sequence must have length >= 1."""
     if scheme not in ("int8", "int4", "fp4"):
         raise ValueError(f"scheme must be 'int8', 'int4' or 'fp4', got {scheme!r}")
     if tile < 16 or tile & (tile - 1):
@@ -158,7 +164,8 @@ def quantized_decode_attention(
     k_codes, v_codes = codes
     k_recent, v_recent = recent
     Hkv = k_codes.shape[1]
-    if H % Hkv or k_codes.shape != v_codes.shape or k_recent.shape[-1] != D or q.stride(-1) != 1:
+    if H % Hkv or k_codes.shape[:2] != v_codes.shape[:2] or k_codes.shape[3] != v_codes.shape[3] \
+            or k_recent.shape[-1] != D or v_recent.shape[-1] != D or q.stride(-1) != 1:
         raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, codes {tuple(k_codes.shape)}, "
                          f"ring {tuple(k_recent.shape)}")
     if num_sinks and sinks is None:
@@ -166,15 +173,24 @@ def quantized_decode_attention(
     if key_offsets is not None and channel_block is None:
         raise ValueError("key_offsets centre keys scaled per channel: give channel_block")
     longest = int(lengths.max())
-    ring = k_recent.shape[2]
-    coded = num_sinks + quantized
-    if longest > coded and ring == 0:
-        raise ValueError(f"positions {coded}..{longest - 1} are not quantized, and the cache keeps no ring")
+    v_quantized = quantized if value_quantized is None else value_quantized
+    k_ring, v_ring = k_recent.shape[2], v_recent.shape[2]
+    for coded, ring in ((num_sinks + quantized, k_ring), (num_sinks + v_quantized, v_ring)):
+        if longest > coded and ring == 0:
+            raise ValueError(f"positions {coded}..{longest - 1} are not quantized, and the cache keeps no ring")
     k_scales, v_scales = scales
-    # (start, stop, scheme, tensors, ring slots, first row's position)
-    parts = [(0, min(num_sinks, longest), "none", sinks or recent, 0, 0),
-             (num_sinks, coded, scheme, codes, 0, num_sinks),
-             (coded, longest, "none", recent, ring, num_sinks)]
+    # Key and value of each part: (scheme, tensor, ring slots). A stream position is coded below its count.
+    def side(coded: bool, i: int, ring: int) -> tuple[str, torch.Tensor, int]:
+        return (scheme, codes[i], 0) if coded else ("none", recent[i], ring)
+
+    low, high = num_sinks + min(quantized, v_quantized), num_sinks + max(quantized, v_quantized)
+    sink_k, sink_v = sinks or recent
+    # (start, stop, key side, value side, first row's position)
+    parts = [(0, min(num_sinks, longest), ("none", sink_k, 0), ("none", sink_v, 0), 0),
+             (num_sinks, low, side(True, 0, k_ring), side(True, 1, v_ring), num_sinks),
+             (low, high, side(quantized > v_quantized, 0, k_ring), side(v_quantized > quantized, 1, v_ring),
+              num_sinks),
+             (high, longest, side(False, 0, k_ring), side(False, 1, v_ring), num_sinks)]
     parts = [part for part in parts if part[1] > part[0]]
     if tiles_per_split is None:
         target = 2 * torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
@@ -188,7 +204,8 @@ def quantized_decode_attention(
     offsets = k_scales if key_offsets is None else key_offsets  # a placeholder pointer when there are none
     ks_row = k_scales.stride(2) if channel_block is not None else 0
     base = 0
-    for (start, stop, kind, (k, v), slots, first_row), count in zip(parts, splits, strict=True):
+    for (start, stop, (k_kind, k, k_slots), (v_kind, v, v_slots), first_row), count in zip(parts, splits,
+                                                                                         strict=True):
         _quantized_decode_split[(B, Hkv, count)](
             q, k, v, k_scales, v_scales, offsets, lengths, acc, m, l_sum,
             q.stride(0), q.stride(1),
@@ -198,15 +215,15 @@ def quantized_decode_attention(
             v_scales.stride(0), v_scales.stride(1),
             acc.stride(0), acc.stride(1), acc.stride(2),
             m.stride(0), m.stride(1),
-            start, stop, slots, first_row, channel_block or 1, base,
+            start, stop, k_slots, v_slots, first_row, channel_block or 1, base,
             float(scale), float(softcap or 1.0), int(window or 0),
-            SCHEME=SCHEME_CODES[kind], PACKED=kind in ("int4", "fp4"), CHANNEL=channel_block is not None,
+            K_SCHEME=SCHEME_CODES[k_kind], V_SCHEME=SCHEME_CODES[v_kind], CHANNEL=channel_block is not None,
             HAS_OFFSETS=key_offsets is not None, BLOCK_N=tile,
             HEAD_DIM=D, BLOCK_D=_pow2(D), GROUP=H // Hkv, BLOCK_G=_pow2(H // Hkv), TILES_PER_SPLIT=tiles_per_split,
             HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         )
-        if kind != "none" and value_rotation is not None:
+        if v_kind != "none" and value_rotation is not None:
             # The splits' sums of rotated rows, rotated back (linear, so before the combine's weighting).
             acc[:, :, base : base + count] = acc[:, :, base : base + count] @ value_rotation.to(acc)
         base += count

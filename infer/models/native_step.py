@@ -51,8 +51,9 @@ class CodesCache(Protocol):
     max_seq_len: int
     offset: int
 
-    def native_step_codes(self) -> int | None:
-        """The positions read as codes by a one-token step now, or None where it must run layer by layer."""
+    def native_step_codes(self) -> tuple[int, int] | None:
+        """The positions read as key and as value codes by a one-token step now, or None where it must run layer
+        by layer."""
         ...
 
     def layer_codes(self, layer: int) -> Any:
@@ -186,6 +187,7 @@ class NativeStep:
             desc.qscheme, desc.channel_keys = 1 + QSCHEMES[rows.scheme], int(rows.channel_keys)
             desc.sinks, desc.nq_cap, desc.block = rows.sinks, rows.k_codes.shape[1], rows.block
             desc.scale_rows = rows.k_scale.shape[1]
+            desc.vslots, desc.nqv_cap = rows.v_ring.shape[1], rows.v_codes.shape[1]
             desc.k_sink, desc.v_sink = rows.k_sink.data_ptr(), rows.v_sink.data_ptr()
             desc.k_codes, desc.v_codes = rows.k_codes.data_ptr(), rows.v_codes.data_ptr()
             desc.k_scale, desc.v_scale = rows.k_scale.data_ptr(), rows.v_scale.data_ptr()
@@ -195,9 +197,9 @@ class NativeStep:
         return True
 
     def __call__(self, x: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                 quantized: int = 0) -> torch.Tensor:
+                 quantized: tuple[int, int] = (0, 0)) -> torch.Tensor:
         """The hidden state `[1, 1, hidden]` after every layer at the bound cache's next position, whose K/V it
-        writes there; `quantized`: a quantized cache's positions read as codes in this step (its
+        writes there; `quantized`: a quantized cache's positions read as key and value codes in this step (its
         `native_step_codes()`, which the caller checked is not None)."""
         cache = None if self._cache is None else self._cache()
         if cache is None:

@@ -772,19 +772,20 @@ class Transformer(nn.Module):
         in_kernel = backend.attends_in_kernel and input_ids.shape[1] == 1 and not reference
         return StepKernels(native, reference, self.compute_dtype, in_kernel)
 
-    def _native_step_for(self, backend: AttentionBackend, kernels: StepKernels) -> tuple[NativeStep, int] | None:
-        """The whole-step native call for this forward and the positions it reads as codes (0 but for a quantized
-        cache), or None for the per-op path: a step that runs native small ops (`step_kernels`), no reference
-        attention, one sequence over a cache with room whose rows a kernel can take in place (`layer_rows`, no
-        in-cache attention) or a quantized cache's step that only writes its ring (`native_step_codes`), every
-        projection on the native kernel."""
+    def _native_step_for(self, backend: AttentionBackend, kernels: StepKernels
+                         ) -> tuple[NativeStep, tuple[int, int]] | None:
+        """The whole-step native call for this forward and the positions it reads as key and value codes (0 but
+        for a quantized cache), or None for the per-op path: a step that runs native small ops (`step_kernels`), no
+        reference attention, one sequence over a cache with room whose rows a kernel can take in place
+        (`layer_rows`, no in-cache attention) or a quantized cache's step that only writes its rings
+        (`native_step_codes`), every projection on the native kernel."""
         if (not self.native_step or self.tensor_parallel is not None or kernels.native is None or kernels.reference
                 or not isinstance(backend, CacheBackend)):
             return None
         cache = backend.cache
         if cache is None or cache.batch_size != 1 or cache.offset >= cache.max_seq_len:
             return None
-        codes, quantized = codes_cache(cache), 0
+        codes, quantized = codes_cache(cache), (0, 0)
         if codes is not None:  # a quantized cache: a step that only writes its ring
             held = codes.native_step_codes()
             if held is None:
