@@ -197,7 +197,7 @@ def test_the_registered_layout_through_both_scoring_paths(scheme: str, block: in
                                                           tiles: bool) -> None:
     """Whatever Hypothesis draws: the 4-bit kinds' layout (offsets, rotated values, sinks, a window) at head_dim 64
     scored 16 keys at a time and one at a time, blocks that hold whole tiles and blocks that do not, values aging
-    with their keys or on their own (int8's blocks of 16 under keys' of 32)."""
+    with their keys or on their own (blocks of 16 under keys' of 32, as int8's 32 under 64)."""
     p = {**REGISTERED, "scheme": scheme, "residual_block": block, "value_block": value_block}
     reference = filled(p, torch.float32, "dequantize")
     cache = copy.deepcopy(reference)

@@ -138,8 +138,8 @@ def test_quantized_caches_step_natively_as_layer_by_layer(arch: str, kind: str, 
     ids = prompt(150, seed=4)
     got = decode(model, ids, kind, prefill=2)
     # Per layer: the steps at the 4 sinks, and those whose token fills a key or value block (int8: keys in blocks
-    # of 64, values of 16; the 4-bit kinds: both 32 past a window of 16), quantized as it is written.
-    blocks, window = ((64, 16), 0) if kind == "int8" else ((32,), 16)
+    # of 64, values of 32; the 4-bit kinds: both 32 past a window of 16), quantized as it is written.
+    blocks, window = ((64, 32), 0) if kind == "int8" else ((32,), 16)
     fills = [p for p in range(4, 150) if p - 4 + 1 > window and any((p - 4 + 1 - window) % b == 0 for b in blocks)]
     assert len(calls) == 150 - 4 - len(fills)
     model.native_step = False

@@ -203,7 +203,7 @@ def test_a_wider_padded_table_changes_nothing(p: dict, extra: int) -> None:
 def quantized_problems(draw: st.DrawFn) -> dict:
     length = draw(st.integers(1, 70))
     quantized = draw(st.integers(0, length))
-    # values may age on their own count, with their own ring (int8's values in blocks of 16 under keys' of 64)
+    # values may age on their own count, with their own ring (int8's values in blocks of 32 under keys' of 64)
     v_quantized = draw(st.just(quantized) | st.integers(0, length))
     return {
         "scheme": draw(st.sampled_from(["int8", "int4", "fp4"])),
