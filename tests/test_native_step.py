@@ -126,24 +126,28 @@ def test_taken_only_where_it_applies(calls: list[int]) -> None:
     assert len(calls) == 3
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "fp4"])
+@pytest.mark.parametrize(("kind", "layout"), [("int8", {}), ("int4", {}), ("fp4", {}),
+                                              ("int8", {"residual_block": 40, "value_block": 24})])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_quantized_caches_step_natively_as_layer_by_layer(arch: str, kind: str, calls: list[int]) -> None:
-    """A quantized cache's one-token steps that only write its exact ring run in one native call, attending with
-    the kernel the per-layer path calls (infer_qattn): fp32 logits bit for bit that path's, over key blocks
-    filling (those steps quantize in PyTorch, layer by layer), the sinks and Gemma 3's window; every other step
-    taken."""
+def test_quantized_caches_step_natively_as_layer_by_layer(arch: str, kind: str, layout: dict[str, int],
+                                                          calls: list[int]) -> None:
+    """A quantized cache's one-token steps that only write its exact rings run in one native call, attending with
+    the kernel the per-layer path calls (infer_qattn): fp32 logits bit for bit that path's, over key and value
+    blocks filling (those steps quantize in PyTorch, layer by layer; blocks of values that do not divide the keys'
+    fill at other steps), the sinks and Gemma 3's window; every other step taken."""
     path = build_checkpoint(arch)
     model = infer.load_model(path, decode_gemv="native")
     ids = prompt(150, seed=4)
-    got = decode(model, ids, kind, prefill=2)
+    got = decode(model, ids, kind, prefill=2, **layout)
     # Per layer: the steps at the 4 sinks, and those whose token fills a key or value block (int8: keys in blocks
     # of 64, values of 32; the 4-bit kinds: both 32 past a window of 16), quantized as it is written.
     blocks, window = ((64, 32), 0) if kind == "int8" else ((32,), 16)
+    if layout:
+        blocks = (layout["residual_block"], layout["value_block"])
     fills = [p for p in range(4, 150) if p - 4 + 1 > window and any((p - 4 + 1 - window) % b == 0 for b in blocks)]
     assert len(calls) == 150 - 4 - len(fills)
     model.native_step = False
-    assert torch.equal(got, decode(model, ids, kind, prefill=2))
+    assert torch.equal(got, decode(model, ids, kind, prefill=2, **layout))
     # The same step bound to an exact cache next reads its rows as exact again.
     exact = decode(model, ids[:, :12], "contiguous", prefill=2)
     model.native_step = True
