@@ -325,12 +325,15 @@ def test_negative_residual_window_is_rejected() -> None:
         create_cache("int8", tiny_config(), max_seq_len=4, residual_window=-1)
 
 
-@pytest.mark.parametrize(("key_scales", "sinks", "offsets", "rotate"),
-                         [("row", 0, False, False), ("row", 0, False, True), ("channel", 0, False, False),
-                          ("channel", 3, False, False), ("channel", 3, True, True)])
+@pytest.mark.parametrize(("key_scales", "sinks", "offsets", "rotate", "value_block"),
+                         [("row", 0, False, False, None), ("row", 0, False, True, None),
+                          ("channel", 0, False, False, None), ("channel", 3, False, False, None),
+                          ("channel", 3, True, True, None), ("channel", 3, True, False, 2)])
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_snapshot_restore_resumes_identically(scheme: str, key_scales: str, sinks: int, offsets: bool,
-                                              rotate: bool) -> None:
+                                              rotate: bool, value_block: int | None) -> None:
+    """The snapshot holds every layout's state (values aging on their own count included: at the snapshot 3 keys
+    and 4 values of the stream are codes) and a cache built otherwise refuses it."""
     config = tiny_config(num_layers=2, num_kv_heads=2, head_dim=8)
     x = torch.randn(2, 1, 2, 24, 8, generator=torch.Generator().manual_seed(1))
 
@@ -345,7 +348,8 @@ def test_snapshot_restore_resumes_identically(scheme: str, key_scales: str, sink
             start += n
         return out
 
-    layout = {"key_scales": key_scales, "sink_tokens": sinks, "key_offsets": offsets, "rotate_values": rotate}
+    layout = {"key_scales": key_scales, "sink_tokens": sinks, "key_offsets": offsets, "rotate_values": rotate,
+              "value_block": value_block}
     first = QuantizedCache(config, max_seq_len=24, scheme=scheme, residual_window=4, residual_block=3, **layout)
     run(first, 0, [11, 1])
     snapshot = first.snapshot()
@@ -358,11 +362,11 @@ def test_snapshot_restore_resumes_identically(scheme: str, key_scales: str, sink
     with pytest.raises(ValueError, match="residual_window"):
         QuantizedCache(config, max_seq_len=24, scheme=scheme).restore(snapshot)
     changed = [{"key_scales": "channel" if key_scales == "row" else "row", "key_offsets": False},
-               {"sink_tokens": sinks + 1}, {"rotate_values": not rotate}]
+               {"sink_tokens": sinks + 1}, {"rotate_values": not rotate}, {"value_block": 1}]
     if key_scales == "channel":
         changed.append({"key_offsets": not offsets})
     for change in changed:
-        with pytest.raises(ValueError, match="key_scales, sink_tokens, key_offsets, rotate_values"):
+        with pytest.raises(ValueError, match="key_scales, sink_tokens, key_offsets, rotate_values, value_block"):
             QuantizedCache(config, max_seq_len=24, scheme=scheme, residual_window=4, residual_block=3,
                            **{**layout, **change}).restore(snapshot)
     other = "int8" if scheme != "int8" else "fp4"
