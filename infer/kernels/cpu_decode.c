@@ -399,8 +399,9 @@ double infer_read(const void *p, int64_t nbytes, int threads) {
  * tokens' values are codes (`nqv_cap` rows a sequence and head), the rest exact in a ring of `vring` slots. Per
  * (sequence, KV head) the G query heads that share it are scored against every key row decoded once, in fp32:
  * q.k = sum_d (q_d * channel_scale_d) * code_d (or (q . code) * row_scale); softmax in fp32; values summed as
- * sum_t (p_t * row_scale_t) * code_t. No dequantized copy of the cache is made: each code is read once per step. Keys outside `window` (> 0) of the query's position are skipped, `softcap` (> 0)
- * applies softcap * tanh(s / softcap). Exact parts and q/out are of `dtype`; scales are bf16. */
+ * sum_t (p_t * row_scale_t) * code_t. No dequantized copy of the cache is made: each code is read once per step.
+ * Keys outside `window` (> 0) of the query's position are skipped, `softcap` (> 0) applies softcap * tanh(s /
+ * softcap). Exact parts and q/out are of `dtype`; scales are bf16. */
 enum { Q_INT8 = 0, Q_INT4 = 1, Q_FP4 = 2 };
 static const float FP4_VALUES[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
                                      -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
