@@ -9,7 +9,8 @@ Layouts (`x`: [..., D]):
 - int4: codes -7..7 (symmetric; -8 decodes but is never written), two per uint8 as two's-complement
   nibbles, element 2i in the low nibble and 2i+1 in the high one: [..., D/2].
 - fp4: E2M1 codes (bit 3 sign, bits 2-1 exponent, bit 0 mantissa) for ±{0, 0.5, 1, 1.5, 2, 3, 4, 6},
-  scale = absmax / 6, round to nearest (ties to the smaller magnitude), packed like int4.
+  scale = absmax / 6 (keys by channel: absmax / 4, FP4_KEY_MAX), round to nearest (ties to the smaller
+  magnitude), packed like int4.
 
 Where a faster form exists the plain formula sits beside it (`*_reference`) as its check.
 This module knows nothing about caches or models.
@@ -157,7 +158,14 @@ def dequantize_fp4(
 
 # --- per-channel scales (keys) --------------------------------------------------------------------
 
-QMAX = {"int8": INT8_MAX, "int4": INT4_MAX, "fp4": FP4_MAX}
+# A channel's extreme maps to this code (scale = absmax / it). FP4 keys: to 4, not E2M1's largest 6. A centred key
+# channel spreads over its whole range, and E2M1's top step (4 -> 6) spans a third of it; mapped to 4 the levels 0,
+# 0.5, ..., 3, 4 cover the range with steps of at most a quarter, and the extreme itself stays exact (mapped
+# anywhere off the grid, as at 4.5 or 5, every channel's extreme rounds away: KL 2-6x worse). On
+# SmolLM2-135M-Instruct (fp4 cache, 512 tokens, prose / code) mean KL 3.4e-3 -> 2.9e-3 and 8.8e-3 -> 7.1e-3, top-1
+# 0.968 / 0.966 -> 0.974 / 0.982; mapped to 3, 4.1e-3 / 9.6e-3. Values (rotated rows, near-Gaussian) keep 6.
+FP4_KEY_MAX = 4.0
+QMAX = {"int8": INT8_MAX, "int4": INT4_MAX, "fp4": FP4_KEY_MAX}
 
 
 def channel_offsets(x: torch.Tensor) -> torch.Tensor:
