@@ -517,6 +517,24 @@ def test_a_channel_scale_holds_an_outlier_channel_that_a_row_scale_rounds_away(s
     assert channel_error < row_error / 4
 
 
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), tokens=st.integers(2, 40), spread=st.floats(0.01, 100.0))
+def test_fp4_key_channels_map_their_extreme_to_4_and_keep_it(seed: int, tokens: int, spread: float) -> None:
+    """FP4 keys by channel: scale = absmax / 4 (rounded up to bf16), so each channel's extreme is the code +-4 and
+    comes back within the scale's rounding; every value within half the widest E2M1 step (1, between 3 and 4) of
+    the scale."""
+    x = torch.randn(2, 3, tokens, 8, generator=torch.Generator().manual_seed(seed)) * spread
+    codes, scale = quant.quantize_channels(x, "fp4")
+    quarter = x.abs().amax(dim=-2) / 4
+    assert (scale.float() >= quarter).all() and (scale.float() <= quarter * (1 + 2**-7)).all(), "absmax / 4"
+    back = quant.dequantize_channels(codes, scale, "fp4")
+    extreme = x.abs().argmax(dim=-2, keepdim=True)
+    decoded = back.gather(-2, extreme).abs() / scale.float().unsqueeze(-2)
+    assert torch.equal(decoded, torch.full_like(decoded, 4.0)), "each channel's extreme is the code 4"
+    step = scale.float().unsqueeze(-2)
+    assert ((back - x).abs() <= 0.5 * step + 0.01 * x.abs().amax(dim=-2, keepdim=True)).all()
+
+
 def test_reset_empties() -> None:
     cache = create_cache("fp4", tiny_config(num_layers=1), max_seq_len=8, residual_window=2)
     k = torch.randn(1, 2, 5, 8)
