@@ -325,6 +325,12 @@ def test_negative_residual_window_is_rejected() -> None:
         create_cache("int8", tiny_config(), max_seq_len=4, residual_window=-1)
 
 
+@pytest.mark.parametrize("value_block", [0, -3, 2.5, True, "16"])
+def test_a_bad_value_block_is_rejected_by_name(value_block: object) -> None:
+    with pytest.raises(ValueError, match="value_block must be an int >= 1"):
+        create_cache("int8", tiny_config(), max_seq_len=4, value_block=value_block)
+
+
 @pytest.mark.parametrize(("key_scales", "sinks", "offsets", "rotate", "value_block"),
                          [("row", 0, False, False, None), ("row", 0, False, True, None),
                           ("channel", 0, False, False, None), ("channel", 3, False, False, None),
