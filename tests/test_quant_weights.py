@@ -135,7 +135,8 @@ def test_gguf_blocks_kept_as_stored_dequantize_as_llama_cpp(kind: str, rows: int
 # The native kernels, every path this CPU runs, against dequantize-then-matmul.
 
 @pytest.mark.parametrize("flavour", RUNNABLE)
-# INFER_QGEMV_FOUR_RUNS and INFER_QGEMV_Q6_PAIRS: the bf16 q4 and Q6_K fast paths, and their checks
+# INFER_QGEMV_FOUR_RUNS, INFER_QGEMV_Q6_PAIRS and INFER_QGEMV_Q8_PAIRS: the bf16 q4, Q6_K and q8 fast paths, and
+# their checks
 @pytest.mark.parametrize("four_runs", ["1", "0"])
 @given(scheme=st.sampled_from(["int8", "int4", "Q8_0", "Q4_K", "Q6_K", "Q4_K-factored", "Q6_K-factored"]),
        n=st.integers(1, 40), runs=st.integers(1, 13),
@@ -148,6 +149,7 @@ def test_native_quantized_gemv_is_dequantize_then_matmul(flavour: str, four_runs
     kernels = kernels_or_skip(flavour)
     os.environ["INFER_QGEMV_FOUR_RUNS"] = four_runs  # read by the kernel on each call; restored below
     os.environ["INFER_QGEMV_Q6_PAIRS"] = four_runs
+    os.environ["INFER_QGEMV_Q8_PAIRS"] = four_runs
     group = group if scheme == "int4" else 16 if scheme.startswith("Q6_K") else 32
     k = max(runs * 32 // group, 1) * group
     if scheme.endswith("-factored"):  # a k-quant's rows are whole super-blocks of 256
@@ -159,20 +161,49 @@ def test_native_quantized_gemv_is_dequantize_then_matmul(flavour: str, four_runs
     bias = torch.randn(n, generator=g).to(torch_dtype) if with_bias else None
     with on_threads(threads):  # rows split in 16-row ranges per thread
         got = kernels.quantized_gemv(weight, x, bias)
-    assert got.dtype == torch_dtype and got.shape == (m, n)
+    os.environ.pop("INFER_QGEMV_FOUR_RUNS")
+    os.environ.pop("INFER_QGEMV_Q6_PAIRS")
+    os.environ.pop("INFER_QGEMV_Q8_PAIRS")
+    assert_product_within_rounding(got, weight, x, bias, f"{flavour} {scheme}")
+
+
+def assert_product_within_rounding(got: torch.Tensor, weight: QuantizedWeight, x: torch.Tensor,
+                                   bias: torch.Tensor | None, what: str) -> None:
+    """`got` is dequantize-then-matmul within fp32 sums in another order (and, the bf16 pair paths of q4 and Q6_K,
+    codes offset by 128 or 160): a few fp32 ulps of the summed magnitudes; then one rounding to the output dtype."""
+    assert got.dtype == x.dtype and got.shape == (x.shape[0], weight.shape[0])
     exact = reference_product(weight, x, bias)
-    # fp32 sums in another order (and, bf16 q4, codes offset by 128): a few fp32 ulps of the summed magnitudes;
-    # then one rounding to the output dtype.
-    offset = 160 if scheme.startswith("Q6_K") else 128  # what the bf16 pair paths add to a code (and take back)
+    offset = 160 if weight.scheme == "Q6_K" else 128 if weight.mins is not None else 0
     scales = weight.unfactored().scales
     magnitude = x.double().abs() @ (weight.dequantize().double().abs() + offset * scales.double().abs()
                                     .repeat_interleave(weight.group, dim=1)).T
-    ulp = 2.0**-8 if torch_dtype == torch.bfloat16 else 2.0**-24  # the one rounding to the output dtype
+    ulp = 2.0**-8 if x.dtype == torch.bfloat16 else 2.0**-24  # the one rounding to the output dtype
     bound = 1e-6 * magnitude + ulp * exact.abs() + 1e-30
     err = (got.double() - exact).abs()
-    os.environ.pop("INFER_QGEMV_FOUR_RUNS")
-    os.environ.pop("INFER_QGEMV_Q6_PAIRS")
-    assert (err <= bound).all(), f"{flavour} {scheme}: max excess {(err - bound).max().item():.3g}"
+    assert (err <= bound).all(), f"{what}: max excess {(err - bound).max().item():.3g}"
+
+
+@pytest.mark.parametrize("scheme,group", [("int8", None), ("int8", 64), ("int8", 32), ("Q8_0", 32)])
+@pytest.mark.parametrize("runs", [1, 3, 8])
+def test_q8_codes_against_bf16_rows_are_dequantize_then_matmul(scheme: str, group: int | None, runs: int) -> None:
+    """The q8 pair path (int8 codes packed to bf16 operands, two sums by run parity) at every row count of its
+    four-row tiles, one and several runs per group, odd and even group counts, against dequantize-then-matmul;
+    and its check, the widening path."""
+    kernels = kernels_or_skip()
+    k = runs * (group or 32)  # runs groups (per channel: runs runs)
+    g = torch.Generator().manual_seed(runs)
+    weight = weight_of("Q8_0", 37, k, 32, runs) if scheme == "Q8_0" else quantize_int8(torch.randn(37, k, generator=g),
+                                                                                     group=group)
+    for m in (1, 2, 4, 6):
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        bias = torch.randn(37, generator=g).to(torch.bfloat16)
+        for pairs in ("1", "0"):
+            os.environ["INFER_QGEMV_Q8_PAIRS"] = pairs
+            try:
+                got = kernels.quantized_gemv(weight, x, bias)
+            finally:
+                os.environ.pop("INFER_QGEMV_Q8_PAIRS")
+            assert_product_within_rounding(got, weight, x, bias, f"{scheme} group {group} m {m} pairs {pairs}")
 
 
 @pytest.mark.parametrize("flavour", RUNNABLE)

@@ -1493,10 +1493,10 @@ static inline __attribute__((always_inline)) void q4row_dot_bf16x4(const uint8_t
         for (int j = 0; j < mt; j++) {
             const uint16_t *xj = xp + j * k + b * 128;
             __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), w0, (__m512bh)_mm512_loadu_si512(xj));
-            acc = _mm512_dpbf16_ps(acc, w1, (__m512bh)_mm512_loadu_si512(xj + 32));
+            __m512 other = _mm512_dpbf16_ps(_mm512_setzero_ps(), w1, (__m512bh)_mm512_loadu_si512(xj + 32));
             acc = _mm512_dpbf16_ps(acc, w2, (__m512bh)_mm512_loadu_si512(xj + 64));
-            acc = _mm512_dpbf16_ps(acc, w3, (__m512bh)_mm512_loadu_si512(xj + 96));
-            total[j] = _mm512_fmadd_ps(s, acc, total[j]);
+            other = _mm512_dpbf16_ps(other, w3, (__m512bh)_mm512_loadu_si512(xj + 96));
+            total[j] = _mm512_fmadd_ps(s, _mm512_add_ps(acc, other), total[j]);
         }
     }
     int64_t done = blocks * 128;
@@ -1550,6 +1550,47 @@ static inline __attribute__((always_inline)) float q6row_dot_bf16(const uint8_t 
     return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
 }
 
+/* q8 codes against bf16 inputs by the pair instruction: an int8 code is exact as a bf16 (8 significant bits), so
+ * a run's 32 codes widen to fp32 and pack into one register of bf16 operands, in order; the products are exact and
+ * sum in fp32, as the widening path's, with half its multiply-adds and x read as bf16 (on a 2-core EPYC the
+ * widening path reached 0.65-0.75 of the read bandwidth, this one the bandwidth). Two sums per row of x, by run
+ * parity within a group, then each group's scale; out[j] as qrow_dot's. Groups of whole runs. */
+static inline __attribute__((always_inline)) __m512bh q8_operands(const uint8_t *c) {
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+static inline __attribute__((always_inline)) void q8row_dot_bf16(const uint8_t *codes, scale_row scales, int64_t k,
+                                                                 int64_t group, const uint16_t *x, int64_t ldx,
+                                                                 int mt, float *out) {
+    __m512 even[4], odd[4], a0[4], a1[4];
+    for (int j = 0; j < 4; j++) even[j] = odd[j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < k / group; g++) {
+        for (int j = 0; j < 4; j++) a0[j] = a1[j] = _mm512_setzero_ps();
+        int64_t i = g * group, end = (g + 1) * group;
+        for (; i + 2 * QCHUNK <= end; i += 2 * QCHUNK) {
+            prefetch(codes + i + PREFETCH_BYTES);
+            __m512bh w0 = q8_operands(codes + i), w1 = q8_operands(codes + i + QCHUNK);
+            for (int j = 0; j < mt; j++) {
+                a0[j] = _mm512_dpbf16_ps(a0[j], w0, (__m512bh)_mm512_loadu_si512(x + j * ldx + i));
+                a1[j] = _mm512_dpbf16_ps(a1[j], w1, (__m512bh)_mm512_loadu_si512(x + j * ldx + i + QCHUNK));
+            }
+        }
+        if (i < end) {
+            prefetch(codes + i + PREFETCH_BYTES);
+            __m512bh w0 = q8_operands(codes + i);
+            for (int j = 0; j < mt; j++) a0[j] = _mm512_dpbf16_ps(a0[j], w0, (__m512bh)_mm512_loadu_si512(x + j * ldx + i));
+        }
+        __m512 s = _mm512_set1_ps(scale_at(scales, g));
+        for (int j = 0; j < mt; j++) {
+            if (g & 1) odd[j] = _mm512_fmadd_ps(s, _mm512_add_ps(a0[j], a1[j]), odd[j]);
+            else even[j] = _mm512_fmadd_ps(s, _mm512_add_ps(a0[j], a1[j]), even[j]);
+        }
+    }
+    for (int j = 0; j < mt; j++) out[j] = _mm512_reduce_add_ps(_mm512_add_ps(even[j], odd[j]));
+}
+
 /* x `[m, k]` (bf16) in q4row_dot_bf16x4's order: per 128 elements, elements 0-7 of each of the four runs, then
  * 8-15, 16-23 and 24-31; the elements past the last whole 128 are not needed there. */
 static void permute_x_q4(const uint16_t *x, uint16_t *xp, int64_t m, int64_t k) {
@@ -1587,7 +1628,8 @@ static inline float group_dot(scale_row v, const float *xsum, int64_t groups) {
 /* y[j, r] = sum_i W[r, i] x[j, i] (+ bias[r]) for m rows of x `[m, k]` and n rows of W, x, bias and y of `dtype`,
  * scales and mins `[n, k / group]` of `sdtype` (mins NULL for q8). k and group are multiples of 32, group divides
  * k. Returns 0, -1 where the fp32 copy of x could not be allocated, -2 on a bad shape (nothing written).
- * INFER_QGEMV_FOUR_RUNS=0 turns the four-run bf16 path off (its check). */
+ * INFER_QGEMV_FOUR_RUNS=0 turns the four-run bf16 path off (its check); INFER_QGEMV_Q8_PAIRS=0 and
+ * INFER_QGEMV_Q6_PAIRS=0 the q8 and Q6_K pair paths. */
 int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, const void *mins, int dtype,
                 const void *x, const void *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t group,
                 int threads) {
@@ -1609,11 +1651,13 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
     int expand = sdtype == FK; /* factored scales: each row's expanded to float32 once, in a buffer per thread */
     int failed = 0;
     int bf16_q6 = 0;                 /* Q6_K's codes the same way (codes carry +160) */
+    int bf16_q8 = 0;                 /* q8 codes (int8, Q8_0) the same way, in groups of whole runs */
     uint16_t *xp = NULL;
     (void)narrow;
 #if defined(HAVE_DOT_BF16)
     bf16_q4 = fmt == Q4 && dtype == BF16;
     bf16_q6 = narrow && group == QCHUNK / 2 && dtype == BF16 && switched_on("INFER_QGEMV_Q6_PAIRS");
+    bf16_q8 = fmt == Q8 && group % QCHUNK == 0 && dtype == BF16 && switched_on("INFER_QGEMV_Q8_PAIRS");
     four_runs = bf16_q4 && k >= 128 && (group <= 64 || group % 128 == 0) && (k % 128) % group == 0 &&
                 switched_on("INFER_QGEMV_FOUR_RUNS");
     if (four_runs) {
@@ -1650,6 +1694,8 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
                 const uint16_t *xb = (const uint16_t *)x + j0 * k;
                 if (bf16_q6) {
                     for (int j = 0; j < mt; j++) out[j] = q6row_dot_bf16(row, rs, k, xb + j * k);
+                } else if (bf16_q8) {
+                    q8row_dot_bf16(row, rs, k, group, xb, k, mt, out);
                 } else if (four_runs) {
                     if (mt == 4) q4row_dot_bf16x4(row, rs, k, group, xp + j0 * k, xb, 4, out);
                     else for (int j = 0; j < mt; j++)
