@@ -1202,10 +1202,9 @@ MUTANTS = [
     Mutant("q8 bf16 pairs: a run's two halves packed in swapped order", "infer/kernels/cpu_decode.c",
            "    return _mm512_cvtne2ps_pbh(hi, lo);", "    return _mm512_cvtne2ps_pbh(lo, hi);",
            ("tests/test_quant_weights.py",)),
-    Mutant("q8 bf16 pairs: a group's last odd run read against the next run's inputs", "infer/kernels/cpu_decode.c",
-           "a0[j] = _mm512_dpbf16_ps(a0[j], w0, (__m512bh)_mm512_loadu_si512(x + j * ldx + i));\n        }",
-           "a0[j] = _mm512_dpbf16_ps(a0[j], w0, (__m512bh)_mm512_loadu_si512(x + j * ldx + i\n"
-           "                                     + (i + QCHUNK < k ? QCHUNK : 0)));\n        }",
+    Mutant("q8 bf16 pairs: a run pair's second run read against the first run's inputs", "infer/kernels/cpu_decode.c",
+           "a1[j] = _mm512_dpbf16_ps(a1[j], w1, (__m512bh)_mm512_loadu_si512(x + j * ldx + i + QCHUNK));",
+           "a1[j] = _mm512_dpbf16_ps(a1[j], w1, (__m512bh)_mm512_loadu_si512(x + j * ldx + i));",
            ("tests/test_quant_weights.py",)),
     Mutant("q8 bf16 pairs: the second chain of a row of x dropped from its group", "infer/kernels/cpu_decode.c",
            "else even[j] = _mm512_fmadd_ps(s, _mm512_add_ps(a0[j], a1[j]), even[j]);",

@@ -183,12 +183,12 @@ def assert_product_within_rounding(got: torch.Tensor, weight: QuantizedWeight, x
     assert (err <= bound).all(), f"{what}: max excess {(err - bound).max().item():.3g}"
 
 
-@pytest.mark.parametrize("scheme,group", [("int8", None), ("int8", 64), ("int8", 32), ("Q8_0", 32)])
+@pytest.mark.parametrize("scheme,group", [("int8", None), ("int8", 64), ("int8", 128), ("int8", 32), ("Q8_0", 32)])
 @pytest.mark.parametrize("runs", [1, 3, 8])
 def test_q8_codes_against_bf16_rows_are_dequantize_then_matmul(scheme: str, group: int | None, runs: int) -> None:
-    """The q8 pair path (int8 codes packed to bf16 operands, two sums by run parity) at every row count of its
-    four-row tiles, one and several runs per group, odd and even group counts, against dequantize-then-matmul;
-    and its check, the widening path."""
+    """The q8 pair path (int8 codes packed to bf16 operands, two sums by run parity; groups of 64 inputs or more)
+    at every row count of its four-row tiles, odd and even group counts, against dequantize-then-matmul; and its
+    check, the widening path (which groups of 32 always take)."""
     kernels = kernels_or_skip()
     k = runs * (group or 32)  # runs groups (per channel: runs runs)
     g = torch.Generator().manual_seed(runs)

@@ -1554,7 +1554,7 @@ static inline __attribute__((always_inline)) float q6row_dot_bf16(const uint8_t 
  * a run's 32 codes widen to fp32 and pack into one register of bf16 operands, in order; the products are exact and
  * sum in fp32, as the widening path's, with half its multiply-adds and x read as bf16 (on a 2-core EPYC the
  * widening path reached 0.65-0.75 of the read bandwidth, this one the bandwidth). Two sums per row of x, by run
- * parity within a group, then each group's scale; out[j] as qrow_dot's. Groups of whole runs. */
+ * parity within a group, then each group's scale; out[j] as qrow_dot's. Groups of whole pairs of runs. */
 static inline __attribute__((always_inline)) __m512bh q8_operands(const uint8_t *c) {
     __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
     __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
@@ -1568,19 +1568,13 @@ static inline __attribute__((always_inline)) void q8row_dot_bf16(const uint8_t *
     for (int j = 0; j < 4; j++) even[j] = odd[j] = _mm512_setzero_ps();
     for (int64_t g = 0; g < k / group; g++) {
         for (int j = 0; j < 4; j++) a0[j] = a1[j] = _mm512_setzero_ps();
-        int64_t i = g * group, end = (g + 1) * group;
-        for (; i + 2 * QCHUNK <= end; i += 2 * QCHUNK) {
+        for (int64_t i = g * group; i < (g + 1) * group; i += 2 * QCHUNK) {
             prefetch(codes + i + PREFETCH_BYTES);
             __m512bh w0 = q8_operands(codes + i), w1 = q8_operands(codes + i + QCHUNK);
             for (int j = 0; j < mt; j++) {
                 a0[j] = _mm512_dpbf16_ps(a0[j], w0, (__m512bh)_mm512_loadu_si512(x + j * ldx + i));
                 a1[j] = _mm512_dpbf16_ps(a1[j], w1, (__m512bh)_mm512_loadu_si512(x + j * ldx + i + QCHUNK));
             }
-        }
-        if (i < end) {
-            prefetch(codes + i + PREFETCH_BYTES);
-            __m512bh w0 = q8_operands(codes + i);
-            for (int j = 0; j < mt; j++) a0[j] = _mm512_dpbf16_ps(a0[j], w0, (__m512bh)_mm512_loadu_si512(x + j * ldx + i));
         }
         __m512 s = _mm512_set1_ps(scale_at(scales, g));
         for (int j = 0; j < mt; j++) {
@@ -1657,7 +1651,9 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
 #if defined(HAVE_DOT_BF16)
     bf16_q4 = fmt == Q4 && dtype == BF16;
     bf16_q6 = narrow && group == QCHUNK / 2 && dtype == BF16 && switched_on("INFER_QGEMV_Q6_PAIRS");
-    bf16_q8 = fmt == Q8 && group % QCHUNK == 0 && dtype == BF16 && switched_on("INFER_QGEMV_Q8_PAIRS");
+    /* groups of one run (Q8_0, the int8 head) stay on the widening path: a pair sum per run and its scale cost as
+     * much as widening (measured slower), where two or more runs to a scale share one sum */
+    bf16_q8 = fmt == Q8 && group % (2 * QCHUNK) == 0 && dtype == BF16 && switched_on("INFER_QGEMV_Q8_PAIRS");
     four_runs = bf16_q4 && k >= 128 && (group <= 64 || group % 128 == 0) && (k % 128) % group == 0 &&
                 switched_on("INFER_QGEMV_FOUR_RUNS");
     if (four_runs) {
