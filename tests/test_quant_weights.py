@@ -135,8 +135,8 @@ def test_gguf_blocks_kept_as_stored_dequantize_as_llama_cpp(kind: str, rows: int
 # The native kernels, every path this CPU runs, against dequantize-then-matmul.
 
 @pytest.mark.parametrize("flavour", RUNNABLE)
-# INFER_QGEMV_FOUR_RUNS, INFER_QGEMV_Q6_PAIRS and INFER_QGEMV_Q8_PAIRS: the bf16 q4, Q6_K and q8 fast paths, and
-# their checks
+# INFER_QGEMV_FOUR_RUNS, INFER_QGEMV_Q6_PAIRS, INFER_QGEMV_Q8_PAIRS and INFER_QGEMV_WIDEN_SCALES: the bf16 q4,
+# Q6_K and q8 fast paths and Q8_0's float32 copy of a row's scales, and their checks
 @pytest.mark.parametrize("four_runs", ["1", "0"])
 @given(scheme=st.sampled_from(["int8", "int4", "Q8_0", "Q4_K", "Q6_K", "Q4_K-factored", "Q6_K-factored"]),
        n=st.integers(1, 40), runs=st.integers(1, 13),
@@ -150,6 +150,7 @@ def test_native_quantized_gemv_is_dequantize_then_matmul(flavour: str, four_runs
     os.environ["INFER_QGEMV_FOUR_RUNS"] = four_runs  # read by the kernel on each call; restored below
     os.environ["INFER_QGEMV_Q6_PAIRS"] = four_runs
     os.environ["INFER_QGEMV_Q8_PAIRS"] = four_runs
+    os.environ["INFER_QGEMV_WIDEN_SCALES"] = four_runs
     group = group if scheme == "int4" else 16 if scheme.startswith("Q6_K") else 32
     k = max(runs * 32 // group, 1) * group
     if scheme.endswith("-factored"):  # a k-quant's rows are whole super-blocks of 256
@@ -164,6 +165,7 @@ def test_native_quantized_gemv_is_dequantize_then_matmul(flavour: str, four_runs
     os.environ.pop("INFER_QGEMV_FOUR_RUNS")
     os.environ.pop("INFER_QGEMV_Q6_PAIRS")
     os.environ.pop("INFER_QGEMV_Q8_PAIRS")
+    os.environ.pop("INFER_QGEMV_WIDEN_SCALES")
     assert_product_within_rounding(got, weight, x, bias, f"{flavour} {scheme}")
 
 
@@ -184,11 +186,12 @@ def assert_product_within_rounding(got: torch.Tensor, weight: QuantizedWeight, x
 
 
 @pytest.mark.parametrize("scheme,group", [("int8", None), ("int8", 64), ("int8", 128), ("int8", 32), ("Q8_0", 32)])
-@pytest.mark.parametrize("runs", [1, 3, 8])
+@pytest.mark.parametrize("runs", [1, 3, 8, 20])
 def test_q8_codes_against_bf16_rows_are_dequantize_then_matmul(scheme: str, group: int | None, runs: int) -> None:
     """The q8 pair path (int8 codes packed to bf16 operands, two sums by run parity; groups of 64 inputs or more)
     at every row count of its four-row tiles, odd and even group counts, against dequantize-then-matmul; and its
-    check, the widening path (which groups of 32 always take)."""
+    check, the widening path (which groups of 32 always take; Q8_0's float16 scales made float32 a row at a time,
+    16 at a time and the rest one by one)."""
     kernels = kernels_or_skip()
     k = runs * (group or 32)  # runs groups (per channel: runs runs)
     g = torch.Generator().manual_seed(runs)
@@ -197,12 +200,13 @@ def test_q8_codes_against_bf16_rows_are_dequantize_then_matmul(scheme: str, grou
     for m in (1, 2, 4, 6):
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         bias = torch.randn(37, generator=g).to(torch.bfloat16)
-        for pairs in ("1", "0"):
-            os.environ["INFER_QGEMV_Q8_PAIRS"] = pairs
+        for pairs in ("1", "0"):  # the fast paths (pairs; Q8_0's scales widened per row) and their checks
+            os.environ["INFER_QGEMV_Q8_PAIRS"] = os.environ["INFER_QGEMV_WIDEN_SCALES"] = pairs
             try:
                 got = kernels.quantized_gemv(weight, x, bias)
             finally:
                 os.environ.pop("INFER_QGEMV_Q8_PAIRS")
+                os.environ.pop("INFER_QGEMV_WIDEN_SCALES")
             assert_product_within_rounding(got, weight, x, bias, f"{scheme} group {group} m {m} pairs {pairs}")
 
 
