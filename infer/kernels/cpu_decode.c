@@ -1278,7 +1278,7 @@ static inline scale_row expand_scale_row(scale_row s, int64_t groups, float *out
 }
 
 /* A float16 row's `groups` scales as float32 into `out` (q8 codes in groups of 32, Q8_0's: one conversion per
- * run on the widening path cost ~10% of the product). */
+ * run on the widening path cost ~12% of the product). */
 static inline scale_row widen_scale_row(scale_row s, int64_t groups, float *out) {
     int64_t g = 0;
 #if defined(HAVE_AVX512)
@@ -1565,9 +1565,9 @@ static inline __attribute__((always_inline)) float q6row_dot_bf16(const uint8_t 
 
 /* q8 codes against bf16 inputs by the pair instruction: an int8 code is exact as a bf16 (8 significant bits), so
  * a run's 32 codes widen to fp32 and pack into one register of bf16 operands, in order; the products are exact and
- * sum in fp32, as the widening path's, with half its multiply-adds and x read as bf16 (on a 2-core EPYC the
- * widening path reached 0.65-0.75 of the read bandwidth, this one the bandwidth). Two sums per row of x, by run
- * parity within a group, then each group's scale; out[j] as qrow_dot's. Groups of whole pairs of runs. */
+ * sum in fp32, as the widening path's, with half its multiply-adds and x read as bf16 (1.4-1.5x the widening
+ * path's rate on a 2-core EPYC, where both are compute-bound). Two sums per row of x, by run parity within a
+ * group, then each group's scale; out[j] as qrow_dot's. Groups of whole pairs of runs. */
 static inline __attribute__((always_inline)) __m512bh q8_operands(const uint8_t *c) {
     __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
     __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
@@ -1636,7 +1636,7 @@ static inline float group_dot(scale_row v, const float *xsum, int64_t groups) {
  * scales and mins `[n, k / group]` of `sdtype` (mins NULL for q8). k and group are multiples of 32, group divides
  * k. Returns 0, -1 where the fp32 copy of x could not be allocated, -2 on a bad shape (nothing written).
  * INFER_QGEMV_FOUR_RUNS=0 turns the four-run bf16 path off (its check); INFER_QGEMV_Q8_PAIRS=0 and
- * INFER_QGEMV_Q6_PAIRS=0 the q8 and Q6_K pair paths. */
+ * INFER_QGEMV_Q6_PAIRS=0 the q8 and Q6_K pair paths; INFER_QGEMV_WIDEN_SCALES=0 Q8_0's float32 row of scales. */
 int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, const void *mins, int dtype,
                 const void *x, const void *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t group,
                 int threads) {
@@ -1656,10 +1656,11 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
         }
     int bf16_q4 = 0, four_runs = 0; /* q4 codes against bf16 inputs by the pair instruction (codes carry +128) */
     /* factored scales, and float16 ones of q8 runs: each row's made float32 once, in a buffer per thread */
-    int expand = sdtype == FK || (sdtype == F16 && fmt == Q8 && group == QCHUNK && switched_on("INFER_QGEMV_WIDEN_SCALES"));
+    int expand = sdtype == FK ||
+                 (sdtype == F16 && fmt == Q8 && group == QCHUNK && switched_on("INFER_QGEMV_WIDEN_SCALES"));
     int failed = 0;
     int bf16_q6 = 0;                 /* Q6_K's codes the same way (codes carry +160) */
-    int bf16_q8 = 0;                 /* q8 codes (int8, Q8_0) the same way, in groups of whole runs */
+    int bf16_q8 = 0;                 /* q8 codes the same way, in groups of two or more runs */
     uint16_t *xp = NULL;
     (void)narrow;
 #if defined(HAVE_DOT_BF16)
