@@ -1563,17 +1563,18 @@ static inline __attribute__((always_inline)) float q6row_dot_bf16(const uint8_t 
     return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
 }
 
-/* q8 codes against bf16 inputs by the pair instruction: an int8 code is exact as a bf16 (8 significant bits), so
- * a run's 32 codes widen to fp32 and pack into one register of bf16 operands, in order; the products are exact and
- * sum in fp32, as the widening path's, with half its multiply-adds and x read as bf16 (1.4-1.5x the widening
- * path's rate on a 2-core EPYC, where both are compute-bound). Two sums per row of x, by run parity within a
- * group, then each group's scale; out[j] as qrow_dot's. Groups of whole pairs of runs. */
+/* A run's 32 int8 codes as bf16 operands of the pair instruction, in order (each code exact). */
 static inline __attribute__((always_inline)) __m512bh q8_operands(const uint8_t *c) {
     __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
     __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
     return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
+/* q8 codes against bf16 inputs by the pair instruction: an int8 code is exact as a bf16 (8 significant bits), so
+ * a run's 32 codes widen to fp32 and pack into one register of bf16 operands, in order; the products are exact and
+ * sum in fp32, as the widening path's, with half its multiply-adds and x read as bf16 (1.4-1.5x the widening
+ * path's rate on a 2-core EPYC, where both are compute-bound). Two sums per row of x, by run parity within a
+ * group, then each group's scale; out[j] as qrow_dot's. Groups of whole pairs of runs. */
 static inline __attribute__((always_inline)) void q8row_dot_bf16(const uint8_t *codes, scale_row scales, int64_t k,
                                                                  int64_t group, const uint16_t *x, int64_t ldx,
                                                                  int mt, float *out) {
