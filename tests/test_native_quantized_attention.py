@@ -279,3 +279,33 @@ def check_pool_kernel(p: dict[str, Any], kernel: str, fp32_ulp: float, half_ulp:
         ulp = fp32_ulp if p["dtype"] == torch.float32 else half_ulp
         assert_close(out[b].float(), expected, ulp * max(1.0, expected.abs().max().item()) + 1e-6,
                      f"{kernel} {p} seq {b}")
+
+
+@needs_build
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("groups", [1, 2, 3, 4, 5])
+def test_an_exact_pool_read_in_place_is_the_formula_for_every_pass_of_heads(dtype: torch.dtype, head_dim: int,
+                                                                             groups: int) -> None:
+    """The engine's exact pool read through its tables (infer_qattn_paged, every block staged) against the formula
+    over the gathered keys: query heads per KV head 1-5 cover every split of a KV head's value sums into passes
+    (4 heads at once at head size 64, 2 at 128, then the rest), lengths whole 16-key tiles and not."""
+    kernels = native_kernels()
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(head_dim * 10 + groups)
+    kv_heads, bs, lengths, scale = 2, 16, [1, 15, 16, 37, 80], head_dim**-0.5
+    batch, nb = len(lengths), max(-(-n // bs) for n in lengths)
+    num_blocks = batch * nb + 3
+    k_blocks = torch.randn(num_blocks, kv_heads, bs, head_dim, generator=gen).to(dtype)
+    v_blocks = torch.randn(num_blocks, kv_heads, bs, head_dim, generator=gen).to(dtype)
+    tables = torch.randperm(num_blocks, generator=gen)[: batch * nb].view(batch, nb)
+    q = torch.randn(batch, kv_heads * groups, head_dim, generator=gen).to(dtype)
+    out = kernels.exact_paged_attention(q, k_blocks, v_blocks, tables, torch.tensor(lengths),
+                                        torch.zeros(batch, dtype=torch.long), scale, None, None)
+    for b, n in enumerate(lengths):
+        keys, values = (blocks[tables[b]].transpose(0, 1).reshape(kv_heads, nb * bs, head_dim)[:, :n].float()
+                        for blocks in (k_blocks, v_blocks))
+        want = attention_reference(q[b].float()[None, :, None], keys[None], values[None], None, scale)[0, :, 0]
+        # fp32 sums in another order; a half-precision pool's output rounded once
+        tol = 1e-5 if dtype == torch.float32 else 8e-3
+        torch.testing.assert_close(out[b].float(), want, rtol=tol, atol=tol, msg=f"sequence {b} ({n} keys)")

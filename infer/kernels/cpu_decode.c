@@ -648,6 +648,24 @@ static inline void score_code_row(int scheme, int fast, const uint8_t *codes, co
     }
 }
 
+/* The 16 rows of `tile` (`nv` vectors each) dotted with the query vectors `qv`: each row's lane sums in c order,
+ * then folded by sum16x16. The vector step c runs outside the rows: 16 independent sums per step, where one row's
+ * nv dependent adds at a time waited on the add's latency (the same sums, in the same order). */
+static inline __attribute__((always_inline)) qv16 tile_dots_n(const qv16 *qv, const qv16 *tv, const int64_t nv) {
+    qv16 a[16];
+    for (int j = 0; j < 16; j++) a[j] = qv[0] * tv[j * nv];
+    for (int64_t c = 1; c < nv; c++)
+        for (int j = 0; j < 16; j++) a[j] += qv[c] * tv[j * nv + c];
+    return sum16x16(a);
+}
+
+/* tile_dots_n with the common head sizes' vector counts as constants (64 and 128: 4 and 8 vectors). */
+static inline qv16 tile_dots(const qv16 *qv, const qv16 *tv, int64_t nv) {
+    if (nv == 4) return tile_dots_n(qv, tv, 4);
+    if (nv == 8) return tile_dots_n(qv, tv, 8);
+    return tile_dots_n(qv, tv, nv);
+}
+
 /* Score 16 consecutive code rows at once (fast path; `rscale` their 16 row scales, or NULL for channel-scaled
  * keys): decoded into `tile`, summed by sum16x16. */
 static inline void score_code_tile(int scheme, int64_t dp, const uint8_t *codes, const float *qp, const float *qo,
@@ -660,13 +678,7 @@ static inline void score_code_tile(int scheme, int64_t dp, const uint8_t *codes,
         rsv[j] = rscale ? bf16_to_f32(rscale[j]) : 1.f;
     }
     for (int64_t g = 0; g < groups; g++) {
-        const qv16 *qv = (const qv16 *)(qp + g * d);
-        qv16 a[16];
-        for (int j = 0; j < 16; j++) {
-            a[j] = qv[0] * tv[j * (d / 16)];
-            for (int64_t c = 1; c < d / 16; c++) a[j] += qv[c] * tv[j * (d / 16) + c];
-        }
-        qv16 scores = sum16x16(a) * rsv + qo[g];
+        qv16 scores = tile_dots((const qv16 *)(qp + g * d), tv, d / 16) * rsv + qo[g];
         memcpy(sc + g * n + t, &scores, 64);
     }
 }
@@ -696,13 +708,7 @@ static inline void score_exact_tile(int dtype, const char *rows, int64_t esize, 
     const qv16 *tv = (const qv16 *)tile;
     for (int j = 0; j < 16; j++) load_row(dtype, rows + j * d * esize, tile + j * d, d);
     for (int64_t g = 0; g < groups; g++) {
-        const qv16 *qv = (const qv16 *)(qf + g * d);
-        qv16 a[16];
-        for (int j = 0; j < 16; j++) {
-            a[j] = qv[0] * tv[j * (d / 16)];
-            for (int64_t c = 1; c < d / 16; c++) a[j] += qv[c] * tv[j * (d / 16) + c];
-        }
-        qv16 scores = sum16x16(a);
+        qv16 scores = tile_dots((const qv16 *)(qf + g * d), tv, d / 16);
         memcpy(sc + g * n + t, &scores, 64);
     }
 }
@@ -770,20 +776,44 @@ static inline void add_value_row(int coded, int fast, const float *row, const fl
  * the fast path) into every query head's sums at once, weights sc[g * n + t + r] * rs[r]: each head's d sums stay in
  * registers across the rows, where one row at a time (add_value_row) loaded, added and stored them again per row.
  * The same products summed in the same order. Needs d % 16 == 0 and d <= 256. */
+static inline __attribute__((always_inline)) void value_tile_heads(const qv16 *tv, const float *sc, const float *rs,
+                                                                  qv16 *sums, int64_t g0, const int heads, int64_t n,
+                                                                  int64_t t, int64_t rows, const int64_t nv) {
+    qv16 a[16];
+    for (int g = 0; g < heads; g++)
+        for (int64_t c = 0; c < nv; c++) a[g * nv + c] = sums[(g0 + g) * nv + c];
+    for (int64_t r = 0; r < rows; r++)
+        for (int g = 0; g < heads; g++) {
+            float w = sc[(g0 + g) * n + t + r] * rs[r];
+            if (w == 0.f) continue;
+            for (int64_t c = 0; c < nv; c++) a[g * nv + c] += w * tv[r * nv + c];
+        }
+    for (int g = 0; g < heads; g++)
+        for (int64_t c = 0; c < nv; c++) sums[(g0 + g) * nv + c] = a[g * nv + c];
+}
+
 static inline void add_value_tile(const float *tile, const float *sc, const float *rs, float *sums, int64_t groups,
                                   int64_t n, int64_t t, int64_t rows, int64_t d) {
-    int64_t nv = d / 16;
-    for (int64_t g = 0; g < groups; g++) {
-        qv16 a[16], *out = (qv16 *)(sums + g * d);
-        for (int64_t c = 0; c < nv; c++) a[c] = out[c];
-        for (int64_t r = 0; r < rows; r++) {
-            float w = sc[g * n + t + r] * rs[r];
-            if (w == 0.f) continue;
-            const qv16 *rv = (const qv16 *)(tile + r * d);
-            for (int64_t c = 0; c < nv; c++) a[c] += w * rv[c];
+    const qv16 *tv = (const qv16 *)tile;
+    qv16 *out = (qv16 *)sums;
+    int64_t nv = d / 16, g = 0;
+    /* Several heads' sums at once where they fit 16 registers (head sizes 64 and 128): each row's vectors are
+     * loaded once for all of them, and their chains of adds overlap. */
+    if (nv == 4)
+        for (; g < groups; g += 4) {
+            int64_t left = groups - g;
+            if (left >= 4) value_tile_heads(tv, sc, rs, out, g, 4, n, t, rows, 4);
+            else if (left == 3) value_tile_heads(tv, sc, rs, out, g, 3, n, t, rows, 4);
+            else if (left == 2) value_tile_heads(tv, sc, rs, out, g, 2, n, t, rows, 4);
+            else value_tile_heads(tv, sc, rs, out, g, 1, n, t, rows, 4);
         }
-        for (int64_t c = 0; c < nv; c++) out[c] = a[c];
-    }
+    else if (nv == 8)
+        for (; g < groups; g += 2) {
+            if (groups - g >= 2) value_tile_heads(tv, sc, rs, out, g, 2, n, t, rows, 8);
+            else value_tile_heads(tv, sc, rs, out, g, 1, n, t, rows, 8);
+        }
+    else
+        for (; g < groups; g++) value_tile_heads(tv, sc, rs, out, g, 1, n, t, rows, nv);
 }
 
 /* The query heads' outputs, heads first .. first + groups - 1 of `out`: the code rows' sums back in the natural
@@ -1000,6 +1030,8 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
                 int64_t id = table[j], rows = n - j * bs < bs ? n - j * bs : bs, t0 = j * bs;
                 if ((j + 1) * bs < n)
                     prefetch_block(table[j + 1], num_blocks, k_stage, k_codes, h, kv_heads, bs, d, esize, dp);
+                if ((j + 1) * bs >= n) /* the last key block: the first value block during it and the softmax */
+                    prefetch_block(table[0], num_blocks, v_stage, v_codes, h, kv_heads, bs, d, esize, dp);
                 if (id >= num_blocks) { /* staged: exact rows */
                     const char *ks = (const char *)k_stage + ((id - num_blocks) * kv_heads + h) * bs * d * esize;
                     int64_t r = 0;
