@@ -27,8 +27,8 @@ def add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
     p.add_argument("--decode-gemv", default="auto", choices=["auto", "linear", "mv", "native", "triton"],
                    help="kernel of one-token products (auto: the fastest, timed on this model's weights at load)")
     p.add_argument("--no-huge-pages", action="store_true",
-                   help="keep CPU weights on ordinary pages (default: transparent huge pages where the kernel has"
-                        " them)")
+                   help="keep CPU weights and the batched engine's KV pool on ordinary pages (default: transparent"
+                        " huge pages where the kernel has them)")
     p.add_argument("--no-native-ops", action="store_true",
                    help="run a one-token step's norms, rotations and activation as PyTorch ops, not native calls")
     p.add_argument("--no-native-step", action="store_true",

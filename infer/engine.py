@@ -163,7 +163,7 @@ class Engine:
             cache_memory=cache_memory, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             bound_sliding_layers=bound_sliding_layers and isinstance(max_num_seqs, int)
             and isinstance(max_num_batched_tokens, int),
-            spare_blocks=spare, kv_cache_dtype=kv_cache_dtype,
+            spare_blocks=spare, kv_cache_dtype=kv_cache_dtype, huge_pages=model.huge_pages,
             agree_blocks=None if self.shards is None else (lambda n: min_over_ranks(n, cast(Shards, self.shards))))
         self.kv_cache_dtype = kv_cache_dtype
         self.pool, self.ring = self.storage.pool, self.storage.ring

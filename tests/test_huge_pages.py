@@ -56,3 +56,21 @@ def test_weights_on_huge_pages_give_the_same_logits(arch: str) -> None:
         model.fused_projections = True  # the fused weight keeps the placement
         assert (model.layers[0].mlp.__dict__["gate_up"].weight.data_ptr() % HUGE_PAGE == 0) == (huge and THP_HERE)
     assert torch.equal(logits[True], logits[False])
+
+
+@pytest.mark.parametrize("huge", [False, True])
+def test_a_paged_pool_is_zeroed_and_on_huge_pages_where_asked(huge: bool) -> None:
+    from infer.cache.paged import PagedKVPool
+    from tests.helpers import tiny_config
+
+    config = tiny_config()
+    # Enough blocks for the lazy map (16 MiB and more per tensor): the path a real pool takes.
+    per_block = config.num_hidden_layers * config.num_key_value_heads * 16 * config.head_dim * 4
+    pool = PagedKVPool(config, num_blocks=-(-32 * 2**20 // per_block), huge_pages=huge)
+    for blocks in (pool.k_blocks, pool.v_blocks):
+        assert blocks.nbytes >= 16 * 2**20
+        if huge and THP_HERE:  # (an ordinary map may start on a 2 MiB boundary by chance)
+            assert blocks.data_ptr() % HUGE_PAGE == 0, "a huge page maps only from a 2 MiB boundary"
+        assert not blocks.any(), "a fresh pool reads as zeros"
+        blocks[0, -1].fill_(1.5)  # writable, and private to this pool
+        assert blocks[0, -1].eq(1.5).all()

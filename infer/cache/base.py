@@ -17,7 +17,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from infer.errors import CacheFullError
-from infer.memory import check_fits, resolve_device
+from infer.memory import check_fits, empty_on_huge_pages, huge_pages_fit, resolve_device
 
 
 @runtime_checkable
@@ -104,24 +104,31 @@ def check_cache_size(max_seq_len: int, batch_size: int, *dtype: torch.dtype) -> 
 
 def allocate_zeros(
     what: str, device: torch.device | str, *specs: tuple[tuple[int, ...], torch.dtype], extra_bytes: int = 0,
+    huge_pages: bool = False,
 ) -> list[torch.Tensor]:
     """Zeroed tensors of the given (shape, dtype)s on `device`, refused with a ValueError before anything is
     allocated if together (plus `extra_bytes` of bookkeeping) they would not fit in its free memory.
     Large CPU tensors are anonymous memory maps, which the kernel zeroes page by page on first touch: a
-    multi-GB pool costs no start-up time and no resident memory until it fills."""
+    multi-GB pool costs no start-up time and no resident memory until it fills. `huge_pages`: those maps on
+    transparent huge pages where the kernel allows them (memory filled in order, as a paged pool's blocks are)."""
     target = resolve_device(device, allow_meta=True)
     nbytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in specs) + extra_bytes
     check_fits(nbytes, target, what)
-    return [_lazy_zeros(shape, dtype) if target.type == "cpu" and math.prod(shape) * dtype.itemsize >= LAZY_ZEROS_BYTES
+    return [_lazy_zeros(shape, dtype, huge_pages)
+            if target.type == "cpu" and math.prod(shape) * dtype.itemsize >= LAZY_ZEROS_BYTES
             else torch.zeros(shape, dtype=dtype, device=target) for shape, dtype in specs]
 
 
 LAZY_ZEROS_BYTES = 16 * 2**20  # below this, torch.zeros is as quick
 
 
-def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = False) -> torch.Tensor:
+    nbytes = math.prod(shape) * dtype.itemsize
+    if huge_pages and huge_pages_fit(nbytes):
+        # A fresh private anonymous map: zero until written, 2 MiB faulted in at a time, not 4 KiB.
+        return empty_on_huge_pages(shape, dtype)
     # The tensor keeps the map alive (torch.frombuffer holds a reference to its buffer).
-    buffer = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
+    buffer = mmap.mmap(-1, nbytes)
     return torch.frombuffer(buffer, dtype=dtype).view(shape)
 
 

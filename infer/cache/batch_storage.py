@@ -110,13 +110,14 @@ class BatchStorage:
                  device: torch.device, block_size: int, num_blocks: int | None, cache_memory: int | None,
                  max_num_seqs: int, max_num_batched_tokens: int, bound_sliding_layers: bool,
                  spare_blocks: int = 0, kv_cache_dtype: str | None = None,
-                 agree_blocks: Callable[[int], int] | None = None) -> BatchStorage:
+                 agree_blocks: Callable[[int], int] | None = None, huge_pages: bool = True) -> BatchStorage:
         """Storage for a model whose layer i has sliding window `windows[i]`: rings for the sliding layers
         when `bound_sliding_layers`, the pool for the rest, `num_blocks` blocks or as many as `cache_memory`
         bytes hold after the rings (default: `default_num_blocks`). `spare_blocks` more in each set.
         `kv_cache_dtype` ("int8", "int4", "fp4"): the pool's blocks quantized (`QuantizedPagedPool`, with its
         staging counted in `cache_memory`); the rings stay exact. `agree_blocks`: the number of blocks every rank
-        of a tensor-parallel group can hold, from this rank's (their pools must mirror each other)."""
+        of a tensor-parallel group can hold, from this rank's (their pools must mirror each other). `huge_pages`:
+        an exact pool on transparent huge pages where the kernel allows (PagedKVPool)."""
         if kv_cache_dtype is not None and spare_blocks:
             raise ValueError("a quantized pool has no spare block for graph-captured steps; run them eagerly")
         ring_layers = [i for i, w in enumerate(windows) if w is not None] if bound_sliding_layers else []
@@ -161,7 +162,7 @@ class BatchStorage:
             sets = [TableSet(pool.layers, pool.layers, pool_layers, pool_windows, None)]
         else:
             pool = PagedKVPool(config, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device,
-                               num_layers=len(pool_layers), spare_blocks=spare_blocks)
+                               num_layers=len(pool_layers), spare_blocks=spare_blocks, huge_pages=huge_pages)
             sets = [TableSet(pool.k_blocks, pool.v_blocks, pool_layers, pool_windows, spare(pool.k_blocks))]
         if ring is not None:
             ring_windows: list[int | None] = [*sorted({w for i in ring_layers if (w := windows[i]) is not None})]
