@@ -279,29 +279,20 @@ def paged_attention(
     if batch.decode is None and len(batch.seqs) == 1:  # one sequence: no scatter
         seq = batch.seqs[0]
         return _attend_one(q[:, :, seq.row : seq.row + seq.num_tokens], gather, seq, window, attend, wide)
+    group = batch.decode
+    if group is not None and group.all_rows and group.kernel in ("native", "triton") and not reference:
+        # A step of one-token chunks alone: q's rows are the group's, in order (q is a view of [1, N, H, D]
+        # memory), so the kernel reads them in place and its [B, H, D] output is the step's, transposed back.
+        return _attend_in_pool(q[0].transpose(0, 1), k_blocks, v_blocks, group, scale, softcap,
+                               window).transpose(0, 1)[None]
     out = torch.empty_like(q)
     for seq in batch.seqs:
         out[:, :, seq.row : seq.row + seq.num_tokens] = _attend_one(
             q[:, :, seq.row : seq.row + seq.num_tokens], gather, seq, window, attend, wide)
-    group = batch.decode
-    if group is not None and group.kernel == "triton" and not reference:
-        from infer.kernels.paged_attention import paged_decode_attention
-
+    if group is not None and group.kernel in ("native", "triton") and not reference:
         queries = q[0, :, group.rows].transpose(0, 1)  # [B, H, D]
-        if isinstance(k_blocks, QuantizedPoolLayer):
-            attended = k_blocks.decode_attention(group, queries, scale, softcap, window)
-        else:
-            attended = paged_decode_attention(queries.contiguous(), k_blocks, cast(torch.Tensor, v_blocks),
-                                              group.tables, group.lengths, scale, softcap, window)
-        out[0, :, group.rows] = attended.transpose(0, 1)
-    elif group is not None and group.kernel == "native" and not reference:
-        queries = q[0, :, group.rows].transpose(0, 1)  # [B, H, D]
-        if isinstance(k_blocks, QuantizedPoolLayer):
-            attended = k_blocks.decode_attention(group, queries, scale, softcap, window)
-        else:
-            attended = native_paged_attention(queries, k_blocks, cast(torch.Tensor, v_blocks), group, scale,
-                                              softcap, window)
-        out[0, :, group.rows] = attended.transpose(0, 1)
+        out[0, :, group.rows] = _attend_in_pool(queries, k_blocks, v_blocks, group, scale, softcap,
+                                                window).transpose(0, 1)
     elif group is not None:
         keys, values = gather(group.tables)
         queries = q[0, :, group.rows, None].transpose(0, 1)  # [B, H, 1, D]
@@ -312,6 +303,21 @@ def paged_attention(
             attended = attend(queries, keys, values, mask)
         out[0, :, group.rows] = attended[:, :, 0].transpose(0, 1)
     return out
+
+
+def _attend_in_pool(queries: torch.Tensor, k_blocks: torch.Tensor | QuantizedPoolLayer,
+                    v_blocks: torch.Tensor | QuantizedPoolLayer, group: DecodeGroup, scale: float,
+                    softcap: float | None, window: int | None) -> torch.Tensor:
+    """A decode group's queries `[B, H, D]` over the pool in place, in the group's kernel (native or Triton):
+    `[B, H, D]`."""
+    if isinstance(k_blocks, QuantizedPoolLayer):
+        return k_blocks.decode_attention(group, queries, scale, softcap, window)
+    if group.kernel == "triton":
+        from infer.kernels.paged_attention import paged_decode_attention
+
+        return paged_decode_attention(queries.contiguous(), k_blocks, cast(torch.Tensor, v_blocks), group.tables,
+                                      group.lengths, scale, softcap, window)
+    return native_paged_attention(queries, k_blocks, cast(torch.Tensor, v_blocks), group, scale, softcap, window)
 
 
 def native_paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, group: DecodeGroup,

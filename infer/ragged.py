@@ -60,6 +60,9 @@ class DecodeGroup:
     lengths: torch.Tensor  # [B] keys of each sequence, this step's included
     masks: dict[int | None, torch.Tensor]  # window -> [B, 1, 1, nb * block_size] bool: which keys each row sees
     starts: torch.Tensor | None = None  # [B] position of each table's first key (0 unless a window cut it)
+    # The step is these B tokens alone, in order (rows 0 .. B-1): a kernel reading the pool in place takes the
+    # queries and returns the output as views of the step's rows, with no gather and no scatter.
+    all_rows: bool = False
 
 
 @dataclass
@@ -145,6 +148,7 @@ def build_ragged_batch(
     if decoding:
         decode = _decode_group([chunks[i] for i in decoding], [starts[i] for i in decoding], block_size,
                                windows, device, decode_kernel, None if decode_kernel == "triton" else reach)
+        decode.all_rows = len(decoding) == len(chunks)  # every chunk one token: rows 0 .. B-1
     return RaggedBatch(as_tensor(positions), as_tensor(slot_blocks), as_tensor(slot_offsets), seqs,
                        as_tensor(sample_rows), block_size, as_tensor(fresh), decode)
 

@@ -230,3 +230,28 @@ def test_decode_attention_choice_is_validated(llama: tuple, monkeypatch: pytest.
         monkeypatch.setattr("infer.tuning.native_kernels", lambda *args: None)
         with pytest.raises(ValueError, match="decode_attention='native' runs on the CPU with the native kernels"):
             Engine(model, tok, num_blocks=8, decode_attention="native")
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "matmul", "native", "per-sequence"])
+def test_decode_rows_beside_a_prompt_chunk_match_solo_runs(llama: tuple, kernel: str) -> None:
+    """Steps where two requests' one-token rows share the step with a later prompt's chunk (the decode group is
+    some of the step's rows, not all, so its queries are gathered and its output scattered): every request equals
+    its solo run, and such steps happened."""
+    from infer.kernels.native import native_kernels
+
+    if kernel == "native" and native_kernels() is None:
+        pytest.skip("no native build here")
+    model, tok = llama
+    engine = Engine(model, tok, num_blocks=64, block_size=4, decode_attention=kernel, max_num_batched_tokens=8)
+    engine.trace = []
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7], [8, 9], list(range(10, 30))]
+    ids = [engine.add_request(p, params) for p in prompts[:2]]
+    engine.step()  # both prompts in one step; decoding from the next
+    ids.append(engine.add_request(prompts[2], params))  # 20 tokens: chunks beside the two decode rows
+    while engine.has_unfinished():
+        engine.step()
+    assert any(r.phase == "mixed" and sum(c.decode for c in r.chunks) >= 2 for r in engine.trace)
+    assert any(r.phase == "decode" and len(r.chunks) >= 2 for r in engine.trace)
+    for rid, prompt in zip(ids, prompts, strict=True):
+        assert engine.result(rid).token_ids == infer.generate(model, tok, prompt, params).token_ids, prompt
