@@ -255,3 +255,45 @@ def test_decode_rows_beside_a_prompt_chunk_match_solo_runs(llama: tuple, kernel:
     assert any(r.phase == "decode" and len(r.chunks) >= 2 for r in engine.trace)
     for rid, prompt in zip(ids, prompts, strict=True):
         assert engine.result(rid).token_ids == infer.generate(model, tok, prompt, params).token_ids, prompt
+
+
+def test_a_bf16_engine_with_native_norms_and_rotations_answers_to_the_solo_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 engine's steps run the decoder norms and the rotations of all rows as native calls (prefill chunks,
+    mixed and decode steps): each request's logits within bf16 rounding of its solo run, and the same greedy
+    tokens as with PyTorch's ops (`native_ops` off, the check)."""
+    from infer.kernels.native import NativeKernels, native_kernels
+    from reference import build_checkpoint
+    from tests.helpers import solo_logits
+
+    kernels = native_kernels()
+    if kernels is None or not kernels.rows_vectorized:
+        pytest.skip("no vectorized native build here")
+    calls: list[int] = []
+    rope_rows = NativeKernels.rope_rows
+
+    def counted(self: NativeKernels, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[2])
+        return rope_rows(self, x, cos, sin)
+
+    monkeypatch.setattr(NativeKernels, "rope_rows", counted)
+    model = infer.load_model(build_checkpoint("llama"), dtype="bfloat16")
+    prompts = [[5, 9, 2, 8, 8, 1], [7, 7, 1, 3], [11], list(range(20, 40)), [6, 2]]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for on in (True, False):
+        model.native_ops = on
+        engine = Engine(model, None, num_blocks=32, keep_logits=True, max_num_batched_tokens=16)
+        ids = [engine.add_request(p, params) for p in prompts]
+        while engine.has_unfinished():
+            engine.step()
+        tokens[on] = [engine.result(rid).token_ids for rid in ids]
+        if on:
+            assert max(calls) > 1, "no step rotated its rows natively"
+            for prompt, rid in zip(prompts, ids, strict=True):
+                result = engine.result(rid)
+                assert result.logits is not None
+                solo = solo_logits(model, prompt, result.token_ids).float()
+                assert (result.logits.float() - solo).abs().max() <= 0.05 * solo.abs().max()
+    assert tokens[True] == tokens[False]
+    model.native_ops = True

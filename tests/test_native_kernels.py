@@ -218,9 +218,34 @@ def test_native_rope_is_the_formula_bit_for_bit(dtype: torch.dtype, rows: int, h
 
 
 @needs_build
+@settings(max_examples=40, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       tokens=st.integers(1, 12) | st.integers(64, 80), heads=st.integers(1, 3),
+       half=st.sampled_from([16, 32, 64]) | st.integers(1, 40), spare=st.integers(0, 24), seed=st.integers(0, 2**16))
+def test_native_rope_of_every_row_is_the_formula_bit_for_bit(dtype: torch.dtype, tokens: int, heads: int, half: int,
+                                                              spare: int, seed: int) -> None:
+    """The engine's steps: q or k as the fused product leaves them (a view of wider rows, heads transposed), each
+    token by its own position's cos/sin, against apply_rope on the same view."""
+    from infer.rope import apply_rope
+
+    kernels = native_kernels()
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(seed)
+    d = 2 * half
+    wide = (torch.randn(1, tokens, heads * d + spare, generator=gen) * 4).to(dtype)
+    x = wide[..., spare:].view(1, tokens, heads, d).transpose(1, 2)  # [1, H, T, D]
+    angles = torch.randn(tokens, d, generator=gen) * 100
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    got = kernels.rope_rows(x, cos, sin)
+    assert got.shape == x.shape and torch.equal(got, apply_rope(x, cos, sin))
+    assert torch.equal(wide[..., spare:].view(1, tokens, heads, d).transpose(1, 2), x), "the input is left as it was"
+
+
+@needs_build
 @settings(max_examples=30, deadline=None)
-@given(dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), rows=st.integers(1, 12),
-       d=st.integers(1, 300), gemma=st.booleans(), seed=st.integers(0, 2**16))
+@given(dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       rows=st.integers(1, 12) | st.integers(64, 90),  # 64 and more: split over threads (the engine's steps)
+       d=st.integers(1, 300) | st.sampled_from([64, 768]), gemma=st.booleans(), seed=st.integers(0, 2**16))
 def test_native_rms_norm_is_the_formula_within_an_ulp(dtype: torch.dtype, rows: int, d: int, gemma: bool,
                                                        seed: int) -> None:
     from infer.models.transformer import RMSNorm

@@ -239,6 +239,15 @@ static inline void thread_rows(int64_t n, int64_t *r0, int64_t *r1) {
 /* The instruction-set path this build took. */
 const char *infer_isa(void) { return ISA; }
 
+/* Whether the many-row small ops (infer_rms_norm over rows, infer_rope_rows) run 16 lanes at a time on bf16 here. */
+int infer_rows_vectorized(void) {
+#if defined(HAVE_AVX512)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Whether this build computes `dtype` (fp16 needs hardware conversions on x86 without AVX512). */
 int infer_supports(int dtype) {
 #if (defined(__x86_64__) || defined(__i386__)) && !defined(HAVE_AVX512) && !defined(__F16C__)
@@ -299,14 +308,68 @@ static inline float round_to(int dtype, float v) {
     return v;
 }
 
+#if defined(HAVE_AVX512)
+/* 16 bf16 values (at p) widened to fp32: bf16 is fp32's upper half. */
+static inline __m512 bf16x16_load(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* 16 fp32 lanes rounded to bf16 as f32_to_bf16 rounds one: to nearest even; a NaN kept quiet with its payload's
+ * top bits. */
+static inline __m256i bf16x16_round(__m512 v) {
+    __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
+    __m512i nearest = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16), one))), 16);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                            _mm512_set1_epi32(0x7f800000));
+    __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, nearest, quiet));
+}
+
+static inline __m512 bf16x16_widen(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* -v exactly (the sign bit flipped: 0 - v would make -0 of +0). */
+static inline __m512 negate16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u)));
+}
+
+/* One bf16 row of RMSNorm, 16 lanes at a time (d a multiple of 16): the scalar loop's formula and roundings, the
+ * sum of squares in 16 partial sums (another order: within an ulp, as the scalar one is of PyTorch's). */
+static inline void rms_norm_row_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t d, float eps,
+                                     int gemma) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 16) {
+        __m512 v = bf16x16_load(x + i);
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+    }
+    __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)d + eps));
+    for (int64_t i = 0; i < d; i += 16) {
+        __m512 h = _mm512_mul_ps(bf16x16_load(x + i), inv), wv = bf16x16_load(w + i);
+        __m512 o = gemma ? _mm512_mul_ps(h, _mm512_add_ps(_mm512_set1_ps(1.0f), wv))
+                         : _mm512_mul_ps(wv, bf16x16_widen(bf16x16_round(h)));
+        _mm256_storeu_si256((__m256i *)(out + i), bf16x16_round(o));
+    }
+}
+#endif
+
 /* RMSNorm of `rows` rows of d: h = x * 1/sqrt(mean(x^2) + eps) in fp32, then
- * Llama/Qwen: weight * round(h) (weight in dtype, the product rounded); Gemma: round(h * (1 + weight)). */
+ * Llama/Qwen: weight * round(h) (weight in dtype, the product rounded); Gemma: round(h * (1 + weight)).
+ * out may be x. Rows split over `threads` where there are many (the batched engine's steps). */
 void infer_rms_norm(int dtype, const void *x, const void *weight, void *out, int64_t rows, int64_t d, float eps,
-                    int gemma) {
+                    int gemma, int threads) {
     int64_t esize = dtype == F32 ? 4 : 2;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && rows >= 64) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const char *xr = (const char *)x + r * d * esize;
         char *outr = (char *)out + r * d * esize;
+#if defined(HAVE_AVX512)
+        if (dtype == BF16 && d % 16 == 0) {
+            rms_norm_row_bf16((const uint16_t *)xr, (const uint16_t *)weight, (uint16_t *)outr, d, eps, gemma);
+            continue;
+        }
+#endif
         float squares = 0.f;
         for (int64_t i = 0; i < d; i++) {
             float v = load_scalar(dtype, xr, i);
@@ -335,6 +398,41 @@ void infer_rope(int dtype, const void *x, const void *cos, const void *sin, void
                        round_to(dtype, a * load_scalar(dtype, sin, i + half));
             store_scalar(dtype, outr, i, lo);
             store_scalar(dtype, outr, i + half, hi);
+        }
+    }
+}
+
+/* infer_rope for the batched engine's steps: `tokens` tokens of `heads` heads of d, token t's head h at
+ * x + t * token_stride + h * head_stride (elements; a view of the step's q or k), each token rotated by its own
+ * row of cos/sin [tokens, d], into out [tokens, heads, d]: the same formula and roundings, bit for bit (bf16 with
+ * half of d a multiple of 16: 16 lanes at a time). Tokens split over `threads` where there are many. */
+void infer_rope_rows(int dtype, const void *x, int64_t token_stride, int64_t head_stride, const void *cos,
+                     const void *sin, void *out, int64_t tokens, int64_t heads, int64_t d, int threads) {
+    int64_t esize = dtype == F32 ? 4 : 2, half = d / 2;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && tokens >= 64) schedule(static)
+    for (int64_t t = 0; t < tokens; t++) {
+        const char *ct = (const char *)cos + t * d * esize, *st = (const char *)sin + t * d * esize;
+        for (int64_t h = 0; h < heads; h++) {
+            const char *xr = (const char *)x + (t * token_stride + h * head_stride) * esize;
+            char *outr = (char *)out + (t * heads + h) * d * esize;
+#if defined(HAVE_AVX512)
+            if (dtype == BF16 && half % 16 == 0) {
+                const uint16_t *xa = (const uint16_t *)xr, *c = (const uint16_t *)ct, *s = (const uint16_t *)st;
+                uint16_t *o = (uint16_t *)outr;
+                for (int64_t i = 0; i < half; i += 16) {
+                    __m512 a = bf16x16_load(xa + i), b = bf16x16_load(xa + half + i);
+                    __m512 lo = _mm512_add_ps(bf16x16_widen(bf16x16_round(_mm512_mul_ps(a, bf16x16_load(c + i)))),
+                        bf16x16_widen(bf16x16_round(_mm512_mul_ps(negate16(b),
+                                                                  bf16x16_load(s + i)))));
+                    __m512 hi = _mm512_add_ps(bf16x16_widen(bf16x16_round(_mm512_mul_ps(b, bf16x16_load(c + half + i)))),
+                        bf16x16_widen(bf16x16_round(_mm512_mul_ps(a, bf16x16_load(s + half + i)))));
+                    _mm256_storeu_si256((__m256i *)(o + i), bf16x16_round(lo));
+                    _mm256_storeu_si256((__m256i *)(o + half + i), bf16x16_round(hi));
+                }
+                continue;
+            }
+#endif
+            infer_rope(dtype, xr, ct, st, outr, 1, d);
         }
     }
 }
@@ -2026,14 +2124,14 @@ int infer_decode_step(int dtype, const step_layer *layers, int64_t n_layers, int
     for (int64_t l = 0; code == 0 && l < n_layers; l++) {
         const step_layer *L = layers + l;
         /* attention: norm, q/k/v, QK-norm, RoPE, the new K/V row into the cache, attend, o, (post-norm), residual */
-        infer_rms_norm(dtype, x, L->attn_in, h, 1, hidden, eps, gemma);
+        infer_rms_norm(dtype, x, L->attn_in, h, 1, hidden, eps, gemma, 1);
         int64_t at = 0;
         for (int64_t p = 0; code == 0 && p < L->n_qkv; at += L->qkv[p].n, p++)
             code = step_product(dtype, L->qkv + p, h, big + at * esize, threads);
         if (code) break;
         char *q = big, *k = big + heads * d * esize; /* v follows k */
-        if (L->q_norm) infer_rms_norm(dtype, q, L->q_norm, q, heads, d, eps, gemma);
-        if (L->k_norm) infer_rms_norm(dtype, k, L->k_norm, k, kv_heads, d, eps, gemma);
+        if (L->q_norm) infer_rms_norm(dtype, q, L->q_norm, q, heads, d, eps, gemma, 1);
+        if (L->k_norm) infer_rms_norm(dtype, k, L->k_norm, k, kv_heads, d, eps, gemma, 1);
         infer_rope(dtype, q, cos[L->rope], sin[L->rope], q, heads, d);
         infer_rope(dtype, k, cos[L->rope], sin[L->rope], k, kv_heads, d);
         int64_t start = 0, length = pos + 1;
@@ -2061,17 +2159,17 @@ int infer_decode_step(int dtype, const step_layer *layers, int64_t n_layers, int
                         heads, kv_heads, d, L->slots, 1, 0, L->scale, L->softcap, 0, threads, scratch);
         }
         if ((code = step_product(dtype, &L->o, attn, o, threads))) break;
-        if (L->attn_out) infer_rms_norm(dtype, o, L->attn_out, o, 1, hidden, eps, gemma);
+        if (L->attn_out) infer_rms_norm(dtype, o, L->attn_out, o, 1, hidden, eps, gemma, 1);
         for (int64_t i = 0; i < hidden; i++) store_scalar(dtype, x, i, load_scalar(dtype, x, i) + load_scalar(dtype, o, i));
         /* MLP: norm, gate/up, act(gate) * up, down, (post-norm), residual */
-        infer_rms_norm(dtype, x, L->mlp_in, h, 1, hidden, eps, gemma);
+        infer_rms_norm(dtype, x, L->mlp_in, h, 1, hidden, eps, gemma, 1);
         at = 0;
         for (int64_t p = 0; code == 0 && p < L->n_gate_up; at += L->gate_up[p].n, p++)
             code = step_product(dtype, L->gate_up + p, h, big + at * esize, threads);
         if (code) break;
         infer_gated(dtype, big, gated, inter, gelu);
         if ((code = step_product(dtype, &L->down, gated, o, threads))) break;
-        if (L->mlp_out) infer_rms_norm(dtype, o, L->mlp_out, o, 1, hidden, eps, gemma);
+        if (L->mlp_out) infer_rms_norm(dtype, o, L->mlp_out, o, 1, hidden, eps, gemma, 1);
         for (int64_t i = 0; i < hidden; i++) store_scalar(dtype, x, i, load_scalar(dtype, x, i) + load_scalar(dtype, o, i));
     }
     if (code) { /* put back what the layers run so far overwrote */

@@ -84,10 +84,13 @@ class NativeKernels:
         lib.infer_isa.restype = ctypes.c_char_p
         lib.infer_supports.argtypes = [ctypes.c_int]
         lib.infer_rms_norm.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [
-            ctypes.c_float, ctypes.c_int]
+            ctypes.c_float, ctypes.c_int, ctypes.c_int]
         lib.infer_rope.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
+        lib.infer_rope_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                        ctypes.c_int64, ctypes.c_int]
         lib.infer_gated.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
-        for fn in (lib.infer_rms_norm, lib.infer_rope, lib.infer_gated):
+        for fn in (lib.infer_rms_norm, lib.infer_rope, lib.infer_rope_rows, lib.infer_gated):
             fn.restype = None
         lib.infer_qattn.argtypes = ([ctypes.c_int] * 3 + [ctypes.c_void_p] * 12 + [ctypes.c_int64] * 15
                                     + [ctypes.c_float] * 2 + [ctypes.c_int64, ctypes.c_int])
@@ -98,6 +101,7 @@ class NativeKernels:
         lib.infer_qattn_paged.restype = ctypes.c_int
         self._qattn_paged = lib.infer_qattn_paged
         self._rms_norm, self._rope, self._gated = lib.infer_rms_norm, lib.infer_rope, lib.infer_gated
+        self._rope_rows = lib.infer_rope_rows
         # fmt, codes, scale dtype, scales, mins, dtype, x, bias, y, m, n, k, group, threads
         lib.infer_qgemv.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] + [ctypes.c_int] + [ctypes.c_void_p] * 2
                                     + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int])
@@ -128,6 +132,8 @@ class NativeKernels:
         self._read = lib.infer_read
         self.path = path
         self.isa: str = lib.infer_isa().decode()
+        # bf16 norms and rotations of many rows at once (the batched engine's steps) faster than PyTorch's ops
+        self.rows_vectorized = bool(lib.infer_rows_vectorized())
         self.openmp = openmp  # without OpenMP a build runs on one thread
         self.dtypes = frozenset(d for d, code in DTYPE_CODES.items() if lib.infer_supports(code))
         # The few-row bf16 product needs the bf16 pair instruction (AVX512-BF16); a call on no rows asks.
@@ -240,7 +246,7 @@ class NativeKernels:
         out = torch.empty_like(x)
         d = x.shape[-1]
         self._rms_norm(DTYPE_CODES[x.dtype], x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // d, d,
-                       eps, int(gemma))
+                       eps, int(gemma), torch.get_num_threads())
         return out
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -251,6 +257,19 @@ class NativeKernels:
         self._rope(DTYPE_CODES[x.dtype], x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
                    x.numel() // d, d)
         return out
+
+    def rope_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`rope` of a step's tokens, each by its own position: `x` `[1, H, T, D]` (any view whose last dim is
+        dense, as the engine's q and k are) by `cos`, `sin` `[T, D]`; `[1, H, T, D]`, a view of `[T, H, D]` memory
+        (the layout the step's next product reads)."""
+        _, heads, tokens, d = x.shape
+        if x.stride(3) != 1:
+            x = x.contiguous()
+        cos, sin = _dense(cos.to(x.dtype)), _dense(sin.to(x.dtype))
+        out = torch.empty(tokens, heads, d, dtype=x.dtype, device=x.device)
+        self._rope_rows(DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(2), x.stride(1), cos.data_ptr(), sin.data_ptr(),
+                        out.data_ptr(), tokens, heads, d, torch.get_num_threads())
+        return out.transpose(0, 1)[None]
 
     def gated(self, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
         """act(gate) * up for `gate_up` = [gate | up] along its last dim (one row): SiLU, or tanh-GELU."""

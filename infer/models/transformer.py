@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.attention import sdpa_backends
-from infer.backends import AttentionBackend, CacheBackend, StaticBackend, StepKernels
+from infer.backends import AttentionBackend, CacheBackend, PagedBackend, StaticBackend, StepKernels
 from infer.cache.base import KVCache
 from infer.config import SLIDING_ATTENTION, ModelConfig, RopeConfig
 from infer.families import FAMILIES
@@ -391,6 +391,11 @@ class StepContext:
         """The native kernels of a one-token step's small ops, or None for PyTorch's."""
         return self.kernels.native
 
+    @property
+    def norms(self) -> NativeKernels | None:
+        """The native kernels of the decoder's norms: a one-token step's, or every row's in the engine's steps."""
+        return self.kernels.native or self.kernels.rows
+
 
 class Attention(nn.Module):
     """Multi-head attention with grouped KV heads, optional QK-norm, RoPE and a KV cache."""
@@ -438,6 +443,8 @@ class Attention(nn.Module):
         cos, sin = ctx.rope[self.layer_type]
         if ctx.native is not None:  # one token: q and k are rows of head_dim, rotated in one call each
             q, k = ctx.native.rope(q, cos, sin), ctx.native.rope(k, cos, sin)
+        elif ctx.kernels.rows is not None and B == 1:  # the engine's steps: every token by its own position
+            q, k = ctx.kernels.rows.rope_rows(q, cos, sin), ctx.kernels.rows.rope_rows(k, cos, sin)
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = ctx.backend.attend(self, q, k, v, ctx.kernels)  # the backend stores k, v where it keeps them
@@ -463,13 +470,13 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, gemma=gemma)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        native = ctx.native
+        native, norms = ctx.native, ctx.norms
         if self.sandwich:
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x, native), ctx), native)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x, native), native),
-                                                       native)
-        x = x + self.self_attn(self.input_layernorm(x, native), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x, native), native)
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x, norms), ctx), norms)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x, norms), native),
+                                                       norms)
+        x = x + self.self_attn(self.input_layernorm(x, norms), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x, norms), native)
 
 
 class Transformer(nn.Module):
@@ -497,7 +504,8 @@ class Transformer(nn.Module):
         self._decode_gemv = "linear"  # Transformer.decode_gemv
         self.huge_pages = False  # weights on transparent huge pages (set by the loader; fusing keeps it)
         # One-token steps under the native GEMV run their norms, rotations and gated activation as native calls
-        # (infer/kernels/cpu_decode.c: each the PyTorch formula, within an ulp); False keeps PyTorch's ops.
+        # (infer/kernels/cpu_decode.c: each the PyTorch formula, within an ulp), and the batched engine's bf16 steps
+        # their decoder norms and rotations over all rows; False keeps PyTorch's ops.
         self.native_ops = True
         # Such a step of one sequence over a cache with rows in place (contiguous, sliding) runs every layer in one
         # native call (infer/models/native_step.py: the same kernels, attention summed in another order than
@@ -770,7 +778,14 @@ class Transformer(nn.Module):
             native = native_kernels()
         reference = self.use_reference_attention
         in_kernel = backend.attends_in_kernel and input_ids.shape[1] == 1 and not reference
-        return StepKernels(native, reference, self.compute_dtype, in_kernel)
+        # The engine's steps (held to their solo runs within rounding): bf16 norms and rotations of all rows in one
+        # native call each, where the build does them 16 lanes at a time (PyTorch's RMSNorm is 8 ops, RoPE 5).
+        rows = None
+        if (native is None and self.native_ops and isinstance(backend, PagedBackend) and self.dtype == torch.bfloat16
+                and input_ids.device.type == "cpu" and not torch.is_grad_enabled()):
+            found = native_kernels()
+            rows = found if found is not None and found.rows_vectorized else None
+        return StepKernels(native, reference, self.compute_dtype, in_kernel, rows)
 
     def _native_step_for(self, backend: AttentionBackend, kernels: StepKernels
                          ) -> tuple[NativeStep, tuple[int, int]] | None:
