@@ -244,7 +244,7 @@ class PagedBackend(AttentionBackend):
         """Write the tokens' slots in the layer's blocks, attend each sequence over its own."""
         batch, k_blocks, v_blocks = self.layers[layer.layer_idx]
         return paged_attention(q, k, v, k_blocks, v_blocks, batch, layer.window, layer.scale, layer.softcap,
-                               kernels.reference, kernels.compute_dtype)
+                               kernels.reference, kernels.compute_dtype, kernels.rows)
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:
         """The sampled rows `[S, hidden]`."""
@@ -263,20 +263,26 @@ def paged_attention(
     softcap: float | None = None,
     reference: bool = False,
     wide: torch.dtype | None = None,
+    native: NativeKernels | None = None,
 ) -> torch.Tensor:
     """Write this step's `k`, `v` `[1, Hkv, N, D]` into one layer's blocks `[num_blocks, Hkv, bs, D]` (or a
     quantized pool's layer, which stages and quantizes them itself), then attend each sequence's queries (rows of
     `q` `[1, H, N, D]`) to its own keys; returns `[1, H, N, D]`.
 
     `reference`: every call is `attention_reference` (the model's check); `wide`: the dtype a multi-token
-    chunk computes in (the model's compute_dtype), as in a solo prefill."""
+    chunk computes in (the model's compute_dtype), as in a solo prefill; `native`: the step's many-row native
+    kernels (StepKernels.rows), which then write the K/V rows in one call."""
     attend: Attend = partial(attention_reference if reference else attention, scale=scale, softcap=softcap)
     gather: Gather
     if isinstance(k_blocks, QuantizedPoolLayer):
         k_blocks.write(batch, k, v)
         gather = k_blocks.gather
     else:
-        _write_blocks(k, v, k_blocks, cast(torch.Tensor, v_blocks), batch)
+        v_pool = cast(torch.Tensor, v_blocks)
+        if native is not None and k.dtype == k_blocks.dtype and k_blocks.is_contiguous() and v_pool.is_contiguous():
+            native.write_kv(k, v, k_blocks, v_pool, batch.slot_blocks, batch.slot_offsets, batch.fresh_blocks)
+        else:
+            _write_blocks(k, v, k_blocks, v_pool, batch)
         gather = partial(_gather_kv, k_blocks, cast(torch.Tensor, v_blocks))
     if batch.decode is None and len(batch.seqs) == 1:  # one sequence: no scatter
         seq = batch.seqs[0]

@@ -338,3 +338,36 @@ def test_the_few_row_bf16_product_is_the_formula(m: int, n: int, k: int, with_bi
         excess = (y[j].double() - exact).abs() - error_bound(w, x[j], bias, torch.bfloat16)
         assert excess.max() <= 0, f"m={m} n={n} k={k}: row {j}, output {int(excess.argmax())} off by more than rounding"
         assert torch.equal(y[j], alone[j]), f"row {j} depends on the other rows of the call"
+
+
+@needs_build
+@settings(max_examples=25, deadline=None)
+@given(tokens=st.integers(1, 70), kv_heads=st.integers(1, 3), d=st.sampled_from([8, 64]),
+       block_size=st.sampled_from([1, 4, 16]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2**16))
+def test_native_kv_writes_are_the_engines_index_writes(tokens: int, kv_heads: int, d: int, block_size: int,
+                                                       dtype: torch.dtype, seed: int) -> None:
+    """write_kv against the engine's PyTorch writes (`_write_blocks`): fresh blocks zeroed first (stale values in a
+    pool that is not zero), then every token's K and V, read from views of the step's fused product, in its slot."""
+    from infer.backends import _write_blocks
+    from infer.ragged import RaggedBatch
+
+    kernels = native_kernels()
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = tokens + 4
+    pool = [torch.randn(num_blocks, kv_heads, block_size, d, generator=gen).to(dtype) for _ in range(2)]
+    width = kv_heads * d
+    qkv = torch.randn(1, tokens, 3 * width, generator=gen).to(dtype)
+    k, v = (qkv[..., i * width:(i + 1) * width].view(1, tokens, kv_heads, d).transpose(1, 2) for i in (1, 2))
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slot_blocks, slot_offsets = slots // block_size, slots % block_size
+    fresh = torch.unique(slot_blocks[: max(1, tokens // 3)])
+    batch = RaggedBatch(torch.zeros(tokens, dtype=torch.long), slot_blocks, slot_offsets, [],
+                        torch.zeros(0, dtype=torch.long), block_size, fresh)
+    want = [t.clone() for t in pool]
+    _write_blocks(k, v, want[0], want[1], batch)
+    before = qkv.clone()
+    kernels.write_kv(k, v, pool[0], pool[1], slot_blocks, slot_offsets, fresh)
+    assert torch.equal(pool[0], want[0]) and torch.equal(pool[1], want[1])
+    assert torch.equal(qkv, before), "the step's K/V are left as they were"

@@ -90,7 +90,9 @@ class NativeKernels:
                                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                         ctypes.c_int64, ctypes.c_int]
         lib.infer_gated.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
-        for fn in (lib.infer_rms_norm, lib.infer_rope, lib.infer_rope_rows, lib.infer_gated):
+        p, n = ctypes.c_void_p, ctypes.c_int64
+        lib.infer_write_kv.argtypes = [p, n, n, p, n, n, p, p, p, p, n, p, n, n, n, n, n]
+        for fn in (lib.infer_rms_norm, lib.infer_rope, lib.infer_rope_rows, lib.infer_gated, lib.infer_write_kv):
             fn.restype = None
         lib.infer_qattn.argtypes = ([ctypes.c_int] * 3 + [ctypes.c_void_p] * 12 + [ctypes.c_int64] * 15
                                     + [ctypes.c_float] * 2 + [ctypes.c_int64, ctypes.c_int])
@@ -101,7 +103,7 @@ class NativeKernels:
         lib.infer_qattn_paged.restype = ctypes.c_int
         self._qattn_paged = lib.infer_qattn_paged
         self._rms_norm, self._rope, self._gated = lib.infer_rms_norm, lib.infer_rope, lib.infer_gated
-        self._rope_rows = lib.infer_rope_rows
+        self._rope_rows, self._write_kv = lib.infer_rope_rows, lib.infer_write_kv
         # fmt, codes, scale dtype, scales, mins, dtype, x, bias, y, m, n, k, group, threads
         lib.infer_qgemv.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] + [ctypes.c_int] + [ctypes.c_void_p] * 2
                                     + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int])
@@ -270,6 +272,21 @@ class NativeKernels:
         self._rope_rows(DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(2), x.stride(1), cos.data_ptr(), sin.data_ptr(),
                         out.data_ptr(), tokens, heads, d, torch.get_num_threads())
         return out.transpose(0, 1)[None]
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                 slot_blocks: torch.Tensor, slot_offsets: torch.Tensor, fresh: torch.Tensor) -> None:
+        """The engine's `_write_blocks` in one call: blocks `fresh` zeroed, then token n's K/V (`k`, `v` `[1, Hkv, N,
+        D]`, any views with a dense last dim, in the blocks' dtype) into `[slot_blocks[n], :, slot_offsets[n]]` of
+        the blocks `[num_blocks, Hkv, bs, D]` (dense). The indices are the engine's own, in range."""
+        _, kv_heads, tokens, d = k.shape
+        if k.stride(3) != 1:
+            k = k.contiguous()
+        if v.stride(3) != 1:
+            v = v.contiguous()
+        slot_blocks, slot_offsets, fresh = (_dense(t.to(torch.int64)) for t in (slot_blocks, slot_offsets, fresh))
+        self._write_kv(k.data_ptr(), k.stride(2), k.stride(1), v.data_ptr(), v.stride(2), v.stride(1),
+                       k_blocks.data_ptr(), v_blocks.data_ptr(), slot_blocks.data_ptr(), slot_offsets.data_ptr(),
+                       tokens, fresh.data_ptr(), fresh.numel(), kv_heads, k_blocks.shape[2], d, k.element_size())
 
     def gated(self, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
         """act(gate) * up for `gate_up` = [gate | up] along its last dim (one row): SiLU, or tanh-GELU."""
