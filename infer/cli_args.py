@@ -30,7 +30,8 @@ def add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
                    help="keep CPU weights and the batched engine's KV pool on ordinary pages (default: transparent"
                         " huge pages where the kernel has them)")
     p.add_argument("--no-native-ops", action="store_true",
-                   help="run a one-token step's norms, rotations and activation as PyTorch ops, not native calls")
+                   help="run a one-token step's norms, rotations and activation, and the batched engine's norms, "
+                        "rotations and K/V writes, as PyTorch ops, not native calls")
     p.add_argument("--no-native-step", action="store_true",
                    help="run a one-token step layer by layer (the per-op path), not every layer in one native call")
     p.add_argument("--no-few-row-products", action="store_true",
