@@ -64,7 +64,7 @@ class StepKernels:
     reference: bool  # attention by the formula (the check), never a fused kernel
     compute_dtype: torch.dtype | None  # multi-token attention runs in this dtype when set
     in_kernel: bool = False  # the cache attends over its own storage (quantized codes dequantized in a kernel)
-    # The batched engine's steps: the decoder's norms and the rotations of every row as native calls (bf16)
+    # The batched engine's bf16 steps: the decoder's norms, every row's rotation and the K/V writes as native calls
     rows: NativeKernels | None = None
 
 
