@@ -309,10 +309,12 @@ static inline float round_to(int dtype, float v) {
 }
 
 #if defined(HAVE_AVX512)
-/* 16 bf16 values (at p) widened to fp32: bf16 is fp32's upper half. */
-static inline __m512 bf16x16_load(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+/* 16 bf16 values widened to fp32: bf16 is fp32's upper half. */
+static inline __m512 bf16x16_widen(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+
+static inline __m512 bf16x16_load(const uint16_t *p) { return bf16x16_widen(_mm256_loadu_si256((const __m256i *)p)); }
 
 /* 16 fp32 lanes rounded to bf16 as f32_to_bf16 rounds one: to nearest even; a NaN kept quiet with its payload's
  * top bits. */
@@ -324,10 +326,6 @@ static inline __m256i bf16x16_round(__m512 v) {
                                             _mm512_set1_epi32(0x7f800000));
     __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
     return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, nearest, quiet));
-}
-
-static inline __m512 bf16x16_widen(__m256i h) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 /* -v exactly (the sign bit flipped: 0 - v would make -0 of +0). */
