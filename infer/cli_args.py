@@ -26,6 +26,9 @@ def add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
                    help="CPU threads (0: the faster of 1 and all, timed on this model at load)")
     p.add_argument("--decode-gemv", default="auto", choices=["auto", "linear", "mv", "native", "triton"],
                    help="kernel of one-token products (auto: the fastest, timed on this model's weights at load)")
+    p.add_argument("--native-prefetch", default="auto", choices=["auto", "l1", "l2"],
+                   help="where the native kernels prefetch weights and KV blocks: the L1 or the L2 cache (auto: the "
+                        "faster, timed on this model's weights at load)")
     p.add_argument("--no-huge-pages", action="store_true",
                    help="keep CPU weights and the batched engine's KV pool on ordinary pages (default: transparent"
                         " huge pages where the kernel has them)")
@@ -86,7 +89,8 @@ def load_with_args(path: Path, args: argparse.Namespace) -> Transformer:
     # Under `torchrun --nproc-per-node N` each rank loads its shard (infer/tensor_parallel.py).
     shards = init_from_env(args.device)
     model = load_model(path, dtype=args.dtype, device=args.device, compute_dtype=args.compute_dtype,
-                       decode_gemv=args.decode_gemv, huge_pages=not args.no_huge_pages,
+                       decode_gemv=args.decode_gemv, native_prefetch=args.native_prefetch,
+                       huge_pages=not args.no_huge_pages,
                        weights="stored" if weights == "auto" else weights, group_size=getattr(args, "group_size", 32),
                        tensor_parallel=shards is not None)
     model.native_ops = not args.no_native_ops

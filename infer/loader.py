@@ -40,8 +40,10 @@ from infer.tensor_parallel import (
     weight_cut,
 )
 from infer.tuning import (
+    PREFETCH_LEVELS,
     choose_decode_gemv,
     choose_gemm_rows,
+    choose_prefetch,
     choose_prefill_dtype,
     choose_quantized_gemv,
     choose_quantized_rows,
@@ -181,6 +183,7 @@ def load_model(
     compute_dtype: torch.dtype | str | None = "auto",
     check_finite: bool = True,
     decode_gemv: str = "auto",
+    native_prefetch: str = "auto",
     huge_pages: bool = True,
     weights: str | None = None,
     group_size: int = 32,
@@ -200,8 +203,10 @@ def load_model(
     tensors present, shapes, dtypes, and the memory the weights need. `check_finite` refuses weights with
     NaN or infinity (after the cast to `dtype`); pass False to skip that scan. `decode_gemv` picks the kernel
     of one-token products ("linear", "mv" or "native"); "auto" times them on this model's weights
-    (infer.tuning). `huge_pages` puts CPU weights on transparent huge pages where the kernel allows it (a
-    decode step streams them faster; infer.memory.on_huge_pages); False keeps torch's allocation.
+    (infer.tuning). `native_prefetch` sets where the native kernels prefetch ("l1" or "l2"; "auto" times both on
+    this model's weights where the native GEMV runs; process-wide). `huge_pages` puts CPU weights on transparent
+    huge pages where the kernel allows it (a decode step streams them faster; infer.memory.on_huge_pages); False
+    keeps torch's allocation.
 
     `weights` sets how the projections (and a tied or quantized embedding) are stored (infer/quant_weights.py):
     "int8" (per output channel) or "int4" (groups of `group_size` inputs) quantize them as they load (the LM head
@@ -217,6 +222,8 @@ def load_model(
     path = default_model_path() if path is None else Path(path)
     if weights not in WEIGHT_FORMS:
         raise ValueError(f"weights must be one of {', '.join(map(repr, WEIGHT_FORMS))}, got {weights!r}")
+    if native_prefetch != "auto" and native_prefetch not in PREFETCH_LEVELS:
+        raise ValueError(f"native_prefetch must be 'auto', 'l1' or 'l2', got {native_prefetch!r}")
     explicit_dtype = dtype is not None
     torch_dtype = resolve_dtype(dtype)
     target = resolve_device(device)
@@ -353,6 +360,8 @@ def load_model(
     model.compute_dtype = _resolve_compute_dtype(compute_dtype, torch_dtype, target)
     if model.quantized:
         model.decode_gemv = choose_quantized_gemv(target, decode_gemv).value
+        if native_prefetch != "auto":
+            choose_prefetch([], native_prefetch)
         projections = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
         if model.decode_gemv == "native":
             largest = max(projections, key=lambda m: m.codes.numel() if m is not model.lm_head else 0)
@@ -363,6 +372,8 @@ def load_model(
     else:
         dense_weights = [m.weight for m in model.modules() if isinstance(m, Linear)]
         model.decode_gemv = choose_decode_gemv(dense_weights, decode_gemv).value
+        if model.decode_gemv == "native" or native_prefetch != "auto":
+            choose_prefetch(dense_weights, native_prefetch)
         if model.decode_gemv == "native" and torch_dtype == torch.bfloat16:
             model.gemm_rows = int(choose_gemm_rows(dense_weights).value)
     if shards is not None:

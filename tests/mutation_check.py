@@ -1325,6 +1325,15 @@ MUTANTS = [
     Mutant("tensor parallel: the whole-step native call taken without the collectives",
            "infer/models/transformer.py", "if (not self.native_step or self.tensor_parallel is not None or",
            "if (not self.native_step or", (TP_TESTS,)),
+    Mutant("native prefetch: the level set is ignored (always L1)", "infer/kernels/cpu_decode.c",
+           "void infer_set_prefetch(int level) { prefetch_level = level == 2 ? 2 : 1; }",
+           "void infer_set_prefetch(int level) { prefetch_level = 1; (void)level; }", ("tests/test_tuning.py",)),
+    Mutant("native prefetch: the measured choice reported but not applied", "infer/tuning.py",
+           "    kernels.prefetch_level = PREFETCH_LEVELS[value]\n    megabytes",
+           "    megabytes", ("tests/test_tuning.py",)),
+    Mutant("native prefetch: load_model times the level even where the caller forced it", "infer/loader.py",
+           "choose_prefetch(dense_weights, native_prefetch)", "choose_prefetch(dense_weights)",
+           ("tests/test_tuning.py",)),
 ]
 
 

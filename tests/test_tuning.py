@@ -231,6 +231,81 @@ def test_decode_gemv_choice_is_measured_or_forced(monkeypatch: pytest.MonkeyPatc
     assert "native not tried (no C compiler on PATH)" in choose_decode_gemv(w).reason
 
 
+@pytest.fixture
+def restore_prefetch() -> object:
+    """The native kernels' prefetch level is process-wide: put back what the test found."""
+    from infer.kernels.native import native_kernels
+
+    kernels = native_kernels()
+    level = kernels.prefetch_level if kernels is not None else None
+    yield
+    if kernels is not None and level is not None:
+        kernels.prefetch_level = level
+
+
+@pytest.mark.skipif(not native_here(), reason="no native build here")
+def test_the_prefetch_level_is_set_measured_or_forced_and_changes_no_result(restore_prefetch: object,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefetching into L1 or L2 moves no value: the GEMV, the few-row product and the read probe give the same
+    bits at both levels; the level reads back as set; the choice applies what it reports."""
+    import infer.tuning
+    from infer.kernels.native import native_kernels
+    from infer.tuning import PREFETCH_LEVELS, choose_prefetch
+
+    kernels = native_kernels()
+    assert kernels is not None
+    torch.manual_seed(0)
+    w = torch.randn(96, 200).bfloat16()
+    x = torch.randn(200).bfloat16()
+    rows = torch.randn(5, 200).bfloat16()
+    results = []
+    for level in (1, 2):
+        kernels.prefetch_level = level
+        assert kernels.prefetch_level == level
+        gemm = kernels.gemm_bf16(w, rows) if kernels.gemm_bf16_available else None
+        results.append((kernels.gemv(w, x), gemm, kernels.read(w)))
+    assert torch.equal(results[0][0], results[1][0]) and results[0][2] == results[1][2]
+    if kernels.gemm_bf16_available:
+        assert torch.equal(results[0][1], results[1][1])
+    assert torch.allclose(results[1][0].float(), (w.float() @ x.float()), rtol=2e-2, atol=2e-2)
+    for forced, level in PREFETCH_LEVELS.items():
+        kernels.prefetch_level = 3 - level
+        assert choose_prefetch([w], forced).value == forced and kernels.prefetch_level == level
+        assert CHOICES["native prefetch"].value == forced
+    auto = choose_prefetch([w])
+    assert auto.value in PREFETCH_LEVELS and kernels.prefetch_level == PREFETCH_LEVELS[auto.value], auto
+    assert "L1" in auto.reason and "L2" in auto.reason and "1 weights" in auto.reason
+    for times, start in (({"l1": 2.0, "l2": 1.0}, 1), ({"l1": 1.0, "l2": 0.99}, 2)):  # L2 3% faster, or not
+        monkeypatch.setattr(infer.tuning, "_time_alternately", lambda forms, device, repeats, t=times: t)
+        kernels.prefetch_level = start
+        chosen = choose_prefetch([w])
+        assert chosen.value == f"l{3 - start}" and kernels.prefetch_level == 3 - start, chosen
+    with pytest.raises(ValueError, match="prefetch_level must be 1"):
+        kernels.prefetch_level = 3
+    with pytest.raises(ValueError, match="native_prefetch must be 'auto', 'l1' or 'l2', got 'L3'"):
+        choose_prefetch([w], "L3")
+
+
+def test_a_bad_prefetch_choice_is_refused_before_the_checkpoint_is_read(tmp_path: object) -> None:
+    import infer
+
+    with pytest.raises(ValueError, match="native_prefetch must be 'auto', 'l1' or 'l2', got 'fast'"):
+        infer.load_model(str(tmp_path) + "/missing", native_prefetch="fast")
+
+
+@pytest.mark.skipif(not native_here(), reason="no native build here")
+def test_load_model_applies_a_forced_prefetch_level(restore_prefetch: object) -> None:
+    import infer
+    from infer.kernels.native import native_kernels
+    from reference import build_checkpoint
+
+    kernels = native_kernels()
+    assert kernels is not None
+    for forced, level in (("l2", 2), ("l1", 1)):
+        infer.load_model(build_checkpoint("llama"), dtype="bfloat16", native_prefetch=forced)
+        assert kernels.prefetch_level == level and CHOICES["native prefetch"].value == forced
+
+
 def test_the_sweep_takes_each_weight_once_up_to_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     import infer.tuning
 

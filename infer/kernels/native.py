@@ -132,6 +132,9 @@ class NativeKernels:
         lib.infer_qgemm_bf16.restype = ctypes.c_int
         self._qgemm_bf16 = lib.infer_qgemm_bf16
         self._read = lib.infer_read
+        lib.infer_set_prefetch.argtypes = [ctypes.c_int]
+        lib.infer_set_prefetch.restype = None
+        self._set_prefetch, self._prefetch_level = lib.infer_set_prefetch, lib.infer_prefetch_level
         self.path = path
         self.isa: str = lib.infer_isa().decode()
         # bf16 norms and rotations of many rows at once (the batched engine's steps) faster than PyTorch's ops
@@ -143,6 +146,18 @@ class NativeKernels:
 
     def __repr__(self) -> str:
         return f"NativeKernels({self.isa}{'' if self.openmp else ', one thread'}, {self.path.name})"
+
+    @property
+    def prefetch_level(self) -> int:
+        """Where this build's streams prefetch ahead of their loads: 1 the L1 cache, 2 the L2 (process-wide; the
+        same results either way, only the speed differs: infer.tuning.choose_prefetch times it)."""
+        return int(self._prefetch_level())
+
+    @prefetch_level.setter
+    def prefetch_level(self, level: int) -> None:
+        if isinstance(level, bool) or level not in (1, 2):
+            raise ValueError(f"prefetch_level must be 1 (L1 cache) or 2 (L2), got {level!r}")
+        self._set_prefetch(level)
 
     def supports(self, weight: torch.Tensor) -> bool:
         """Whether `gemv` takes this weight: a contiguous 2-D CPU tensor of a dtype the build computes."""
