@@ -832,6 +832,23 @@ static inline void load_row(int dtype, const char *src, float *out, int64_t d) {
     }
 }
 
+typedef uint32_t qu32x16 __attribute__((vector_size(64)));
+
+/* d fp32 values stored as the dtype, 16 lanes at a time for bf16 (f32_to_bf16's rounding and NaN rule). */
+static inline void store_row(int dtype, const float *x, void *dst, int64_t d) {
+    int64_t c = 0;
+    if (dtype == BF16)
+        for (; c + 16 <= d; c += 16) {
+            qu32x16 u;
+            memcpy(&u, x + c, 64);
+            qi32x16 nan = (qi32x16)((u & 0x7fffffffu) > 0x7f800000u);
+            qu32x16 r = (qu32x16)select16(nan, (qv16)((u >> 16) | 0x40u), (qv16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16));
+            qu16x16 h = __builtin_convertvector(r, qu16x16);
+            memcpy((uint16_t *)dst + c, &h, 32);
+        }
+    for (; c < d; c++) store_scalar(dtype, dst, c, x[c]);
+}
+
 /* Score 16 consecutive exact rows at once (d a multiple of 16): loaded into `tile`, summed by sum16x16. */
 static inline void score_exact_tile(int dtype, const char *rows, int64_t esize, const float *qf, float *tile,
                                     float *sc, int64_t groups, int64_t n, int64_t t, int64_t d) {
@@ -841,6 +858,116 @@ static inline void score_exact_tile(int dtype, const char *rows, int64_t esize, 
         qv16 scores = tile_dots((const qv16 *)(qf + g * d), tv, d / 16);
         memcpy(sc + g * n + t, &scores, 64);
     }
+}
+
+/* bf16 rows widened in registers, no copy: a 32-bit lane of a row holds two bf16 values, the even element in its
+ * low half, the odd one in its high half, so fp32 of the even one is the lane shifted up 16 and of the odd one the
+ * lane with its low half cleared. Sums run over these halves (64 bytes -> an even and an odd vector), the 4-bit
+ * codes' order (permute(Q_INT4, ...)), where load_row widened through a tile in memory. */
+static inline __attribute__((always_inline)) void bf16_halves(const char *src, qv16 *even, qv16 *odd) {
+    qi32x16 x;
+    memcpy(&x, src, 64);
+    *even = (qv16)(x << 16);
+    *odd = (qv16)(x & (int32_t)-65536);
+}
+
+/* 16 consecutive bf16 rows (nv2 = d / 32 pairs of vectors each) dotted with a split query: lane sums over the
+ * halves in c order, folded by sum16x16 (tile_dots' shape, the rows widened as they are read). */
+static inline __attribute__((always_inline)) qv16 bf16_tile_dots_n(const qv16 *qs, const char *rows,
+                                                                   const int64_t nv2) {
+    qv16 a[16];
+    for (int j = 0; j < 16; j++) {
+        qv16 e, o;
+        bf16_halves(rows + j * nv2 * 64, &e, &o);
+        a[j] = qs[0] * e;
+        a[j] += qs[1] * o;
+    }
+    for (int64_t c = 1; c < nv2; c++)
+        for (int j = 0; j < 16; j++) {
+            qv16 e, o;
+            bf16_halves(rows + (j * nv2 + c) * 64, &e, &o);
+            a[j] += qs[2 * c] * e;
+            a[j] += qs[2 * c + 1] * o;
+        }
+    return sum16x16(a);
+}
+
+#if defined(HAVE_DOT_BF16)
+/* bf16_tile_dots_n by the pair instruction: the bf16 query (unscaled) against 16 rows, 32 products a step. */
+static inline __attribute__((always_inline)) qv16 pair_tile_dots_n(const uint16_t *qb, const char *rows,
+                                                                   const int64_t nv2) {
+    __m512 a[16];
+    for (int j = 0; j < 16; j++)
+        a[j] = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(qb),
+                                (__m512bh)_mm512_loadu_si512(rows + j * nv2 * 64));
+    for (int64_t c = 1; c < nv2; c++)
+        for (int j = 0; j < 16; j++)
+            a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_loadu_si512(qb + 32 * c),
+                                    (__m512bh)_mm512_loadu_si512(rows + (j * nv2 + c) * 64));
+    qv16 v[16];
+    memcpy(v, a, sizeof v);
+    return sum16x16(v);
+}
+#endif
+
+/* Score 16 consecutive bf16 rows for every query head, head size 64 or 128. Where the CPU has the pair
+ * instruction, `qsplit` holds the bf16 queries as they came ([G, d] uint16) and the sums are scaled after; else
+ * the scaled queries in bf16_halves' order ([G, d] fp32) against the rows widened in registers. */
+static inline void score_bf16_tile(const char *rows, const float *qsplit, float scale, float *sc, int64_t groups,
+                                   int64_t n, int64_t t, int64_t d) {
+    for (int64_t g = 0; g < groups; g++) {
+#if defined(HAVE_DOT_BF16)
+        const uint16_t *q = (const uint16_t *)qsplit + g * d;
+        qv16 scores = (d == 64 ? pair_tile_dots_n(q, rows, 2) : pair_tile_dots_n(q, rows, 4)) * scale;
+#else
+        (void)scale;
+        const qv16 *qs = (const qv16 *)(qsplit + g * d);
+        qv16 scores = d == 64 ? bf16_tile_dots_n(qs, rows, 2) : bf16_tile_dots_n(qs, rows, 4);
+#endif
+        memcpy(sc + g * n + t, &scores, 64);
+    }
+}
+
+/* Up to 16 bf16 value rows into `heads` query heads' split sums at once (value_tile_heads with the rows widened in
+ * registers, once for all the heads): weights sc[g * n + t + r]. */
+static inline __attribute__((always_inline)) void bf16_value_heads(const char *rows, const float *sc, qv16 *sums,
+                                                                   int64_t g0, const int heads, int64_t n, int64_t t,
+                                                                   int64_t rt, const int64_t nv2) {
+    qv16 a[16];
+    for (int g = 0; g < heads; g++)
+        for (int64_t c = 0; c < 2 * nv2; c++) a[g * 2 * nv2 + c] = sums[(g0 + g) * 2 * nv2 + c];
+    for (int64_t r = 0; r < rt; r++) {
+        qv16 v[8];
+        for (int64_t c = 0; c < nv2; c++) bf16_halves(rows + (r * nv2 + c) * 64, &v[2 * c], &v[2 * c + 1]);
+        for (int g = 0; g < heads; g++) {
+            float w = sc[(g0 + g) * n + t + r];
+            if (w == 0.f) continue;
+            for (int64_t c = 0; c < 2 * nv2; c++) a[g * 2 * nv2 + c] += w * v[c];
+        }
+    }
+    for (int g = 0; g < heads; g++)
+        for (int64_t c = 0; c < 2 * nv2; c++) sums[(g0 + g) * 2 * nv2 + c] = a[g * 2 * nv2 + c];
+}
+
+/* Up to 16 consecutive bf16 value rows into every query head's split sums, head size 64 or 128 (the only sizes
+ * that take this path): 4 or 2 heads at once, as add_value_tile. */
+static inline void add_bf16_value_tile(const char *rows, const float *sc, float *sums, int64_t groups, int64_t n,
+                                       int64_t t, int64_t rt, int64_t d) {
+    qv16 *out = (qv16 *)sums;
+    int64_t g = 0;
+    if (d == 64)
+        for (; g < groups; g += 4) {
+            int64_t left = groups - g;
+            if (left >= 4) bf16_value_heads(rows, sc, out, g, 4, n, t, rt, 2);
+            else if (left == 3) bf16_value_heads(rows, sc, out, g, 3, n, t, rt, 2);
+            else if (left == 2) bf16_value_heads(rows, sc, out, g, 2, n, t, rt, 2);
+            else bf16_value_heads(rows, sc, out, g, 1, n, t, rt, 2);
+        }
+    else
+        for (; g < groups; g += 2) {
+            if (groups - g >= 2) bf16_value_heads(rows, sc, out, g, 2, n, t, rt, 4);
+            else bf16_value_heads(rows, sc, out, g, 1, n, t, rt, 4);
+        }
 }
 
 /* Each query head's scores turned into probabilities in place, with the softcap and the sliding window: key t sits
@@ -966,7 +1093,7 @@ static void finish_heads(int dtype, int scheme, int fast, const float *v_rot, co
             }
         else
             for (int64_t i = 0; i < d; i++) acc[g * d + i] += code_sum[i];
-        for (int64_t i = 0; i < d; i++) store_scalar(dtype, out, (first + g) * d + i, acc[g * d + i]);
+        store_row(dtype, acc + g * d, (char *)out + (first + g) * d * (dtype == F32 ? 4 : 2), d);
     }
 }
 
@@ -974,15 +1101,15 @@ static void finish_heads(int dtype, int scheme, int fast, const float *v_rot, co
 static int qattn_tiles(void) { return switched_on("INFER_QATTN_TILES"); }
 
 /* One thread's scratch for a (sequence, KV head) of the attention kernels, for up to n keys: scores sc [G, n];
- * queries natural qf, scaled qs, permuted qp [G, d]; sums acc (natural), accp (code rows: permuted on the fast path,
- * rotated with v_rot) [G, d]; one decoded row; a 16-key tile; q . offsets qo [G]. Vectors first, so they stay
- * 64-byte aligned. */
+ * queries natural qf, scaled qs, permuted qp, split qsplit [G, d]; sums acc (natural), accp (code rows: permuted on
+ * the fast path, rotated with v_rot), accsplit (bf16 rows widened in registers: split) [G, d]; one decoded row; a
+ * 16-key tile; q . offsets qo [G]. Vectors first, so they stay 64-byte aligned. */
 typedef struct {
-    float *qp, *accp, *row, *qf, *qs, *acc, *tile, *sc, *qo;
+    float *qp, *accp, *qsplit, *accsplit, *row, *qf, *qs, *acc, *tile, *sc, *qo;
 } qattn_scratch;
 
 static float *qattn_alloc(int64_t groups, int64_t d, int64_t n) {
-    size_t floats = (size_t)(groups * (5 * d + n + 1) + 17 * d);
+    size_t floats = (size_t)(groups * (7 * d + n + 1) + 17 * d);
     return (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
 }
 
@@ -990,7 +1117,9 @@ static qattn_scratch qattn_carve(float *buf, int64_t groups, int64_t d, int64_t 
     qattn_scratch s;
     s.qp = buf;
     s.accp = s.qp + groups * d;
-    s.row = s.accp + groups * d;
+    s.qsplit = s.accp + groups * d;
+    s.accsplit = s.qsplit + groups * d;
+    s.row = s.accsplit + groups * d;
     s.qf = s.row + d;
     s.qs = s.qf + groups * d;
     s.acc = s.qs + groups * d;
@@ -1130,6 +1259,8 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
     int64_t esize = dtype == F32 ? 4 : 2, groups = heads / kv_heads;
     int64_t dp = scheme == Q_INT8 ? d : d / 2, nmax = 1;
     int fast = d % 32 == 0, tiles = qattn_tiles();
+    /* bf16 exact rows widened in registers as they are read (bf16_halves), where the plain tiles copy them */
+    int split = tiles && dtype == BF16 && (d == 64 || d == 128);
     for (int64_t b = 0; b < batch; b++)
         if (lengths[b] - starts[b] > nmax) nmax = lengths[b] - starts[b];
     int failed = 0;
@@ -1150,11 +1281,17 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
             int64_t b = bh / kv_heads, h = bh % kv_heads, n = lengths[b] - starts[b], qpos = lengths[b] - 1;
             qattn_scratch w = qattn_carve(buf, groups, d, n);
             float *qp = w.qp, *accp = w.accp, *row = w.row, *qf = w.qf, *qs = w.qs, *acc = w.acc, *tile = w.tile;
-            float *sc = w.sc, *qo = w.qo;
+            float *sc = w.sc, *qo = w.qo, *qsplit = w.qsplit, *accsplit = w.accsplit;
             const int64_t *table = tables + b * nb;
-            for (int64_t g = 0; g < groups; g++)
-                for (int64_t i = 0; i < d; i++)
-                    qf[g * d + i] = load_scalar(dtype, q, ((b * heads) + h * groups + g) * d + i) * scale;
+            load_row(dtype, (const char *)q + (b * heads + h * groups) * d * esize, qf, groups * d);
+            for (int64_t i = 0; i < groups * d; i++) qf[i] *= scale;
+            for (int64_t g = 0; split && g < groups; g++) /* the queries in score_bf16_tile's form */
+#if defined(HAVE_DOT_BF16)
+                memcpy((uint16_t *)qsplit + g * d, (const uint16_t *)q + ((b * heads) + h * groups + g) * d,
+                       2 * (size_t)d);
+#else
+                permute(Q_INT4, qf + g * d, qsplit + g * d, d);
+#endif
             /* scores, block by block */
             for (int64_t j = 0; j * bs < n; j++) {
                 int64_t id = table[j], rows = n - j * bs < bs ? n - j * bs : bs, t0 = j * bs;
@@ -1165,6 +1302,9 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
                 if (id >= num_blocks) { /* staged: exact rows */
                     const char *ks = (const char *)k_stage + ((id - num_blocks) * kv_heads + h) * bs * d * esize;
                     int64_t r = 0;
+                    if (split)
+                        for (; r + 16 <= rows; r += 16)
+                            score_bf16_tile(ks + r * d * esize, qsplit, scale, sc, groups, n, t0 + r, d);
                     if (fast && tiles)
                         for (; r + 16 <= rows; r += 16)
                             score_exact_tile(dtype, ks + r * d * esize, esize, qf, tile, sc, groups, n, t0 + r, d);
@@ -1188,6 +1328,7 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
             /* values: exact rows into acc, code rows into accp */
             memset(acc, 0, sizeof(float) * (size_t)(groups * d));
             memset(accp, 0, sizeof(float) * (size_t)(groups * d));
+            if (split) memset(accsplit, 0, sizeof(float) * (size_t)(groups * d));
             for (int64_t j = 0; j * bs < n; j++) {
                 int64_t id = table[j], rows = n - j * bs < bs ? n - j * bs : bs, t0 = j * bs;
                 int coded = id < num_blocks;
@@ -1195,6 +1336,10 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
                 if ((j + 1) * bs < n)
                     prefetch_block(table[j + 1], num_blocks, v_stage, v_codes, h, kv_heads, bs, d, esize, dp);
                 int64_t r = 0;
+                if (split && !coded)
+                    for (; r < rows; r += 16)
+                        add_bf16_value_tile(vs + r * d * esize, sc, accsplit, groups, n, t0 + r,
+                                            rows - r < 16 ? rows - r : 16, d);
                 if (fast && tiles && d <= 256) /* up to 16 rows at once, the sums in registers */
                     for (; r < rows; r += 16) {
                         int64_t rt = rows - r < 16 ? rows - r : 16;
@@ -1221,7 +1366,9 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
                     add_value_row(coded, fast, row, sc, rs, acc, accp, groups, n, t0 + r, d);
                 }
             }
-            finish_heads(dtype, scheme, fast, v_rot, accp, acc, row, groups, d, out, b * heads + h * groups);
+            for (int64_t g = 0; split && g < groups; g++) unpermute_add(Q_INT4, accsplit + g * d, acc + g * d, d);
+            /* an exact pool has no code rows: nothing in accp to put back in order */
+            finish_heads(dtype, scheme, fast && v_codes, v_rot, accp, acc, row, groups, d, out, b * heads + h * groups);
         }
         if (!scratch) free(buf);
     }
