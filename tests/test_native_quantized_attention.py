@@ -22,7 +22,7 @@ from infer.cache.quantized import SCHEMES, QuantizedCache
 from infer.families import ARCHITECTURES
 from infer.kernels import native
 from infer.kernels.native import native_kernels, unavailable_reason
-from tests.helpers import assert_close, tiny_config
+from tests.helpers import assert_close, on_threads, tiny_config
 from tests.test_native_kernels import FLAVOURS_HERE
 
 needs_build = pytest.mark.skipif(native_kernels() is None, reason=f"no native build here: {unavailable_reason()}")
@@ -271,6 +271,10 @@ def check_pool_kernel(p: dict[str, Any], kernel: str, fp32_ulp: float, half_ulp:
     q = torch.randn(len(tables), p["heads"], p["head_dim"], generator=gen).to(device=device, dtype=p["dtype"])
     with mock.patch.dict("os.environ", {"INFER_QATTN_TILES": "1" if p["tiles"] else "0"}):
         out = pool.layers[0].decode_attention(group, q, 0.3, p["softcap"], p["window"])
+        if kernel == "native":  # a sequence's KV heads block by block (2+ sequences a thread), or one head an item
+            with mock.patch.dict("os.environ", {"INFER_QATTN_HEADS_AT_ONCE": "0"}):
+                one_head = pool.layers[0].decode_attention(group, q, 0.3, p["softcap"], p["window"])
+            assert torch.equal(one_head, out), f"{p}: the work items' order changed the sums"
     pool.dtype = torch.float32  # the gather dequantizes into fp32: the kernel sums the codes in fp32
     k_all, v_all = pool.layers[0].gather(table)
     for b in range(len(tables)):
@@ -306,8 +310,15 @@ def test_an_exact_pool_read_in_place_is_the_formula_for_every_pass_of_heads(flav
     v_blocks = torch.randn(num_blocks, kv_heads, bs, head_dim, generator=gen).to(dtype)
     tables = torch.randperm(num_blocks, generator=gen)[: batch * nb].view(batch, nb)
     q = torch.randn(batch, kv_heads * groups, head_dim, generator=gen).to(dtype)
-    out = kernels.exact_paged_attention(q, k_blocks, v_blocks, tables, torch.tensor(lengths),
-                                        torch.zeros(batch, dtype=torch.long), scale, None, None)
+    def attend() -> torch.Tensor:
+        return kernels.exact_paged_attention(q, k_blocks, v_blocks, tables, torch.tensor(lengths),
+                                             torch.zeros(batch, dtype=torch.long), scale, None, None)
+
+    out = attend()  # one thread: a sequence's KV heads block by block
+    with on_threads(2):  # the sequences split between two threads
+        assert torch.equal(attend(), out), "two threads changed the sums"
+    with mock.patch.dict("os.environ", {"INFER_QATTN_HEADS_AT_ONCE": "0"}):  # one KV head per work item
+        assert torch.equal(attend(), out), "one KV head per work item changed the sums"
     for b, n in enumerate(lengths):
         keys, values = (blocks[tables[b]].transpose(0, 1).reshape(kv_heads, nb * bs, head_dim)[:, :n].float()
                         for blocks in (k_blocks, v_blocks))

@@ -911,13 +911,13 @@ static inline __attribute__((always_inline)) qv16 pair_tile_dots_n(const uint16_
 #endif
 
 /* Score 16 consecutive bf16 rows for every query head, head size 64 or 128. Where the CPU has the pair
- * instruction, `qsplit` holds the bf16 queries as they came ([G, d] uint16) and the sums are scaled after; else
- * the scaled queries in bf16_halves' order ([G, d] fp32) against the rows widened in registers. */
+ * instruction, `qsplit` holds the bf16 queries as they came (head g's d values at qsplit + g * d) and the sums are
+ * scaled after; else the scaled queries in bf16_halves' order ([G, d] fp32) against the rows widened in registers. */
 static inline void score_bf16_tile(const char *rows, const float *qsplit, float scale, float *sc, int64_t groups,
                                    int64_t n, int64_t t, int64_t d) {
     for (int64_t g = 0; g < groups; g++) {
 #if defined(HAVE_DOT_BF16)
-        const uint16_t *q = (const uint16_t *)qsplit + g * d;
+        const uint16_t *q = (const uint16_t *)(qsplit + g * d);
         qv16 scores = (d == 64 ? pair_tile_dots_n(q, rows, 2) : pair_tile_dots_n(q, rows, 4)) * scale;
 #else
         (void)scale;
@@ -1100,6 +1100,10 @@ static void finish_heads(int dtype, int scheme, int fast, const float *v_rot, co
 /* INFER_QATTN_TILES=0 scores one key at a time (the plain path, kept as the tiles' check). */
 static int qattn_tiles(void) { return switched_on("INFER_QATTN_TILES"); }
 
+/* INFER_QATTN_HEADS_AT_ONCE=0: the paged kernel takes one KV head of a sequence per work item, whatever the batch
+ * (the plain order, kept as the check of a sequence's heads taken block by block). */
+static int qattn_heads_at_once(void) { return switched_on("INFER_QATTN_HEADS_AT_ONCE"); }
+
 /* One thread's scratch for a (sequence, KV head) of the attention kernels, for up to n keys: scores sc [G, n];
  * queries natural qf, scaled qs, permuted qp, split qsplit [G, d]; sums acc (natural), accp (code rows: permuted on
  * the fast path, rotated with v_rot), accsplit (bf16 rows widened in registers: split) [G, d]; one decoded row; a
@@ -1261,6 +1265,11 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
     int fast = d % 32 == 0, tiles = qattn_tiles();
     /* bf16 exact rows widened in registers as they are read (bf16_halves), where the plain tiles copy them */
     int split = tiles && dtype == BF16 && (d == 64 || d == 128);
+    /* KV heads per work item: a sequence's every head, block by block, where there are sequences enough for the
+     * threads (a block's heads lie next to each other: one run through memory, which streams at twice the rate
+     * of one head's rows of every block and overlaps the arithmetic); else one head each, so that a few long
+     * sequences still spread over the threads. A caller's scratch is sized for one head's queries. */
+    int64_t hs = batch >= 2 * threads && !scratch && qattn_heads_at_once() ? kv_heads : 1, items = kv_heads / hs;
     for (int64_t b = 0; b < batch; b++)
         if (lengths[b] - starts[b] > nmax) nmax = lengths[b] - starts[b];
     int failed = 0;
@@ -1270,105 +1279,116 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
 #ifdef _OPENMP
         thread = omp_get_thread_num();
 #endif
-        float *buf = scratch ? scratch[thread] : qattn_alloc(groups, d, nmax);
+        float *buf = scratch ? scratch[thread] : qattn_alloc(hs * groups, d, nmax);
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
-        for (int64_t bh = 0; bh < batch * kv_heads; bh++) {
+        for (int64_t item = 0; item < batch * items; item++) {
             if (!buf) continue;
-            int64_t b = bh / kv_heads, h = bh % kv_heads, n = lengths[b] - starts[b], qpos = lengths[b] - 1;
-            qattn_scratch w = qattn_carve(buf, groups, d, n);
+            int64_t b = item / items, h0 = item % items * hs, n = lengths[b] - starts[b], qpos = lengths[b] - 1;
+            int64_t all = hs * groups; /* the item's query heads: KV head h0 + g / groups for query head g */
+            qattn_scratch w = qattn_carve(buf, all, d, n);
             float *qp = w.qp, *accp = w.accp, *row = w.row, *qf = w.qf, *qs = w.qs, *acc = w.acc, *tile = w.tile;
             float *sc = w.sc, *qo = w.qo, *qsplit = w.qsplit, *accsplit = w.accsplit;
             const int64_t *table = tables + b * nb;
-            load_row(dtype, (const char *)q + (b * heads + h * groups) * d * esize, qf, groups * d);
-            for (int64_t i = 0; i < groups * d; i++) qf[i] *= scale;
-            for (int64_t g = 0; split && g < groups; g++) /* the queries in score_bf16_tile's form */
+            load_row(dtype, (const char *)q + (b * heads + h0 * groups) * d * esize, qf, all * d);
+            for (int64_t i = 0; i < all * d; i++) qf[i] *= scale;
+            for (int64_t g = 0; split && g < all; g++) /* the queries in score_bf16_tile's form */
 #if defined(HAVE_DOT_BF16)
-                memcpy((uint16_t *)qsplit + g * d, (const uint16_t *)q + ((b * heads) + h * groups + g) * d,
-                       2 * (size_t)d);
+                memcpy(qsplit + g * d, (const uint16_t *)q + (b * heads + h0 * groups + g) * d, 2 * (size_t)d);
 #else
                 permute(Q_INT4, qf + g * d, qsplit + g * d, d);
 #endif
-            /* scores, block by block */
+            /* scores, block by block, each block's KV heads in turn */
             for (int64_t j = 0; j * bs < n; j++) {
                 int64_t id = table[j], rows = n - j * bs < bs ? n - j * bs : bs, t0 = j * bs;
-                if ((j + 1) * bs < n)
-                    prefetch_block(table[j + 1], num_blocks, k_stage, k_codes, h, kv_heads, bs, d, esize, dp);
-                if ((j + 1) * bs >= n) /* the last key block: the first value block during it and the softmax */
-                    prefetch_block(table[0], num_blocks, v_stage, v_codes, h, kv_heads, bs, d, esize, dp);
-                if (id >= num_blocks) { /* staged: exact rows */
-                    const char *ks = (const char *)k_stage + ((id - num_blocks) * kv_heads + h) * bs * d * esize;
+                for (int64_t h = h0; h < h0 + hs; h++) {
+                    int64_t o = (h - h0) * groups; /* this KV head's first query head in the item */
+                    float *sch = sc + o * n, *qfh = qf + o * d;
+                    if ((j + 1) * bs < n)
+                        prefetch_block(table[j + 1], num_blocks, k_stage, k_codes, h, kv_heads, bs, d, esize, dp);
+                    if ((j + 1) * bs >= n) /* the last key block: the first value block during it and the softmax */
+                        prefetch_block(table[0], num_blocks, v_stage, v_codes, h, kv_heads, bs, d, esize, dp);
+                    if (id >= num_blocks) { /* staged: exact rows */
+                        const char *ks = (const char *)k_stage + ((id - num_blocks) * kv_heads + h) * bs * d * esize;
+                        int64_t r = 0;
+                        if (split)
+                            for (; r + 16 <= rows; r += 16)
+                                score_bf16_tile(ks + r * d * esize, qsplit + o * d, scale, sch, groups, n, t0 + r, d);
+                        if (fast && tiles)
+                            for (; r + 16 <= rows; r += 16)
+                                score_exact_tile(dtype, ks + r * d * esize, esize, qfh, tile, sch, groups, n, t0 + r,
+                                                 d);
+                        for (; r < rows; r++) {
+                            load_row(dtype, ks + r * d * esize, row, d);
+                            for (int64_t g = 0; g < groups; g++) sch[g * n + t0 + r] = dot_f32(qfh + g * d, row, d);
+                        }
+                        continue;
+                    }
+                    fold_key_scales(scheme, fast, qfh, k_scale + (id * kv_heads + h) * d,
+                                    k_offset ? k_offset + (id * kv_heads + h) * d : 0, qs, qp, qo, groups, d);
+                    const uint8_t *codes = k_codes + (id * kv_heads + h) * bs * dp;
                     int64_t r = 0;
-                    if (split)
-                        for (; r + 16 <= rows; r += 16)
-                            score_bf16_tile(ks + r * d * esize, qsplit, scale, sc, groups, n, t0 + r, d);
                     if (fast && tiles)
                         for (; r + 16 <= rows; r += 16)
-                            score_exact_tile(dtype, ks + r * d * esize, esize, qf, tile, sc, groups, n, t0 + r, d);
-                    for (; r < rows; r++) {
-                        load_row(dtype, ks + r * d * esize, row, d);
-                        for (int64_t g = 0; g < groups; g++) sc[g * n + t0 + r] = dot_f32(qf + g * d, row, d);
-                    }
-                    continue;
+                            score_code_tile(scheme, dp, codes + r * dp, qp, qo, 0, tile, sch, groups, n, t0 + r, d);
+                    for (; r < rows; r++)
+                        score_code_row(scheme, fast, codes + r * dp, qp, qs, qo, 1.f, row, sch, groups, n, t0 + r, d);
                 }
-                fold_key_scales(scheme, fast, qf, k_scale + (id * kv_heads + h) * d,
-                                k_offset ? k_offset + (id * kv_heads + h) * d : 0, qs, qp, qo, groups, d);
-                const uint8_t *codes = k_codes + (id * kv_heads + h) * bs * dp;
-                int64_t r = 0;
-                if (fast && tiles)
-                    for (; r + 16 <= rows; r += 16)
-                        score_code_tile(scheme, dp, codes + r * dp, qp, qo, 0, tile, sc, groups, n, t0 + r, d);
-                for (; r < rows; r++)
-                    score_code_row(scheme, fast, codes + r * dp, qp, qs, qo, 1.f, row, sc, groups, n, t0 + r, d);
             }
-            softmax_heads(sc, groups, n, 0, starts[b], qpos, softcap, window); /* key t at position starts[b] + t */
-            /* values: exact rows into acc, code rows into accp */
-            memset(acc, 0, sizeof(float) * (size_t)(groups * d));
-            memset(accp, 0, sizeof(float) * (size_t)(groups * d));
-            if (split) memset(accsplit, 0, sizeof(float) * (size_t)(groups * d));
+            softmax_heads(sc, all, n, 0, starts[b], qpos, softcap, window); /* key t at position starts[b] + t */
+            /* values: exact rows into acc (bf16 ones widened in registers: accsplit), code rows into accp */
+            memset(acc, 0, sizeof(float) * (size_t)(all * d));
+            memset(accp, 0, sizeof(float) * (size_t)(all * d));
+            if (split) memset(accsplit, 0, sizeof(float) * (size_t)(all * d));
             for (int64_t j = 0; j * bs < n; j++) {
                 int64_t id = table[j], rows = n - j * bs < bs ? n - j * bs : bs, t0 = j * bs;
                 int coded = id < num_blocks;
-                const char *vs = coded ? 0 : (const char *)v_stage + ((id - num_blocks) * kv_heads + h) * bs * d * esize;
-                if ((j + 1) * bs < n)
-                    prefetch_block(table[j + 1], num_blocks, v_stage, v_codes, h, kv_heads, bs, d, esize, dp);
-                int64_t r = 0;
-                if (split && !coded)
-                    for (; r < rows; r += 16)
-                        add_bf16_value_tile(vs + r * d * esize, sc, accsplit, groups, n, t0 + r,
-                                            rows - r < 16 ? rows - r : 16, d);
-                if (fast && tiles && d <= 256) /* up to 16 rows at once, the sums in registers */
-                    for (; r < rows; r += 16) {
-                        int64_t rt = rows - r < 16 ? rows - r : 16;
-                        float rs[16];
-                        for (int64_t k = 0; k < rt; k++) {
-                            rs[k] = 1.f;
-                            if (coded) {
-                                decode_row(scheme, fast, v_codes + ((id * kv_heads + h) * bs + r + k) * dp, tile + k * d, d);
-                                rs[k] = bf16_to_f32(v_scale[(id * kv_heads + h) * bs + r + k]);
-                            } else {
-                                load_row(dtype, vs + (r + k) * d * esize, tile + k * d, d);
+                for (int64_t h = h0; h < h0 + hs; h++) {
+                    int64_t o = (h - h0) * groups;
+                    float *sch = sc + o * n, *acch = acc + o * d, *accph = accp + o * d;
+                    const char *vs =
+                        coded ? 0 : (const char *)v_stage + ((id - num_blocks) * kv_heads + h) * bs * d * esize;
+                    if ((j + 1) * bs < n)
+                        prefetch_block(table[j + 1], num_blocks, v_stage, v_codes, h, kv_heads, bs, d, esize, dp);
+                    int64_t r = 0;
+                    if (split && !coded)
+                        for (; r < rows; r += 16)
+                            add_bf16_value_tile(vs + r * d * esize, sch, accsplit + o * d, groups, n, t0 + r,
+                                                rows - r < 16 ? rows - r : 16, d);
+                    if (fast && tiles && d <= 256) /* up to 16 rows at once, the sums in registers */
+                        for (; r < rows; r += 16) {
+                            int64_t rt = rows - r < 16 ? rows - r : 16;
+                            float rs[16];
+                            for (int64_t k = 0; k < rt; k++) {
+                                rs[k] = 1.f;
+                                if (coded) {
+                                    decode_row(scheme, fast, v_codes + ((id * kv_heads + h) * bs + r + k) * dp,
+                                               tile + k * d, d);
+                                    rs[k] = bf16_to_f32(v_scale[(id * kv_heads + h) * bs + r + k]);
+                                } else {
+                                    load_row(dtype, vs + (r + k) * d * esize, tile + k * d, d);
+                                }
                             }
+                            add_value_tile(tile, sch, rs, coded ? accph : acch, groups, n, t0 + r, rt, d);
                         }
-                        add_value_tile(tile, sc, rs, coded ? accp : acc, groups, n, t0 + r, rt, d);
+                    for (; r < rows; r++) {
+                        float rs = 1.f;
+                        if (coded) {
+                            decode_row(scheme, fast, v_codes + ((id * kv_heads + h) * bs + r) * dp, row, d);
+                            rs = bf16_to_f32(v_scale[(id * kv_heads + h) * bs + r]);
+                        } else {
+                            load_row(dtype, vs + r * d * esize, row, d);
+                        }
+                        add_value_row(coded, fast, row, sch, rs, acch, accph, groups, n, t0 + r, d);
                     }
-                for (; r < rows; r++) {
-                    float rs = 1.f;
-                    if (coded) {
-                        decode_row(scheme, fast, v_codes + ((id * kv_heads + h) * bs + r) * dp, row, d);
-                        rs = bf16_to_f32(v_scale[(id * kv_heads + h) * bs + r]);
-                    } else {
-                        load_row(dtype, vs + r * d * esize, row, d);
-                    }
-                    add_value_row(coded, fast, row, sc, rs, acc, accp, groups, n, t0 + r, d);
                 }
             }
-            for (int64_t g = 0; split && g < groups; g++) unpermute_add(Q_INT4, accsplit + g * d, acc + g * d, d);
+            for (int64_t g = 0; split && g < all; g++) unpermute_add(Q_INT4, accsplit + g * d, acc + g * d, d);
             /* an exact pool has no code rows: nothing in accp to put back in order */
-            finish_heads(dtype, scheme, fast && v_codes, v_rot, accp, acc, row, groups, d, out, b * heads + h * groups);
+            finish_heads(dtype, scheme, fast && v_codes, v_rot, accp, acc, row, all, d, out, b * heads + h0 * groups);
         }
         if (!scratch) free(buf);
     }
