@@ -842,7 +842,8 @@ static inline void store_row(int dtype, const float *x, void *dst, int64_t d) {
             qu32x16 u;
             memcpy(&u, x + c, 64);
             qi32x16 nan = (qi32x16)((u & 0x7fffffffu) > 0x7f800000u);
-            qu32x16 r = (qu32x16)select16(nan, (qv16)((u >> 16) | 0x40u), (qv16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16));
+            qu32x16 r = (qu32x16)select16(nan, (qv16)((u >> 16) | 0x40u),
+                                          (qv16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16));
             qu16x16 h = __builtin_convertvector(r, qu16x16);
             memcpy((uint16_t *)dst + c, &h, 32);
         }
@@ -893,7 +894,8 @@ static inline __attribute__((always_inline)) qv16 bf16_tile_dots_n(const qv16 *q
 }
 
 #if defined(HAVE_DOT_BF16)
-/* bf16_tile_dots_n by the pair instruction: the bf16 query (unscaled) against 16 rows, 32 products a step. */
+/* bf16_tile_dots_n by the pair instruction: the bf16 query (unscaled) against 16 rows, 32 products a step (each
+ * product of two bf16 values is exact in fp32; the instruction flushes denormal inputs and sums to zero). */
 static inline __attribute__((always_inline)) qv16 pair_tile_dots_n(const uint16_t *qb, const char *rows,
                                                                    const int64_t nv2) {
     __m512 a[16];
