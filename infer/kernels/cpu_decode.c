@@ -832,21 +832,14 @@ static inline void load_row(int dtype, const char *src, float *out, int64_t d) {
     }
 }
 
-typedef uint32_t qu32x16 __attribute__((vector_size(64)));
-
-/* d fp32 values stored as the dtype, 16 lanes at a time for bf16 (f32_to_bf16's rounding and NaN rule). */
+/* d fp32 values stored as the dtype: bf16 16 lanes at a time where the build has AVX512 (bf16x16_round). */
 static inline void store_row(int dtype, const float *x, void *dst, int64_t d) {
     int64_t c = 0;
+#if defined(HAVE_AVX512)
     if (dtype == BF16)
-        for (; c + 16 <= d; c += 16) {
-            qu32x16 u;
-            memcpy(&u, x + c, 64);
-            qi32x16 nan = (qi32x16)((u & 0x7fffffffu) > 0x7f800000u);
-            qu32x16 r = (qu32x16)select16(nan, (qv16)((u >> 16) | 0x40u),
-                                          (qv16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16));
-            qu16x16 h = __builtin_convertvector(r, qu16x16);
-            memcpy((uint16_t *)dst + c, &h, 32);
-        }
+        for (; c + 16 <= d; c += 16)
+            _mm256_storeu_si256((__m256i *)((uint16_t *)dst + c), bf16x16_round(_mm512_loadu_ps(x + c)));
+#endif
     for (; c < d; c++) store_scalar(dtype, dst, c, x[c]);
 }
 
