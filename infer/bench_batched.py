@@ -162,7 +162,7 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
                             new_tokens=args.batched_new_tokens, shared_prefix=args.shared_prefix, seed=args.seed)
     dtype, device = model.dtype, model.device
     engine_args = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens", "decode_attention",
-                                                          "num_blocks", "cache_memory")
+                                                          "chunk_attention", "num_blocks", "cache_memory")
                    if getattr(args, name) is not None}  # unset: the Engine's own defaults
     if args.no_decode_graphs:
         engine_args["decode_graphs"] = False
@@ -172,7 +172,9 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
         ("infer engine", lambda w: run_engine(model, w, **engine_args))]
     for kv in args.kv_cache_dtype:  # the same engine with its pool quantized, in the same memory
         # (the Triton paged kernel reads exact blocks only: a quantized pool takes the engine's other choice)
-        quantized = {k: v for k, v in engine_args.items() if (k, v) != ("decode_attention", "triton")}
+        # (nor does the native kernel take a quantized pool's prompt chunks)
+        quantized = {k: v for k, v in engine_args.items()
+                     if (k, v) not in (("decode_attention", "triton"), ("chunk_attention", "native"))}
         quantized["kv_cache_dtype"] = kv
         runners.append((f"infer engine[{kv}]", partial(run_quantized, model, f"infer engine[{kv}]", quantized)))
     if not args.no_one_by_one:
@@ -345,6 +347,9 @@ def add_batched_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-attention", default=None, choices=["auto", *DECODE_KERNELS],
                    help="how the engine's decode steps attend (default: auto: the Triton kernel on CUDA, else "
                         "measured)")
+    g.add_argument("--chunk-attention", default=None, choices=["auto", "native", "sdpa"],
+                   help="how the engine's prompt chunks attend (default: auto: with the native decode kernel, their "
+                        "tokens as its rows where measured faster than SDPA over each chunk)")
     g.add_argument("--no-decode-graphs", action="store_true",
                    help="step the engine eagerly on CUDA (default: pure-decode steps replayed from CUDA graphs)")
     g.add_argument("--no-packed-products", action="store_true",

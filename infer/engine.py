@@ -44,7 +44,7 @@ from infer.sampling import SamplingParams, sample_next
 from infer.scheduler import Request, Scheduler, SchedulerOutput
 from infer.tensor_parallel import Shards, StepOrder, broadcast_step, min_over_ranks
 from infer.tokenizer import Tokenizer
-from infer.tuning import choose_decode_attention, choose_packed_products
+from infer.tuning import choose_chunk_attention, choose_decode_attention, choose_packed_products
 
 
 @dataclass
@@ -113,6 +113,7 @@ class Engine:
         decode_graphs: bool | None = None,
         kv_cache_dtype: str | None = None,
         packed_products: bool | None = None,
+        chunk_attention: str = "auto",
     ) -> None:
         _check_model(model, tokenizer)
         if packed_products is not None and not isinstance(packed_products, bool):
@@ -151,6 +152,10 @@ class Engine:
                 # Over codes the native kernel reads them in place; sdpa / matmul would dequantize gathers.
                 self.decode_attention = "native"
             decode_graphs = False
+        # The prompt chunks' tokens join the decode rows in the native kernel where it is measured faster than SDPA
+        # over each chunk's gathered keys ("sdpa": each chunk on its own, the unoptimised path).
+        self.chunk_attention = choose_chunk_attention(config, model.dtype, self.device, self.decode_attention,
+                                                      kv_cache_dtype is None, chunk_attention).value
         graphs = _use_decode_graphs(decode_graphs, model, self.device, self.decode_attention)
         spare = 1 if graphs else 0  # the block the padded rows of a graph's steps write (BatchedDecodeGraphs)
         windows = [layer.self_attn.window for layer in model._decoder_layers()]
@@ -389,7 +394,8 @@ class Engine:
         """The ordinary step: the ragged batch of each table set (the pool's, the rings'), one forward."""
         began = time.perf_counter()
         batches = [build_ragged_batch(chunks, sample, block_size=self.pool.block_size, windows=ts.windows,
-                                      device=self.device, decode_kernel=self.decode_attention)
+                                      device=self.device, decode_kernel=self.decode_attention,
+                                      every_token=self.chunk_attention == "native")
                    for chunks, ts in zip(chunk_sets, self.storage.table_sets, strict=True)]
         layers = [(batches[s], k, v) for s, k, v in self.storage.layer_blocks()]
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)

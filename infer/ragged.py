@@ -87,14 +87,19 @@ def build_ragged_batch(
     windows: Sequence[int | None],
     device: torch.device,
     decode_kernel: str = "sdpa",
+    every_token: bool = False,
 ) -> RaggedBatch:
     """The metadata of one forward over `chunks`, in order; `sample[i]`: chunk i wants its last logits.
     `windows`: the sliding windows the model's layers use (None for full attention). `decode_kernel`: how
     the one-token chunks attend, together in one call when there are at least two ("sdpa", "matmul", or a
     paged kernel reading the pool in place: "native" on the CPU, "triton"), or each on its own ("per-sequence",
-    the check)."""
+    the check). `every_token` (with "native"): the prompt chunks' tokens too, each a row of that one call masked
+    by its own position (`_every_token_group`), instead of each chunk attending on its own."""
     if decode_kernel not in DECODE_KERNELS:
         raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {decode_kernel!r}")
+    if every_token and decode_kernel != "native":
+        raise ValueError(f"every_token=True needs decode_kernel='native' (the kernel that masks each row by its "
+                         f"position), got {decode_kernel!r}")
     batch_decode = decode_kernel != "per-sequence"
     positions: list[int] = []
     seqs: list[SeqSlice] = []
@@ -106,6 +111,8 @@ def build_ragged_batch(
     decoding = [i for i, c in enumerate(chunks) if c.num_tokens == 1] if batch_decode else []
     if len(decoding) < 2:
         decoding = []
+    if every_token:
+        decoding = list(range(len(chunks)))
     grouped = set(decoding)
     # When every layer reading this batch has a window (the engine's ring-bounded sliding layers), blocks
     # wholly before the window are never gathered: attention costs the window, not the context.
@@ -145,7 +152,9 @@ def build_ragged_batch(
         return torch.tensor(values, dtype=torch.long, device=device)
 
     decode = None
-    if decoding:
+    if every_token and chunks:
+        decode = _every_token_group(chunks, as_tensor(positions), block_size, reach, device)
+    elif decoding:
         decode = _decode_group([chunks[i] for i in decoding], [starts[i] for i in decoding], block_size,
                                windows, device, decode_kernel, None if decode_kernel == "triton" else reach)
         decode.all_rows = len(decoding) == len(chunks)  # every chunk one token: rows 0 .. B-1
@@ -178,6 +187,24 @@ def _decode_group(chunks: Sequence[SeqChunk], rows: Sequence[int], block_size: i
     return DecodeGroup(kernel, torch.tensor(list(rows), dtype=torch.long, device=device),
                        torch.tensor(tables, dtype=torch.long, device=device), lens[:, 0], masks,
                        torch.tensor(firsts, dtype=torch.long, device=device) * block_size)
+
+
+def _every_token_group(chunks: Sequence[SeqChunk], positions: torch.Tensor, block_size: int, reach: int | None,
+                       device: torch.device) -> DecodeGroup:
+    """Every token of `chunks` a row of one in-place kernel call, rows 0 .. N-1 in order: a token at position p
+    sees its sequence's keys up to p (its length p + 1; the step's later keys are written but masked), its table
+    that of its chunk, from the first block the widest window (`reach`) touches from the chunk's first token (the
+    span a chunk attending on its own gathers)."""
+    firsts = [0 if reach is None else max(0, c.start + 1 - reach) // block_size for c in chunks]
+    spans = [c.block_table[first : -(-(c.start + c.num_tokens) // block_size)]
+             for c, first in zip(chunks, firsts, strict=True)]
+    width = max(len(span) for span in spans)
+    counts = torch.tensor([c.num_tokens for c in chunks], device=device)
+    tables = torch.tensor([padded_table(span, width) for span in spans], dtype=torch.long, device=device)
+    starts = torch.tensor(firsts, dtype=torch.long, device=device) * block_size
+    return DecodeGroup("native", torch.arange(positions.shape[0], device=device),
+                       tables.repeat_interleave(counts, 0), positions + 1, {}, starts.repeat_interleave(counts),
+                       all_rows=True)
 
 
 def padded_table(blocks: Sequence[int], width: int) -> list[int]:

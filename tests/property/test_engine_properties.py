@@ -70,6 +70,8 @@ def workloads(draw: st.DrawFn, config: ModelConfig) -> dict:
         "budget": draw(st.integers(1, 16)),
         "prefix_caching": draw(st.booleans()),
         "decode_attention": kernel,
+        # With the native kernel, the prompt chunks' tokens as its rows too, or each chunk by SDPA.
+        "chunk_attention": draw(st.sampled_from(["native", "sdpa"])) if kernel == "native" else "sdpa",
         # Pure-decode steps at padded static shapes (what CUDA graphs replay), run eagerly here.
         "decode_graphs": kernel != "per-sequence" and draw(st.booleans()),
     }
@@ -82,7 +84,8 @@ def test_each_request_equals_its_solo_run(data: st.DataObject, config: ModelConf
     engine = Engine(model, None, num_blocks=w["num_blocks"], block_size=w["block_size"],
                     max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
                     enable_prefix_caching=w["prefix_caching"], keep_logits=True,
-                    decode_attention=w["decode_attention"], decode_graphs=w["decode_graphs"])
+                    decode_attention=w["decode_attention"], decode_graphs=w["decode_graphs"],
+                    chunk_attention=w["chunk_attention"])
     ids: dict[int, int] = {}  # request index -> engine id
     step = 0
     while step < 500 and (step <= 4 or engine.has_unfinished()):

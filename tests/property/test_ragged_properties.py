@@ -5,6 +5,7 @@ as dense attention over its history and its new tokens does, whatever the order 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -12,18 +13,25 @@ from hypothesis import strategies as st
 from infer.attention import attention_mask, attention_reference
 from infer.backends import paged_attention
 from infer.kernels import triton_available
+from infer.kernels.native import native_kernels
 from infer.ragged import DECODE_KERNELS, SeqChunk, build_ragged_batch
 from tests.helpers import assert_close
 
 KERNELS = [k for k in DECODE_KERNELS if k != "triton" or triton_available("cpu")]
 
 
+# every_token: the prompt chunks' tokens too as rows of the native kernel (the engine's chunk_attention="native").
+@pytest.mark.parametrize("every_token", [False, True])
 @given(data=st.data(), kv_heads=st.integers(1, 2), groups=st.integers(1, 3), head_dim=st.sampled_from([4, 8]),
        block_size=st.integers(1, 5), window=st.none() | st.integers(1, 9), kernel=st.sampled_from(KERNELS),
        seed=st.integers(0, 2**16))
 def test_any_chunk_order_attends_each_sequence_to_its_own_keys(
-        data: st.DataObject, kv_heads: int, groups: int, head_dim: int, block_size: int, window: int | None,
-        kernel: str, seed: int) -> None:
+        every_token: bool, data: st.DataObject, kv_heads: int, groups: int, head_dim: int, block_size: int,
+        window: int | None, kernel: str, seed: int) -> None:
+    if every_token:
+        if native_kernels() is None:
+            pytest.skip("no native build here")
+        kernel = "native"
     seqs = data.draw(st.lists(st.tuples(st.integers(0, 14), st.one_of(st.just(1), st.integers(2, 7))),
                               min_size=1, max_size=5))  # (cached history, new tokens)
     order = data.draw(st.permutations(range(len(seqs))))
@@ -51,7 +59,7 @@ def test_any_chunk_order_attends_each_sequence_to_its_own_keys(
     k = torch.randn(1, kv_heads, total, head_dim, generator=gen)
     v = torch.randn(1, kv_heads, total, head_dim, generator=gen)
     batch = build_ragged_batch(chunks, [True] * len(chunks), block_size=block_size, windows=[window],
-                               device=torch.device("cpu"), decode_kernel=kernel)
+                               device=torch.device("cpu"), decode_kernel=kernel, every_token=every_token)
     out = paged_attention(q, k, v, k_blocks, v_blocks, batch, window, scale=0.3)
     row = 0
     for i in order:
