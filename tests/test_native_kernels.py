@@ -264,20 +264,31 @@ def test_native_rms_norm_is_the_formula_within_an_ulp(dtype: torch.dtype, rows: 
 @needs_build
 @settings(max_examples=30, deadline=None)
 @given(dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), n=st.integers(1, 600),
-       gelu=st.booleans(), seed=st.integers(0, 2**16))
-def test_native_gated_activation_is_the_formula_within_an_ulp(dtype: torch.dtype, n: int, gelu: bool,
-                                                               seed: int) -> None:
+       rows=st.integers(1, 3) | st.integers(64, 66), fused=st.booleans(), gelu=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_native_gated_activation_is_the_formula_within_an_ulp(dtype: torch.dtype, n: int, rows: int, fused: bool,
+                                                               gelu: bool, seed: int) -> None:
+    """`gated` (one row) and `gated_rows` (the engine's steps: every row, gate and up the halves of a fused
+    product's rows or two tensors, split over threads; SiLU 16 lanes at a time) against the formula."""
     import torch.nn.functional as F
 
     kernels = native_kernels()
     assert kernels is not None
     gen = torch.Generator().manual_seed(seed)
-    gate_up = (torch.randn(1, 2 * n, generator=gen) * 4).to(dtype)
-    gate, up = gate_up.split(n, -1)
+    gate_up = (torch.randn(rows, 2 * n, generator=gen) * 4).to(dtype)
+    gate_up[0, : min(n, 4)] = torch.tensor([0.0, -100.0, 95.0, float("-inf")])[: min(n, 4)].to(dtype)
+    gate, up = gate_up.split(n, -1) if fused else (gate_up[:, :n].clone(), gate_up[:, n:].clone())
     want = (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
     # 1 + tanh(...) cancels for very negative gates: both sides err by ~an fp32 ulp of |gate * up| there.
-    cancel = 4 * 2.0**-24 * (gate.float() * up.float()).abs()
-    assert_within_an_ulp(kernels.gated(gate_up, gelu), want, f"{dtype} {'gelu' if gelu else 'silu'}", cancel)
+    cancel = 4 * 2.0**-24 * (gate.float() * up.float()).abs().nan_to_num()
+    what = f"{dtype} {'gelu' if gelu else 'silu'}"
+    before = gate_up.clone()
+    got = kernels.gated_rows(gate, up, gelu)
+    assert torch.equal(got.isnan(), want.isnan()), f"{what}: NaNs where the formula has none, or none where it has"
+    assert_within_an_ulp(got.nan_to_num(), want.nan_to_num(), f"{what}, {rows} rows", cancel)
+    assert torch.equal(gate_up.nan_to_num(), before.nan_to_num()), "the input is left as it was"
+    if rows == 1:
+        assert_within_an_ulp(kernels.gated(gate_up, gelu).nan_to_num(), want.nan_to_num(), what, cancel)
 
 
 @needs_build

@@ -727,6 +727,80 @@ static inline qv16 exp16_nonpositive(qv16 x) {
     return p * (qv16)((ki + 127) << 23);
 }
 
+/* infer_gated over `rows` rows at once (the batched engine's steps): out[r] = act(gate[r]) * up[r], gate and up
+ * rows `gate_stride` / `up_stride` elements apart (the halves of a fused [gate | up] product, or two), split over
+ * `threads`. SiLU of bf16 and fp32 rows 16 lanes at a time where the build has AVX512 (PyTorch's F.silu then mul
+ * took 11 ms of a 512-token step of a 150M model on 2 EPYC cores); GELU, and the rest, by the scalar formula. */
+#if defined(HAVE_AVX512)
+/* SiLU of 16 lanes: g / (1 + e^-g) with e^-|g| <= 1 only: g / (1 + e) for g >= 0, g e / (1 + e) below (the same
+ * value, no overflow); -inf gives NaN as the formula does. Below -87 e stays e^-87: ~1e-36 where the formula's is
+ * ~0. */
+static inline __m512 silu16(__m512 g) {
+    __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    /* e^x for x = -|g| <= 0 by exp_nonpositive's reduction and polynomial, in fused multiply-adds (this kernel
+     * answers to PyTorch's SiLU within rounding, not to the softmax's bits), 2^k by vscalefps */
+    __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)), _mm512_set1_ps(-87.f));
+    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.9875691500e-4f), _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    __m512 e = _mm512_scalef_ps(p, k);
+    __m512 act = _mm512_div_ps(_mm512_mask_mul_ps(g, neg, g, e), _mm512_add_ps(_mm512_set1_ps(1.f), e));
+    return _mm512_mask_mov_ps(act, _mm512_cmp_ps_mask(g, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
+                              _mm512_set1_ps(NAN));
+}
+
+static inline __m512 load16_of(int dtype, const char *p) {
+    return dtype == F32 ? _mm512_loadu_ps(p) : bf16x16_load((const uint16_t *)p);
+}
+#endif
+
+static inline void gated_row(int dtype, const char *gate, const char *up, char *out, int64_t n, int gelu) {
+    int64_t i = 0;
+    size_t es = dtype == F32 ? 4 : 2;
+#if defined(HAVE_AVX512)
+    if (!gelu && (dtype == F32 || dtype == BF16))
+        for (; i + 64 <= n; i += 64) { /* four vectors a turn: each is one long dependent chain */
+            __m512 act[4];
+            for (int v = 0; v < 4; v++) act[v] = silu16(load16_of(dtype, gate + (i + 16 * v) * es));
+            for (int v = 0; v < 4; v++) {
+                __m512 u = load16_of(dtype, up + (i + 16 * v) * es);
+                if (dtype == F32) {
+                    _mm512_storeu_ps(out + (i + 16 * v) * es, _mm512_mul_ps(act[v], u));
+                } else { /* the activation is a bf16 tensor before the product */
+                    __m512 a = bf16x16_widen(bf16x16_round(act[v]));
+                    _mm256_storeu_si256((__m256i *)(out + (i + 16 * v) * es), bf16x16_round(_mm512_mul_ps(a, u)));
+                }
+            }
+        }
+#endif
+    for (; i < n; i++) {
+        float g = load_scalar(dtype, gate, i), u = load_scalar(dtype, up, i), act;
+        if (gelu) {
+            const float beta = 0.7978845608028654f, kappa = 0.044715f; /* sqrt(2/pi), as PyTorch's kBeta */
+            act = 0.5f * g * (1.0f + tanhf(beta * (g + kappa * g * g * g)));
+        } else {
+            act = g / (1.0f + expf(-g));
+        }
+        store_scalar(dtype, out, i, round_to(dtype, act) * u);
+    }
+}
+
+void infer_gated_rows(int dtype, const void *gate, int64_t gate_stride, const void *up, int64_t up_stride, void *out,
+                      int64_t rows, int64_t n, int gelu, int threads) {
+    size_t es = dtype == F32 ? 4 : 2;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && rows > 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        gated_row(dtype, (const char *)gate + r * gate_stride * es, (const char *)up + r * up_stride * es,
+                  (char *)out + r * n * es, n, gelu);
+}
+
 /* This block's channel scales `s` folded into the queries (`s` NULL: keys scaled per row, q as is) and, keys being
  * codes * scales + offsets `o`, q . offsets, the same for the block's every key, into qo; qp: qs permuted (fast). */
 static inline void load_row(int dtype, const char *src, float *out, int64_t d);

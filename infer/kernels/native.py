@@ -92,7 +92,9 @@ class NativeKernels:
         lib.infer_gated.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
         p, n = ctypes.c_void_p, ctypes.c_int64
         lib.infer_write_kv.argtypes = [p, n, n, p, n, n, p, p, p, p, n, p, n, n, n, n, n]
-        for fn in (lib.infer_rms_norm, lib.infer_rope, lib.infer_rope_rows, lib.infer_gated, lib.infer_write_kv):
+        lib.infer_gated_rows.argtypes = [ctypes.c_int, p, n, p, n, p, n, n, ctypes.c_int, ctypes.c_int]
+        for fn in (lib.infer_rms_norm, lib.infer_rope, lib.infer_rope_rows, lib.infer_gated, lib.infer_write_kv,
+                   lib.infer_gated_rows):
             fn.restype = None
         lib.infer_qattn.argtypes = ([ctypes.c_int] * 3 + [ctypes.c_void_p] * 12 + [ctypes.c_int64] * 15
                                     + [ctypes.c_float] * 2 + [ctypes.c_int64, ctypes.c_int])
@@ -104,6 +106,7 @@ class NativeKernels:
         self._qattn_paged = lib.infer_qattn_paged
         self._rms_norm, self._rope, self._gated = lib.infer_rms_norm, lib.infer_rope, lib.infer_gated
         self._rope_rows, self._write_kv = lib.infer_rope_rows, lib.infer_write_kv
+        self._gated_rows = lib.infer_gated_rows
         # fmt, codes, scale dtype, scales, mins, dtype, x, bias, y, m, n, k, group, threads
         lib.infer_qgemv.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] + [ctypes.c_int] + [ctypes.c_void_p] * 2
                                     + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int])
@@ -309,6 +312,18 @@ class NativeKernels:
         n = gate_up.shape[-1] // 2
         out = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype)
         self._gated(DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), n, int(gelu))
+        return out
+
+    def gated_rows(self, gate: torch.Tensor, up: torch.Tensor, gelu: bool) -> torch.Tensor:
+        """act(gate) * up, row by row, for `gate` and `up` `[..., n]` of one dtype whose rows each lie contiguous
+        (the halves of a fused [gate | up] product taken in place), split over PyTorch's threads: SiLU, or
+        tanh-GELU, each row as `gated` computes it."""
+        n = gate.shape[-1]
+        gate, up = (t if t.stride(-1) == 1 else t.contiguous() for t in (gate, up))
+        g2, u2 = gate.reshape(-1, n), up.reshape(-1, n)  # views where the rows are evenly spaced, else copies
+        out = torch.empty(*gate.shape[:-1], n, dtype=gate.dtype)
+        self._gated_rows(DTYPE_CODES[gate.dtype], g2.data_ptr(), g2.stride(0), u2.data_ptr(), u2.stride(0),
+                         out.data_ptr(), g2.shape[0], n, int(gelu), torch.get_num_threads())
         return out
 
     def quantized_attention(self, q: torch.Tensor, sinks: tuple[torch.Tensor, torch.Tensor], num_sinks: int,

@@ -365,7 +365,8 @@ class MLP(nn.Module):
         # state_dict holds only the checkpoint's tensors.
         self.__dict__["gate_up"] = None
 
-    def forward(self, x: torch.Tensor, native: NativeKernels | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, native: NativeKernels | None = None, rows: NativeKernels | None = None
+                ) -> torch.Tensor:
         fused: Projection | None = self.__dict__["gate_up"]
         if native is not None and fused is not None:  # a one-token step: act(gate) * up in one call
             return self.down_proj(native.gated(fused(x), self.gelu))
@@ -373,6 +374,8 @@ class MLP(nn.Module):
             gate, up = fused(x).split(self.up_proj.out_features, -1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
+        if rows is not None:  # the engine's steps: every row's act(gate) * up in one native call
+            return self.down_proj(rows.gated_rows(gate, up, self.gelu))
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(gate * up)
 
@@ -473,10 +476,10 @@ class DecoderLayer(nn.Module):
         native, norms = ctx.native, ctx.norms
         if self.sandwich:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x, norms), ctx), norms)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x, norms), native),
-                                                       norms)
+            return x + self.post_feedforward_layernorm(
+                self.mlp(self.pre_feedforward_layernorm(x, norms), native, ctx.kernels.rows), norms)
         x = x + self.self_attn(self.input_layernorm(x, norms), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x, norms), native)
+        return x + self.mlp(self.post_attention_layernorm(x, norms), native, ctx.kernels.rows)
 
 
 class Transformer(nn.Module):
