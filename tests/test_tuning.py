@@ -3,6 +3,8 @@ is reported with its reason."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -407,7 +409,7 @@ def test_native_form_is_refused_off_the_cpu() -> None:
 
 def test_few_row_product_rows_are_measured_forced_or_one() -> None:
     """fp32 weights keep F.linear for every multi-row product; forcing skips the timing; bf16 weights on a build
-    with the kernel get a measured count, doubling from 2, that the timing shows."""
+    with the kernel get a measured count (2 to 64 rows timed) that the timing shows."""
     from infer.tuning import choose_gemm_rows
 
     assert choose_gemm_rows([torch.randn(64, 64)]).value == "1"
@@ -497,3 +499,24 @@ def test_prompt_chunk_attention_is_measured_forced_or_sdpa() -> None:
     if native_here():
         auto = choose_chunk_attention(config, torch.bfloat16, cpu, "native", True)
         assert auto.value in ("native", "sdpa") and "native " in auto.reason and "sdpa " in auto.reason, auto.reason
+
+
+def test_the_kernels_rows_follow_the_summed_gains_not_the_first_loss(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_rows_the_kernel_wins` keeps the kernel up to the row count where its relative gains summed from 2 rows are
+    largest: one noisy loss (4 rows here) does not cut it to 2 rows, a loss that outweighs the gains before it does
+    (64 rows), and a kernel that never gains 3% in sum keeps none."""
+    import infer.tuning
+    from infer.tuning import _rows_the_kernel_wins
+
+    def scripted(ratios: list[float]) -> None:  # other / kernel at 2, 4, .. 64 rows
+        it = iter(ratios)
+        monkeypatch.setattr(infer.tuning, "_time_alternately",
+                            lambda forms, device, repeats: {"kernel": 1.0, "other": next(it)})
+
+    sweep = [torch.randn(8, 8).bfloat16()]
+    kernels = SimpleNamespace(gemm_bf16=None)  # never called: the timing is scripted
+    scripted([1.4, 0.95, 1.4, 1.2, 1.05, 0.9])
+    rows, timed = _rows_the_kernel_wins(kernels, sweep, lambda inputs: None, 64)  # type: ignore[arg-type]
+    assert rows == 32 and len(timed) == 6 and timed[1] == "4: 1000.0 / 950.0 ms"
+    scripted([1.01, 1.0, 1.01, 0.9])
+    assert _rows_the_kernel_wins(kernels, sweep, lambda inputs: None, 16)[0] == 1  # type: ignore[arg-type]
