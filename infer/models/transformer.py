@@ -374,8 +374,8 @@ class MLP(nn.Module):
             gate, up = fused(x).split(self.up_proj.out_features, -1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        if rows is not None:  # the engine's steps: every row's act(gate) * up in one native call
-            return self.down_proj(rows.gated_rows(gate, up, self.gelu))
+        if rows is not None and not self.gelu:  # the engine's steps: every row's SiLU(gate) * up in one native call
+            return self.down_proj(rows.gated_rows(gate, up, False))  # (its GELU is scalar: PyTorch's is faster)
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(gate * up)
 
