@@ -492,9 +492,9 @@ void infer_gated(int dtype, const void *gate_up, void *out, int64_t n, int gelu)
 static int64_t argmax_row(int dtype, const char *x, int64_t n) {
     int64_t i = 0, best = 0;
     float top = -INFINITY;
-    size_t es = dtype == F32 ? 4 : 2;
 #if defined(HAVE_AVX512)
     if (n >= 16) { /* per lane: its largest value and where it first was (strictly greater moves it) */
+        size_t es = dtype == F32 ? 4 : 2;
         __m512 m = _mm512_set1_ps(-INFINITY);
         __m512i at = _mm512_setzero_si512();
         __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -776,14 +776,7 @@ static inline qv16 exp16_nonpositive(qv16 x) {
     return p * (qv16)((ki + 127) << 23);
 }
 
-/* infer_gated over `rows` rows at once (the batched engine's steps): out[r] = act(gate[r]) * up[r], gate and up
- * rows `gate_stride` / `up_stride` elements apart (the halves of a fused [gate | up] product, or two), split over
- * `threads`. SiLU of bf16 and fp32 rows 16 lanes at a time where the build has AVX512 (PyTorch's F.silu then mul
- * took 11 ms of a 512-token step of a 150M model on 2 EPYC cores); GELU, and the rest, by the scalar formula. */
 #if defined(HAVE_AVX512)
-/* SiLU of 16 lanes: g / (1 + e^-g) with e^-|g| <= 1 only: g / (1 + e) for g >= 0, g e / (1 + e) below (the same
- * value, no overflow); -inf gives NaN as the formula does. Below -87 e stays e^-87: ~1e-36 where the formula's is
- * ~0. */
 /* e^x for x <= 0 by exp_nonpositive's reduction and polynomial in fused multiply-adds, 2^k by vscalefps: within
  * a few fp32 ulps of it, twice as fast as exp16_nonpositive's separate products and sums (whose loop the
  * compiler could not overlap). */
@@ -801,7 +794,16 @@ static inline __m512 exp16_fma(__m512 x) {
     p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
     return _mm512_scalef_ps(p, k);
 }
+#endif
 
+/* infer_gated over `rows` rows at once (the batched engine's steps): out[r] = act(gate[r]) * up[r], gate and up
+ * rows `gate_stride` / `up_stride` elements apart (the halves of a fused [gate | up] product, or two), split over
+ * `threads`. SiLU of bf16 and fp32 rows 16 lanes at a time where the build has AVX512 (PyTorch's F.silu then mul
+ * took 11 ms of a 512-token step of a 150M model on 2 EPYC cores); GELU, and the rest, by the scalar formula. */
+#if defined(HAVE_AVX512)
+/* SiLU of 16 lanes: g / (1 + e^-g) with e^-|g| <= 1 only: g / (1 + e) for g >= 0, g e / (1 + e) below (the same
+ * value, no overflow); -inf gives NaN as the formula does. Below -87 e stays e^-87: ~1e-36 where the formula's is
+ * ~0. */
 static inline __m512 silu16(__m512 g) {
     __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
     __m512 e = exp16_fma(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
@@ -817,8 +819,8 @@ static inline __m512 load16_of(int dtype, const char *p) {
 
 static inline void gated_row(int dtype, const char *gate, const char *up, char *out, int64_t n, int gelu) {
     int64_t i = 0;
-    size_t es = dtype == F32 ? 4 : 2;
 #if defined(HAVE_AVX512)
+    size_t es = dtype == F32 ? 4 : 2;
     if (!gelu && (dtype == F32 || dtype == BF16))
         for (; i + 64 <= n; i += 64) { /* four vectors a turn: each is one long dependent chain */
             __m512 act[4];
