@@ -109,7 +109,9 @@ static inline void store_scalar(int dtype, void *p, int64_t i, float v) {
  * faster depends on the machine: on a 2-core EPYC (Zen 4) into L2 streamed the GEMV's weights at 27.6 GB/s against
  * 23.7 and the few-row product at 4 rows 35% faster (engine decode steps of 1-8 rows 1.13-1.44x); 16 rows and
  * more, and the paged attention inside a step, did not change. infer.tuning.choose_prefetch times it per machine;
- * a prefetch changes no result. */
+ * a prefetch changes no result. The few-row products' tiles (gemm_tile_bf16) prefetch into L2 whatever the level:
+ * their lines are read a tile later, after x's rows have streamed through L1, so an L1 prefetch is evicted first on
+ * any machine. */
 static int prefetch_level = 1;
 
 void infer_set_prefetch(int level) { prefetch_level = level == 2 ? 2 : 1; }
