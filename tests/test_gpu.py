@@ -15,7 +15,7 @@ from infer.families import ARCHITECTURES
 from infer.generation import generate
 from infer.sampling import SamplingParams
 from reference import Oracle, build_checkpoint
-from tests.helpers import assert_close
+from tests.helpers import assert_close, solo_logits
 
 pytestmark = [
     pytest.mark.gpu,
@@ -119,14 +119,31 @@ def test_graph_replay_equals_the_eager_static_and_ordinary_steps(arch: str) -> N
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_generate_with_graphs_gives_the_eager_tokens(arch: str, dtype: str) -> None:
+    """Greedy runs with replayed steps and with eager ones: the same tokens in fp32. In bf16 the replayed step
+    attends with the Triton kernel and the eager one with SDPA, whose roundings differ, so the runs may part, but
+    only where the fp32 model's top two logits (fed the shared tokens) lie within twice the eager bf16 run's own
+    error: a replayed step that attends wrongly parts where the choice is clear."""
     path = build_checkpoint(arch)
     model = infer.load_model(path, device="cuda", dtype=dtype)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    prompt = list(range(3, 13))
     runs = {}
     for graphs in (False, True):
         model.decode_graphs = graphs
-        runs[graphs] = generate(model, None, list(range(3, 13)), params).token_ids
-    assert runs[True] == runs[False]
+        runs[graphs] = generate(model, None, prompt, params).token_ids
+    if dtype == "float32" or runs[True] == runs[False]:
+        assert runs[True] == runs[False]
+        return
+    parted = next(i for i, (a, b) in enumerate(zip(runs[True], runs[False], strict=True)) if a != b)
+    model.decode_graphs = False
+    shared = runs[False][:parted + 1]
+    exact = solo_logits(infer.load_model(path, device="cuda"), prompt, shared).float()
+    rounded = solo_logits(model, prompt, shared).float()
+    error = (rounded - exact).abs().max().item()
+    top2 = exact[parted].topk(2).values
+    margin = (top2[0] - top2[1]).item()
+    assert margin <= 2 * error, (f"{arch}: the replayed run parted from the eager one at token {parted}, where "
+                                 f"fp32's top-2 margin {margin:.4f} exceeds twice bf16's error {error:.4f}")
 
 
 def _engine_runs(arch: str, dtype: str, modes: dict[str, bool | None]) -> dict[str, tuple]:

@@ -38,12 +38,13 @@ def test_contiguous_returns_everything_written(split: list[int], batch: int, see
 def test_write_past_capacity_raises_and_keeps_contents() -> None:
     config = tiny_config(num_layers=1, num_kv_heads=1, head_dim=4)
     cache = create_cache("contiguous", config, max_seq_len=5)
-    k = torch.randn(1, 1, 4, 4)
+    k = torch.randn(1, 1, 4, 4, device=TEST_DEVICE)
     cache.update(0, k, k)
     cache.advance(4)
     before = cache.k_cache.clone()  # type: ignore[attr-defined]
+    more = torch.ones(1, 1, 2, 4, device=TEST_DEVICE)
     with pytest.raises(CacheFullError, match="max_seq_len=5"):
-        cache.update(0, torch.ones(1, 1, 2, 4), torch.ones(1, 1, 2, 4))
+        cache.update(0, more, more)
     assert torch.equal(cache.k_cache, before)  # type: ignore[attr-defined]
     assert cache.offset == 4
 
@@ -52,13 +53,14 @@ def test_shape_mismatch_is_a_clear_error() -> None:
     config = tiny_config(num_layers=1, num_kv_heads=2, head_dim=4)
     cache = create_cache("contiguous", config, max_seq_len=8, batch_size=2)
     with pytest.raises(ValueError, match="kv_heads=2"):
-        cache.update(0, torch.zeros(2, 3, 1, 4), torch.zeros(2, 3, 1, 4))
+        wrong = torch.zeros(2, 3, 1, 4, device=TEST_DEVICE)
+        cache.update(0, wrong, wrong)
 
 
 def test_reset_empties() -> None:
     config = tiny_config(num_layers=1)
     cache = create_cache("contiguous", config, max_seq_len=8)
-    k = torch.randn(1, 2, 3, 8)
+    k = torch.randn(1, 2, 3, 8, device=TEST_DEVICE)
     cache.update(0, k, k)
     cache.advance(3)
     cache.reset()

@@ -29,13 +29,14 @@ from infer.kernels import triton_available
 from infer.kernels.native import native_kernels
 from infer.models import Transformer
 from infer.sampling import SamplingParams
-from tests.helpers import assert_close, check_pool_invariants, random_model, solo_logits, tiny_config
+from tests.helpers import TEST_DEVICE, assert_close, check_pool_invariants, random_model, solo_logits, tiny_config
 from tests.property.strategies import model_configs
 
 # How the decode steps of these CPU models read the pool: dequantizing gathers ("sdpa", "matmul"), one sequence at
 # a time, or in place (the native kernel; the Triton one under its interpreter, TRITON_INTERPRET=1).
-KERNELS = ["sdpa", "matmul", "per-sequence"] + (["native"] if native_kernels() is not None else []) + (
-    ["triton"] if triton_available("cpu") else [])
+KERNELS = ["sdpa", "matmul", "per-sequence"] + (
+    ["native"] if native_kernels() is not None and TEST_DEVICE == "cpu" else []) + (
+    ["triton"] if triton_available(torch.device(TEST_DEVICE).type) else [])
 
 
 def quantized_solo_logits(model: Transformer, scheme: str, block_size: int, prompt: list[int], tokens: list[int],
