@@ -7,6 +7,9 @@ what `update` stores; a model decoding over it gives the logits of the dequantiz
 from __future__ import annotations
 
 import copy
+import ctypes
+import math
+import mmap
 from typing import Any
 from unittest import mock
 
@@ -328,3 +331,37 @@ def test_an_exact_pool_read_in_place_is_the_formula_for_every_pass_of_heads(flav
         err = (out[b].float() - want).abs()
         bound = want.abs() * (1e-5 if dtype == torch.float32 else 2.0**-8 * (1 + 1e-4)) + 1e-6
         assert bool((err <= bound).all()), f"{flavour} sequence {b} ({n} keys): worst {float((err - bound).max())}"
+
+
+def _ending_at_a_guard_page(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor whose last byte ends a page, the page after it unreadable: a read past its end faults."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    assert nbytes % mmap.PAGESIZE == 0
+    buffer = mmap.mmap(-1, nbytes + mmap.PAGESIZE)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    if ctypes.CDLL(None).mprotect(ctypes.c_void_p(address + nbytes), mmap.PAGESIZE, 0) != 0:
+        pytest.skip("mprotect refused here")
+    return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
+@needs_build
+@pytest.mark.parametrize("flavour", FLAVOURS_HERE or ["native"])
+def test_small_blocks_last_rows_are_read_within_the_pool(flavour: str) -> None:
+    """Blocks of 4 keys, bf16 (a block's last rows scored as a 16-row tile only where the block has 16 slots from
+    there): the pool's last block ends a page and the next page is unreadable, so a tile read past a small block
+    faults; the output is the formula's."""
+    kernels = native_kernels(flavour)
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(4)
+    num_blocks, kv_heads, bs, d, lengths = 16, 2, 4, 64, [7, 14]
+    pools = [_ending_at_a_guard_page((num_blocks, kv_heads, bs, d), torch.bfloat16) for _ in range(2)]
+    for pool in pools:
+        pool.copy_(torch.randn(pool.shape, generator=gen))
+    tables = torch.tensor([[3, num_blocks - 1, 0, 0], [5, 8, 2, num_blocks - 1]])  # both end in the last block
+    q = torch.randn(2, kv_heads * 3, d, generator=gen).bfloat16()
+    out = kernels.exact_paged_attention(q, pools[0], pools[1], tables, torch.tensor(lengths),
+                                        torch.zeros(2, dtype=torch.long), d**-0.5, None, None)
+    for b, n in enumerate(lengths):
+        keys, values = (pool[tables[b]].transpose(0, 1).reshape(kv_heads, -1, d)[:, :n].float() for pool in pools)
+        want = attention_reference(q[b].float()[None, :, None], keys[None], values[None], None, d**-0.5)[0, :, 0]
+        assert_close(out[b].float(), want, 2.0**-7 * max(1.0, want.abs().max().item()), f"sequence {b}")
