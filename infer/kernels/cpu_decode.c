@@ -1397,19 +1397,24 @@ static inline void prefetch_block(int64_t id, int64_t num_blocks, const void *st
     for (int64_t o = 0; o < bytes; o += 64) prefetch(p + o);
 }
 
-/* A thread's reads of an exact pool, in the order it makes them: each of its sequences' key blocks, then their
- * value blocks (a block's KV heads side by side: one run of bytes), sequence after sequence. `kv_stream_ahead`
- * prefetches (into L2) the bytes a fixed distance ahead of the reads, a few lines for each tile read, so DRAM
- * works while the tiles are scored instead of after: blocks lie anywhere in the pool, and the hardware's
- * prefetcher restarts at every block (random 8 KB blocks read at 12 GB/s on a 2-core EPYC, 28 with this). */
+/* A thread's reads of the pool, in the order it makes them: each of its sequences' key blocks, then their value
+ * blocks (a block's KV heads side by side: one run of bytes, exact rows where staged, else codes), sequence after
+ * sequence. `kv_stream_ahead` prefetches (into L2) the bytes a fixed distance ahead of the reads, a block's worth for
+ * each block read, so DRAM works while the tiles are scored instead of after: blocks lie anywhere in the pool, and
+ * the hardware's prefetcher restarts at every block (random 8 KB blocks read at 12 GB/s on a 2-core EPYC, 28 with
+ * this). The caller advances it by exactly the bytes it prefetched for each block (`kv_stream_bytes`). */
 #define KV_STREAM_AHEAD 65536 /* bytes: 32-128 KB measured alike (random 8 KB blocks: 4-8 blocks ahead best) */
 
 typedef struct {
     const int64_t *tables, *lengths, *starts;
-    const char *k, *v;
-    int64_t nb, bs, block_bytes, batch;
+    const char *k, *v, *kc, *vc;  /* staged rows [P, Hkv, bs, d], codes [N, Hkv, bs, dp] */
+    int64_t nb, bs, num_blocks, stage_bytes, code_bytes, batch; /* a block's bytes, every head */
     int64_t b, j, phase, off; /* where the prefetches have reached: sequence, block, keys (0) or values (1), byte */
 } kv_stream;
+
+static inline int64_t kv_stream_bytes(const kv_stream *s, int64_t id) {
+    return id >= s->num_blocks ? s->stage_bytes : s->code_bytes;
+}
 
 static inline void kv_stream_ahead(kv_stream *s, int64_t bytes) {
     while (bytes > 0 && s->b < s->batch) {
@@ -1419,9 +1424,11 @@ static inline void kv_stream_ahead(kv_stream *s, int64_t bytes) {
             if (++s->phase == 2) s->phase = 0, s->b++;
             continue;
         }
-        const char *p = (s->phase ? s->v : s->k) + s->tables[s->b * s->nb + s->j] * s->block_bytes;
-        for (; s->off < s->block_bytes && bytes > 0; s->off += 64, bytes -= 64) __builtin_prefetch(p + s->off, 0, 2);
-        if (s->off >= s->block_bytes) s->off = 0, s->j++;
+        int64_t id = s->tables[s->b * s->nb + s->j], size = kv_stream_bytes(s, id);
+        const char *p = id >= s->num_blocks ? (s->phase ? s->v : s->k) + (id - s->num_blocks) * size
+                                            : (s->phase ? s->vc : s->kc) + id * size;
+        for (; s->off < size && bytes > 0; s->off += 64, bytes -= 64) __builtin_prefetch(p + s->off, 0, 2);
+        if (s->off >= size) s->off = 0, s->j++;
     }
 }
 
@@ -1460,10 +1467,11 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
 #pragma omp atomic write
             failed = 1;
         }
-        /* the exact pool's reads as a stream (see kv_stream), where every item is a sequence's every head */
-        int stream = num_blocks == 0 && hs == kv_heads;
-        kv_stream ks = {tables, lengths, starts, (const char *)k_stage, (const char *)v_stage, nb, bs,
-                        kv_heads * bs * d * esize, batch, -1, 0, 0, 0};
+        /* the pool's reads as a stream (see kv_stream), where every item is a sequence's every head */
+        int stream = hs == kv_heads;
+        kv_stream ks = {tables, lengths, starts, (const char *)k_stage, (const char *)v_stage,
+                        (const char *)k_codes, (const char *)v_codes, nb, bs, num_blocks, kv_heads * bs * d * esize,
+                        kv_heads * bs * dp, batch, -1, 0, 0, 0};
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < batch * items; item++) {
             if (!buf) continue;
@@ -1492,7 +1500,7 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
                     int64_t o = (h - h0) * groups; /* this KV head's first query head in the item */
                     float *sch = sc + o * n, *qfh = qf + o * d;
                     if (stream)
-                        kv_stream_ahead(&ks, bs * d * esize); /* a whole block, as the stream counts */
+                        kv_stream_ahead(&ks, kv_stream_bytes(&ks, id) / kv_heads); /* this head's share of the block */
                     else if ((j + 1) * bs < n)
                         prefetch_block(table[j + 1], num_blocks, k_stage, k_codes, h, kv_heads, bs, d, esize, dp);
                     else /* the last key block: the first value block during it and the softmax */
@@ -1540,7 +1548,7 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
                     const char *vs =
                         coded ? 0 : (const char *)v_stage + ((id - num_blocks) * kv_heads + h) * bs * d * esize;
                     if (stream)
-                        kv_stream_ahead(&ks, bs * d * esize); /* a whole block, as the stream counts */
+                        kv_stream_ahead(&ks, kv_stream_bytes(&ks, id) / kv_heads); /* this head's share of the block */
                     else if ((j + 1) * bs < n)
                         prefetch_block(table[j + 1], num_blocks, v_stage, v_codes, h, kv_heads, bs, d, esize, dp);
                     int64_t r = 0;
