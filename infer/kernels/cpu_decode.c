@@ -109,7 +109,8 @@ static inline void store_scalar(int dtype, void *p, int64_t i, float v) {
  * faster depends on the machine: on a 2-core EPYC (Zen 4) into L2 streamed the GEMV's weights at 27.6 GB/s against
  * 23.7 and the few-row product at 4 rows 35% faster (engine decode steps of 1-8 rows 1.13-1.44x); 16 rows and
  * more, and the paged attention inside a step, did not change. infer.tuning.choose_prefetch times it per machine;
- * a prefetch changes no result. The few-row products' tiles (gemm_tile_bf16) prefetch into L2 whatever the level:
+ * a prefetch changes no result. The paged attention's stream (kv_stream) prefetches into L2 whatever the level, and
+ * so do the few-row products' tiles (gemm_tile_bf16):
  * their lines are read a tile later, after x's rows have streamed through L1, so an L1 prefetch is evicted first on
  * any machine. */
 static int prefetch_level = 1;
@@ -1387,46 +1388,38 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
     return failed ? -1 : 0;
 }
 
-/* Block `id`'s rows of KV head h (a staged block's exact rows, else its codes) into cache ahead of their use: the
- * blocks of a table lie anywhere in the pool, beyond what the hardware prefetcher follows. */
-static inline void prefetch_block(int64_t id, int64_t num_blocks, const void *stage, const uint8_t *codes, int64_t h,
-                                  int64_t kv_heads, int64_t bs, int64_t d, int64_t esize, int64_t dp) {
-    const char *p = id >= num_blocks ? (const char *)stage + ((id - num_blocks) * kv_heads + h) * bs * d * esize
-                                     : (const char *)(codes + (id * kv_heads + h) * bs * dp);
-    int64_t bytes = id >= num_blocks ? bs * d * esize : bs * dp;
-    for (int64_t o = 0; o < bytes; o += 64) prefetch(p + o);
-}
-
-/* A thread's reads of the pool, in the order it makes them: each of its sequences' key blocks, then their value
- * blocks (a block's KV heads side by side: one run of bytes, exact rows where staged, else codes), sequence after
- * sequence. `kv_stream_ahead` prefetches (into L2) the bytes a fixed distance ahead of the reads, a block's worth for
- * each block read, so DRAM works while the tiles are scored instead of after: blocks lie anywhere in the pool, and
- * the hardware's prefetcher restarts at every block (random 8 KB blocks read at 12 GB/s on a 2-core EPYC, 28 with
- * this). The caller advances it by exactly the bytes it prefetched for each block (`kv_stream_bytes`). */
+/* A thread's reads of the pool, in the order it makes them: each of its work items' key blocks, then their value
+ * blocks, item after item (an item is a sequence's `hs` KV heads, which lie side by side in a block: one run of
+ * bytes, exact rows where staged, else codes). `kv_stream_ahead` prefetches (into L2) the bytes a fixed distance
+ * ahead of the reads, a head's worth for each head of a block read, so DRAM works while the tiles are scored instead
+ * of after: blocks lie anywhere in the pool, and the hardware's prefetcher restarts at every block (random 8 KB
+ * blocks read at 12 GB/s on a 2-core EPYC, 28 with this). */
 #define KV_STREAM_AHEAD 65536 /* bytes: 32-128 KB measured alike (random 8 KB blocks: 4-8 blocks ahead best) */
 
 typedef struct {
     const int64_t *tables, *lengths, *starts;
     const char *k, *v, *kc, *vc;  /* staged rows [P, Hkv, bs, d], codes [N, Hkv, bs, dp] */
-    int64_t nb, bs, num_blocks, stage_bytes, code_bytes, batch; /* a block's bytes, every head */
-    int64_t b, j, phase, off; /* where the prefetches have reached: sequence, block, keys (0) or values (1), byte */
+    int64_t nb, bs, num_blocks, stage_bytes, code_bytes, kv_heads, hs, items, end; /* bytes: one head's rows */
+    int64_t item, j, phase, off; /* where the prefetches have reached: item, block, keys (0) or values (1), byte */
 } kv_stream;
 
+/* One KV head's bytes of block `id`: what the reader advances the stream by for each head it reads. */
 static inline int64_t kv_stream_bytes(const kv_stream *s, int64_t id) {
     return id >= s->num_blocks ? s->stage_bytes : s->code_bytes;
 }
 
 static inline void kv_stream_ahead(kv_stream *s, int64_t bytes) {
-    while (bytes > 0 && s->b < s->batch) {
-        int64_t blocks = (s->lengths[s->b] - s->starts[s->b] + s->bs - 1) / s->bs;
+    while (bytes > 0 && s->item < s->end) {
+        int64_t b = s->item / s->items, h0 = s->item % s->items * s->hs;
+        int64_t blocks = (s->lengths[b] - s->starts[b] + s->bs - 1) / s->bs;
         if (s->j >= blocks) {
             s->j = 0;
-            if (++s->phase == 2) s->phase = 0, s->b++;
+            if (++s->phase == 2) s->phase = 0, s->item++;
             continue;
         }
-        int64_t id = s->tables[s->b * s->nb + s->j], size = kv_stream_bytes(s, id);
-        const char *p = id >= s->num_blocks ? (s->phase ? s->v : s->k) + (id - s->num_blocks) * size
-                                            : (s->phase ? s->vc : s->kc) + id * size;
+        int64_t id = s->tables[b * s->nb + s->j], head = kv_stream_bytes(s, id), size = s->hs * head;
+        const char *p = id >= s->num_blocks ? (s->phase ? s->v : s->k) + ((id - s->num_blocks) * s->kv_heads + h0) * head
+                                            : (s->phase ? s->vc : s->kc) + (id * s->kv_heads + h0) * head;
         for (; s->off < size && bytes > 0; s->off += 64, bytes -= 64) __builtin_prefetch(p + s->off, 0, 2);
         if (s->off >= size) s->off = 0, s->j++;
     }
@@ -1467,17 +1460,16 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
 #pragma omp atomic write
             failed = 1;
         }
-        /* the pool's reads as a stream (see kv_stream), where every item is a sequence's every head */
-        int stream = hs == kv_heads;
+        /* the pool's reads as one stream (see kv_stream) */
         kv_stream ks = {tables, lengths, starts, (const char *)k_stage, (const char *)v_stage,
-                        (const char *)k_codes, (const char *)v_codes, nb, bs, num_blocks, kv_heads * bs * d * esize,
-                        kv_heads * bs * dp, batch, -1, 0, 0, 0};
+                        (const char *)k_codes, (const char *)v_codes, nb, bs, num_blocks, bs * d * esize, bs * dp,
+                        kv_heads, hs, items, batch * items, -1, 0, 0, 0};
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < batch * items; item++) {
             if (!buf) continue;
             int64_t b = item / items, h0 = item % items * hs, n = lengths[b] - starts[b], qpos = lengths[b] - 1;
-            if (stream && ks.b < 0) { /* this thread's first sequence: the stream starts here, its distance ahead */
-                ks.b = b;
+            if (ks.item < 0) { /* this thread's first item: the stream starts here, its distance ahead */
+                ks.item = item;
                 kv_stream_ahead(&ks, KV_STREAM_AHEAD);
             }
             int64_t all = hs * groups; /* the item's query heads: KV head h0 + g / groups for query head g */
@@ -1499,12 +1491,7 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
                 for (int64_t h = h0; h < h0 + hs; h++) {
                     int64_t o = (h - h0) * groups; /* this KV head's first query head in the item */
                     float *sch = sc + o * n, *qfh = qf + o * d;
-                    if (stream)
-                        kv_stream_ahead(&ks, kv_stream_bytes(&ks, id) / kv_heads); /* this head's share of the block */
-                    else if ((j + 1) * bs < n)
-                        prefetch_block(table[j + 1], num_blocks, k_stage, k_codes, h, kv_heads, bs, d, esize, dp);
-                    else /* the last key block: the first value block during it and the softmax */
-                        prefetch_block(table[0], num_blocks, v_stage, v_codes, h, kv_heads, bs, d, esize, dp);
+                    kv_stream_ahead(&ks, kv_stream_bytes(&ks, id));
                     if (id >= num_blocks) { /* staged: exact rows */
                         const char *ks = (const char *)k_stage + ((id - num_blocks) * kv_heads + h) * bs * d * esize;
                         int64_t r = 0;
@@ -1547,10 +1534,7 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
                     float *sch = sc + o * n, *acch = acc + o * d, *accph = accp + o * d;
                     const char *vs =
                         coded ? 0 : (const char *)v_stage + ((id - num_blocks) * kv_heads + h) * bs * d * esize;
-                    if (stream)
-                        kv_stream_ahead(&ks, kv_stream_bytes(&ks, id) / kv_heads); /* this head's share of the block */
-                    else if ((j + 1) * bs < n)
-                        prefetch_block(table[j + 1], num_blocks, v_stage, v_codes, h, kv_heads, bs, d, esize, dp);
+                    kv_stream_ahead(&ks, kv_stream_bytes(&ks, id));
                     int64_t r = 0;
                     if (split && !coded)
                         for (; r < rows; r += 16)
