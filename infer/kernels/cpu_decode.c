@@ -1418,8 +1418,9 @@ static inline void kv_stream_ahead(kv_stream *s, int64_t bytes) {
             continue;
         }
         int64_t id = s->tables[b * s->nb + s->j], head = kv_stream_bytes(s, id), size = s->hs * head;
-        const char *p = id >= s->num_blocks ? (s->phase ? s->v : s->k) + ((id - s->num_blocks) * s->kv_heads + h0) * head
-                                            : (s->phase ? s->vc : s->kc) + (id * s->kv_heads + h0) * head;
+        const char *p = id >= s->num_blocks
+                            ? (s->phase ? s->v : s->k) + ((id - s->num_blocks) * s->kv_heads + h0) * head
+                            : (s->phase ? s->vc : s->kc) + (id * s->kv_heads + h0) * head;
         for (; s->off < size && bytes > 0; s->off += 64, bytes -= 64) __builtin_prefetch(p + s->off, 0, 2);
         if (s->off >= size) s->off = 0, s->j++;
     }
@@ -1461,16 +1462,16 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
             failed = 1;
         }
         /* the pool's reads as one stream (see kv_stream) */
-        kv_stream ks = {tables, lengths, starts, (const char *)k_stage, (const char *)v_stage,
-                        (const char *)k_codes, (const char *)v_codes, nb, bs, num_blocks, bs * d * esize, bs * dp,
-                        kv_heads, hs, items, batch * items, -1, 0, 0, 0};
+        kv_stream reads = {tables, lengths, starts, (const char *)k_stage, (const char *)v_stage,
+                           (const char *)k_codes, (const char *)v_codes, nb, bs, num_blocks, bs * d * esize, bs * dp,
+                           kv_heads, hs, items, batch * items, -1, 0, 0, 0};
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < batch * items; item++) {
             if (!buf) continue;
             int64_t b = item / items, h0 = item % items * hs, n = lengths[b] - starts[b], qpos = lengths[b] - 1;
-            if (ks.item < 0) { /* this thread's first item: the stream starts here, its distance ahead */
-                ks.item = item;
-                kv_stream_ahead(&ks, KV_STREAM_AHEAD);
+            if (reads.item < 0) { /* this thread's first item: the stream starts here, its distance ahead */
+                reads.item = item;
+                kv_stream_ahead(&reads, KV_STREAM_AHEAD);
             }
             int64_t all = hs * groups; /* the item's query heads: KV head h0 + g / groups for query head g */
             qattn_scratch w = qattn_carve(buf, all, d, n);
@@ -1491,7 +1492,7 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
                 for (int64_t h = h0; h < h0 + hs; h++) {
                     int64_t o = (h - h0) * groups; /* this KV head's first query head in the item */
                     float *sch = sc + o * n, *qfh = qf + o * d;
-                    kv_stream_ahead(&ks, kv_stream_bytes(&ks, id));
+                    kv_stream_ahead(&reads, kv_stream_bytes(&reads, id));
                     if (id >= num_blocks) { /* staged: exact rows */
                         const char *ks = (const char *)k_stage + ((id - num_blocks) * kv_heads + h) * bs * d * esize;
                         int64_t r = 0;
@@ -1534,7 +1535,7 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
                     float *sch = sc + o * n, *acch = acc + o * d, *accph = accp + o * d;
                     const char *vs =
                         coded ? 0 : (const char *)v_stage + ((id - num_blocks) * kv_heads + h) * bs * d * esize;
-                    kv_stream_ahead(&ks, kv_stream_bytes(&ks, id));
+                    kv_stream_ahead(&reads, kv_stream_bytes(&reads, id));
                     int64_t r = 0;
                     if (split && !coded)
                         for (; r < rows; r += 16)
