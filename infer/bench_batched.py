@@ -166,8 +166,9 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
                    if getattr(args, name) is not None}  # unset: the Engine's own defaults
     if args.no_decode_graphs:
         engine_args["decode_graphs"] = False
-    if args.no_packed_products:
-        engine_args["packed_products"] = False
+    if args.no_packed_products or args.packed_products != "auto":
+        engine_args["packed_products"] = False if args.no_packed_products or args.packed_products == "off" \
+            else args.packed_products
     runners: list[tuple[str, Callable[[list[BatchRequest]], BatchedRun]]] = [
         ("infer engine", lambda w: run_engine(model, w, **engine_args))]
     for kv in args.kv_cache_dtype:  # the same engine with its pool quantized, in the same memory
@@ -353,8 +354,11 @@ def add_batched_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-decode-graphs", action="store_true",
                    help="step the engine eagerly on CUDA (default: pure-decode steps replayed from CUDA graphs)")
     g.add_argument("--no-packed-products", action="store_true",
-                   help="keep F.linear for the engine's products past the few-row kernel's rows (default: oneDNN's "
-                        "GEMM on weights packed once, where measured faster; a second copy of the projections)")
+                   help="keep F.linear for the engine's products past the few-row kernel's rows (default: weights "
+                        "packed once, where measured faster; a second copy of the projections)")
+    g.add_argument("--packed-products", default="auto", choices=["auto", "off", "onednn", "native"],
+                   help="the packed copies' layout: oneDNN's GEMM past the few-row kernel's rows, or the native "
+                        "packed product for every product of 2+ rows (default: measured; off: --no-packed-products)")
     g.add_argument("--no-one-by-one", action="store_true", help="skip the one-by-one run (the slowest)")
     g.add_argument("--no-roofline", action="store_true",
                    help="skip the roofline report (the machine's matmul and read limits, the fraction of them each "

@@ -37,7 +37,7 @@ from infer.generation import (
 from infer.graphs import BatchedDecodeGraphs
 from infer.kernels.native import native_kernels
 from infer.models import Transformer
-from infer.models.transformer import few_row_products
+from infer.models.transformer import PACKED_LAYOUTS, few_row_products
 from infer.ragged import SeqChunk, build_ragged_batch
 from infer.roofline import ChunkShape, StepRecord
 from infer.sampling import SamplingParams, sample_next
@@ -112,12 +112,14 @@ class Engine:
         bound_sliding_layers: bool = True,
         decode_graphs: bool | None = None,
         kv_cache_dtype: str | None = None,
-        packed_products: bool | None = None,
+        packed_products: bool | str | None = None,
         chunk_attention: str = "auto",
     ) -> None:
         _check_model(model, tokenizer)
-        if packed_products is not None and not isinstance(packed_products, bool):
-            raise TypeError(f"packed_products must be True, False or None (auto), got {packed_products!r}")
+        if packed_products is not None and not isinstance(packed_products, bool) and packed_products not in \
+                PACKED_LAYOUTS:
+            raise TypeError(f"packed_products must be True, False, None (auto) or a layout "
+                            f"({', '.join(PACKED_LAYOUTS)}), got {packed_products!r}")
         if num_blocks is not None and cache_memory is not None:
             raise ValueError("give num_blocks or cache_memory (bytes), not both")
         for name, value in (("cache_memory", cache_memory), ("num_blocks", num_blocks)):
@@ -180,11 +182,11 @@ class Engine:
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    enable_prefix_caching=enable_prefix_caching)
         self.keep_logits = keep_logits
-        # Products past the few-row kernel's rows on weights oneDNN packed once (a second copy of the projections),
-        # where measured faster than F.linear here; the kernel keeps the rows where it still beats them.
+        # The step's products on weights packed once (a second copy of the projections), where measured faster than
+        # F.linear here: in oneDNN's layout past the few-row kernel's rows, or in the native packed product's.
         packing = choose_packed_products(model, max_num_batched_tokens, packed_products)
         if packing.on or model.packed_products:
-            model.pack_products(packing.on, packing.native_rows)
+            model.pack_products(packing.on, packing.native_rows, packing.layout)
         # Pure-decode steps at padded static shapes, replayed from CUDA graphs on CUDA (infer/graphs.py).
         self.graphs: BatchedDecodeGraphs | None = None
         if graphs:

@@ -23,7 +23,14 @@ from infer.kernels import triton_available
 from infer.kernels.native import NativeKernels, native_kernels, unavailable_reason
 from infer.memory import available_memory, huge_pages_mode
 from infer.models import Transformer
-from infer.models.transformer import GEMV_FORMS, dequantized_product, pack_weight, packed_linear, packing_unavailable
+from infer.models.transformer import (
+    GEMV_FORMS,
+    dequantized_product,
+    native_packing_unavailable,
+    pack_weight,
+    packed_linear,
+    packing_unavailable,
+)
 from infer.quant_weights import QuantizedWeight
 from infer.ragged import DECODE_KERNELS
 
@@ -266,8 +273,8 @@ def choose_gemm_rows(weights: list[torch.Tensor], forced: int | None = None) -> 
 
 @dataclass(frozen=True)
 class PackingChoice:
-    """`choose_packed_products`'s answer: whether the engine packs the weights, and the rows up to which the native
-    few-row kernel stays ahead of the packed product (at most the model's `gemm_rows`)."""
+    """`choose_packed_products`'s answer: whether (and in which layout) the engine packs the weights, and the rows up
+    to which the native few-row kernel stays ahead of oneDNN's packed product (at most the model's `gemm_rows`)."""
 
     choice: Choice
     native_rows: int
@@ -275,22 +282,31 @@ class PackingChoice:
     @property
     def on(self) -> bool:
         """Whether to pack."""
-        return self.choice.value == "on"
+        return self.choice.value != "off"
+
+    @property
+    def layout(self) -> str:
+        """The packed copies' layout ("onednn" or "native"; "onednn" where off)."""
+        return self.choice.value if self.on else "onednn"
 
 
 _PACKING_SWEEP_BYTES = 64 * 2**20
 
 
-def choose_packed_products(model: Transformer, batch_rows: int, forced: bool | None = None) -> PackingChoice:
-    """Whether the batched engine runs products past `gemm_rows` on weights oneDNN packed once
-    (`Transformer.pack_products`) rather than F.linear, which packs them on every call: timed over the
-    products the engine runs (`packable_products`, in model order, cut after max(64 MiB, 2 x last-level cache)) at 64
-    rows and at `batch_rows` (a step's token budget), alternately; on where packed is 3% faster at one and not 3%
-    slower at the other. Where the native few-row kernel runs, the rows it keeps are measured again against the
-    packed product (`_rows_the_kernel_wins`). Off without timing where the copies would take more
-    than half the memory left. `forced` skips the timing and that check (True raises where packing is unavailable).
-    Cached per model and `batch_rows`."""
-    cached: dict[tuple[int, bool | None, int], PackingChoice] = model.__dict__.setdefault("_packing_choices", {})
+def choose_packed_products(model: Transformer, batch_rows: int, forced: bool | str | None = None) -> PackingChoice:
+    """Whether the batched engine runs its products on weights packed once (`Transformer.pack_products`) rather than
+    F.linear, which packs them on every call, and in which layout: oneDNN's (its GEMM past the native few-row
+    kernel's rows) or the native packed product's (every product of 2 rows or more). Timed over the products the
+    engine runs (`packable_products`, in model order, cut after max(64 MiB, 2 x last-level cache)) at 16 and 64 rows
+    and at `batch_rows` (a step's token budget), every layout and F.linear alternately; oneDNN's layout counted at
+    each row count as what the engine would run (the few-row kernel where it is faster, within `gemm_rows`). The
+    layout whose mean time relative to F.linear is least is taken where that mean is 3% or more below F.linear's and
+    no count is 10% slower (at the budget's rows both run oneDNN's GEMM: a shared host's noise there once turned
+    the choice off). Where oneDNN's layout is taken and the few-row kernel runs, the rows it keeps are measured
+    against the packed product (`_rows_the_kernel_wins`). Off without timing where the copies would take more than
+    half the memory left. `forced` (True or "onednn": oneDNN's; "native"; False: off) skips the choice of layout and
+    that check (a layout that cannot run raises). Cached per model and `batch_rows`."""
+    cached: dict[tuple[int, bool | str | None, int], PackingChoice] = model.__dict__.setdefault("_packing_choices", {})
     key = (batch_rows, forced, model.gemm_rows)
     if key not in cached:
         cached[key] = _choose_packing(model, batch_rows, forced)
@@ -298,44 +314,65 @@ def choose_packed_products(model: Transformer, batch_rows: int, forced: bool | N
     return cached[key]
 
 
-def _choose_packing(model: Transformer, batch_rows: int, forced: bool | None) -> PackingChoice:
+def _choose_packing(model: Transformer, batch_rows: int, forced: bool | str | None) -> PackingChoice:
     name = "packed products"
     weights = [m.weight for m in model.packable_products()]
-    why = "quantized projections have their own kernels" if model.quantized else packing_unavailable(weights)
+    quantized = "quantized projections have their own kernels" if model.quantized else None
+    unavailable = {"onednn": quantized or packing_unavailable(weights),
+                   "native": quantized or native_packing_unavailable(weights)}
+    wanted = "onednn" if forced is True else forced if isinstance(forced, str) else None
     gemm_rows = model.gemm_rows
-    if forced and why is not None:
-        raise ValueError(f"packed_products=True needs oneDNN's bf16 GEMM: {why}; leave it None or False")
+    if wanted == "onednn" and unavailable["onednn"] is not None:
+        raise ValueError(f"packed_products=True needs oneDNN's bf16 GEMM: {unavailable['onednn']}; leave it None or "
+                         "False")
+    if wanted == "native" and unavailable["native"] is not None:
+        raise ValueError(f"packed_products='native' needs the native packed product: {unavailable['native']}; leave "
+                         "it None or False")
+    layouts = [wanted] if wanted else [key for key, why in unavailable.items() if why is None]
+    why = None if layouts else unavailable["onednn"]
     copy = sum(w.nbytes for w in weights)
     free = available_memory(torch.device("cpu")) if why is None else None
-    if why is None and not forced and free is not None and copy > free // 2:
+    if why is None and not wanted and free is not None and copy > free // 2:
         why = (f"the packed copies ({copy / 2**20:.0f} MiB) would take more than half the free memory "
                f"({free / 2**20:.0f} MiB)")
     if forced is False or why is not None:
         return PackingChoice(Choice(name, "off", why if why is not None else "forced off by the caller"), gemm_rows)
     limit = max(_PACKING_SWEEP_BYTES, 2 * last_level_cache_bytes())
     sweep = _sweep_weights(weights, limit)
-    packed = [pack_weight(w) for w in sweep]
+    kernels = native_kernels()
+    packed = {"onednn": [pack_weight(w) for w in sweep] if "onednn" in layouts else [],
+              "native": [kernels.pack_bf16(w) for w in sweep] if "native" in layouts and kernels else []}
+    few_rows = kernels is not None and gemm_rows > 1
     megabytes = sum(w.nbytes for w in sweep) / 2**20
     timed: list[str] = []
-    faster: list[float] = []
-    for m in (64, max(batch_rows, 65)):
+    ratios: dict[str, list[float]] = {layout: [] for layout in layouts}
+    for m in (16, 64, max(batch_rows, 65)):
         inputs = {w.shape[1]: torch.randn(m, w.shape[1]).to(w.dtype) for w in sweep}
-        times = _time_alternately({
-            "packed": functools.partial(_packed_products, sweep, packed, inputs),
-            "linear": functools.partial(_sweep_products, torch.nn.functional.linear, sweep, inputs, swap=True),
-        }, torch.device("cpu"), repeats=3)
-        faster.append(times["packed"] / times["linear"])
-        timed.append(f"{m} rows: {times['packed'] * 1e3:.1f} / {times['linear'] * 1e3:.1f} ms")
-    on = bool(forced) or (min(faster) < 0.97 and max(faster) < 1.03)
-    reason = (f"oneDNN packed / F.linear over {len(sweep)} weights ({megabytes:.0f} MiB), {', '.join(timed)} "
-              f"(medians, alternately); {'forced by the caller; ' if forced else ''}packed copies "
+        forms: dict[str, Callable[[], object]] = {
+            "linear": functools.partial(_sweep_products, torch.nn.functional.linear, sweep, inputs, swap=True)}
+        if "onednn" in layouts:
+            forms["onednn"] = functools.partial(_packed_products, sweep, packed["onednn"], inputs)
+            if few_rows and kernels is not None and m <= gemm_rows:
+                forms["few-row"] = functools.partial(_sweep_products, kernels.gemm_bf16, sweep, inputs)
+        if "native" in layouts and kernels is not None:
+            forms["native"] = functools.partial(_native_packed_products, kernels, sweep, packed["native"], inputs)
+        times = _time_alternately(forms, torch.device("cpu"), repeats=3)
+        if "few-row" in times:  # what the engine runs at these rows with oneDNN's layout
+            times["onednn"] = min(times["onednn"], times.pop("few-row"))
+        for layout in layouts:
+            ratios[layout].append(times[layout] / times["linear"])
+        timed.append(f"{m} rows: " + " / ".join(f"{times[key] * 1e3:.1f}" for key in (*layouts, "linear")) + " ms")
+    best = min(layouts, key=lambda layout: sum(ratios[layout]))
+    on = bool(wanted) or (sum(ratios[best]) / len(ratios[best]) < 0.97 and max(ratios[best]) < 1.1)
+    reason = (f"{' / '.join(layouts)} packed / F.linear over {len(sweep)} weights ({megabytes:.0f} MiB), "
+              f"{', '.join(timed)} (medians, alternately); {'forced by the caller; ' if wanted else ''}packed copies "
               f"{copy / 2**20:.0f} MiB")
-    kernels, rows = native_kernels(), 1
-    if on and gemm_rows > 1 and kernels is not None:
-        rows, kept = _rows_the_kernel_wins(kernels, sweep, functools.partial(_packed_products, sweep, packed),
-                                           gemm_rows)
+    rows = 1
+    if on and best == "onednn" and few_rows and kernels is not None:
+        rows, kept = _rows_the_kernel_wins(kernels, sweep, functools.partial(_packed_products, sweep,
+                                                                             packed["onednn"]), gemm_rows)
         reason += f"; native few-row kernel / packed by rows: {', '.join(kept)} -> {rows} rows (largest summed gain)"
-    return PackingChoice(Choice(name, "on" if on else "off", reason), rows)
+    return PackingChoice(Choice(name, best if on else "off", reason), rows)
 
 
 def _rows_the_kernel_wins(kernels: NativeKernels, sweep: list[torch.Tensor],
@@ -363,6 +400,11 @@ def _rows_the_kernel_wins(kernels: NativeKernels, sweep: list[torch.Tensor],
 def _packed_products(sweep: list[torch.Tensor], packed: list[torch.Tensor], inputs: dict[int, torch.Tensor]
                      ) -> list[object]:
     return [packed_linear(inputs[w.shape[1]], p, None) for w, p in zip(sweep, packed, strict=True)]
+
+
+def _native_packed_products(kernels: NativeKernels, sweep: list[torch.Tensor], packed: list[torch.Tensor],
+                            inputs: dict[int, torch.Tensor]) -> list[object]:
+    return [kernels.gemm_bf16_packed(p, inputs[w.shape[1]], w.shape[0]) for w, p in zip(sweep, packed, strict=True)]
 
 
 def choose_quantized_tile_rows(weight: QuantizedWeight, quantized_rows: int, forced: int | None = None) -> Choice:

@@ -351,6 +351,50 @@ def test_the_few_row_bf16_product_is_the_formula(m: int, n: int, k: int, with_bi
         assert torch.equal(y[j], alone[j]), f"row {j} depends on the other rows of the call"
 
 
+@needs_bf16_pairs
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 21), n=st.integers(1, 70), pairs=st.integers(1, 150), with_bias=st.booleans(),
+       threads=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_the_packed_bf16_product_is_the_formula(m: int, n: int, pairs: int, with_bias: bool, threads: int,
+                                                seed: int) -> None:
+    """`gemm_bf16_packed` on a weight `pack_bf16` packed (blocks of 16 rows, the last one padded; tiles of 8 input
+    rows by 2 blocks, row and block tails): every output within the rounding of fp32 sums rounded once to bf16, bit
+    for bit what that input row alone gives, and packing leaves the weight as it was."""
+    kernels = native_kernels()
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(seed)
+    k = 2 * pairs
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16() if with_bias else None
+    w_before, x_before = w.clone(), x.clone()
+    with on_threads(threads):
+        packed = kernels.pack_bf16(w)
+        y = kernels.gemm_bf16_packed(packed, x, n, bias)
+        alone = [kernels.gemm_bf16_packed(packed, x[j : j + 1], n, bias)[0] for j in range(m)]
+    assert torch.equal(w, w_before) and torch.equal(x, x_before), "the caller's tensors changed"
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    for j in range(m):
+        exact = w.double() @ x[j].double() + (0 if bias is None else bias.double())
+        excess = (y[j].double() - exact).abs() - error_bound(w, x[j], bias, torch.bfloat16)
+        assert excess.max() <= 0, f"m={m} n={n} k={k}: row {j}, output {int(excess.argmax())} off by more than rounding"
+        assert torch.equal(y[j], alone[j]), f"row {j} depends on the other rows of the call"
+
+
+@needs_bf16_pairs
+def test_the_packed_bf16_product_refuses_what_it_cannot_take() -> None:
+    """An odd k, a packed weight of another shape and a weight that is not bf16: one clear error each."""
+    kernels = native_kernels()
+    assert kernels is not None
+    with pytest.raises(ValueError, match="k even"):
+        kernels.pack_bf16(torch.zeros(4, 5, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="k even"):
+        kernels.pack_bf16(torch.zeros(4, 6))
+    packed = kernels.pack_bf16(torch.zeros(20, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="is not \\[20, 6\\] packed"):
+        kernels.gemm_bf16_packed(packed, torch.zeros(3, 6, dtype=torch.bfloat16), 20)
+
+
 @needs_build
 @settings(max_examples=25, deadline=None)
 @given(tokens=st.integers(1, 70), kv_heads=st.integers(1, 3), d=st.sampled_from([8, 64]),

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from infer.models.transformer import pack_weight, packed_linear, packing_unavailable
+from infer.models.transformer import native_packing_unavailable, pack_weight, packed_linear, packing_unavailable
 
 PACKING = packing_unavailable([torch.zeros(2, 2, dtype=torch.bfloat16)])
 needs_packing = pytest.mark.skipif(PACKING is not None, reason=f"no packed products here: {PACKING}")
@@ -53,28 +53,43 @@ def test_packing_leaves_the_weight_and_takes_three_dimensional_inputs() -> None:
 
 
 def count_packed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The rows of every packed product from now on (they still compute)."""
+    """The rows of every packed product from now on, oneDNN's or the native one (they still compute)."""
     import infer.models.transformer as transformer
+    from infer.kernels.native import NativeKernels
 
     rows: list[int] = []
-    product = transformer.packed_linear
+    product, native = transformer.packed_linear, NativeKernels.gemm_bf16_packed
 
     def counted(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows.append(x.numel() // x.shape[-1])
         return product(x, packed, bias)
 
+    def counted_native(self: NativeKernels, packed: torch.Tensor, x: torch.Tensor, n: int,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows.append(x.numel() // x.shape[-1])
+        return native(self, packed, x, n, bias)
+
     monkeypatch.setattr(transformer, "packed_linear", counted)
+    monkeypatch.setattr(NativeKernels, "gemm_bf16_packed", counted_native)
     return rows
 
 
-@needs_packing
+NATIVE_PACKING = native_packing_unavailable([torch.zeros(2, 2, dtype=torch.bfloat16)])
+LAYOUTS = [pytest.param("onednn", marks=pytest.mark.skipif(PACKING is not None,
+                                                           reason=f"no oneDNN packing: {PACKING}")),
+           pytest.param("native", marks=pytest.mark.skipif(NATIVE_PACKING is not None,
+                                                           reason=f"no native packed product: {NATIVE_PACKING}"))]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3_text"])
-def test_packed_products_run_past_the_native_rows_within_rounding(arch: str, monkeypatch: pytest.MonkeyPatch
-                                                                  ) -> None:
+def test_packed_products_run_past_the_native_rows_within_rounding(arch: str, layout: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Inside `few_row_products()`, products of more than `native_rows` rows take the packed weights (q/k/v and
     gate/up fused, one product each: Qwen 2's q/k/v biases included) and the logits stay within bf16 rounding of the
-    unpacked model's; up to them the native kernel keeps them; outside the engine's steps nothing changes, bit for
-    bit. The packed copies survive a change of the one-row kernel (which lays the fused products out again)."""
+    unpacked model's; up to them the native kernel keeps them (oneDNN's layout; the native packed product takes
+    every product of 2 rows or more); outside the engine's steps nothing changes, bit for bit. The packed copies
+    survive a change of the one-row kernel (which lays the fused products out again)."""
     import infer
     from infer.models.transformer import few_row_products
     from reference import build_checkpoint
@@ -82,9 +97,9 @@ def test_packed_products_run_past_the_native_rows_within_rounding(arch: str, mon
     path = build_checkpoint(arch)
     plain = infer.load_model(path, decode_gemv="linear", dtype="bfloat16")
     model = infer.load_model(path, decode_gemv="linear", dtype="bfloat16")
-    model.pack_products(True, native_rows=4)
+    model.pack_products(True, native_rows=4, layout=layout)
     layers = len(model.layers)
-    assert model.packed_products and model.packed_bytes > 0
+    assert model.packed_products and model.packed_bytes > 0 and model.packed_layout == layout
     rows = count_packed(monkeypatch)
     ids = torch.randint(0, 400, (3, 6), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
@@ -95,8 +110,14 @@ def test_packed_products_run_past_the_native_rows_within_rounding(arch: str, mon
             assert rows == [18] * (4 * layers) + [18], f"not one packed product per fused projection: {rows}"
             assert (got - want).abs().max() <= 0.05 * want.abs().max(), "beyond bf16 rounding of F.linear's logits"
             rows.clear()
-            model(ids[:2, :2])  # 4 rows: not past native_rows
-            assert not rows, "a product of native_rows rows took the packed weights"
+            model(ids[:2, :2])  # 4 rows: not past native_rows (oneDNN's layout); the native one takes them
+            if layout == "onednn":
+                assert not rows, "a product of native_rows rows took the packed weights"
+            else:
+                assert rows == [4] * (4 * layers + 1), f"the native packed product missed 4-row products: {rows}"
+            rows.clear()
+            model(ids[:1, :1])  # one row: the one-row kernel's, never a packed product
+            assert not rows, "a one-row product took the packed weights"
     model.decode_gemv = "native"
     model.decode_gemv = "linear"  # (unpacked, this form keeps no fused products)
     assert model.packed_products, "laying the fused products out again dropped the packing"
@@ -121,6 +142,11 @@ def test_packing_is_refused_with_the_reason() -> None:
         model.pack_products("yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="native_rows must be an int >= 1"):
         model.pack_products(False, native_rows=0)
+    with pytest.raises(ValueError, match="layout must be one of onednn, native"):
+        model.pack_products(True, layout="blocked")
+    with pytest.raises(ValueError, match="native packed product: the weights are not bf16"):
+        model.pack_products(True, layout="native")
+    assert not model.packed_products
 
 
 def test_the_engine_chooses_packing_or_takes_the_callers_word() -> None:
@@ -137,13 +163,22 @@ def test_the_engine_chooses_packing_or_takes_the_callers_word() -> None:
     assert not fp32.packed_products and "not bf16" in CHOICES["packed products"].reason
     with pytest.raises(ValueError, match="packed_products=True needs oneDNN's bf16 GEMM: the weights are not bf16"):
         Engine(fp32, None, num_blocks=16, packed_products=True)
-    with pytest.raises(TypeError, match="packed_products must be True, False or None"):
+    with pytest.raises(TypeError, match="packed_products must be True, False, None"):
         Engine(fp32, None, num_blocks=16, packed_products=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"or a layout \(onednn, native\), got 'mkl'"):
+        Engine(fp32, None, num_blocks=16, packed_products="mkl")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="packed_products='native' needs the native packed product: the weights"):
+        Engine(fp32, None, num_blocks=16, packed_products="native")
     if PACKING is not None:
         return
     bf16 = infer.load_model(path, dtype="bfloat16")
     Engine(bf16, None, num_blocks=16)
-    assert CHOICES["packed products"].value in {"on", "off"} and "F.linear" in CHOICES["packed products"].reason
+    choice = CHOICES["packed products"]
+    assert choice.value in {"onednn", "native", "off"} and "F.linear" in choice.reason
+    assert (bf16.packed_layout or "off") == choice.value
+    if NATIVE_PACKING is None:
+        Engine(bf16, None, num_blocks=16, packed_products="native")
+        assert bf16.packed_layout == "native" and all(p.packed_from == 1 for p in bf16.packable_products())
     Engine(bf16, None, num_blocks=16, packed_products=True)
     assert bf16.packed_products
     copies = [p.packed for p in bf16.packable_products()]
@@ -153,10 +188,11 @@ def test_the_engine_chooses_packing_or_takes_the_callers_word() -> None:
     assert not bf16.packed_products
 
 
-@needs_packing
-def test_the_engine_with_packed_products_answers_to_the_solo_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bf16 engine with packed products (prefill chunks and decode batches past the native rows take them): each
-    request's logits within bf16 rounding of its solo run."""
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_engine_with_packed_products_answers_to_the_solo_runs(layout: str, monkeypatch: pytest.MonkeyPatch
+                                                                  ) -> None:
+    """A bf16 engine with packed products (prefill chunks and decode batches past the native rows take them; every
+    product of 2 rows or more in the native layout): each request's logits within bf16 rounding of its solo run."""
     import infer
     from infer.engine import Engine
     from infer.sampling import SamplingParams
@@ -166,9 +202,9 @@ def test_the_engine_with_packed_products_answers_to_the_solo_runs(monkeypatch: p
     model = infer.load_model(build_checkpoint("qwen2"), dtype="bfloat16")
     rows = count_packed(monkeypatch)
     prompts = [[5, 9, 2, 8, 8, 1], [7, 7, 1, 3], [11], [4, 4, 4, 4, 4, 4, 4], [6, 2]]
-    engine = Engine(model, None, num_blocks=32, keep_logits=True, packed_products=True)
-    assert model.packed_products
-    model.pack_products(True, native_rows=2)  # (the engine's measured rows could cover this whole small workload)
+    engine = Engine(model, None, num_blocks=32, keep_logits=True, packed_products=layout)
+    assert model.packed_layout == layout
+    model.pack_products(True, native_rows=2, layout=layout)  # (the measured rows could cover this small workload)
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=5, temperature=0.0)) for p in prompts]
     while engine.has_unfinished():
         engine.step()

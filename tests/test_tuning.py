@@ -435,7 +435,8 @@ def test_the_batched_engine_steps_take_the_few_row_product(monkeypatch: pytest.M
     model.gemm_rows = 8
     calls = count_few_row_products(monkeypatch)
     prompts = [[5, 9, 2], [7, 7, 1, 3], [11]]
-    engine = Engine(model, None, num_blocks=32, keep_logits=True)
+    # unpacked: packed copies (measured at load) would take these products from the few-row kernel
+    engine = Engine(model, None, num_blocks=32, keep_logits=True, packed_products=False)
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=4, temperature=0.0)) for p in prompts]
     while engine.has_unfinished():
         engine.step()

@@ -131,6 +131,11 @@ class NativeKernels:
         lib.infer_gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         lib.infer_gemm_bf16.restype = ctypes.c_int
         self._gemm_bf16 = lib.infer_gemm_bf16
+        lib.infer_gemm_bf16_packed.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        lib.infer_gemm_bf16_packed.restype = ctypes.c_int
+        lib.infer_pack_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+        lib.infer_pack_bf16.restype = None
+        self._gemm_bf16_packed, self._pack_bf16 = lib.infer_gemm_bf16_packed, lib.infer_pack_bf16
         # fmt, codes, scale dtype, scales, mins, x, bias, y, m, n, k, group, threads
         qgemm_args: list[Any] = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * 5,
                                  *[ctypes.c_int64] * 4, ctypes.c_int]
@@ -194,6 +199,32 @@ class NativeKernels:
                            out.data_ptr(), rows.shape[0], n, k, torch.get_num_threads()):
             raise ValueError("the native bf16 product needs the AVX512-BF16 pair instruction; this build is "
                              f"{self.isa}")
+        return out.view(*x.shape[:-1], n)
+
+    def pack_bf16(self, weight: torch.Tensor) -> torch.Tensor:
+        """A copy of the bf16 weight `[n, k]` (k even) in the layout `gemm_bf16_packed` reads: blocks of 16 rows, each
+        row's pairs of inputs interleaved (zero rows fill the last block). The weight is unchanged."""
+        n, k = weight.shape
+        if weight.dtype != torch.bfloat16 or k % 2 or not self.supports(weight):
+            raise ValueError(f"pack_bf16 takes a contiguous bf16 CPU weight [n, k] with k even, got {weight.dtype} "
+                             f"{tuple(weight.shape)}")
+        packed = torch.empty(-(-n // 16) * 16 * k, dtype=torch.bfloat16)
+        self._pack_bf16(weight.data_ptr(), packed.data_ptr(), n, k, torch.get_num_threads())
+        return packed
+
+    def gemm_bf16_packed(self, packed: torch.Tensor, x: torch.Tensor, n: int, bias: torch.Tensor | None = None
+                         ) -> torch.Tensor:
+        """`gemm_bf16` on a weight of `n` outputs that `pack_bf16` packed: 16 outputs a register (no fold of partial
+        sums), each its own row's fp32 sum rounded once. Needs `gemm_bf16_available`."""
+        k = x.shape[-1]
+        if packed.numel() != -(-n // 16) * 16 * k:
+            raise ValueError(f"a packed weight of {packed.numel()} values is not [{n}, {k}] packed")
+        rows, bias, out = _bf16_operands(x, k, n, bias)
+        code = self._gemm_bf16_packed(packed.data_ptr(), rows.data_ptr(), None if bias is None else bias.data_ptr(),
+                                      out.data_ptr(), rows.shape[0], n, k, torch.get_num_threads())
+        if code:
+            raise ValueError(f"the native packed product needs the AVX512-BF16 pair instruction (this build: "
+                             f"{self.isa}) and an even k (k={k})")
         return out.view(*x.shape[:-1], n)
 
     def quantized_gemm_bf16(self, weight: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None = None

@@ -39,6 +39,8 @@ from infer.tensor_parallel import Shards
 
 # Kernels of one-row (decode) products; "linear" is the unoptimised form, the others are chosen by measurement.
 GEMV_FORMS = ("linear", "mv", "native", "triton")
+# Layouts of the engine's packed copies (Transformer.pack_products): oneDNN's GEMM, or the native packed product.
+PACKED_LAYOUTS = ("onednn", "native")
 _FEW_ROW_PRODUCTS: ContextVar[bool] = ContextVar("few_row_products", default=False)
 
 
@@ -62,9 +64,11 @@ class ProjectionTraits:
     gemv: str = "linear"  # "linear" | "mv" | "native" | "triton": the kernel of a one-row product
     # A fused Linear (fuse_linears) computes its parts' products: all of them, or only one-row native ones.
     all_rows: bool = True
-    # oneDNN's copy of the weight in its own blocked layout (`pack_weight`; Transformer.pack_products), or None,
+    # A copy of the weight packed for the engine's steps (Transformer.pack_products), or None: in oneDNN's blocked
+    # layout (`pack_weight`) or in the native packed product's (`packed_layout` "native", NativeKernels.pack_bf16);
     # and the rows of input past which the engine's steps take it (up to them, the native few-row kernel).
     packed: torch.Tensor | None = None
+    packed_layout = "onednn"
     packed_from = 1
 
     def one_row(self, x: torch.Tensor) -> bool:
@@ -102,7 +106,10 @@ class Linear(ProjectionTraits, nn.Linear):
         if (self.packed is not None and x.dtype == self.weight.dtype and self.upcast is None and not x.requires_grad
                 and x.numel() > self.packed_from * self.in_features and _FEW_ROW_PRODUCTS.get()):
             # The engine's products past the native kernel's rows: oneDNN's GEMM on the weight it packed once, where
-            # F.linear packs it again on every call (as long as the product itself at a few dozen rows).
+            # F.linear packs it again on every call (as long as the product itself at a few dozen rows); or the
+            # native packed product (16 outputs a register), which takes every row count from 2.
+            if self.packed_layout == "native":
+                return native_kernels_or_raise().gemm_bf16_packed(self.packed, x, self.out_features, self.bias)
             return packed_linear(x, self.packed, self.bias)
         if (self.gemv == "native" and self.native_rows > 1 and x.dtype == torch.bfloat16 == self.weight.dtype
                 and not x.requires_grad and self.in_features < x.numel() <= self.native_rows * self.in_features
@@ -142,6 +149,25 @@ def packing_unavailable(weights: list[torch.Tensor]) -> str | None:
         return "this PyTorch lacks oneDNN's packed linear ops"
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return "oneDNN has no bf16 kernels for this CPU"
+    return None
+
+
+def native_packing_unavailable(weights: list[torch.Tensor]) -> str | None:
+    """Why the native packed product cannot take these weights (None: it can): bf16 CPU weights of even inputs and
+    a native build with the bf16 pair instruction (AVX512-BF16)."""
+    if not weights:
+        return "no dense projections"
+    if any(w.device.type != "cpu" for w in weights):
+        return "the weights are not on the CPU"
+    if any(w.dtype != torch.bfloat16 for w in weights):
+        return "the weights are not bf16"
+    if any(w.shape[1] % 2 for w in weights):
+        return "a projection has an odd number of inputs"
+    kernels = native_kernels()
+    if kernels is None:
+        return f"no native kernels: {unavailable_reason()}"
+    if not kernels.gemm_bf16_available:
+        return f"this build ({kernels.isa}) has no AVX512-BF16"
     return None
 
 
@@ -637,28 +663,44 @@ class Transformer(nn.Module):
         changes."""
         return any(m.packed is not None for m in self._linears())
 
-    def pack_products(self, on: bool, native_rows: int = 1) -> None:
-        """Pack the engine's products (`packed_products`), or drop the packed copies. `native_rows`: the rows of
-        input up to which the native few-row kernel keeps them (it must be within `gemm_rows` to run)."""
+    @property
+    def packed_layout(self) -> str | None:
+        """The packed copies' layout: "onednn" (oneDNN's GEMM), "native" (the native packed product), None: unpacked."""
+        packed = [m for m in self._linears() if m.packed is not None]
+        return packed[0].packed_layout if packed else None
+
+    def pack_products(self, on: bool, native_rows: int = 1, layout: str = "onednn") -> None:
+        """Pack the engine's products (`packed_products`) in `layout` ("onednn": oneDNN's blocked layout for its GEMM;
+        "native": 16 rows a block, pairs of inputs interleaved, for the native packed product, which then takes every
+        product of 2 rows or more), or drop the packed copies. `native_rows`: with "onednn", the rows of input up to
+        which the native few-row kernel keeps them (it must be within `gemm_rows` to run)."""
         if not isinstance(on, bool):
             raise TypeError(f"on must be True or False, got {on!r}")
         if isinstance(native_rows, bool) or not isinstance(native_rows, int) or native_rows < 1:
             raise ValueError(f"native_rows must be an int >= 1, got {native_rows!r}")
-        if on and (why := packing_unavailable([m.weight for m in self.packable_products()])) is not None:
+        if layout not in PACKED_LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(PACKED_LAYOUTS)}, got {layout!r}")
+        weights = [m.weight for m in self.packable_products()]
+        if on and layout == "onednn" and (why := packing_unavailable(weights)) is not None:
             raise ValueError(f"packing the products needs oneDNN's bf16 GEMM: {why}; leave them unpacked")
+        if on and layout == "native" and (why := native_packing_unavailable(weights)) is not None:
+            raise ValueError(f"packing the products for the native packed product: {why}; use layout='onednn' or "
+                             "leave them unpacked")
         if on and self._decoder_layers()[0].self_attn.__dict__["qkv"] is None:
             self._lay_out_fused(self.fused_projections, fuse=True)  # one packed product each for q/k/v, gate/up
         products = self.packable_products()
-        if on and all(p.packed is not None for p in products):
+        rows = native_rows if layout == "onednn" else 1
+        if on and all(p.packed is not None and p.packed_layout == layout for p in products):
             for product in products:  # packed already: only the rows the native kernel keeps
-                product.packed_from = native_rows
+                product.packed_from = rows
             return
         for module in self._linears():
             if isinstance(module, Linear):
-                module.packed, module.packed_from = None, 1
+                module.packed, module.packed_from, module.packed_layout = None, 1, "onednn"
         if on:
+            pack = pack_weight if layout == "onednn" else native_kernels_or_raise().pack_bf16
             for product in products:
-                product.packed, product.packed_from = pack_weight(product.weight), native_rows
+                product.packed, product.packed_from, product.packed_layout = pack(product.weight), rows, layout
 
     @property
     def packed_bytes(self) -> int:
