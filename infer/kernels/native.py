@@ -71,6 +71,16 @@ class StepLayer(ctypes.Structure):
                                                        "k_offset", "v_rot"))]
 
 
+class BatchLayer(ctypes.Structure):
+    """cpu_decode.c's batch_layer: one decoder layer of a batched engine step in one call
+    (infer/models/native_batch_step.py fills it)."""
+
+    _fields_ = [*((name, ctypes.c_void_p) for name in ("attn_norm", "mlp_norm", "qkv", "qkv_bias", "o", "o_bias",
+                                                        "gate_up", "gate_up_bias", "down", "down_bias", "k_blocks",
+                                                        "v_blocks", "cos", "sin")),
+                ("window", ctypes.c_int64), ("scale", ctypes.c_float), ("softcap", ctypes.c_float)]
+
+
 class NativeKernels:
     """A loaded build of cpu_decode.c: `gemv` for decode products, `read` for the read-bandwidth probe."""
 
@@ -127,6 +137,14 @@ class NativeKernels:
         lib.infer_decode_step.argtypes = step_args
         lib.infer_decode_step.restype = ctypes.c_int
         self._decode_step = lib.infer_decode_step
+        # layers, n_layers, x, rows, heads, kv_heads, d, hidden, inter, eps, slot_blocks, slot_offsets, fresh,
+        # n_fresh, tables, lengths, starts, nb, bs, threads
+        batch_args: list[Any] = [ctypes.POINTER(BatchLayer), ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 6,
+                                 ctypes.c_float, *[ctypes.c_void_p] * 3, ctypes.c_int64, *[ctypes.c_void_p] * 3,
+                                 ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+        lib.infer_batch_step.argtypes = batch_args
+        lib.infer_batch_step.restype = ctypes.c_int
+        self._batch_step = lib.infer_batch_step
         self._gemv = lib.infer_gemv
         lib.infer_gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         lib.infer_gemm_bf16.restype = ctypes.c_int
@@ -476,6 +494,25 @@ class NativeKernels:
             raise MemoryError("the native decode step could not allocate its scratch buffers")
         if code:
             raise ValueError("the native decode step was handed a product whose shape it cannot take")
+
+    def batch_step(self, layers: ctypes.Array[BatchLayer], shape: tuple[int, int, int, int, int], eps: float,
+                   x: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                   group: tuple[torch.Tensor, torch.Tensor, torch.Tensor], block_size: int) -> None:
+        """Every decoder layer of a batched engine step in one call (cpu_decode.c's infer_batch_step): `x` (contiguous
+        bf16 `[rows, hidden]`) becomes the last layer's output; each layer's pool gets the rows' K/V at `slots`
+        (slot blocks, slot offsets, fresh blocks; int64) and every row attends over its table in `group` (tables,
+        lengths, starts; int64). `shape`: heads, KV heads, head size, hidden size, MLP size."""
+        heads, kv_heads, d, hidden, inter = shape
+        (slot_blocks, slot_offsets, fresh), (tables, lengths, starts) = slots, group
+        rows = x.numel() // hidden
+        code = self._batch_step(layers, len(layers), x.data_ptr(), rows, heads, kv_heads, d, hidden, inter, eps,
+                                slot_blocks.data_ptr(), slot_offsets.data_ptr(), fresh.data_ptr(), fresh.numel(),
+                                tables.data_ptr(), lengths.data_ptr(), starts.data_ptr(), tables.shape[1], block_size,
+                                torch.get_num_threads())
+        if code == -1:
+            raise MemoryError("the native batched step could not allocate its scratch buffers")
+        if code:
+            raise ValueError(f"the native batched step needs AVX512-BF16 (this build: {self.isa}) and even sizes")
 
     def read(self, buffer: torch.Tensor) -> float:
         """Read every byte of the contiguous CPU tensor `buffer` once, as `gemv` reads weights (returns their

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +32,7 @@ from infer.families import FAMILIES
 from infer.kernels import triton_available
 from infer.kernels.native import NativeKernels, native_gemv, native_kernels, unavailable_reason
 from infer.memory import empty_on_huge_pages
+from infer.models.native_batch_step import NativeBatchStep, batch_step_unavailable
 from infer.models.native_step import NativeStep, codes_cache, takes_model
 from infer.quant_weights import QuantizedWeight, concat_rows
 from infer.rope import apply_rope, inverse_frequencies, rope_cos_sin
@@ -538,9 +539,12 @@ class Transformer(nn.Module):
         self.native_ops = True
         # Such a step of one sequence over a cache with rows in place (contiguous, sliding) runs every layer in one
         # native call (infer/models/native_step.py: the same kernels, attention summed in another order than
-        # SDPA's); False keeps the per-op path, its check.
+        # SDPA's), and so does a batched engine step whose tokens all attend in the native paged kernel, on products
+        # packed for the native packed product (infer/models/native_batch_step.py: the per-op path's values bit for
+        # bit); False keeps the per-op path, their check.
         self.native_step = True
         self.__dict__["_native_step"] = None  # the model described to that call (built at first use)
+        self.__dict__["_native_batch_step"] = None  # and to the batched one (False: it cannot take this model)
         # On CUDA, generate replays one-token steps into a contiguous cache from a CUDA graph (infer/graphs.py).
         self.decode_graphs = True
         # Such a step attends through the Triton decode kernel over the cached positions only, where Triton runs;
@@ -688,6 +692,7 @@ class Transformer(nn.Module):
                              "leave them unpacked")
         if on and self._decoder_layers()[0].self_attn.__dict__["qkv"] is None:
             self._lay_out_fused(self.fused_projections, fuse=True)  # one packed product each for q/k/v, gate/up
+        self.forget_native_step()  # (the batched whole step reads the packed copies)
         products = self.packable_products()
         rows = native_rows if layout == "onednn" else 1
         if on and all(p.packed is not None and p.packed_layout == layout for p in products):
@@ -786,9 +791,12 @@ class Transformer(nn.Module):
                 for lt in self.inv_freq}
         ctx = StepContext(rope, backend, kernels)
         whole = self._native_step_for(backend, kernels)  # (the step, positions read as codes) or None
+        batched = None if whole is not None else self._native_batch_step_for(backend, kernels)
         try:
             if whole is not None:
                 x = whole[0](x, rope, whole[1])
+            elif batched is not None:
+                x = batched(x, rope)
             else:
                 with sdpa_backends(x.device, self.cudnn_attention):
                     for layer in self.layers:
@@ -860,10 +868,44 @@ class Transformer(nn.Module):
             self.__dict__["_native_step"] = step
         return (step, quantized) if step and step.bind(cache) else None
 
+    def _native_batch_step_for(self, backend: AttentionBackend, kernels: StepKernels
+                               ) -> Callable[[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]],
+                                             torch.Tensor] | None:
+        """The batched whole-step native call for this forward (`x`, rope tables -> hidden states), or None for the
+        per-op path: an engine step (`StepKernels.rows`) without reference attention whose every token attends in
+        the native paged kernel in one call (`DecodeGroup.all_rows`), every layer reading the step's one batch over
+        exact bf16 pools, on a model `batch_step_unavailable` takes."""
+        if (not self.native_step or self.tensor_parallel is not None or kernels.rows is None or kernels.reference
+                or not isinstance(backend, PagedBackend)):
+            return None
+        batch = backend.batch
+        group = batch.decode
+        if group is None or not group.all_rows or group.kernel != "native" or group.starts is None:
+            return None
+        pools: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer_batch, k_blocks, v_blocks in backend.layers:
+            if layer_batch is not batch or not all(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16
+                                                   and t.is_contiguous() for t in (k_blocks, v_blocks)):
+                return None
+            pools.append((cast(torch.Tensor, k_blocks), cast(torch.Tensor, v_blocks)))
+        step = self.__dict__["_native_batch_step"]
+        if step is None:
+            native = kernels.rows
+            step = NativeBatchStep(self, native) if batch_step_unavailable(self, native) is None else False
+            self.__dict__["_native_batch_step"] = step
+        if not step:
+            return None
+        slots = tuple(t.to(torch.int64).contiguous() for t in (batch.slot_blocks, batch.slot_offsets,
+                                                                 batch.fresh_blocks))
+        tables = tuple(t.to(torch.int64).contiguous() for t in (group.tables, group.lengths, group.starts))
+        return lambda x, rope: step(x, rope, pools, slots, tables, batch.block_size)
+
     def forget_native_step(self) -> None:
-        """Drop the whole-step description (it holds the weights' addresses): rebuilt at the next step. Called
-        wherever the projections or their tensors change (decode_gemv, fusing, `.to()`, load_state_dict)."""
+        """Drop the whole-step descriptions (they hold the weights' addresses): rebuilt at the next step. Called
+        wherever the projections, their tensors or their packed copies change (decode_gemv, fusing, packing, `.to()`,
+        load_state_dict)."""
         self.__dict__["_native_step"] = None
+        self.__dict__["_native_batch_step"] = None
 
     def _apply(self, fn: Any, recurse: bool = True) -> Transformer:
         """nn.Module._apply (.to(), .float(), ...) with the fused products and the whole step made again."""

@@ -1,0 +1,101 @@
+"""Every decoder layer of a batched engine step in one native call.
+
+The per-op path of an engine step makes ~15 Python calls a layer around its kernels (norms, the products, RoPE, the
+K/V writes, the paged attention, SiLU * up, the residual adds): at 16 rows of a 150M Llama about 4 ms of a 20 ms
+step, as long as the attention and the small ops together. cpu_decode.c's `infer_batch_step` runs the same kernels
+in DecoderLayer's order, so a step's hidden states are the per-op path's bit for bit (tests/test_native_batch_step.py
+holds it to that). This module describes the model to it once (`NativeBatchStep`: each layer's packed products,
+norms and attention traits as ctypes structures holding the tensors' addresses) and fills in each step's pools and
+RoPE tables; the embedding, the final norm and the LM head stay in Python.
+
+Taken only where it applies (`Transformer._native_batch_step_for`): the engine's steps (`StepKernels.rows`), every
+token of the step attending in the native paged kernel in one call (`DecodeGroup.all_rows`) over exact bf16 pools,
+every layer reading the same batch; a bf16 model of pre-norm SiLU layers without q/k norms whose products are packed
+for the native packed product (`Transformer.pack_products(layout="native")`). Anything else runs the per-op path,
+which stays the check (`Transformer.native_step = False` turns both whole-step calls off).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from infer.config import ModelConfig
+from infer.kernels.native import BatchLayer, NativeKernels
+
+
+class BatchModel(Protocol):
+    """What this module reads of a Transformer (which imports this module, not the reverse)."""
+
+    config: ModelConfig
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def _decoder_layers(self) -> list[Any]: ...
+
+
+def batch_step_unavailable(model: BatchModel, kernels: NativeKernels | None) -> str | None:
+    """Why `infer_batch_step` cannot run this model's layers (None: it can)."""
+    config = model.config
+    if kernels is None or not kernels.gemm_bf16_available:
+        return "no native build with AVX512-BF16"
+    if model.dtype != torch.bfloat16:
+        return "the activations are not bf16"
+    if any(size % 2 for size in (config.head_dim, config.hidden_size, config.intermediate_size)):
+        return "odd sizes"
+    for layer in model._decoder_layers():
+        attn, mlp = layer.self_attn, layer.mlp
+        if layer.sandwich or mlp.gelu or attn.q_norm is not None or layer.input_layernorm.gemma:
+            return "layers other than pre-norm SiLU layers without q/k norms"
+        products = (attn.__dict__["qkv"], attn.o_proj, mlp.__dict__["gate_up"], mlp.down_proj)
+        if any(p is None or getattr(p, "packed", None) is None or p.packed_layout != "native" for p in products):
+            return "products not packed for the native packed product"
+    return None
+
+
+class NativeBatchStep:
+    """A model described to `infer_batch_step`: built once per model (rebuilt when its weights or packing change:
+    Transformer.forget_native_step); each step fills in the layers' pools and RoPE tables."""
+
+    def __init__(self, model: BatchModel, kernels: NativeKernels) -> None:
+        config = model.config
+        self.kernels = kernels
+        self.keep: list[torch.Tensor] = []  # every tensor a descriptor points into
+        layers = model._decoder_layers()
+        self.layer_types = [layer.self_attn.layer_type for layer in layers]
+        self.layers = (BatchLayer * len(layers))()
+        for desc, layer in zip(self.layers, layers, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            desc.attn_norm = self._address(layer.input_layernorm.weight)
+            desc.mlp_norm = self._address(layer.post_attention_layernorm.weight)
+            for name, product in (("qkv", attn.__dict__["qkv"]), ("o", attn.o_proj),
+                                  ("gate_up", mlp.__dict__["gate_up"]), ("down", mlp.down_proj)):
+                setattr(desc, name, self._address(product.packed))
+                setattr(desc, f"{name}_bias", None if product.bias is None else self._address(product.bias))
+            desc.window, desc.scale, desc.softcap = attn.window or 0, attn.scale, attn.softcap or 0.0
+        self.shape = (config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size,
+                      config.intermediate_size)
+        self.eps = config.rms_norm_eps
+
+    def _address(self, t: torch.Tensor) -> int:
+        """The address of `t` (bf16, contiguous: a copy where it is not), kept alive with this step."""
+        t = t.detach().to(torch.bfloat16).contiguous()
+        self.keep.append(t)
+        return t.data_ptr()
+
+    def __call__(self, x: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                 pools: list[tuple[torch.Tensor, torch.Tensor]], slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                 group: tuple[torch.Tensor, torch.Tensor, torch.Tensor], block_size: int) -> torch.Tensor:
+        """The step's hidden states after every layer, from the embedded `x` `[1, N, hidden]` (a new tensor; `x` is
+        left as it was): `rope` the RoPE tables by layer type (`[N, D]` each), `pools` each layer's K and V blocks,
+        `slots` and `group` the batch's int64 slot and table tensors (`NativeKernels.batch_step`)."""
+        tables = {lt: (cos.contiguous(), sin.contiguous()) for lt, (cos, sin) in rope.items()}
+        for desc, layer_type, (k_blocks, v_blocks) in zip(self.layers, self.layer_types, pools, strict=True):
+            cos, sin = tables[layer_type]
+            desc.k_blocks, desc.v_blocks, desc.cos, desc.sin = (k_blocks.data_ptr(), v_blocks.data_ptr(),
+                                                                cos.data_ptr(), sin.data_ptr())
+        out = x.contiguous().clone()
+        self.kernels.batch_step(self.layers, self.shape, self.eps, out, slots, group, block_size)
+        return out
