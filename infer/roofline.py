@@ -18,6 +18,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -207,17 +208,20 @@ def summarize_phases(records: list[StepRecord], shape: ModelShape, limits: Limit
 
 @dataclass
 class ForwardProfile:
-    """Seconds of the profiled forwards spent in the projections, in attention, and in everything else."""
+    """Seconds of the profiled forwards spent in the projections, in attention, in whole-step native calls (every
+    layer's products, attention and small ops in one call: infer/models/native_batch_step.py), and in everything
+    else."""
 
     projections_s: float = 0.0
     attention_s: float = 0.0
+    native_step_s: float = 0.0
     forward_s: float = 0.0
     _starts: dict[int, float] = field(default_factory=dict)
 
     @property
     def other_s(self) -> float:
         """Norms, RoPE, embedding, residuals, the LM head's gather and Python between the ops."""
-        return max(0.0, self.forward_s - self.projections_s - self.attention_s)
+        return max(0.0, self.forward_s - self.projections_s - self.attention_s - self.native_step_s)
 
 
 @contextlib.contextmanager
@@ -226,6 +230,7 @@ def profile_forward(model: nn.Module, profile: ForwardProfile) -> Iterator[None]
     attention call (the backend's `attend`) of the forwards run inside, into `profile`; the device is
     synchronised around each, so the figures are a profile, not a throughput."""
     from infer.backends import PagedBackend
+    from infer.kernels.native import NativeKernels
     from infer.models.transformer import Linear, QuantizedLinear
 
     device = next(model.parameters()).device
@@ -242,7 +247,12 @@ def profile_forward(model: nn.Module, profile: ForwardProfile) -> Iterator[None]
         profile.projections_s += time.perf_counter() - profile._starts.pop(id(module))
 
     handles = [h for m in projections for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
-    attend, forward = PagedBackend.attend, type(model).forward
+    attend, forward, batch_step = PagedBackend.attend, type(model).forward, NativeKernels.batch_step
+
+    def timed_batch_step(self: NativeKernels, *args: Any, **kwargs: Any) -> None:
+        start = time.perf_counter()
+        batch_step(self, *args, **kwargs)
+        profile.native_step_s += time.perf_counter() - start
 
     def timed_attend(self: PagedBackend, *args: object, **kwargs: object) -> torch.Tensor:
         synchronize(device)
@@ -261,11 +271,13 @@ def profile_forward(model: nn.Module, profile: ForwardProfile) -> Iterator[None]
         return out
 
     PagedBackend.attend = timed_attend  # type: ignore[method-assign]
+    NativeKernels.batch_step = timed_batch_step  # type: ignore[method-assign]
     type(model).forward = timed_forward
     try:
         yield
     finally:
         PagedBackend.attend = attend  # type: ignore[method-assign]
+        NativeKernels.batch_step = batch_step  # type: ignore[method-assign]
         type(model).forward = forward
         for handle in handles:
             handle.remove()
@@ -281,7 +293,9 @@ def profile_table(records: list[StepRecord], profile: ForwardProfile) -> list[di
     # The hooks time the forward itself; what the step's forward time holds beyond it (copy-on-write copies,
     # the call's own overhead) goes with "other".
     parts = {"projections (matmuls)": profile.projections_s, "attention": profile.attention_s,
-             "other forward ops and Python": max(0.0, forward - profile.projections_s - profile.attention_s),
+             "layers in one native call": profile.native_step_s,
+             "other forward ops and Python": max(0.0, forward - profile.projections_s - profile.attention_s
+                                                 - profile.native_step_s),
              "sampling and stop checks": sample, "scheduling": schedule, "batch building": build}
     total = sum(parts.values()) or 1.0
     return [{"part": name, "seconds": seconds, "share": seconds / total} for name, seconds in parts.items()]

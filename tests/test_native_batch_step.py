@@ -1,0 +1,156 @@
+"""The batched engine's whole-step native call (infer/models/native_batch_step.py): every layer of a step whose tokens
+all attend in the native paged kernel, in one call. Held bit for bit to the per-op path (the same kernels in the same
+order), to each request's solo run within bf16 rounding, and to the per-op path wherever it does not apply."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from infer.kernels.native import NativeKernels, native_kernels
+from infer.models.transformer import native_packing_unavailable
+
+WHY = native_packing_unavailable([torch.zeros(2, 2, dtype=torch.bfloat16)])
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no native packed product here: {WHY}")
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of every whole-step call from now on (they still compute)."""
+    rows: list[int] = []
+    step = NativeKernels.batch_step
+
+    def counted(self: NativeKernels, layers: object, shape: tuple[int, int, int, int, int], eps: float,
+                x: torch.Tensor, *args: object) -> None:
+        rows.append(x.numel() // shape[3])
+        step(self, layers, shape, eps, x, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(NativeKernels, "batch_step", counted)
+    return rows
+
+
+def serve(arch: str, prompts: list[list[int]], new: int, native_step: bool, packed: str = "native",
+          **engine_args: object) -> list[tuple[list[int], torch.Tensor]]:
+    """Each request's greedy tokens and logits through a bf16 engine on `arch`'s test checkpoint."""
+    import infer
+    from infer.engine import Engine
+    from infer.sampling import SamplingParams
+    from reference import build_checkpoint
+
+    model = infer.load_model(build_checkpoint(arch), dtype="bfloat16")
+    model.native_step = native_step
+    engine = Engine(model, None, num_blocks=64, keep_logits=True, packed_products=packed,  # type: ignore[arg-type]
+                    decode_attention="native", **engine_args)  # type: ignore[arg-type]
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=new, temperature=0.0)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    out = []
+    for rid in ids:
+        result = engine.result(rid)
+        assert result.logits is not None
+        out.append((result.token_ids, result.logits))
+    return out
+
+
+@settings(max_examples=6, deadline=None)
+@given(lengths=st.lists(st.integers(1, 40), min_size=2, max_size=6), new=st.integers(2, 8),
+       seed=st.integers(0, 2**16), arch=st.sampled_from(["llama", "qwen2"]))
+def test_the_whole_step_is_the_per_op_path_bit_for_bit(lengths: list[int], new: int, seed: int, arch: str) -> None:
+    """Random batches (prompt chunks attending as rows of the paged kernel's one call, then decode steps; Qwen 2's
+    q/k/v biases): every request's tokens and logits equal the per-op path's, and the call ran."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 300) for _ in range(n)] for n in lengths]
+    with pytest.MonkeyPatch.context() as patch:
+        rows = count_calls(patch)
+        fast = serve(arch, prompts, new, native_step=True, chunk_attention="native")
+        assert rows, "no step took the whole-step call"
+        assert sum(rows) >= sum(lengths), "the prompt chunks did not run in the whole-step call"
+        rows.clear()
+        slow = serve(arch, prompts, new, native_step=False, chunk_attention="native")
+        assert not rows, "native_step=False still took the whole-step call"
+    for (tokens, logits), (want_tokens, want_logits) in zip(fast, slow, strict=True):
+        assert tokens == want_tokens and torch.equal(logits, want_logits), "the whole step parted from the per-op path"
+
+
+def test_the_whole_step_answers_to_the_solo_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each request's logits through the whole-step call within bf16 rounding of its solo run (the oracle of the
+    engine's batches)."""
+    import infer
+    from infer.engine import Engine
+    from infer.sampling import SamplingParams
+    from reference import build_checkpoint
+    from tests.helpers import solo_logits
+
+    rows = count_calls(monkeypatch)
+    model = infer.load_model(build_checkpoint("llama"), dtype="bfloat16")
+    engine = Engine(model, None, num_blocks=32, keep_logits=True, packed_products="native",
+                    decode_attention="native")
+    prompts = [[5, 9, 2, 8, 8, 1], [7, 7, 1, 3], [11], [4, 4, 4, 4, 4, 4, 4]]
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=6, temperature=0.0)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    assert 4 in rows, "the decode steps of four requests did not take the whole-step call"
+    for prompt, rid in zip(prompts, ids, strict=True):
+        result = engine.result(rid)
+        assert result.logits is not None
+        solo = solo_logits(model, prompt, result.token_ids).float()
+        assert (result.logits.float() - solo).abs().max() <= 0.05 * solo.abs().max()
+
+
+@pytest.mark.parametrize(("arch", "packed", "why"), [
+    ("qwen3", "native", "q/k norms"),
+    ("gemma3_text", "native", "sandwich norms and GELU"),
+    ("llama", "onednn", "products in oneDNN's layout"),
+])
+def test_steps_it_cannot_take_run_the_per_op_path(arch: str, packed: str, why: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers or products the call does not take ({why}) keep the per-op path: no call, the same values as with the
+    switch off."""
+    from infer.models.transformer import packing_unavailable
+
+    if packed == "onednn" and packing_unavailable([torch.zeros(2, 2, dtype=torch.bfloat16)]) is not None:
+        pytest.skip("no oneDNN packing here")
+    rows = count_calls(monkeypatch)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3]]
+    got = serve(arch, prompts, 4, native_step=True, packed=packed)
+    assert not rows, f"the whole-step call ran with {why}"
+    want = serve(arch, prompts, 4, native_step=False, packed=packed)
+    for (tokens, logits), (want_tokens, want_logits) in zip(got, want, strict=True):
+        assert tokens == want_tokens and torch.equal(logits, want_logits)
+
+
+def test_a_failed_call_leaves_the_engine_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The call's error (its scratch not allocated) reaches the caller as one MemoryError and the step is undone:
+    the next step serves the same tokens as an engine that never failed."""
+    kernels = native_kernels()
+    assert kernels is not None
+    prompts = [[5, 9, 2, 8], [7, 7, 1]]
+    want = serve("llama", prompts, 5, native_step=True)
+
+    import infer
+    from infer.engine import Engine
+    from infer.sampling import SamplingParams
+    from reference import build_checkpoint
+
+    model = infer.load_model(build_checkpoint("llama"), dtype="bfloat16")
+    engine = Engine(model, None, num_blocks=64, keep_logits=True, packed_products="native",
+                    decode_attention="native")
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=5, temperature=0.0)) for p in prompts]
+    engine.step()  # the prompts
+    step = NativeKernels.batch_step
+
+    def failing(self: NativeKernels, *args: object) -> None:
+        raise MemoryError("the native batched step could not allocate its scratch buffers")
+
+    monkeypatch.setattr(NativeKernels, "batch_step", failing)
+    with pytest.raises(MemoryError, match="could not allocate"):
+        engine.step()
+    monkeypatch.setattr(NativeKernels, "batch_step", step)
+    while engine.has_unfinished():
+        engine.step()
+    for rid, (tokens, logits) in zip(ids, want, strict=True):
+        result = engine.result(rid)
+        assert result.token_ids == tokens and result.logits is not None and torch.equal(result.logits, logits)
