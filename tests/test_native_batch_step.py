@@ -154,3 +154,26 @@ def test_a_failed_call_leaves_the_engine_as_it_was(monkeypatch: pytest.MonkeyPat
     for rid, (tokens, logits) in zip(ids, want, strict=True):
         result = engine.result(rid)
         assert result.token_ids == tokens and result.logits is not None and torch.equal(result.logits, logits)
+
+
+def test_repacking_in_another_layout_drops_the_whole_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model served with the whole step, then packed in oneDNN's layout by a new engine: the description of the old
+    packed copies is dropped, and the new engine's steps run the per-op path (no call)."""
+    import infer
+    from infer.engine import Engine
+    from infer.models.transformer import packing_unavailable
+    from infer.sampling import SamplingParams
+    from reference import build_checkpoint
+
+    if packing_unavailable([torch.zeros(2, 2, dtype=torch.bfloat16)]) is not None:
+        pytest.skip("no oneDNN packing here")
+    rows = count_calls(monkeypatch)
+    model = infer.load_model(build_checkpoint("llama"), dtype="bfloat16")
+    for layout, calls in (("native", True), ("onednn", False)):
+        rows.clear()
+        engine = Engine(model, None, num_blocks=32, packed_products=layout, decode_attention="native")
+        for prompt in ([5, 9, 2], [7, 7, 1, 3]):
+            engine.add_request(prompt, SamplingParams(max_new_tokens=3, temperature=0.0))
+        while engine.has_unfinished():
+            engine.step()
+        assert bool(rows) == calls, f"packed in {layout}'s layout: whole-step calls {rows}"
