@@ -344,10 +344,17 @@ def test_the_few_row_bf16_product_is_the_formula(m: int, n: int, k: int, with_bi
         y = kernels.gemm_bf16(w, x, bias)
         alone = [kernels.gemm_bf16(w, x[j : j + 1], bias)[0] for j in range(m)]
     assert y.dtype == torch.bfloat16 and y.shape == (m, n) and torch.equal(x, x_before)
-    for j in range(m):
+    assert_rows_are_the_formula(y, alone, w, x, bias)
+
+
+def assert_rows_are_the_formula(y: torch.Tensor, alone: list[torch.Tensor], w: torch.Tensor, x: torch.Tensor,
+                                bias: torch.Tensor | None) -> None:
+    """Each row of a bf16 product `y` within rounding of the fp32 formula, and bit for bit that row's product alone."""
+    for j in range(x.shape[0]):
         exact = w.double() @ x[j].double() + (0 if bias is None else bias.double())
         excess = (y[j].double() - exact).abs() - error_bound(w, x[j], bias, torch.bfloat16)
-        assert excess.max() <= 0, f"m={m} n={n} k={k}: row {j}, output {int(excess.argmax())} off by more than rounding"
+        assert excess.max() <= 0, f"{tuple(y.shape)} k={w.shape[1]}: row {j}, output {int(excess.argmax())} off by " \
+                                  "more than rounding"
         assert torch.equal(y[j], alone[j]), f"row {j} depends on the other rows of the call"
 
 
@@ -374,11 +381,7 @@ def test_the_packed_bf16_product_is_the_formula(m: int, n: int, pairs: int, with
         alone = [kernels.gemm_bf16_packed(packed, x[j : j + 1], n, bias)[0] for j in range(m)]
     assert torch.equal(w, w_before) and torch.equal(x, x_before), "the caller's tensors changed"
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-    for j in range(m):
-        exact = w.double() @ x[j].double() + (0 if bias is None else bias.double())
-        excess = (y[j].double() - exact).abs() - error_bound(w, x[j], bias, torch.bfloat16)
-        assert excess.max() <= 0, f"m={m} n={n} k={k}: row {j}, output {int(excess.argmax())} off by more than rounding"
-        assert torch.equal(y[j], alone[j]), f"row {j} depends on the other rows of the call"
+    assert_rows_are_the_formula(y, alone, w, x, bias)
 
 
 @needs_bf16_pairs

@@ -244,3 +244,35 @@ def test_packing_names_why_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> Non
     assert packing_unavailable([bf16, torch.zeros(4, 4)]) == "the weights are not bf16"
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     assert packing_unavailable([bf16]) == "this PyTorch has no oneDNN"
+
+
+@pytest.mark.parametrize(("ratios", "want"), [
+    ({"onednn": (0.9, 0.9, 1.0), "native": (0.6, 0.8, 1.0)}, "native"),  # the native products faster
+    ({"onednn": (0.6, 0.8, 0.9), "native": (0.7, 0.85, 0.9)}, "onednn"),  # oneDNN's more than 5% faster on the whole
+    ({"onednn": (0.6, 0.8, 0.9), "native": (0.62, 0.82, 0.92)}, "native"),  # within 5%: the native one (its one call)
+    ({"onednn": (0.99, 1.0, 1.0), "native": (0.99, 0.99, 1.0)}, "off"),  # neither 3% faster than F.linear on the whole
+    ({"onednn": (0.5, 0.6, 1.3), "native": (0.5, 0.6, 1.2)}, "off"),  # one count 10% slower than F.linear
+])
+def test_the_layout_is_the_best_mean_time_against_f_linear(ratios: dict[str, tuple[float, ...]], want: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The choice's rule on scripted timings (each layout's time over F.linear's at 16 rows, 64 and the budget): the
+    least mean time, the native layout kept unless oneDNN's is 5% less, off unless 3% faster than F.linear on the
+    whole and never 10% slower at one count; the choice names the timings."""
+    import infer
+    import infer.tuning as tuning
+    from reference import build_checkpoint
+
+    if PACKING is not None or NATIVE_PACKING is not None:
+        pytest.skip("both layouts are needed to choose between them")
+    model = infer.load_model(build_checkpoint("llama"), dtype="bfloat16")
+    model.gemm_rows = 1  # (no few-row kernel in oneDNN's column: the ratios are the packed products')
+    calls = iter(range(3))
+
+    def scripted(forms: dict[str, object], device: torch.device, repeats: int) -> dict[str, float]:
+        i = next(calls)
+        return {"linear": 1.0, **{layout: ratios[layout][i] for layout in forms if layout != "linear"}}
+
+    monkeypatch.setattr(tuning, "_time_alternately", scripted)
+    choice = tuning._choose_packing(model, 128, None)
+    assert choice.choice.value == want and choice.on == (want != "off")
+    assert "16 rows: " in choice.choice.reason and "128 rows: " in choice.choice.reason

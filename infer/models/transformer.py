@@ -135,15 +135,22 @@ class Linear(ProjectionTraits, nn.Linear):
         return F.linear(x.to(self.upcast), self.weight.to(self.upcast), bias).to(x.dtype)
 
 
-def packing_unavailable(weights: list[torch.Tensor]) -> str | None:
-    """Why oneDNN cannot pack these weights for `Linear.packed` (None: it can): bf16 on the CPU, a PyTorch built
-    with oneDNN, and a CPU its bf16 kernels run on (not emulated)."""
+def _not_bf16_on_the_cpu(weights: list[torch.Tensor]) -> str | None:
+    """What both packed layouts first need of the weights: some, bf16, on the CPU (None: they are)."""
     if not weights:
         return "no dense projections"
     if any(w.device.type != "cpu" for w in weights):
         return "the weights are not on the CPU"
     if any(w.dtype != torch.bfloat16 for w in weights):
         return "the weights are not bf16"
+    return None
+
+
+def packing_unavailable(weights: list[torch.Tensor]) -> str | None:
+    """Why oneDNN cannot pack these weights for `Linear.packed` (None: it can): bf16 on the CPU, a PyTorch built
+    with oneDNN, and a CPU its bf16 kernels run on (not emulated)."""
+    if (why := _not_bf16_on_the_cpu(weights)) is not None:
+        return why
     if not torch.backends.mkldnn.is_available():
         return "this PyTorch has no oneDNN"
     if not all(hasattr(torch.ops.mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise")):
@@ -156,12 +163,8 @@ def packing_unavailable(weights: list[torch.Tensor]) -> str | None:
 def native_packing_unavailable(weights: list[torch.Tensor]) -> str | None:
     """Why the native packed product cannot take these weights (None: it can): bf16 CPU weights of even inputs and
     a native build with the bf16 pair instruction (AVX512-BF16)."""
-    if not weights:
-        return "no dense projections"
-    if any(w.device.type != "cpu" for w in weights):
-        return "the weights are not on the CPU"
-    if any(w.dtype != torch.bfloat16 for w in weights):
-        return "the weights are not bf16"
+    if (why := _not_bf16_on_the_cpu(weights)) is not None:
+        return why
     if any(w.shape[1] % 2 for w in weights):
         return "a projection has an odd number of inputs"
     kernels = native_kernels()
@@ -659,12 +662,12 @@ class Transformer(nn.Module):
     @property
     def packed_products(self) -> bool:
         """Whether products of more than a few bf16 rows inside `few_row_products()` (the batched engine's steps) run
-        oneDNN's GEMM on weights packed once (`pack_products`), q/k/v and gate/up as one product each, instead of
-        F.linear, which packs the weight again on every call: at 16-64 rows that costs as much as the product. A
-        second copy of every dense projection (`packed_bytes`), so off by default; the engine turns it on where
-        infer.tuning.choose_packed_products measures it faster. The same sums as F.linear's kernel (bit for bit
-        where measured; held to it within rounding, as the engine's steps are). Outside the engine's steps nothing
-        changes."""
+        oneDNN's GEMM (or the native packed product: `packed_layout`) on weights packed once (`pack_products`), q/k/v
+        and gate/up as one product each, instead of F.linear, which packs the weight again on every call: at 16-64
+        rows that costs as much as the product. A second copy of every dense projection (`packed_bytes`), so off by
+        default; the engine turns it on where infer.tuning.choose_packed_products measures it faster. oneDNN's: the
+        same sums as F.linear's kernel (bit for bit where measured); both held to it within rounding, as the engine's
+        steps are. Outside the engine's steps nothing changes."""
         return any(m.packed is not None for m in self._linears())
 
     @property
