@@ -55,12 +55,13 @@ def serve(arch: str, prompts: list[list[int]], new: int, native_step: bool, pack
     return out
 
 
-@settings(max_examples=6, deadline=None)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@settings(max_examples=3, deadline=None)
 @given(lengths=st.lists(st.integers(1, 40), min_size=2, max_size=6), new=st.integers(2, 8),
-       seed=st.integers(0, 2**16), arch=st.sampled_from(["llama", "qwen2"]))
-def test_the_whole_step_is_the_per_op_path_bit_for_bit(lengths: list[int], new: int, seed: int, arch: str) -> None:
+       seed=st.integers(0, 2**16))
+def test_the_whole_step_is_the_per_op_path_bit_for_bit(arch: str, lengths: list[int], new: int, seed: int) -> None:
     """Random batches (prompt chunks attending as rows of the paged kernel's one call, then decode steps; Qwen 2's
-    q/k/v biases): every request's tokens and logits equal the per-op path's, and the call ran."""
+    q/k/v biases, Qwen 3's q/k norms): every request's tokens and logits equal the per-op path's, and the call ran."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, 300) for _ in range(n)] for n in lengths]
     with pytest.MonkeyPatch.context() as patch:
@@ -101,7 +102,6 @@ def test_the_whole_step_answers_to_the_solo_runs(monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.parametrize(("arch", "packed", "why"), [
-    ("qwen3", "native", "q/k norms"),
     ("gemma3_text", "native", "sandwich norms and GELU"),
     ("llama", "onednn", "products in oneDNN's layout"),
 ])
@@ -115,9 +115,10 @@ def test_steps_it_cannot_take_run_the_per_op_path(arch: str, packed: str, why: s
         pytest.skip("no oneDNN packing here")
     rows = count_calls(monkeypatch)
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3]]
-    got = serve(arch, prompts, 4, native_step=True, packed=packed)
+    # (Gemma 3's sliding layers read ring-bounded tables of their own unless told not to: one batch for every layer)
+    got = serve(arch, prompts, 4, native_step=True, packed=packed, bound_sliding_layers=False)
     assert not rows, f"the whole-step call ran with {why}"
-    want = serve(arch, prompts, 4, native_step=False, packed=packed)
+    want = serve(arch, prompts, 4, native_step=False, packed=packed, bound_sliding_layers=False)
     for (tokens, logits), (want_tokens, want_logits) in zip(got, want, strict=True):
         assert tokens == want_tokens and torch.equal(logits, want_logits)
 

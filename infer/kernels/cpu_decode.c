@@ -2695,13 +2695,14 @@ int infer_decode_step(int dtype, const step_layer *layers, int64_t n_layers, int
 /* ---- every decoder layer of a batched engine step in one call ----
  * The per-op path of a step whose tokens all attend in the native paged kernel (DecodeGroup.all_rows) makes ~15
  * Python calls a layer around its kernels: at 16 rows of a 150M Llama ~4 of a ~20 ms step. This runs the same
- * kernels in DecoderLayer's order for pre-norm SiLU layers without q/k norms whose four products are packed for
+ * kernels in DecoderLayer's order for pre-norm SiLU layers (q/k norms or not) whose four products are packed for
  * the native packed product (Transformer.pack_products(layout="native")): norm, q/k/v, RoPE of each row by its
  * own position, the rows' K/V into their slots (fresh blocks zeroed first), paged attention, o, residual, norm,
  * gate/up, SiLU(gate) * up, down, residual; every value as the per-op path computes it (its residual adds are
  * PyTorch's bf16 adds: fp32 sums rounded once). x [rows, hidden] bf16 becomes the last layer's output. */
 typedef struct {
     const void *attn_norm, *mlp_norm;                            /* [hidden] */
+    const void *q_norm, *k_norm;                                 /* [d] (Qwen 3) or NULL */
     const void *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias; /* packed, bias or NULL */
     void *k_blocks, *v_blocks;                                   /* [num_blocks, kv_heads, bs, d] */
     const void *cos, *sin;                                       /* [rows, d]: the layer's RoPE at each row */
@@ -2740,6 +2741,12 @@ int infer_batch_step(const batch_layer *layers, int64_t n_layers, uint16_t *x, i
         infer_rms_norm(BF16, x, L->attn_norm, h, rows, hidden, eps, 0, threads);
         infer_gemm_bf16_packed((const uint16_t *)L->qkv, h, (const uint16_t *)L->qkv_bias, big, rows, qkv_n, hidden,
                                threads);
+        if (L->q_norm) /* each row's heads normed in place, as the per-op path's rows norms do */
+            for (int64_t r = 0; r < rows; r++) {
+                uint16_t *row = big + r * qkv_n;
+                infer_rms_norm(BF16, row, L->q_norm, row, heads, d, eps, 0, 1);
+                infer_rms_norm(BF16, row + heads * d, L->k_norm, row + heads * d, kv_heads, d, eps, 0, 1);
+            }
         infer_rope_rows(BF16, big, qkv_n, d, L->cos, L->sin, q, rows, heads, d, threads);
         infer_rope_rows(BF16, big + heads * d, qkv_n, d, L->cos, L->sin, k, rows, kv_heads, d, threads);
         infer_write_kv(k, kv_heads * d, d, big + (heads + kv_heads) * d, qkv_n, d, L->k_blocks, L->v_blocks, slot_blocks,

@@ -75,7 +75,8 @@ class BatchLayer(ctypes.Structure):
     """cpu_decode.c's batch_layer: one decoder layer of a batched engine step in one call
     (infer/models/native_batch_step.py fills it)."""
 
-    _fields_ = [*((name, ctypes.c_void_p) for name in ("attn_norm", "mlp_norm", "qkv", "qkv_bias", "o", "o_bias",
+    _fields_ = [*((name, ctypes.c_void_p) for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "qkv", "qkv_bias",
+                                                        "o", "o_bias",
                                                         "gate_up", "gate_up_bias", "down", "down_bias", "k_blocks",
                                                         "v_blocks", "cos", "sin")),
                 ("window", ctypes.c_int64), ("scale", ctypes.c_float), ("softcap", ctypes.c_float)]

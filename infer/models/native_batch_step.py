@@ -10,9 +10,9 @@ RoPE tables; the embedding, the final norm and the LM head stay in Python.
 
 Taken only where it applies (`Transformer._native_batch_step_for`): the engine's steps (`StepKernels.rows`), every
 token of the step attending in the native paged kernel in one call (`DecodeGroup.all_rows`) over exact bf16 pools,
-every layer reading the same batch; a bf16 model of pre-norm SiLU layers without q/k norms whose products are packed
-for the native packed product (`Transformer.pack_products(layout="native")`). Anything else runs the per-op path,
-which stays the check (`Transformer.native_step = False` turns both whole-step calls off).
+every layer reading the same batch; a bf16 model of pre-norm SiLU layers (Qwen 3's q/k norms included) whose products
+are packed for the native packed product (`Transformer.pack_products(layout="native")`). Anything else runs the
+per-op path, which stays the check (`Transformer.native_step = False` turns both whole-step calls off).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def batch_step_unavailable(model: BatchModel, kernels: NativeKernels | None) -> 
         return "odd sizes"
     for layer in model._decoder_layers():
         attn, mlp = layer.self_attn, layer.mlp
-        if layer.sandwich or mlp.gelu or attn.q_norm is not None or layer.input_layernorm.gemma:
-            return "layers other than pre-norm SiLU layers without q/k norms"
+        if layer.sandwich or mlp.gelu or layer.input_layernorm.gemma:
+            return "layers other than pre-norm SiLU layers"
         products = (attn.__dict__["qkv"], attn.o_proj, mlp.__dict__["gate_up"], mlp.down_proj)
         if any(p is None or getattr(p, "packed", None) is None or p.packed_layout != "native" for p in products):
             return "products not packed for the native packed product"
@@ -70,6 +70,8 @@ class NativeBatchStep:
             attn, mlp = layer.self_attn, layer.mlp
             desc.attn_norm = self._address(layer.input_layernorm.weight)
             desc.mlp_norm = self._address(layer.post_attention_layernorm.weight)
+            if attn.q_norm is not None:  # (Qwen 3)
+                desc.q_norm, desc.k_norm = self._address(attn.q_norm.weight), self._address(attn.k_norm.weight)
             for name, product in (("qkv", attn.__dict__["qkv"]), ("o", attn.o_proj),
                                   ("gate_up", mlp.__dict__["gate_up"]), ("down", mlp.down_proj)):
                 setattr(desc, name, self._address(product.packed))

@@ -471,8 +471,8 @@ class Attention(nn.Module):
         q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q, ctx.native), self.k_norm(k, ctx.native)
+        if self.q_norm is not None and self.k_norm is not None:  # (native: one-token steps', the engine steps' rows)
+            q, k = self.q_norm(q, ctx.norms), self.k_norm(k, ctx.norms)
         cos, sin = ctx.rope[self.layer_type]
         if ctx.native is not None:  # one token: q and k are rows of head_dim, rotated in one call each
             q, k = ctx.native.rope(q, cos, sin), ctx.native.rope(k, cos, sin)
