@@ -166,9 +166,9 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
                    if getattr(args, name) is not None}  # unset: the Engine's own defaults
     if args.no_decode_graphs:
         engine_args["decode_graphs"] = False
-    if args.no_packed_products or args.packed_products != "auto":
-        engine_args["packed_products"] = False if args.no_packed_products or args.packed_products == "off" \
-            else args.packed_products
+    packed = "off" if args.no_packed_products else args.packed_products
+    if packed != "auto":
+        engine_args["packed_products"] = False if packed == "off" else packed
     runners: list[tuple[str, Callable[[list[BatchRequest]], BatchedRun]]] = [
         ("infer engine", lambda w: run_engine(model, w, **engine_args))]
     for kv in args.kv_cache_dtype:  # the same engine with its pool quantized, in the same memory

@@ -76,9 +76,8 @@ class BatchLayer(ctypes.Structure):
     (infer/models/native_batch_step.py fills it)."""
 
     _fields_ = [*((name, ctypes.c_void_p) for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "qkv", "qkv_bias",
-                                                        "o", "o_bias",
-                                                        "gate_up", "gate_up_bias", "down", "down_bias", "k_blocks",
-                                                        "v_blocks", "cos", "sin")),
+                                                        "o", "o_bias", "gate_up", "gate_up_bias", "down", "down_bias",
+                                                        "k_blocks", "v_blocks", "cos", "sin")),
                 ("window", ctypes.c_int64), ("scale", ctypes.c_float), ("softcap", ctypes.c_float)]
 
 
