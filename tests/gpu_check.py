@@ -65,7 +65,9 @@ BENCHES: dict[str, list[str]] = {
                           "--batch-size", "32", "--no-one-by-one", "--trials", "1"],
     "bench-qwen3-1.7b": [*BENCH, "--arch", "qwen3", *SINGLE],
 }
-TIME_LIMITS = {"kernels": 240, "oracle": 240, "bench-llama-1b": 150, "profile-decode": 90, "bench-qwen3-1.7b": 150,
+# The oracle stage ran its 486 tests in 207 s on the H200 of 2026-11-27 and reached 100% in the next lease
+# only to be cut at 240 s before its summary: 300.
+TIME_LIMITS = {"kernels": 240, "oracle": 300, "bench-llama-1b": 150, "profile-decode": 90, "bench-qwen3-1.7b": 150,
                "bench-batched-64": 90, "bench-batched-256": 120, "bench-kv": 90, "bench-llama-1b-int4": 60,
                "bench-batched-kv": 200}
 
