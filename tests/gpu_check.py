@@ -9,7 +9,8 @@ Stages, each in its own process and time limit, so one that fails or hangs still
 - bench-*: batch-1 decode against Hugging Face (eager dynamic, static, static + torch.compile) at the
   Llama-3.2-1B and Qwen3-1.7B shapes with the fraction of measured read bandwidth; where the batch-1 step's
   time goes (tests/gpu_decode_profile.py: kernels, graph replay, one-row products); the batched engine on the
-  mixed workload at 64 and 256 requests against HF static batching; quantized KV against bf16 at 8k and 32k.
+  mixed workload at 64 and 256 requests against HF static batching, and with quantized pools (where their steps'
+  time goes: tests/gpu_pool_profile.py); quantized KV against bf16 at 8k and 32k.
 
 The report (markdown and JSON: device, driver, versions, every figure, every failure with its test id) goes to
 --out. Without CUDA it says so in one line and exits 2.
@@ -64,12 +65,14 @@ BENCHES: dict[str, list[str]] = {
     "bench-batched-256": [*BENCH, "--arch", "llama", "--batched", "--requests", "256", "--against-hf",
                           "--batch-size", "32", "--no-one-by-one", "--trials", "1"],
     "bench-qwen3-1.7b": [*BENCH, "--arch", "qwen3", *SINGLE],
+    # Why the quantized pools lag the bf16 pool in the batched engine: step times by phase, torch.profiler's tops.
+    "profile-pool": ["tests/gpu_pool_profile.py", "--kinds", "bf16,int8,int4"],
 }
 # The oracle stage ran its 486 tests in 207 s on the H200 of 2026-11-27 and reached 100% in the next lease
 # only to be cut at 240 s before its summary: 300.
 TIME_LIMITS = {"kernels": 240, "oracle": 300, "bench-llama-1b": 150, "profile-decode": 90, "bench-qwen3-1.7b": 150,
                "bench-batched-64": 90, "bench-batched-256": 120, "bench-kv": 90, "bench-llama-1b-int4": 60,
-               "bench-batched-kv": 200}
+               "bench-batched-kv": 200, "profile-pool": 150}
 
 
 @dataclass
