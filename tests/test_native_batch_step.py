@@ -76,6 +76,54 @@ def test_the_whole_step_is_the_per_op_path_bit_for_bit(arch: str, lengths: list[
         assert tokens == want_tokens and torch.equal(logits, want_logits), "the whole step parted from the per-op path"
 
 
+def count_fills_inside(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The layer of every quantized pool layer's `quantize_filled` that found blocks to quantize within a whole-step
+    call (they still run)."""
+    from infer.cache.paged_quantized import QuantizedPoolLayer
+
+    layers: list[int] = []
+    inside = [False]
+    fill, step = QuantizedPoolLayer.quantize_filled, NativeKernels.batch_step
+
+    def counted(self: QuantizedPoolLayer) -> None:
+        if inside[0] and self.pool.plan.fill:
+            layers.append(self.layer)
+        fill(self)
+
+    def flagged(*args: object, **kwargs: object) -> None:
+        inside[0] = True
+        try:
+            step(*args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(QuantizedPoolLayer, "quantize_filled", counted)
+    monkeypatch.setattr(NativeKernels, "batch_step", flagged)
+    return layers
+
+
+@pytest.mark.parametrize(("arch", "kv"), [("llama", "int8"), ("qwen2", "int4"), ("qwen3", "fp4")])
+def test_a_quantized_pool_in_the_whole_step_is_the_per_op_path_bit_for_bit(arch: str, kv: str,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quantized pool's decode steps in the whole-step call (its rows staged in C, the blocks they fill quantized by
+    the pool's own code called back for every layer, the paged kernel over codes and staging): every request's tokens
+    and logits equal the per-op path's, with blocks filled inside the call."""
+    rng = random.Random(kv)
+    # prompts whose second block (a sink's neighbour: quantized when full) fills within the decode steps
+    prompts = [[rng.randrange(1, 300) for _ in range(n)] for n in (29, 18, 5, 40)]
+    with pytest.MonkeyPatch.context() as patch:
+        fills = count_fills_inside(patch)
+        rows = count_calls(patch)
+        fast = serve(arch, prompts, 20, native_step=True, kv_cache_dtype=kv)
+        assert rows, "no step took the whole-step call"
+        assert sorted(set(fills)) == [0, 1], "no block filled inside the call in both layers of the test checkpoint"
+        rows.clear()
+        slow = serve(arch, prompts, 20, native_step=False, kv_cache_dtype=kv)
+        assert not rows
+    for (tokens, logits), (want_tokens, want_logits) in zip(fast, slow, strict=True):
+        assert tokens == want_tokens and torch.equal(logits, want_logits), "the whole step parted from the per-op path"
+
+
 def test_the_whole_step_answers_to_the_solo_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each request's logits through the whole-step call within bf16 rounding of its solo run (the oracle of the
     engine's batches)."""
@@ -150,6 +198,43 @@ def test_a_failed_call_leaves_the_engine_as_it_was(monkeypatch: pytest.MonkeyPat
     with pytest.raises(MemoryError, match="could not allocate"):
         engine.step()
     monkeypatch.setattr(NativeKernels, "batch_step", step)
+    while engine.has_unfinished():
+        engine.step()
+    for rid, (tokens, logits) in zip(ids, want, strict=True):
+        result = engine.result(rid)
+        assert result.token_ids == tokens and result.logits is not None and torch.equal(result.logits, logits)
+
+
+def test_a_failed_quantizing_call_back_leaves_the_engine_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error in a quantized pool's call back (the second layer's quantizing of the blocks the step fills) stops the
+    whole-step call, reaches the caller as itself, and the step is undone: the requests then serve the tokens and
+    logits of an engine that never failed."""
+    import infer
+    from infer.cache.paged_quantized import QuantizedPoolLayer
+    from infer.engine import Engine
+    from infer.sampling import SamplingParams
+    from reference import build_checkpoint
+
+    prompts = [[(7 * i) % 250 + 1 for i in range(31)], [5, 9, 2, 8]]  # the first fills its second block next step
+    want = serve("llama", prompts, 6, native_step=True, kv_cache_dtype="int8")
+    model = infer.load_model(build_checkpoint("llama"), dtype="bfloat16")
+    engine = Engine(model, None, num_blocks=64, keep_logits=True, packed_products="native",
+                    decode_attention="native", kv_cache_dtype="int8")
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=6, temperature=0.0)) for p in prompts]
+    engine.step()  # the prompts
+    rows = count_calls(monkeypatch)
+    fill = QuantizedPoolLayer.quantize_filled
+
+    def failing(self: QuantizedPoolLayer) -> None:
+        if self.layer == 1 and self.pool.plan.fill:
+            raise RuntimeError("planted: quantizing failed")
+        fill(self)
+
+    monkeypatch.setattr(QuantizedPoolLayer, "quantize_filled", failing)
+    with pytest.raises(RuntimeError, match="planted"):
+        engine.step()
+    assert rows == [2], "the failing step did not run in the whole-step call"
+    monkeypatch.setattr(QuantizedPoolLayer, "quantize_filled", fill)
     while engine.has_unfinished():
         engine.step()
     for rid, (tokens, logits) in zip(ids, want, strict=True):

@@ -303,6 +303,12 @@ class QuantizedPoolLayer:
         # Index tensors around the head slice put N first: the target is [N, Hkv, D].
         pool.k_stage[rows, :, batch.slot_offsets] = k[0].transpose(0, 1).to(pool.dtype)
         pool.v_stage[rows, :, batch.slot_offsets] = v[0].transpose(0, 1).to(pool.dtype)
+        self.quantize_filled()
+
+    def quantize_filled(self) -> None:
+        """Quantize the blocks the step fills from their staging rows into this layer's codes and scales (after its
+        writes: `write`, or the batched whole-step call, which calls back here)."""
+        pool, plan, i = self.pool, self.pool.plan, self.layer
         if plan.fill:
             filled = pool.stage_rows(plan.fill_slots, i)
             keys = pool.k_stage[filled]

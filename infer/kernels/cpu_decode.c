@@ -2699,7 +2699,10 @@ int infer_decode_step(int dtype, const step_layer *layers, int64_t n_layers, int
  * the native packed product (Transformer.pack_products(layout="native")): norm, q/k/v, RoPE of each row by its
  * own position, the rows' K/V into their slots (fresh blocks zeroed first), paged attention, o, residual, norm,
  * gate/up, SiLU(gate) * up, down, residual; every value as the per-op path computes it (its residual adds are
- * PyTorch's bf16 adds: fp32 sums rounded once). x [rows, hidden] bf16 becomes the last layer's output. */
+ * PyTorch's bf16 adds: fp32 sums rounded once). x [rows, hidden] bf16 becomes the last layer's output. A quantized
+ * pool's layers stage their rows and call `quantize_filled(layer)` back (the pool's own Python quantizes the blocks
+ * the rows fill: the per-op path's codes) before attending over codes and staging; a non-zero return stops the call
+ * (-4). */
 typedef struct {
     const void *attn_norm, *mlp_norm;                            /* [hidden] */
     const void *q_norm, *k_norm;                                 /* [d] (Qwen 3) or NULL */
@@ -2708,6 +2711,15 @@ typedef struct {
     const void *cos, *sin;                                       /* [rows, d]: the layer's RoPE at each row */
     int64_t window;                                              /* 0: none */
     float scale, softcap;
+    /* A quantized pool (infer/cache/paged_quantized.py), or NULL codes: an exact one. Its K/V rows go to staging
+     * rows `write_rows` of `k_stage` / `v_stage` (fresh rows `fresh_rows` zeroed first), the filled blocks are
+     * quantized by the step's callback, and the rows attend over codes (blocks < num_blocks) and staging slots
+     * (num_blocks + s: k_blocks / v_blocks, the layer's own staging). */
+    const void *k_codes, *v_codes, *k_scale, *v_scale, *k_offset; /* k_offset NULL: no key offsets */
+    const float *rotation;                                       /* [d, d] or NULL */
+    void *k_stage, *v_stage;
+    const int64_t *write_rows, *fresh_rows;                      /* [rows], [n_fresh] */
+    int64_t scheme, num_blocks;                                  /* Q_INT8 / Q_INT4 / Q_FP4 */
 } batch_layer;
 
 /* out = a + b over n bf16 values, as PyTorch adds bf16 tensors (fp32 sum rounded to nearest even). */
@@ -2724,7 +2736,7 @@ int infer_batch_step(const batch_layer *layers, int64_t n_layers, uint16_t *x, i
                      int64_t kv_heads, int64_t d, int64_t hidden, int64_t inter, float eps,
                      const int64_t *slot_blocks, const int64_t *slot_offsets, const int64_t *fresh, int64_t n_fresh,
                      const int64_t *tables, const int64_t *lengths, const int64_t *starts, int64_t nb, int64_t bs,
-                     int threads) {
+                     int threads, int (*quantize_filled)(int64_t layer)) {
 #if defined(HAVE_DOT_BF16)
     int64_t qkv_n = (heads + 2 * kv_heads) * d, wide = qkv_n > 2 * inter ? qkv_n : 2 * inter;
     if (d % 2 || hidden % 2 || inter % 2 || (heads * d) % 2) return -3;
@@ -2749,11 +2761,20 @@ int infer_batch_step(const batch_layer *layers, int64_t n_layers, uint16_t *x, i
             }
         infer_rope_rows(BF16, big, qkv_n, d, L->cos, L->sin, q, rows, heads, d, threads);
         infer_rope_rows(BF16, big + heads * d, qkv_n, d, L->cos, L->sin, k, rows, kv_heads, d, threads);
-        infer_write_kv(k, kv_heads * d, d, big + (heads + kv_heads) * d, qkv_n, d, L->k_blocks, L->v_blocks, slot_blocks,
-                       slot_offsets, rows, fresh, n_fresh, kv_heads, bs, d, 2);
-        if (qattn_paged(BF16, Q_INT8, q, NULL, NULL, NULL, NULL, NULL, NULL, L->k_blocks, L->v_blocks, tables, lengths,
-                        starts, attn, rows, heads, kv_heads, d, bs, nb, 0, L->scale, L->softcap, L->window, threads,
-                        NULL)) { /* (its own score buffers, as the per-op path's call: the same order of work) */
+        /* a quantized pool's rows go to its staging, and the callback quantizes the blocks they fill */
+        int quantized = L->k_codes != NULL;
+        infer_write_kv(k, kv_heads * d, d, big + (heads + kv_heads) * d, qkv_n, d,
+                       quantized ? L->k_stage : L->k_blocks, quantized ? L->v_stage : L->v_blocks, quantized ? L->write_rows : slot_blocks, slot_offsets,
+                       rows, quantized ? L->fresh_rows : fresh, n_fresh, kv_heads, bs, d, 2);
+        if (quantized && quantize_filled && quantize_filled(l)) {
+            code = -4;
+            break;
+        }
+        if (qattn_paged(BF16, quantized ? (int)L->scheme : Q_INT8, q, (const uint8_t *)L->k_codes,
+                        (const uint8_t *)L->v_codes, (const uint16_t *)L->k_scale, (const uint16_t *)L->v_scale,
+                        (const uint16_t *)L->k_offset, L->rotation, L->k_blocks, L->v_blocks, tables, lengths, starts,
+                        attn, rows, heads, kv_heads, d, bs, nb, quantized ? L->num_blocks : 0, L->scale, L->softcap,
+                        L->window, threads, NULL)) { /* (its own score buffers, as the per-op path's call: the same order of work) */
             code = -1;
             break;
         }
@@ -2773,7 +2794,7 @@ int infer_batch_step(const batch_layer *layers, int64_t n_layers, uint16_t *x, i
 #else
     (void)layers, (void)n_layers, (void)x, (void)rows, (void)heads, (void)kv_heads, (void)d, (void)hidden, (void)inter;
     (void)eps, (void)slot_blocks, (void)slot_offsets, (void)fresh, (void)n_fresh, (void)tables, (void)lengths;
-    (void)starts, (void)nb, (void)bs, (void)threads;
+    (void)starts, (void)nb, (void)bs, (void)threads, (void)quantize_filled;
     return -2;
 #endif
 }

@@ -21,6 +21,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,15 @@ class BatchLayer(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_void_p) for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "qkv", "qkv_bias",
                                                         "o", "o_bias", "gate_up", "gate_up_bias", "down", "down_bias",
                                                         "k_blocks", "v_blocks", "cos", "sin")),
-                ("window", ctypes.c_int64), ("scale", ctypes.c_float), ("softcap", ctypes.c_float)]
+                ("window", ctypes.c_int64), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
+                # a quantized pool's layer (NULL codes: an exact pool)
+                *((name, ctypes.c_void_p) for name in ("k_codes", "v_codes", "k_scale", "v_scale", "k_offset",
+                                                        "rotation", "k_stage", "v_stage", "write_rows", "fresh_rows")),
+                ("scheme", ctypes.c_int64), ("num_blocks", ctypes.c_int64)]
+
+
+# The whole step's call back into Python after a quantized pool's layer staged its rows: quantize the blocks they fill.
+QUANTIZE_FILLED = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64)
 
 
 class NativeKernels:
@@ -138,10 +147,10 @@ class NativeKernels:
         lib.infer_decode_step.restype = ctypes.c_int
         self._decode_step = lib.infer_decode_step
         # layers, n_layers, x, rows, heads, kv_heads, d, hidden, inter, eps, slot_blocks, slot_offsets, fresh,
-        # n_fresh, tables, lengths, starts, nb, bs, threads
+        # n_fresh, tables, lengths, starts, nb, bs, threads, quantize_filled
         batch_args: list[Any] = [ctypes.POINTER(BatchLayer), ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 6,
                                  ctypes.c_float, *[ctypes.c_void_p] * 3, ctypes.c_int64, *[ctypes.c_void_p] * 3,
-                                 ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+                                 ctypes.c_int64, ctypes.c_int64, ctypes.c_int, QUANTIZE_FILLED]
         lib.infer_batch_step.argtypes = batch_args
         lib.infer_batch_step.restype = ctypes.c_int
         self._batch_step = lib.infer_batch_step
@@ -497,18 +506,34 @@ class NativeKernels:
 
     def batch_step(self, layers: ctypes.Array[BatchLayer], shape: tuple[int, int, int, int, int], eps: float,
                    x: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                   group: tuple[torch.Tensor, torch.Tensor, torch.Tensor], block_size: int) -> None:
+                   group: tuple[torch.Tensor, torch.Tensor, torch.Tensor], block_size: int,
+                   quantize_filled: Callable[[int], None] | None = None) -> None:
         """Every decoder layer of a batched engine step in one call (cpu_decode.c's infer_batch_step): `x` (contiguous
         bf16 `[rows, hidden]`) becomes the last layer's output; each layer's pool gets the rows' K/V at `slots`
-        (slot blocks, slot offsets, fresh blocks; int64) and every row attends over its table in `group` (tables,
-        lengths, starts; int64). `shape`: heads, KV heads, head size, hidden size, MLP size."""
+        (slot blocks, slot offsets, fresh blocks; int64; a quantized pool's layers: their own staging rows, and
+        `slots` names the fresh ones' count) and every row attends over its table in `group` (tables, lengths,
+        starts; int64). `shape`: heads, KV heads, head size, hidden size, MLP size. `quantize_filled(layer)`: called
+        after a quantized pool's layer staged its rows (an exception there stops the call and is raised)."""
         heads, kv_heads, d, hidden, inter = shape
         (slot_blocks, slot_offsets, fresh), (tables, lengths, starts) = slots, group
         rows = x.numel() // hidden
+        failed: list[BaseException] = []
+
+        def call_back(layer: int) -> int:
+            try:
+                quantize_filled(layer)  # type: ignore[misc]
+            except BaseException as error:  # (ctypes would print it and go on)
+                failed.append(error)
+                return 1
+            return 0
+
+        callback = QUANTIZE_FILLED() if quantize_filled is None else QUANTIZE_FILLED(call_back)  # (): NULL
         code = self._batch_step(layers, len(layers), x.data_ptr(), rows, heads, kv_heads, d, hidden, inter, eps,
                                 slot_blocks.data_ptr(), slot_offsets.data_ptr(), fresh.data_ptr(), fresh.numel(),
                                 tables.data_ptr(), lengths.data_ptr(), starts.data_ptr(), tables.shape[1], block_size,
-                                torch.get_num_threads())
+                                torch.get_num_threads(), callback)
+        if failed:
+            raise failed[0]
         if code == -1:
             raise MemoryError("the native batched step could not allocate its scratch buffers")
         if code:

@@ -9,10 +9,13 @@ norms and attention traits as ctypes structures holding the tensors' addresses) 
 RoPE tables; the embedding, the final norm and the LM head stay in Python.
 
 Taken only where it applies (`Transformer._native_batch_step_for`): the engine's steps (`StepKernels.rows`), every
-token of the step attending in the native paged kernel in one call (`DecodeGroup.all_rows`) over exact bf16 pools,
-every layer reading the same batch; a bf16 model of pre-norm SiLU layers (Qwen 3's q/k norms included) whose products
-are packed for the native packed product (`Transformer.pack_products(layout="native")`). Anything else runs the
-per-op path, which stays the check (`Transformer.native_step = False` turns both whole-step calls off).
+token of the step attending in the native paged kernel in one call (`DecodeGroup.all_rows`) over exact bf16 pools
+or a quantized pool (infer/cache/paged_quantized.py: the rows staged in C, the blocks they fill quantized by a call
+back into the pool's own Python, `QuantizedPoolLayer.quantize_filled`, so the codes are the per-op path's bit for
+bit; then the paged kernel over codes and staging), every layer reading the same batch; a bf16 model of pre-norm
+SiLU layers (Qwen 3's q/k norms included) whose products are packed for the native packed product
+(`Transformer.pack_products(layout="native")`). Anything else runs the per-op path, which stays the check
+(`Transformer.native_step = False` turns both whole-step calls off).
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from typing import Any, Protocol
 
 import torch
 
+from infer.cache.paged_quantized import QuantizedPagedPool
 from infer.config import ModelConfig
 from infer.kernels.native import BatchLayer, NativeKernels
+from infer.models.native_step import QSCHEMES
 
 
 class BatchModel(Protocol):
@@ -80,6 +85,7 @@ class NativeBatchStep:
         self.shape = (config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size,
                       config.intermediate_size)
         self.eps = config.rms_norm_eps
+        self.rotation: tuple[torch.Tensor | None, torch.Tensor | None] | None = None  # a pool's, and its fp32 copy
 
     def _address(self, t: torch.Tensor) -> int:
         """The address of `t` (bf16, contiguous: a copy where it is not), kept alive with this step."""
@@ -88,16 +94,47 @@ class NativeBatchStep:
         return t.data_ptr()
 
     def __call__(self, x: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                 pools: list[tuple[torch.Tensor, torch.Tensor]], slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                 pools: list[tuple[torch.Tensor, torch.Tensor]] | QuantizedPagedPool,
+                 slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                  group: tuple[torch.Tensor, torch.Tensor, torch.Tensor], block_size: int) -> torch.Tensor:
         """The step's hidden states after every layer, from the embedded `x` `[1, N, hidden]` (a new tensor; `x` is
-        left as it was): `rope` the RoPE tables by layer type (`[N, D]` each), `pools` each layer's K and V blocks,
-        `slots` and `group` the batch's int64 slot and table tensors (`NativeKernels.batch_step`)."""
+        left as it was): `rope` the RoPE tables by layer type (`[N, D]` each), `pools` each layer's K and V blocks
+        or a quantized pool (every layer's), `slots` and `group` the batch's int64 slot and table tensors
+        (`NativeKernels.batch_step`)."""
         tables = {lt: (cos.contiguous(), sin.contiguous()) for lt, (cos, sin) in rope.items()}
-        for desc, layer_type, (k_blocks, v_blocks) in zip(self.layers, self.layer_types, pools, strict=True):
+        for desc, layer_type in zip(self.layers, self.layer_types, strict=True):
             cos, sin = tables[layer_type]
-            desc.k_blocks, desc.v_blocks, desc.cos, desc.sin = (k_blocks.data_ptr(), v_blocks.data_ptr(),
-                                                                cos.data_ptr(), sin.data_ptr())
+            desc.cos, desc.sin = cos.data_ptr(), sin.data_ptr()
+        quantize_filled, rows = None, None
+        if isinstance(pools, QuantizedPagedPool):
+            rows = self._describe_quantized(pools)  # (the step's staging rows: alive through the call)
+            quantize_filled = (lambda layer: pools.layers[layer].quantize_filled()) if pools.plan.fill else None
+        else:
+            for desc, (k_blocks, v_blocks) in zip(self.layers, pools, strict=True):
+                desc.k_blocks, desc.v_blocks, desc.k_codes = k_blocks.data_ptr(), v_blocks.data_ptr(), None
         out = x.contiguous().clone()
-        self.kernels.batch_step(self.layers, self.shape, self.eps, out, slots, group, block_size)
+        self.kernels.batch_step(self.layers, self.shape, self.eps, out, slots, group, block_size, quantize_filled)
+        del rows
         return out
+
+    def _describe_quantized(self, pool: QuantizedPagedPool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Point every layer at `pool`'s codes, scales and staging and this step's staging rows (the per-op path's
+        `QuantizedPagedPool.stage_rows` of the plan's write and fresh slots); returns the row tensors."""
+        plan, layers = pool.plan, range(len(self.layers))
+        if plan.write_slots is None:
+            raise ValueError("the quantized pool's step was not planned (QuantizedPagedPool.plan_step)")
+        write = torch.stack([pool.stage_rows(plan.write_slots, i) for i in layers]).to(torch.int64).contiguous()
+        fresh = torch.stack([pool.stage_rows(plan.fresh_slots, i) for i in layers]).to(torch.int64).contiguous()
+        if self.rotation is None or self.rotation[0] is not pool.rotation:
+            self.rotation = (pool.rotation, None if pool.rotation is None else pool.rotation.float().contiguous())
+        rotation = self.rotation[1]
+        for i, desc in enumerate(self.layers):
+            desc.k_codes, desc.v_codes = pool.k_codes[i].data_ptr(), pool.v_codes[i].data_ptr()
+            desc.k_scale, desc.v_scale = pool.k_scale[i].data_ptr(), pool.v_scale[i].data_ptr()
+            desc.k_offset = pool.k_offset[i].data_ptr() if pool.key_offsets else None
+            desc.rotation = None if rotation is None else rotation.data_ptr()
+            desc.k_stage, desc.v_stage = pool.k_stage.data_ptr(), pool.v_stage.data_ptr()
+            desc.k_blocks, desc.v_blocks = pool.k_persistent[i].data_ptr(), pool.v_persistent[i].data_ptr()
+            desc.write_rows, desc.fresh_rows = write[i].data_ptr(), fresh[i].data_ptr()
+            desc.scheme, desc.num_blocks = QSCHEMES[pool.scheme], pool.num_blocks
+        return write, fresh

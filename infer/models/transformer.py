@@ -27,6 +27,7 @@ from torch import nn
 from infer.attention import sdpa_backends
 from infer.backends import AttentionBackend, CacheBackend, PagedBackend, StaticBackend, StepKernels
 from infer.cache.base import KVCache
+from infer.cache.paged_quantized import QuantizedPagedPool, QuantizedPoolLayer
 from infer.config import SLIDING_ATTENTION, ModelConfig, RopeConfig
 from infer.families import FAMILIES
 from infer.kernels import triton_available
@@ -877,7 +878,7 @@ class Transformer(nn.Module):
         """The batched whole-step native call for this forward (`x`, rope tables -> hidden states), or None for the
         per-op path: an engine step (`StepKernels.rows`) without reference attention whose every token attends in
         the native paged kernel in one call (`DecodeGroup.all_rows`), every layer reading the step's one batch over
-        exact bf16 pools, on a model `batch_step_unavailable` takes."""
+        exact bf16 pools or one quantized pool with bf16 staging, on a model `batch_step_unavailable` takes."""
         if (not self.native_step or self.tensor_parallel is not None or kernels.rows is None or kernels.reference
                 or not isinstance(backend, PagedBackend)):
             return None
@@ -885,12 +886,24 @@ class Transformer(nn.Module):
         group = batch.decode
         if group is None or not group.all_rows or group.kernel != "native" or group.starts is None:
             return None
-        pools: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for layer_batch, k_blocks, v_blocks in backend.layers:
-            if layer_batch is not batch or not all(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16
-                                                   and t.is_contiguous() for t in (k_blocks, v_blocks)):
+        if any(layer_batch is not batch for layer_batch, _, _ in backend.layers):
+            return None
+        pools: list[tuple[torch.Tensor, torch.Tensor]] | QuantizedPagedPool
+        slots = (batch.slot_blocks, batch.slot_offsets, batch.fresh_blocks)
+        first = backend.layers[0][1]
+        if isinstance(first, QuantizedPoolLayer):  # every layer in one quantized pool: its own staging rows
+            pools = first.pool
+            if (pools.dtype != torch.bfloat16 or pools.plan.write_slots is None
+                    or [k for _, k, _ in backend.layers] != pools.layers):
                 return None
-            pools.append((cast(torch.Tensor, k_blocks), cast(torch.Tensor, v_blocks)))
+            slots = (pools.plan.write_slots, batch.slot_offsets, pools.plan.fresh_slots)
+        else:
+            pools = []
+            for _, k_blocks, v_blocks in backend.layers:
+                if not all(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and t.is_contiguous()
+                           for t in (k_blocks, v_blocks)):
+                    return None
+                pools.append((cast(torch.Tensor, k_blocks), cast(torch.Tensor, v_blocks)))
         step = self.__dict__["_native_batch_step"]
         if step is None:
             native = kernels.rows
@@ -898,10 +911,9 @@ class Transformer(nn.Module):
             self.__dict__["_native_batch_step"] = step
         if not step:
             return None
-        slots = tuple(t.to(torch.int64).contiguous() for t in (batch.slot_blocks, batch.slot_offsets,
-                                                                 batch.fresh_blocks))
+        int_slots = tuple(t.to(torch.int64).contiguous() for t in slots)
         tables = tuple(t.to(torch.int64).contiguous() for t in (group.tables, group.lengths, group.starts))
-        return lambda x, rope: step(x, rope, pools, slots, tables, batch.block_size)
+        return lambda x, rope: step(x, rope, pools, int_slots, tables, batch.block_size)
 
     def forget_native_step(self) -> None:
         """Drop the whole-step descriptions (they hold the weights' addresses): rebuilt at the next step. Called
