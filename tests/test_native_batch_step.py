@@ -5,6 +5,7 @@ order), to each request's solo run within bf16 rounding, and to the per-op path 
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -13,6 +14,9 @@ from hypothesis import strategies as st
 
 from infer.kernels.native import NativeKernels, native_kernels
 from infer.models.transformer import native_packing_unavailable
+
+if TYPE_CHECKING:
+    from infer.engine import Engine
 
 WHY = native_packing_unavailable([torch.zeros(2, 2, dtype=torch.bfloat16)])
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no native packed product here: {WHY}")
@@ -74,6 +78,30 @@ def test_the_whole_step_is_the_per_op_path_bit_for_bit(arch: str, lengths: list[
         assert not rows, "native_step=False still took the whole-step call"
     for (tokens, logits), (want_tokens, want_logits) in zip(fast, slow, strict=True):
         assert tokens == want_tokens and torch.equal(logits, want_logits), "the whole step parted from the per-op path"
+
+
+def after_the_prompts(prompts: list[list[int]], new: int, **engine_args: object) -> tuple[Engine, list[int]]:
+    """A bf16 Llama engine (as `serve` makes it) with the greedy requests added and their prompts' step run."""
+    import infer
+    from infer.engine import Engine
+    from infer.sampling import SamplingParams
+    from reference import build_checkpoint
+
+    model = infer.load_model(build_checkpoint("llama"), dtype="bfloat16")
+    engine = Engine(model, None, num_blocks=64, keep_logits=True, packed_products="native",
+                    decode_attention="native", **engine_args)  # type: ignore[arg-type]
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=new, temperature=0.0)) for p in prompts]
+    engine.step()
+    return engine, ids
+
+
+def assert_it_serves(engine: Engine, ids: list[int], want: list[tuple[list[int], torch.Tensor]]) -> None:
+    """The engine's requests, run to the end, give `want`'s tokens and logits exactly."""
+    while engine.has_unfinished():
+        engine.step()
+    for rid, (tokens, logits) in zip(ids, want, strict=True):
+        result = engine.result(rid)
+        assert result.token_ids == tokens and result.logits is not None and torch.equal(result.logits, logits)
 
 
 def count_fills_inside(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -178,17 +206,7 @@ def test_a_failed_call_leaves_the_engine_as_it_was(monkeypatch: pytest.MonkeyPat
     assert kernels is not None
     prompts = [[5, 9, 2, 8], [7, 7, 1]]
     want = serve("llama", prompts, 5, native_step=True)
-
-    import infer
-    from infer.engine import Engine
-    from infer.sampling import SamplingParams
-    from reference import build_checkpoint
-
-    model = infer.load_model(build_checkpoint("llama"), dtype="bfloat16")
-    engine = Engine(model, None, num_blocks=64, keep_logits=True, packed_products="native",
-                    decode_attention="native")
-    ids = [engine.add_request(p, SamplingParams(max_new_tokens=5, temperature=0.0)) for p in prompts]
-    engine.step()  # the prompts
+    engine, ids = after_the_prompts(prompts, 5)
     step = NativeKernels.batch_step
 
     def failing(self: NativeKernels, *args: object) -> None:
@@ -198,30 +216,18 @@ def test_a_failed_call_leaves_the_engine_as_it_was(monkeypatch: pytest.MonkeyPat
     with pytest.raises(MemoryError, match="could not allocate"):
         engine.step()
     monkeypatch.setattr(NativeKernels, "batch_step", step)
-    while engine.has_unfinished():
-        engine.step()
-    for rid, (tokens, logits) in zip(ids, want, strict=True):
-        result = engine.result(rid)
-        assert result.token_ids == tokens and result.logits is not None and torch.equal(result.logits, logits)
+    assert_it_serves(engine, ids, want)
 
 
 def test_a_failed_quantizing_call_back_leaves_the_engine_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
     """An error in a quantized pool's call back (the second layer's quantizing of the blocks the step fills) stops the
     whole-step call, reaches the caller as itself, and the step is undone: the requests then serve the tokens and
     logits of an engine that never failed."""
-    import infer
     from infer.cache.paged_quantized import QuantizedPoolLayer
-    from infer.engine import Engine
-    from infer.sampling import SamplingParams
-    from reference import build_checkpoint
 
     prompts = [[(7 * i) % 250 + 1 for i in range(31)], [5, 9, 2, 8]]  # the first fills its second block next step
     want = serve("llama", prompts, 6, native_step=True, kv_cache_dtype="int8")
-    model = infer.load_model(build_checkpoint("llama"), dtype="bfloat16")
-    engine = Engine(model, None, num_blocks=64, keep_logits=True, packed_products="native",
-                    decode_attention="native", kv_cache_dtype="int8")
-    ids = [engine.add_request(p, SamplingParams(max_new_tokens=6, temperature=0.0)) for p in prompts]
-    engine.step()  # the prompts
+    engine, ids = after_the_prompts(prompts, 6, kv_cache_dtype="int8")
     rows = count_calls(monkeypatch)
     fill = QuantizedPoolLayer.quantize_filled
 
@@ -235,11 +241,7 @@ def test_a_failed_quantizing_call_back_leaves_the_engine_as_it_was(monkeypatch: 
         engine.step()
     assert rows == [2], "the failing step did not run in the whole-step call"
     monkeypatch.setattr(QuantizedPoolLayer, "quantize_filled", fill)
-    while engine.has_unfinished():
-        engine.step()
-    for rid, (tokens, logits) in zip(ids, want, strict=True):
-        result = engine.result(rid)
-        assert result.token_ids == tokens and result.logits is not None and torch.equal(result.logits, logits)
+    assert_it_serves(engine, ids, want)
 
 
 def test_repacking_in_another_layout_drops_the_whole_step(monkeypatch: pytest.MonkeyPatch) -> None:
