@@ -174,7 +174,22 @@ def bench_figures(name: str, report: Any) -> Any:
     rows = [{k: r[k] for k in keep if k in r} for r in report.get("results", [])]
     extra = {k: report[k] for k in ("bandwidth_bytes_s", "bytes_per_decode_step", "ratios", "model")
              if k in report}
+    roofline = report.get("roofline") or {}  # a batched bench's: its fraction of the limits per phase, its profile
+    if roofline:
+        extra["roofline"] = [{k: p[k] for k in ROOFLINE_KEYS} for p in roofline["phases"]]
+        extra["profile"] = roofline["profile"]
     return {"rows": rows, **extra}
+
+
+ROOFLINE_KEYS = ("phase", "steps", "seconds", "gflop_s", "gb_s", "fraction", "fraction_at_shape", "step_p50_ms")
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines of a table with `rows[0]`'s keys as columns (floats to 4 significant digits)."""
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    return lines + ["| " + " | ".join(f"{r.get(k):.4g}" if isinstance(r.get(k), float) else str(r.get(k))
+                                      for k in keys) + " |" for r in rows]
 
 
 def outcome(stage: Stage) -> str:
@@ -203,15 +218,16 @@ def markdown(env: dict[str, Any], stages: list[Stage]) -> str:
         lines += ["", f"## {s.name}", ""]
         rows = s.figures if isinstance(s.figures, list) else s.figures["rows"]
         if rows:
-            keys = list(rows[0])
-            lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-            lines += ["| " + " | ".join(f"{r.get(k):.4g}" if isinstance(r.get(k), float) else str(r.get(k))
-                                        for k in keys) + " |" for r in rows]
+            lines += table(rows)
         if isinstance(s.figures, dict):
             for k in ("bandwidth_bytes_s", "bytes_per_decode_step"):
                 if k in s.figures:
                     lines.append(f"\n{k}: {s.figures[k]:.4g}")
             lines += [f"\n{r}" for r in s.figures.get("ratios", [])]
+            for k, title in (("roofline", "The engine's fraction of the measured roofline, per phase"),
+                             ("profile", "Where a step's time goes (a further run under timing hooks)")):
+                if s.figures.get(k):
+                    lines += ["", f"{title}:", "", *table(s.figures[k])]
     for s in stages:
         if s.returncode != 0 and s.seconds:
             lines += ["", f"## Log tail of {s.name}", "", "```", s.log_tail[-1500:], "```"]
