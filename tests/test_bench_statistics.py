@@ -4,7 +4,7 @@ request's time to first token includes waiting for every earlier request, and it
 
 from __future__ import annotations
 
-import time
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -31,32 +31,34 @@ def test_percentile_of_nothing_is_nan_and_the_input_is_not_reordered() -> None:
 
 
 def test_one_by_one_times_count_from_the_workloads_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A fake generate taking known times (prefill P, then decode steps D each): request i's first token comes after
-    every earlier request's whole run and its own prefill; it finishes after its own whole run."""
+    """A fake generate taking known times (prefill P, then decode steps D each) on a fake clock (the bench's
+    `time.perf_counter`; a real sleep overshoots on a loaded machine): request i's first token comes after every
+    earlier request's whole run and its own prefill; it finishes after its own whole run."""
     prefill, step = 0.02, 0.01
     work = [BatchRequest([1, 2], n) for n in (3, 1, 2)]
+    clock = [100.0]  # any start: the bench counts from the workload's own
 
     def fake_generate(model: Any, tokenizer: Any, prompt: Any, params: Any, cache: str = "contiguous"
                       ) -> GenerationResult:
-        time.sleep(prefill)
+        clock[0] += prefill
         decode = []
         for _ in range(params.max_new_tokens - 1):
-            time.sleep(step)
+            clock[0] += step
             decode.append(step)
         return GenerationResult(prompt_ids=list(prompt), token_ids=[0] * params.max_new_tokens, text="",
                                 finish_reason="length", prefill_time_s=prefill, decode_times_s=decode)
 
     monkeypatch.setattr("infer.generation.generate", fake_generate)
+    monkeypatch.setattr("infer.bench_batched.time", SimpleNamespace(perf_counter=lambda: clock[0]))
     run = run_one_by_one(None, work)  # type: ignore[arg-type]
     durations = [prefill + step * (r.max_new_tokens - 1) for r in work]
     finished = np.cumsum(durations)
-    slack = 0.015  # sleep overshoot and bookkeeping, per request, accumulated
     for i in range(len(work)):
         waited = finished[i] - durations[i]
-        assert waited + prefill <= run.ttft_s[i] <= waited + prefill + slack * (i + 1), f"request {i} ttft"
-        assert finished[i] <= run.latency_s[i] <= finished[i] + slack * (i + 1), f"request {i} latency"
+        assert run.ttft_s[i] == pytest.approx(waited + prefill), f"request {i} ttft"
+        assert run.latency_s[i] == pytest.approx(finished[i]), f"request {i} latency"
     assert run.new_tokens == sum(r.max_new_tokens for r in work)
-    assert finished[-1] <= run.wall_s <= finished[-1] + slack * len(work), "the wall time is the whole run's"
+    assert run.wall_s == pytest.approx(finished[-1]), "the wall time is the whole run's"
     row = summarize_batched(run)
     assert row["ttft_p50_ms"] == pytest.approx(1e3 * float(np.percentile(run.ttft_s, 50)))
     assert row["latency_p99_ms"] == pytest.approx(1e3 * float(np.percentile(run.latency_s, 99)))
