@@ -137,9 +137,10 @@ class QuantizedPagedPool:
         """Blocks free, used, shared and cached, and unfilled slots in used blocks."""
         return self.manager.stats()
 
-    def stage_rows(self, slots: torch.Tensor, layer: int) -> torch.Tensor:
+    def stage_rows(self, slots: torch.Tensor, layer: int | torch.Tensor) -> torch.Tensor:
         """Rows of the staging tensors for a plan's slots in `layer`: slot s < P is the layer's own row
-        `layer * P + s`; P + t is scratch row `L * P + t`, which every layer shares."""
+        `layer * P + s`; P + t is scratch row `L * P + t`, which every layer shares. (`layer` a column of layers
+        `[L, 1]`: every layer's rows at once, `[L, len(slots)]`.)"""
         P = self.stage_slots
         return slots + torch.where(slots < P, layer * P, (self.num_layers - 1) * P)
 

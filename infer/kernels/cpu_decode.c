@@ -2764,8 +2764,9 @@ int infer_batch_step(const batch_layer *layers, int64_t n_layers, uint16_t *x, i
         /* a quantized pool's rows go to its staging, and the callback quantizes the blocks they fill */
         int quantized = L->k_codes != NULL;
         infer_write_kv(k, kv_heads * d, d, big + (heads + kv_heads) * d, qkv_n, d,
-                       quantized ? L->k_stage : L->k_blocks, quantized ? L->v_stage : L->v_blocks, quantized ? L->write_rows : slot_blocks, slot_offsets,
-                       rows, quantized ? L->fresh_rows : fresh, n_fresh, kv_heads, bs, d, 2);
+                       quantized ? L->k_stage : L->k_blocks, quantized ? L->v_stage : L->v_blocks,
+                       quantized ? L->write_rows : slot_blocks, slot_offsets, rows,
+                       quantized ? L->fresh_rows : fresh, n_fresh, kv_heads, bs, d, 2);
         if (quantized && quantize_filled && quantize_filled(l)) {
             code = -4;
             break;
@@ -2774,7 +2775,8 @@ int infer_batch_step(const batch_layer *layers, int64_t n_layers, uint16_t *x, i
                         (const uint8_t *)L->v_codes, (const uint16_t *)L->k_scale, (const uint16_t *)L->v_scale,
                         (const uint16_t *)L->k_offset, L->rotation, L->k_blocks, L->v_blocks, tables, lengths, starts,
                         attn, rows, heads, kv_heads, d, bs, nb, quantized ? L->num_blocks : 0, L->scale, L->softcap,
-                        L->window, threads, NULL)) { /* (its own score buffers, as the per-op path's call: the same order of work) */
+                        L->window, threads, NULL)) { /* (its own score buffers, as the per-op path's call: the same
+                                                       * order of work) */
             code = -1;
             break;
         }

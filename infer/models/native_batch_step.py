@@ -120,11 +120,11 @@ class NativeBatchStep:
     def _describe_quantized(self, pool: QuantizedPagedPool) -> tuple[torch.Tensor, torch.Tensor]:
         """Point every layer at `pool`'s codes, scales and staging and this step's staging rows (the per-op path's
         `QuantizedPagedPool.stage_rows` of the plan's write and fresh slots); returns the row tensors."""
-        plan, layers = pool.plan, range(len(self.layers))
+        plan, layers = pool.plan, torch.arange(len(self.layers))[:, None]
         if plan.write_slots is None:
             raise ValueError("the quantized pool's step was not planned (QuantizedPagedPool.plan_step)")
-        write = torch.stack([pool.stage_rows(plan.write_slots, i) for i in layers]).to(torch.int64).contiguous()
-        fresh = torch.stack([pool.stage_rows(plan.fresh_slots, i) for i in layers]).to(torch.int64).contiguous()
+        write, fresh = (pool.stage_rows(slots, layers).to(torch.int64).contiguous()  # [layers, slots]
+                        for slots in (plan.write_slots, plan.fresh_slots))
         if self.rotation is None or self.rotation[0] is not pool.rotation:
             self.rotation = (pool.rotation, None if pool.rotation is None else pool.rotation.float().contiguous())
         rotation = self.rotation[1]
