@@ -16,6 +16,7 @@ import infer
 from infer.cache import create_cache
 from infer.cache.block_manager import BlockManager
 from infer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig
+from infer.engine import Engine
 from infer.families import FAMILIES
 from infer.models import Transformer
 from infer.models.transformer import Linear, QuantizedEmbedding, QuantizedLinear
@@ -177,6 +178,17 @@ def solo_logits(model: Transformer, prompt: list[int], tokens: list[int]) -> tor
         rows = [model(torch.tensor([prompt], device=device), cache)[0, -1]]
         rows += [model(torch.tensor([[t]], device=device), cache)[0, -1] for t in tokens[:-1]]
     return torch.stack(rows)
+
+
+def assert_within_rounding_of_solo_runs(engine: Engine, model: Transformer, prompts: list[list[int]],
+                                        ids: list[int]) -> None:
+    """Each finished request's logits (`keep_logits=True`) within bf16 rounding of its solo run, fed its own tokens:
+    the batched engine's oracle where a batch changes the products' row count (5% of the solo run's largest)."""
+    for prompt, rid in zip(prompts, ids, strict=True):
+        result = engine.result(rid)
+        assert result.logits is not None
+        solo = solo_logits(model, prompt, result.token_ids).float()
+        assert (result.logits.float() - solo).abs().max() <= 0.05 * solo.abs().max()
 
 
 # Quantized weights (tests/test_quant_weights.py, tests/test_triton_kernels.py).

@@ -269,7 +269,7 @@ def test_a_bf16_engine_with_native_norms_and_rotations_answers_to_the_solo_runs(
     tokens as with PyTorch's ops (`native_ops` off, the check)."""
     from infer.kernels.native import NativeKernels, native_kernels
     from reference import build_checkpoint
-    from tests.helpers import solo_logits
+    from tests.helpers import assert_within_rounding_of_solo_runs
 
     kernels = native_kernels()
     if kernels is None or not kernels.rows_vectorized or TEST_DEVICE != "cpu":
@@ -295,10 +295,6 @@ def test_a_bf16_engine_with_native_norms_and_rotations_answers_to_the_solo_runs(
         tokens[on] = [engine.result(rid).token_ids for rid in ids]
         if on:
             assert max(calls) > 1, "no step rotated its rows natively"
-            for prompt, rid in zip(prompts, ids, strict=True):
-                result = engine.result(rid)
-                assert result.logits is not None
-                solo = solo_logits(model, prompt, result.token_ids).float()
-                assert (result.logits.float() - solo).abs().max() <= 0.05 * solo.abs().max()
+            assert_within_rounding_of_solo_runs(engine, model, prompts, ids)
     assert tokens[True] == tokens[False]
     model.native_ops = True

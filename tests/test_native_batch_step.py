@@ -159,7 +159,7 @@ def test_the_whole_step_answers_to_the_solo_runs(monkeypatch: pytest.MonkeyPatch
     from infer.engine import Engine
     from infer.sampling import SamplingParams
     from reference import build_checkpoint
-    from tests.helpers import solo_logits
+    from tests.helpers import assert_within_rounding_of_solo_runs
 
     rows = count_calls(monkeypatch)
     model = infer.load_model(build_checkpoint("llama"), dtype="bfloat16")
@@ -170,11 +170,7 @@ def test_the_whole_step_answers_to_the_solo_runs(monkeypatch: pytest.MonkeyPatch
     while engine.has_unfinished():
         engine.step()
     assert 4 in rows, "the decode steps of four requests did not take the whole-step call"
-    for prompt, rid in zip(prompts, ids, strict=True):
-        result = engine.result(rid)
-        assert result.logits is not None
-        solo = solo_logits(model, prompt, result.token_ids).float()
-        assert (result.logits.float() - solo).abs().max() <= 0.05 * solo.abs().max()
+    assert_within_rounding_of_solo_runs(engine, model, prompts, ids)
 
 
 @pytest.mark.parametrize(("arch", "packed", "why"), [

@@ -197,7 +197,7 @@ def test_the_engine_with_packed_products_answers_to_the_solo_runs(layout: str, m
     from infer.engine import Engine
     from infer.sampling import SamplingParams
     from reference import build_checkpoint
-    from tests.helpers import solo_logits
+    from tests.helpers import assert_within_rounding_of_solo_runs
 
     model = infer.load_model(build_checkpoint("qwen2"), dtype="bfloat16")
     rows = count_packed(monkeypatch)
@@ -209,11 +209,7 @@ def test_the_engine_with_packed_products_answers_to_the_solo_runs(layout: str, m
     while engine.has_unfinished():
         engine.step()
     assert rows, "no step took the packed products"
-    for prompt, rid in zip(prompts, ids, strict=True):
-        result = engine.result(rid)
-        assert result.logits is not None
-        solo = solo_logits(model, prompt, result.token_ids).float()
-        assert (result.logits.float() - solo).abs().max() <= 0.05 * solo.abs().max()
+    assert_within_rounding_of_solo_runs(engine, model, prompts, ids)
 
 
 @needs_packing

@@ -429,7 +429,7 @@ def test_the_batched_engine_steps_take_the_few_row_product(monkeypatch: pytest.M
     from infer.engine import Engine
     from infer.sampling import SamplingParams
     from reference import build_checkpoint
-    from tests.helpers import solo_logits
+    from tests.helpers import assert_within_rounding_of_solo_runs
 
     model = infer.load_model(build_checkpoint("llama"), decode_gemv="native", dtype="bfloat16")
     model.gemm_rows = 8
@@ -441,11 +441,7 @@ def test_the_batched_engine_steps_take_the_few_row_product(monkeypatch: pytest.M
     while engine.has_unfinished():
         engine.step()
     assert 3 in calls, "three one-token rows of a batched decode step took the few-row kernel"
-    for prompt, rid in zip(prompts, ids, strict=True):
-        result = engine.result(rid)
-        assert result.logits is not None
-        solo = solo_logits(model, prompt, result.token_ids).float()
-        assert (result.logits.float() - solo).abs().max() <= 0.05 * solo.abs().max()
+    assert_within_rounding_of_solo_runs(engine, model, prompts, ids)
 
 
 @pytest.mark.skipif(not few_row_kernel_here(), reason="no AVX512-BF16 native build here")
