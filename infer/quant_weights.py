@@ -135,6 +135,46 @@ class QuantizedWeight:
         return w.reshape(n, k).to(dtype)
 
 
+@dataclass(frozen=True)
+class PackedCodes:
+    """A QuantizedWeight laid out for the native packed product (cpu_decode.c's infer_qgemm_packed: the batched
+    engine's steps), as `NativeKernels.pack_bf16` lays out a bf16 weight: blocks of 16 rows, each row's pairs of inputs
+    interleaved, zero rows filling the last block. A copy; the weight is unchanged."""
+
+    fmt: str  # "q8" (Q6_K's codes too) | "q4"
+    codes: torch.Tensor  # q8: int8 [blocks, k // 2, 32]; q4: uint8 [blocks, k // 4, 32] (pairs 2j, 2j + 1: nibbles)
+    scales: torch.Tensor  # float32 [blocks, groups, 16]: each group's scale of the block's 16 rows
+    mins: torch.Tensor | None  # q4: as scales; q8: None
+    group: int
+    shape: tuple[int, int]  # the dense weight's (n, k)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of codes, scales and mins."""
+        return sum(t.nbytes for t in (self.codes, self.scales, self.mins) if t is not None)
+
+
+def pack_codes(weight: QuantizedWeight) -> PackedCodes:
+    """`weight` as `PackedCodes` (the scales widened to float32: factored ones as the kernels form them), so that
+    dequantizing a block gives `NativeKernels.pack_bf16(weight.dequantize(torch.bfloat16))`'s values."""
+    w = weight.unfactored()
+    n, k = w.shape
+    blocks, spare = -(-n // 16), -n % 16
+    q = unpack_q4(w.codes) if w.fmt == "q4" else w.codes
+    q = torch.cat((q, q.new_zeros(spare, k))).reshape(blocks, 16, k // 2, 2).transpose(1, 2).reshape(blocks, k // 2,
+                                                                                                     32)
+    if w.fmt == "q4":
+        pairs = q.reshape(blocks, k // 4, 2, 32)
+        q = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:
+        t = torch.cat((t.float(), t.new_zeros(spare, t.shape[1], dtype=torch.float32)))
+        return t.reshape(blocks, 16, -1).transpose(1, 2).contiguous()
+
+    mins = None if w.mins is None else per_block(w.mins)
+    return PackedCodes(w.fmt, q.contiguous(), per_block(w.scales), mins, w.group, (n, k))
+
+
 def factor(multipliers: torch.Tensor, supers: torch.Tensor) -> torch.Tensor:
     """Factored scales: per row the int8 `multipliers` `[n, groups]`, then the float16 `supers` `[n, k // 256]` as
     their bytes (int8 `[n, groups + 2 * (k // 256)]`)."""

@@ -25,13 +25,16 @@ from infer.memory import available_memory, huge_pages_mode
 from infer.models import Transformer
 from infer.models.transformer import (
     GEMV_FORMS,
+    Linear,
+    QuantizedLinear,
     dequantized_product,
+    few_row_products,
     native_packing_unavailable,
     pack_weight,
     packed_linear,
     packing_unavailable,
 )
-from infer.quant_weights import QuantizedWeight
+from infer.quant_weights import PackedCodes, QuantizedWeight, pack_codes
 from infer.ragged import DECODE_KERNELS
 
 
@@ -317,10 +320,12 @@ def choose_packed_products(model: Transformer, batch_rows: int, forced: bool | s
 
 def _choose_packing(model: Transformer, batch_rows: int, forced: bool | str | None) -> PackingChoice:
     name = "packed products"
-    weights = [m.weight for m in model.packable_products()]
-    quantized = "quantized projections have their own kernels" if model.quantized else None
-    unavailable = {"onednn": quantized or packing_unavailable(weights),
-                   "native": quantized or native_packing_unavailable(weights)}
+    products = model.packable_products()
+    weights = [m.weight for m in products if isinstance(m, Linear)]
+    coded = [m for m in products if isinstance(m, QuantizedLinear)]
+    if coded:
+        return _choose_quantized_packing(model, coded, weights, batch_rows, forced)
+    unavailable = {"onednn": packing_unavailable(weights), "native": native_packing_unavailable(weights)}
     wanted = "onednn" if forced is True else forced if isinstance(forced, str) else None
     gemm_rows = model.gemm_rows
     if wanted == "onednn" and unavailable["onednn"] is not None:
@@ -378,6 +383,72 @@ def _choose_packing(model: Transformer, batch_rows: int, forced: bool | str | No
                                                                              packed["onednn"]), gemm_rows)
         reason += f"; native few-row kernel / packed by rows: {', '.join(kept)} -> {rows} rows (largest summed gain)"
     return PackingChoice(Choice(name, best if on else "off", reason), rows)
+
+
+def _choose_quantized_packing(model: Transformer, coded: list[QuantizedLinear], weights: list[torch.Tensor],
+                              batch_rows: int, forced: bool | str | None) -> PackingChoice:
+    """`choose_packed_products` for a model with quantized projections: their codes packed for the native packed
+    product (`pack_codes`; oneDNN has no layout for codes) where that beats the quantized products' own kernels
+    (`QuantizedLinear` unpacked: the codes kernel, the tile kernel or dequantizing into the GEMM, by rows) over the
+    quantized products the engine runs (cut as above), at 16 and 64 rows and at `batch_rows`, alternately: taken where
+    the mean ratio is 3% or more below 1 and no count is 10% slower."""
+    name = "packed products"
+    if forced is True or forced == "onednn":
+        raise ValueError(f"packed_products={forced!r} needs oneDNN's bf16 GEMM, which has no layout for quantized "
+                         "projections; leave it None, False or 'native'")
+    why = (f"the activations are {model.dtype}, not bf16" if model.dtype != torch.bfloat16
+           else native_packing_unavailable(weights, coded))
+    if forced == "native" and why is not None:
+        raise ValueError(f"packed_products='native' needs the native packed product: {why}; leave it None or False")
+    # the packed codes, float32 scales (at most twice the stored ones' bytes), and the dense products' copies
+    copy = sum(t.nbytes * (1 if t is m.codes else 2) for m in coded for t in m.qweight.tensors()) + sum(
+        w.nbytes for w in weights)
+    free = available_memory(torch.device("cpu")) if why is None else None
+    if why is None and forced is None and free is not None and copy > free // 2:
+        why = (f"the packed copies ({copy / 2**20:.0f} MiB) would take more than half the free memory "
+               f"({free / 2**20:.0f} MiB)")
+    if forced is False or why is not None:
+        return PackingChoice(Choice(name, "off", why if why is not None else "forced off by the caller"), 1)
+    limit, total, sweep = max(_PACKING_SWEEP_BYTES, 2 * last_level_cache_bytes()), 0, []
+    for module in coded:
+        if total < limit:
+            sweep.append(module)
+            total += module.qweight.nbytes
+    kernels = native_kernels()
+    if kernels is None:  # (native_packing_unavailable found it)
+        return PackingChoice(Choice(name, "off", f"no native kernels: {unavailable_reason()}"), 1)
+    packed = [pack_codes(m.qweight) for m in sweep]
+    own, timed, ratios = [m.packed for m in sweep], [], []
+    try:
+        for module in sweep:  # (the model may be packed already: its own kernels are timed unpacked)
+            module.packed = None
+        for m in (16, 64, max(batch_rows, 65)):
+            inputs = {k: torch.randn(m, k).to(torch.bfloat16) for k in {p.shape[1] for p in packed}}
+            times = _time_alternately({
+                "native": functools.partial(_quantized_packed_products, kernels, packed, inputs),
+                "own": functools.partial(_quantized_own_products, sweep, inputs),
+            }, torch.device("cpu"), repeats=3)
+            ratios.append(times["native"] / times["own"])
+            timed.append(f"{m} rows: {times['native'] * 1e3:.1f} / {times['own'] * 1e3:.1f} ms")
+    finally:
+        for module, copy_before in zip(sweep, own, strict=True):
+            module.packed = copy_before
+    on = forced == "native" or (sum(ratios) / len(ratios) < 0.97 and max(ratios) < 1.1)
+    megabytes = sum(m.qweight.nbytes for m in sweep) / 2**20
+    reason = (f"native packed codes / the quantized kernels over {len(sweep)} quantized weights ({megabytes:.0f} "
+              f"MiB), {', '.join(timed)} (medians, alternately); {'forced by the caller; ' if forced else ''}packed "
+              f"copies up to {copy / 2**20:.0f} MiB")
+    return PackingChoice(Choice(name, "native" if on else "off", reason), 1)
+
+
+def _quantized_packed_products(kernels: NativeKernels, packed: list[PackedCodes], inputs: dict[int, torch.Tensor]
+                               ) -> list[object]:
+    return [kernels.quantized_gemm_packed(p, inputs[p.shape[1]]) for p in packed]
+
+
+def _quantized_own_products(sweep: list[QuantizedLinear], inputs: dict[int, torch.Tensor]) -> list[object]:
+    with few_row_products():
+        return [m(inputs[m.in_features]) for m in sweep]
 
 
 def _rows_the_kernel_wins(kernels: NativeKernels, sweep: list[torch.Tensor],

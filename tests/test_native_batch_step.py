@@ -37,14 +37,15 @@ def count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def serve(arch: str, prompts: list[list[int]], new: int, native_step: bool, packed: str = "native",
-          **engine_args: object) -> list[tuple[list[int], torch.Tensor]]:
-    """Each request's greedy tokens and logits through a bf16 engine on `arch`'s test checkpoint."""
+          weights: str | None = None, **engine_args: object) -> list[tuple[list[int], torch.Tensor]]:
+    """Each request's greedy tokens and logits through a bf16 engine on `arch`'s test checkpoint (its weights
+    quantized under `weights`)."""
     import infer
     from infer.engine import Engine
     from infer.sampling import SamplingParams
     from reference import build_checkpoint
 
-    model = infer.load_model(build_checkpoint(arch), dtype="bfloat16")
+    model = infer.load_model(build_checkpoint(arch), dtype="bfloat16", weights=weights)
     model.native_step = native_step
     engine = Engine(model, None, num_blocks=64, keep_logits=True, packed_products=packed,  # type: ignore[arg-type]
                     decode_attention="native", **engine_args)  # type: ignore[arg-type]
@@ -150,6 +151,45 @@ def test_a_quantized_pool_in_the_whole_step_is_the_per_op_path_bit_for_bit(arch:
         assert not rows
     for (tokens, logits), (want_tokens, want_logits) in zip(fast, slow, strict=True):
         assert tokens == want_tokens and torch.equal(logits, want_logits), "the whole step parted from the per-op path"
+
+
+@pytest.mark.parametrize(("arch", "weights"), [("llama", "int8"), ("qwen2", "int4"), ("qwen3", "int8")])
+def test_quantized_weights_in_the_whole_step_are_the_per_op_path_bit_for_bit(arch: str, weights: str,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quantized model's steps in the whole-step call (its products on the packed codes, Qwen 2's biases included):
+    every request's tokens and logits equal the per-op path's, prompt chunks and decode steps alike."""
+    rng = random.Random(weights)
+    prompts = [[rng.randrange(1, 300) for _ in range(n)] for n in (13, 3, 27, 8)]
+    rows = count_calls(monkeypatch)
+    fast = serve(arch, prompts, 6, native_step=True, weights=weights, chunk_attention="native")
+    assert rows and max(rows) > len(prompts), "the prompt chunks and decode steps did not take the whole-step call"
+    rows.clear()
+    slow = serve(arch, prompts, 6, native_step=False, weights=weights, chunk_attention="native")
+    assert not rows
+    for (tokens, logits), (want_tokens, want_logits) in zip(fast, slow, strict=True):
+        assert tokens == want_tokens and torch.equal(logits, want_logits), "the whole step parted from the per-op path"
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantized_weights_in_the_engine_answer_to_the_solo_runs(weights: str) -> None:
+    """A quantized model's requests through the engine on its packed codes (every product of 2 rows or more, in the
+    whole-step call) within bf16 rounding of each one's solo run (the codes kernel's one-row products), and the
+    packed products' copies counted."""
+    import infer
+    from infer.engine import Engine
+    from infer.sampling import SamplingParams
+    from reference import build_checkpoint
+    from tests.helpers import assert_within_rounding_of_solo_runs
+
+    model = infer.load_model(build_checkpoint("llama"), dtype="bfloat16", weights=weights)
+    engine = Engine(model, None, num_blocks=32, keep_logits=True, packed_products="native",
+                    decode_attention="native")
+    assert model.packed_layout == "native" and model.packed_bytes > 0
+    prompts = [[5, 9, 2, 8, 8, 1], [7, 7, 1, 3], [11], [4, 4, 4, 4, 4, 4, 4]]
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=6, temperature=0.0)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    assert_within_rounding_of_solo_runs(engine, model, prompts, ids)
 
 
 def test_the_whole_step_answers_to_the_solo_runs(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,6 +28,7 @@ from infer.quant_weights import (
     STORED_KINDS,
     QuantizedWeight,
     from_gguf,
+    pack_codes,
     pack_q4,
     quantize_int4,
     quantize_int8,
@@ -493,3 +494,38 @@ def test_the_quantized_tile_kernel_is_the_gemm_on_the_bf16_dequantized_weight(
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     assert ((got.double() - exact).abs() <= bound).all(), f"{scheme}: beyond rounding of the bf16-dequantized GEMM"
     assert all(torch.equal(got[j], alone[j]) for j in range(m)), "a row depends on the other rows of the call"
+
+
+@pytest.mark.skipif(native_kernels() is None or not native_kernels().gemm_bf16_available,
+                    reason="the quantized packed product needs AVX512-BF16 (and a native build)")
+@given(scheme=st.sampled_from(["int8", "int4", "Q8_0", "Q4_K", "Q6_K", "Q4_K-factored", "Q6_K-factored"]),
+       n=st.integers(1, 80), runs=st.integers(1, 13), group=st.sampled_from([32, 64, 128]), m=st.integers(1, 21),
+       with_bias=st.booleans(), threads=st.integers(1, 3), seed=st.integers(0, 2**31))
+@settings(max_examples=40, deadline=None)
+def test_the_quantized_packed_product_is_the_packed_product_on_the_bf16_dequantized_weight(
+        scheme: str, n: int, runs: int, group: int, m: int, with_bias: bool, threads: int, seed: int) -> None:
+    """`quantized_gemm_packed` on `pack_codes`' layout (each block of 16 weight rows dequantized once to bf16 in cache)
+    is the bf16 packed product on the weight `dequantize(bf16)` gives, bit for bit (last blocks part-filled, threads
+    splitting the blocks unevenly), and so within fp32 summation and one bf16 rounding of `x @ dequantize(bf16).T`;
+    the weight and x are left as they were."""
+    kernels = native_kernels()
+    assert kernels is not None
+    group = group if scheme == "int4" else 16 if scheme.startswith("Q6_K") else 32
+    k = 256 * (1 + runs % 2) if scheme.endswith("-factored") else max(runs * 32 // group, 1) * group
+    weight = weight_of(scheme, n, k, group, seed)
+    before = [t.clone() for t in weight.tensors()]
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    x_before = x.clone()
+    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    w = weight.dequantize(torch.bfloat16)
+    with on_threads(threads):
+        got = kernels.quantized_gemm_packed(pack_codes(weight), x, bias)
+        want = kernels.gemm_bf16_packed(kernels.pack_bf16(w), x, n, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    assert torch.equal(got, want), f"{scheme}: not the packed product on the bf16-dequantized weight"
+    exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    magnitude = x.double().abs() @ w.double().abs().T + (0 if bias is None else bias.double().abs())
+    bound = (k + 2) * 2.0**-24 * magnitude + 2.0**-8 * exact.abs() + 1e-30
+    assert ((got.double() - exact).abs() <= bound).all(), f"{scheme}: beyond rounding of the bf16-dequantized GEMM"
+    assert torch.equal(x, x_before) and all(torch.equal(a, b) for a, b in zip(weight.tensors(), before, strict=True))

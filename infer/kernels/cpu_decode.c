@@ -1741,6 +1741,27 @@ static inline __attribute__((always_inline)) void packed_tile_bf16(int mr, const
             _mm256_mask_storeu_epi16(y + j * n + col, mask, bf16x16_round(_mm512_add_ps(acc[a][j], bv)));
     }
 }
+
+/* Blocks b, b + 1 (nb of them) packed at `pb` against every tile of x, the bytes `pf` .. `pf_end` prefetched into L2
+ * meanwhile, each tile its share. */
+static void packed_pass(const uint16_t *pb, int64_t pairs, const uint16_t *x, int64_t m, int64_t k,
+                        const uint16_t *bias, uint16_t *y, int64_t n, int64_t b, int nb, const char *pf,
+                        const char *pf_end, int64_t per_iter) {
+    int64_t tiles = (m + PACK_ROWS - 1) / PACK_ROWS;
+    int64_t chunk = ((pf_end - pf + tiles - 1) / tiles + 63) / 64 * 64;
+    for (int64_t j = 0; j < m; j += PACK_ROWS) {
+        int mr = m - j < PACK_ROWS ? (int)(m - j) : PACK_ROWS;
+        const char *end = pf + chunk < pf_end ? pf + chunk : pf_end;
+        switch (mr) { /* each row count its own unrolled tile */
+#define PACKED_TILE(M) \
+    case M: packed_tile_bf16(M, pb, pairs, x + j * k, k, bias, y + j * n, n, 16 * b, nb, pf, end, per_iter); break;
+            PACKED_TILE(1) PACKED_TILE(2) PACKED_TILE(3) PACKED_TILE(4)
+            PACKED_TILE(5) PACKED_TILE(6) PACKED_TILE(7) PACKED_TILE(8)
+#undef PACKED_TILE
+        }
+        pf = end;
+    }
+}
 #endif
 
 /* y [m, n] = x [m, k] W^T (+ bias) for W packed by infer_pack_bf16; every thread a contiguous range of blocks,
@@ -1763,23 +1784,10 @@ int infer_gemm_bf16_packed(const uint16_t *p, const uint16_t *x, const uint16_t 
         int64_t per_iter = (PACK_BLOCKS + tiles - 1) / tiles; /* a block is one line per pair */
         for (int64_t b = b0; b < b1; b += PACK_BLOCKS) {
             int nb = b1 - b < PACK_BLOCKS ? (int)(b1 - b) : PACK_BLOCKS;
-            const uint16_t *pb = p + b * pairs * 32;
             int64_t from = b + 2 * PACK_BLOCKS < b1 ? b + 2 * PACK_BLOCKS : b1;
             int64_t to = b + 3 * PACK_BLOCKS < b1 ? b + 3 * PACK_BLOCKS : b1;
-            const char *pf = (const char *)(p + from * pairs * 32), *pf_end = (const char *)(p + to * pairs * 32);
-            int64_t chunk = ((pf_end - pf + tiles - 1) / tiles + 63) / 64 * 64; /* each tile prefetches its share */
-            for (int64_t j = 0; j < m; j += PACK_ROWS) {
-                int mr = m - j < PACK_ROWS ? (int)(m - j) : PACK_ROWS;
-                const char *end = pf + chunk < pf_end ? pf + chunk : pf_end;
-                switch (mr) { /* each row count its own unrolled tile */
-#define PACKED_TILE(M) \
-    case M: packed_tile_bf16(M, pb, pairs, x + j * k, k, bias, y + j * n, n, 16 * b, nb, pf, end, per_iter); break;
-                    PACKED_TILE(1) PACKED_TILE(2) PACKED_TILE(3) PACKED_TILE(4)
-                    PACKED_TILE(5) PACKED_TILE(6) PACKED_TILE(7) PACKED_TILE(8)
-#undef PACKED_TILE
-                }
-                pf = end;
-            }
+            packed_pass(p + b * pairs * 32, pairs, x, m, k, bias, y, n, b, nb, (const char *)(p + from * pairs * 32),
+                        (const char *)(p + to * pairs * 32), per_iter);
         }
     }
     return 0;
@@ -2516,6 +2524,99 @@ int infer_qgemm_bf16(int fmt, const uint8_t *codes, int sdtype, const void *scal
 #endif
 }
 
+/* ---- the packed product on quantized weights: the batched engine's steps on a quantized model ----
+ * The codes laid out as infer_pack_bf16 lays out a bf16 weight (infer/quant_weights.py's pack_for_packed_product:
+ * blocks of 16 rows, each row's pairs of inputs interleaved, C[b][p][l][e] = q[16b + l][2p + e], zero rows filling the
+ * last block; q4: pairs 2j and 2j + 1 of a block share 32 bytes, as low and high nibbles), the scales (and mins) as
+ * float32 [blocks][groups][16]. Each pair of blocks is dequantized once into a bf16 buffer the thread keeps in cache,
+ * in infer_pack_bf16's layout: scale * q (+ min) in fp32, rounded once (dequantize(bf16)'s numbers, as
+ * dequant_row_bf16's), then multiplied by every row of x as infer_gemm_bf16_packed multiplies its blocks: bit for bit
+ * infer_gemm_bf16_packed on the dequantized weight packed, at a quarter (q8) or an eighth (q4) of the weight's bytes
+ * plus the dequantizing (once per block, whatever the rows). */
+#if defined(HAVE_DOT_BF16)
+/* One block's `pairs` pairs of codes into `out` (32 bf16 values a pair: 16 rows' pair, side by side). */
+static void dequant_block_packed(int fmt, const uint8_t *codes, const float *scales, const float *mins, uint16_t *out,
+                                 int64_t pairs, int64_t group) {
+    const __m512i lo_rows = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i hi_rows = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+    int64_t per_group = group / 2; /* pairs a group (8 or more, even) */
+    for (int64_t g = 0; g < pairs / per_group; g++) {
+        __m512 s = _mm512_loadu_ps(scales + 16 * g), z = mins ? _mm512_loadu_ps(mins + 16 * g) : _mm512_setzero_ps();
+        __m512 s_lo = _mm512_permutexvar_ps(lo_rows, s), s_hi = _mm512_permutexvar_ps(hi_rows, s);
+        __m512 z_lo = _mm512_permutexvar_ps(lo_rows, z), z_hi = _mm512_permutexvar_ps(hi_rows, z);
+        for (int64_t q = g * per_group; q < (g + 1) * per_group; q += 2) { /* two pairs: 64 codes */
+            __m512 w[4];
+            if (fmt == Q8) {
+                for (int v = 0; v < 4; v++)
+                    w[v] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 32 * q + 16 * v))));
+            } else {
+                __m256i a = _mm256_loadu_si256((const __m256i *)(codes + 16 * q)), low = _mm256_set1_epi8(0x0f);
+                __m256i first = _mm256_and_si256(a, low), second = _mm256_and_si256(_mm256_srli_epi16(a, 4), low);
+                w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(first)));
+                w[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(first, 1)));
+                w[2] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(second)));
+                w[3] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(second, 1)));
+            }
+            for (int v = 0; v < 2; v++) { /* pair q + v: rows 0-7 then 8-15 */
+                __m512 lo = _mm512_mul_ps(s_lo, w[2 * v]), hi = _mm512_mul_ps(s_hi, w[2 * v + 1]);
+                if (mins) {
+                    lo = _mm512_add_ps(lo, z_lo);
+                    hi = _mm512_add_ps(hi, z_hi);
+                }
+                _mm512_storeu_si512(out + 32 * (q + v), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            }
+        }
+    }
+}
+#endif
+
+/* y [m, n] = x [m, k] W^T (+ bias) for quantized W laid out as above (fmt Q8 or Q4; mins NULL for q8); every thread a
+ * contiguous range of blocks, as infer_gemm_bf16_packed, the next pair's codes prefetched into L2 while this pair runs.
+ * Returns -2 on a bad shape or without the pair instruction, -1 without memory (nothing written). */
+int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const float *mins, const uint16_t *x,
+                       const uint16_t *bias, uint16_t *y, int64_t m, int64_t n, int64_t k, int64_t group, int threads) {
+#if defined(HAVE_DOT_BF16)
+    if (fmt == Q6) fmt = Q8;
+    if (!qshape_ok(fmt, k, group)) return -2;
+    if (m <= 0 || n <= 0) return 0;
+    int64_t pairs = k / 2, blocks = (n + 15) / 16, groups = k / group, block_bytes = fmt == Q8 ? 16 * k : 8 * k;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt, tiles = (m + PACK_ROWS - 1) / PACK_ROWS;
+        uint16_t *buf = (uint16_t *)malloc((size_t)(PACK_BLOCKS * pairs * 32) * sizeof(uint16_t));
+        if (!buf) {
+            b1 = b0;
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* the next pair's codes, spread over this pair's iterations (a line per pair of each block's codes) */
+        int64_t per_iter = (PACK_BLOCKS * block_bytes / 64 + tiles * pairs - 1) / (tiles * pairs);
+        for (int64_t b = b0; b < b1; b += PACK_BLOCKS) {
+            int nb = b1 - b < PACK_BLOCKS ? (int)(b1 - b) : PACK_BLOCKS;
+            for (int a = 0; a < nb; a++)
+                dequant_block_packed(fmt, codes + (b + a) * block_bytes, scales + (b + a) * groups * 16,
+                                     mins ? mins + (b + a) * groups * 16 : NULL, buf + a * pairs * 32, pairs, group);
+            int64_t from = b + PACK_BLOCKS < b1 ? b + PACK_BLOCKS : b1;
+            int64_t to = b + 2 * PACK_BLOCKS < b1 ? b + 2 * PACK_BLOCKS : b1;
+            packed_pass(buf, pairs, x, m, k, bias, y, n, b, nb, (const char *)(codes + from * block_bytes),
+                        (const char *)(codes + to * block_bytes), per_iter);
+        }
+        free(buf);
+    }
+    return failed ? -1 : 0;
+#else
+    (void)fmt, (void)codes, (void)scales, (void)mins, (void)x, (void)bias, (void)y, (void)m, (void)n, (void)k;
+    (void)group, (void)threads;
+    return -2;
+#endif
+}
+
 /* ---- a one-token step of one sequence: every decoder layer in one call ----
  * A small model's decode step is dominated by the Python between its ops (SmolLM2-135M: ~20 ops a layer, 30
  * layers, half the step), not by its products. This runs a whole step's layers with the same kernels the
@@ -2702,11 +2803,25 @@ int infer_decode_step(int dtype, const step_layer *layers, int64_t n_layers, int
  * PyTorch's bf16 adds: fp32 sums rounded once). x [rows, hidden] bf16 becomes the last layer's output. A quantized
  * pool's layers stage their rows and call `quantize_filled(layer)` back (the pool's own Python quantizes the blocks
  * the rows fill: the per-op path's codes) before attending over codes and staging; a non-zero return stops the call
- * (-4). */
+ * (-4). A quantized model's products run the packed product on its packed codes (infer_qgemm_packed), as its per-op
+ * path does. */
+typedef struct {
+    const void *w, *bias; /* bf16 packed by infer_pack_bf16 (fmt -1) or codes packed for infer_qgemm_packed; bias or NULL */
+    const float *scales, *mins; /* the codes' (mins NULL: none) */
+    int64_t fmt, group;         /* -1, Q8 or Q4; the codes' group */
+} batch_product;
+
+static int batch_product_run(const batch_product *p, const uint16_t *x, uint16_t *y, int64_t m, int64_t n, int64_t k,
+                             int threads) {
+    if (p->fmt < 0) return infer_gemm_bf16_packed((const uint16_t *)p->w, x, (const uint16_t *)p->bias, y, m, n, k, threads);
+    return infer_qgemm_packed((int)p->fmt, (const uint8_t *)p->w, p->scales, p->mins, x, (const uint16_t *)p->bias, y,
+                              m, n, k, p->group, threads);
+}
+
 typedef struct {
     const void *attn_norm, *mlp_norm;                            /* [hidden] */
     const void *q_norm, *k_norm;                                 /* [d] (Qwen 3) or NULL */
-    const void *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias; /* packed, bias or NULL */
+    batch_product qkv, o, gate_up, down;
     void *k_blocks, *v_blocks;                                   /* [num_blocks, kv_heads, bs, d] */
     const void *cos, *sin;                                       /* [rows, d]: the layer's RoPE at each row */
     int64_t window;                                              /* 0: none */
@@ -2751,8 +2866,10 @@ int infer_batch_step(const batch_layer *layers, int64_t n_layers, uint16_t *x, i
     for (int64_t l = 0; code == 0 && l < n_layers; l++) {
         const batch_layer *L = layers + l;
         infer_rms_norm(BF16, x, L->attn_norm, h, rows, hidden, eps, 0, threads);
-        infer_gemm_bf16_packed((const uint16_t *)L->qkv, h, (const uint16_t *)L->qkv_bias, big, rows, qkv_n, hidden,
-                               threads);
+        if (batch_product_run(&L->qkv, h, big, rows, qkv_n, hidden, threads)) {
+            code = -1;
+            break;
+        }
         if (L->q_norm) /* each row's heads normed in place, as the per-op path's rows norms do */
             for (int64_t r = 0; r < rows; r++) {
                 uint16_t *row = big + r * qkv_n;
@@ -2780,15 +2897,21 @@ int infer_batch_step(const batch_layer *layers, int64_t n_layers, uint16_t *x, i
             code = -1;
             break;
         }
-        infer_gemm_bf16_packed((const uint16_t *)L->o, attn, (const uint16_t *)L->o_bias, o, rows, hidden, heads * d,
-                               threads);
+        if (batch_product_run(&L->o, attn, o, rows, hidden, heads * d, threads)) {
+            code = -1;
+            break;
+        }
         add_bf16(x, o, x, rows * hidden);
         infer_rms_norm(BF16, x, L->mlp_norm, h, rows, hidden, eps, 0, threads);
-        infer_gemm_bf16_packed((const uint16_t *)L->gate_up, h, (const uint16_t *)L->gate_up_bias, big, rows, 2 * inter,
-                               hidden, threads);
+        if (batch_product_run(&L->gate_up, h, big, rows, 2 * inter, hidden, threads)) {
+            code = -1;
+            break;
+        }
         infer_gated_rows(BF16, big, 2 * inter, big + inter, 2 * inter, gated, rows, inter, 0, threads);
-        infer_gemm_bf16_packed((const uint16_t *)L->down, gated, (const uint16_t *)L->down_bias, o, rows, hidden, inter,
-                               threads);
+        if (batch_product_run(&L->down, gated, o, rows, hidden, inter, threads)) {
+            code = -1;
+            break;
+        }
         add_bf16(x, o, x, rows * hidden);
     }
     free(mem);

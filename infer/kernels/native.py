@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from infer.quant_weights import QuantizedWeight
+from infer.quant_weights import PackedCodes, QuantizedWeight
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -72,13 +72,21 @@ class StepLayer(ctypes.Structure):
                                                        "k_offset", "v_rot"))]
 
 
+class BatchProduct(ctypes.Structure):
+    """cpu_decode.c's batch_product: a bf16 weight packed by `pack_bf16` (fmt -1) or codes packed by `pack_codes` (fmt
+    Q8 / Q4, float32 scales and mins), and its bias (or NULL)."""
+
+    _fields_ = [*((name, ctypes.c_void_p) for name in ("w", "bias", "scales", "mins")), ("fmt", ctypes.c_int64),
+                ("group", ctypes.c_int64)]
+
+
 class BatchLayer(ctypes.Structure):
     """cpu_decode.c's batch_layer: one decoder layer of a batched engine step in one call
     (infer/models/native_batch_step.py fills it)."""
 
-    _fields_ = [*((name, ctypes.c_void_p) for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "qkv", "qkv_bias",
-                                                        "o", "o_bias", "gate_up", "gate_up_bias", "down", "down_bias",
-                                                        "k_blocks", "v_blocks", "cos", "sin")),
+    _fields_ = [*((name, ctypes.c_void_p) for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm")),
+                *((name, BatchProduct) for name in ("qkv", "o", "gate_up", "down")),
+                *((name, ctypes.c_void_p) for name in ("k_blocks", "v_blocks", "cos", "sin")),
                 ("window", ctypes.c_int64), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
                 # a quantized pool's layer (NULL codes: an exact pool)
                 *((name, ctypes.c_void_p) for name in ("k_codes", "v_codes", "k_scale", "v_scale", "k_offset",
@@ -169,6 +177,10 @@ class NativeKernels:
         lib.infer_qgemm_bf16.argtypes = qgemm_args
         lib.infer_qgemm_bf16.restype = ctypes.c_int
         self._qgemm_bf16 = lib.infer_qgemm_bf16
+        # fmt, codes, scales, mins, x, bias, y, m, n, k, group, threads
+        lib.infer_qgemm_packed.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 6, *[ctypes.c_int64] * 4, ctypes.c_int]
+        lib.infer_qgemm_packed.restype = ctypes.c_int
+        self._qgemm_packed = lib.infer_qgemm_packed
         self._read = lib.infer_read
         lib.infer_set_prefetch.argtypes = [ctypes.c_int]
         lib.infer_set_prefetch.restype = None
@@ -269,6 +281,24 @@ class NativeKernels:
         if code:
             raise ValueError(f"the native quantized few-row product needs AVX512-BF16 (this build: {self.isa}) and "
                              f"k a multiple of 32 in groups of whole runs (k={k}, group={group})")
+        return out.view(*x.shape[:-1], n)
+
+    def quantized_gemm_packed(self, packed: PackedCodes, x: torch.Tensor, bias: torch.Tensor | None = None
+                              ) -> torch.Tensor:
+        """`x @ W.T (+ bias)` for bf16 rows `x` `[..., k]` and a quantized weight laid out by `pack_codes`: each pair
+        of blocks dequantized once to bf16 in cache, then `gemm_bf16_packed`'s tiles (its values bit for bit, on the
+        weight `dequantize(bf16)` gives). Needs `gemm_bf16_available`."""
+        n, k = packed.shape
+        rows, bias, out = _bf16_operands(x, k, n, bias)
+        code = self._qgemm_packed(QFORMATS[packed.fmt], packed.codes.data_ptr(), packed.scales.data_ptr(),
+                                  None if packed.mins is None else packed.mins.data_ptr(), rows.data_ptr(),
+                                  None if bias is None else bias.data_ptr(), out.data_ptr(), rows.shape[0], n, k,
+                                  packed.group, torch.get_num_threads())
+        if code == -1:
+            raise MemoryError(f"the native quantized packed product could not allocate {64 * k} bytes")
+        if code:
+            raise ValueError(f"the native quantized packed product needs AVX512-BF16 (this build: {self.isa}) and k a "
+                             f"multiple of 32 in groups of whole runs (k={k}, group={packed.group})")
         return out.view(*x.shape[:-1], n)
 
     def takes(self, weight: QuantizedWeight) -> bool:

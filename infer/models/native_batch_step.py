@@ -26,8 +26,9 @@ import torch
 
 from infer.cache.paged_quantized import QuantizedPagedPool
 from infer.config import ModelConfig
-from infer.kernels.native import BatchLayer, NativeKernels
+from infer.kernels.native import QFORMATS, BatchLayer, BatchProduct, NativeKernels
 from infer.models.native_step import QSCHEMES
+from infer.quant_weights import PackedCodes
 
 
 class BatchModel(Protocol):
@@ -79,13 +80,24 @@ class NativeBatchStep:
                 desc.q_norm, desc.k_norm = self._address(attn.q_norm.weight), self._address(attn.k_norm.weight)
             for name, product in (("qkv", attn.__dict__["qkv"]), ("o", attn.o_proj),
                                   ("gate_up", mlp.__dict__["gate_up"]), ("down", mlp.down_proj)):
-                setattr(desc, name, self._address(product.packed))
-                setattr(desc, f"{name}_bias", None if product.bias is None else self._address(product.bias))
+                self._describe_product(getattr(desc, name), product)
             desc.window, desc.scale, desc.softcap = attn.window or 0, attn.scale, attn.softcap or 0.0
         self.shape = (config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size,
                       config.intermediate_size)
         self.eps = config.rms_norm_eps
         self.rotation: tuple[torch.Tensor | None, torch.Tensor | None] | None = None  # a pool's, and its fp32 copy
+
+    def _describe_product(self, desc: BatchProduct, product: Any) -> None:
+        """Point `desc` at `product`'s packed copy: a bf16 weight (fmt -1) or a quantized weight's packed codes."""
+        packed = product.packed
+        desc.bias = None if product.bias is None else self._address(product.bias)
+        if isinstance(packed, PackedCodes):
+            self.keep += [t for t in (packed.codes, packed.scales, packed.mins) if t is not None]
+            desc.w, desc.scales = packed.codes.data_ptr(), packed.scales.data_ptr()
+            desc.mins = None if packed.mins is None else packed.mins.data_ptr()
+            desc.fmt, desc.group = QFORMATS[packed.fmt], packed.group
+        else:
+            desc.w, desc.fmt = self._address(packed), -1
 
     def _address(self, t: torch.Tensor) -> int:
         """The address of `t` (bf16, contiguous: a copy where it is not), kept alive with this step."""

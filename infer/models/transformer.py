@@ -35,7 +35,7 @@ from infer.kernels.native import NativeKernels, native_gemv, native_kernels, una
 from infer.memory import empty_on_huge_pages
 from infer.models.native_batch_step import NativeBatchStep, batch_step_unavailable
 from infer.models.native_step import NativeStep, codes_cache, takes_model
-from infer.quant_weights import QuantizedWeight, concat_rows
+from infer.quant_weights import PackedCodes, QuantizedWeight, concat_rows, pack_codes
 from infer.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from infer.tensor_parallel import Shards
 
@@ -67,9 +67,10 @@ class ProjectionTraits:
     # A fused Linear (fuse_linears) computes its parts' products: all of them, or only one-row native ones.
     all_rows: bool = True
     # A copy of the weight packed for the engine's steps (Transformer.pack_products), or None: in oneDNN's blocked
-    # layout (`pack_weight`) or in the native packed product's (`packed_layout` "native", NativeKernels.pack_bf16);
-    # and the rows of input past which the engine's steps take it (up to them, the native few-row kernel).
-    packed: torch.Tensor | None = None
+    # layout (`pack_weight`) or in the native packed product's (`packed_layout` "native", NativeKernels.pack_bf16;
+    # a quantized weight's codes: `pack_codes`); and the rows of input past which the engine's steps take it (up to
+    # them, the native few-row kernel).
+    packed: torch.Tensor | PackedCodes | None = None
     packed_layout = "onednn"
     packed_from = 1
 
@@ -103,6 +104,7 @@ class Linear(ProjectionTraits, nn.Linear):
     """
 
     native_rows = 1  # rows up to which "native" runs the compiled kernels: one the GEMV, more the few-row product
+    packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.packed is not None and x.dtype == self.weight.dtype and self.upcast is None and not x.requires_grad
@@ -161,11 +163,16 @@ def packing_unavailable(weights: list[torch.Tensor]) -> str | None:
     return None
 
 
-def native_packing_unavailable(weights: list[torch.Tensor]) -> str | None:
-    """Why the native packed product cannot take these weights (None: it can): bf16 CPU weights of even inputs and
-    a native build with the bf16 pair instruction (AVX512-BF16)."""
-    if (why := _not_bf16_on_the_cpu(weights)) is not None:
+def native_packing_unavailable(weights: list[torch.Tensor], coded: list[QuantizedLinear] | None = None
+                               ) -> str | None:
+    """Why the native packed product cannot take these weights and quantized projections (`coded`; None: it can):
+    bf16 CPU weights of even inputs, CPU codes whose scales the native kernels take (`NativeKernels.takes`), and a
+    native build with the bf16 pair instruction (AVX512-BF16)."""
+    coded = coded or []
+    if (weights or not coded) and (why := _not_bf16_on_the_cpu(weights)) is not None:
         return why
+    if any(m.codes.device.type != "cpu" for m in coded):
+        return "the weights are not on the CPU"
     if any(w.shape[1] % 2 for w in weights):
         return "a projection has an odd number of inputs"
     kernels = native_kernels()
@@ -173,6 +180,8 @@ def native_packing_unavailable(weights: list[torch.Tensor]) -> str | None:
         return f"no native kernels: {unavailable_reason()}"
     if not kernels.gemm_bf16_available:
         return f"this build ({kernels.isa}) has no AVX512-BF16"
+    if not all(kernels.takes(m.qweight) for m in coded):
+        return "a quantized projection's scales are not float16, float32 or factored over whole runs of 256"
     return None
 
 
@@ -222,13 +231,18 @@ class QuantizedLinear(ProjectionTraits, nn.Module):
     dequantize with the native dequantizer (bit-equal to the reference) into the GEMM, except that inside
     `few_row_products()` (the batched engine's steps) bf16 inputs of up to `tile_rows` rows take the native tile
     kernel (each tile of 4 weight rows dequantized to bf16 in cache: the GEMM's numbers, the weight never written
-    out whole). "triton" runs the Triton kernel (infer/kernels/qgemv.py) on as many rows."""
+    out whole), or, packed for the engine (`Transformer.pack_products(layout="native")`: `packed`, the codes in the
+    native packed product's layout), every bf16 input of 2 rows or more the native packed product on them (each
+    block of 16 weight rows dequantized to bf16 in cache once per call). "triton" runs the Triton kernel
+    (infer/kernels/qgemv.py) on as many rows."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
     native_rows = 16  # rows up to which the native kernel beats dequantize + GEMM (infer.tuning times it)
     tile_rows = 1  # rows up to which the tile kernel runs past native_rows (Transformer.gemm_rows; 1: never)
+    packed: PackedCodes | None = None
+    packed_layout = "native"
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -250,6 +264,9 @@ class QuantizedLinear(ProjectionTraits, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
+        if (self.packed is not None and rows > self.packed_from and x.dtype == torch.bfloat16 and self.upcast is None
+                and not x.requires_grad and _FEW_ROW_PRODUCTS.get()):
+            return native_kernels_or_raise().quantized_gemm_packed(self.packed, x, self.bias)
         if self.gemv == "native" and rows <= self.native_rows and not x.requires_grad:
             return native_kernels_or_raise().quantized_gemv(self.qweight, x, self.bias)
         if (self.gemv == "native" and rows <= self.tile_rows and x.dtype == torch.bfloat16 and not x.requires_grad
@@ -688,10 +705,17 @@ class Transformer(nn.Module):
             raise ValueError(f"native_rows must be an int >= 1, got {native_rows!r}")
         if layout not in PACKED_LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(PACKED_LAYOUTS)}, got {layout!r}")
-        weights = [m.weight for m in self.packable_products()]
-        if on and layout == "onednn" and (why := packing_unavailable(weights)) is not None:
+        products = self.packable_products()
+        weights = [m.weight for m in products if isinstance(m, Linear)]
+        coded = [m for m in products if isinstance(m, QuantizedLinear)]
+        if on and layout == "onednn" and (why := "quantized projections have no oneDNN layout" if coded
+                                          else packing_unavailable(weights)) is not None:
             raise ValueError(f"packing the products needs oneDNN's bf16 GEMM: {why}; leave them unpacked")
-        if on and layout == "native" and (why := native_packing_unavailable(weights)) is not None:
+        if coded and self.dtype != torch.bfloat16:
+            coded_why: str | None = f"the activations are {self.dtype}, not bf16"
+        else:
+            coded_why = native_packing_unavailable(weights, coded)
+        if on and layout == "native" and (why := coded_why) is not None:
             raise ValueError(f"packing the products for the native packed product: {why}; use layout='onednn' or "
                              "leave them unpacked")
         if on and self._decoder_layers()[0].self_attn.__dict__["qkv"] is None:
@@ -704,21 +728,27 @@ class Transformer(nn.Module):
                 product.packed_from = rows
             return
         for module in self._linears():
+            module.packed, module.packed_from = None, 1
             if isinstance(module, Linear):
-                module.packed, module.packed_from, module.packed_layout = None, 1, "onednn"
+                module.packed_layout = "onednn"
         if on:
             pack = pack_weight if layout == "onednn" else native_kernels_or_raise().pack_bf16
             for product in products:
-                product.packed, product.packed_from, product.packed_layout = pack(product.weight), rows, layout
+                if isinstance(product, QuantizedLinear):
+                    product.packed, product.packed_from = pack_codes(product.qweight), rows
+                else:
+                    product.packed, product.packed_from, product.packed_layout = pack(product.weight), rows, layout
 
     @property
     def packed_bytes(self) -> int:
         """Bytes of the packed copies (`packed_products`): the weights they copy, 0 when off."""
-        return sum(m.weight.nbytes for m in self._linears() if m.packed is not None and isinstance(m, Linear))
+        return sum(m.weight.nbytes if isinstance(m, Linear) else m.packed.nbytes
+                   for m in self._linears() if m.packed is not None)
 
-    def packable_products(self) -> list[Linear]:
+    def packable_products(self) -> list[Projection]:
         """The products the engine's steps run, one per distinct product: the fused q/k/v and gate/up where they
-        exist, else their parts; o_proj, down_proj and a dense LM head."""
+        exist, else their parts; o_proj, down_proj and the LM head (dense or quantized: a tied one read as an
+        embedding is neither)."""
         chosen: list[Projection] = []
         for layer in self._decoder_layers():
             attn, mlp = layer.self_attn, layer.mlp
@@ -728,7 +758,7 @@ class Transformer(nn.Module):
             chosen += [gate_up] if gate_up is not None else [mlp.gate_proj, mlp.up_proj]
             chosen.append(mlp.down_proj)
         chosen.append(cast(Projection, self.lm_head))
-        return [m for m in chosen if isinstance(m, Linear)]
+        return [m for m in chosen if isinstance(m, (Linear, QuantizedLinear))]
 
     @property
     def quantized(self) -> bool:
