@@ -318,6 +318,15 @@ def choose_packed_products(model: Transformer, batch_rows: int, forced: bool | s
     return cached[key]
 
 
+def _crowding(copy: int) -> str | None:
+    """Why packed copies of `copy` bytes are not made unasked: more than half the free memory (None: they fit)."""
+    free = available_memory(torch.device("cpu"))
+    if free is not None and copy > free // 2:
+        return (f"the packed copies ({copy / 2**20:.0f} MiB) would take more than half the free memory "
+                f"({free / 2**20:.0f} MiB)")
+    return None
+
+
 def _choose_packing(model: Transformer, batch_rows: int, forced: bool | str | None) -> PackingChoice:
     name = "packed products"
     products = model.packable_products()
@@ -337,10 +346,8 @@ def _choose_packing(model: Transformer, batch_rows: int, forced: bool | str | No
     layouts = [wanted] if wanted else [key for key, why in unavailable.items() if why is None]
     why = None if layouts else unavailable["onednn"]
     copy = sum(w.nbytes for w in weights)
-    free = available_memory(torch.device("cpu")) if why is None else None
-    if why is None and not wanted and free is not None and copy > free // 2:
-        why = (f"the packed copies ({copy / 2**20:.0f} MiB) would take more than half the free memory "
-               f"({free / 2**20:.0f} MiB)")
+    if why is None and not wanted:
+        why = _crowding(copy)
     if forced is False or why is not None:
         return PackingChoice(Choice(name, "off", why if why is not None else "forced off by the caller"), gemm_rows)
     limit = max(_PACKING_SWEEP_BYTES, 2 * last_level_cache_bytes())
@@ -403,10 +410,8 @@ def _choose_quantized_packing(model: Transformer, coded: list[QuantizedLinear], 
     # the packed codes, float32 scales (at most twice the stored ones' bytes), and the dense products' copies
     copy = sum(t.nbytes * (1 if t is m.codes else 2) for m in coded for t in m.qweight.tensors()) + sum(
         w.nbytes for w in weights)
-    free = available_memory(torch.device("cpu")) if why is None else None
-    if why is None and forced is None and free is not None and copy > free // 2:
-        why = (f"the packed copies ({copy / 2**20:.0f} MiB) would take more than half the free memory "
-               f"({free / 2**20:.0f} MiB)")
+    if why is None and forced is None:
+        why = _crowding(copy)
     if forced is False or why is not None:
         return PackingChoice(Choice(name, "off", why if why is not None else "forced off by the caller"), 1)
     limit, total, sweep = max(_PACKING_SWEEP_BYTES, 2 * last_level_cache_bytes()), 0, []
