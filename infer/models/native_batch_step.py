@@ -14,8 +14,9 @@ or a quantized pool (infer/cache/paged_quantized.py: the rows staged in C, the b
 back into the pool's own Python, `QuantizedPoolLayer.quantize_filled`, so the codes are the per-op path's bit for
 bit; then the paged kernel over codes and staging), every layer reading the same batch; a bf16 model of pre-norm
 SiLU layers (Qwen 3's q/k norms included) whose products are packed for the native packed product
-(`Transformer.pack_products(layout="native")`). Anything else runs the per-op path, which stays the check
-(`Transformer.native_step = False` turns both whole-step calls off).
+(`Transformer.pack_products(layout="native")`: bf16 weights, or quantized ones' codes, `pack_codes`, which the call
+dequantizes a block at a time as the per-op path's `QuantizedLinear` does). Anything else runs the per-op path, which
+stays the check (`Transformer.native_step = False` turns both whole-step calls off).
 """
 
 from __future__ import annotations
