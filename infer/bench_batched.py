@@ -173,9 +173,7 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
         ("infer engine", lambda w: run_engine(model, w, **engine_args))]
     for kv in args.kv_cache_dtype:  # the same engine with its pool quantized, in the same memory
         # (the Triton paged kernel reads exact blocks only: a quantized pool takes the engine's other choice)
-        # (nor does the native kernel take a quantized pool's prompt chunks)
-        quantized = {k: v for k, v in engine_args.items()
-                     if (k, v) not in (("decode_attention", "triton"), ("chunk_attention", "native"))}
+        quantized = {k: v for k, v in engine_args.items() if (k, v) != ("decode_attention", "triton")}
         quantized["kv_cache_dtype"] = kv
         runners.append((f"infer engine[{kv}]", partial(run_quantized, model, f"infer engine[{kv}]", quantized)))
     if not args.no_one_by_one:

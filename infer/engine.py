@@ -157,7 +157,7 @@ class Engine:
         # The prompt chunks' tokens join the decode rows in the native kernel where it is measured faster than SDPA
         # over each chunk's gathered keys ("sdpa": each chunk on its own, the unoptimised path).
         self.chunk_attention = choose_chunk_attention(config, model.dtype, self.device, self.decode_attention,
-                                                      kv_cache_dtype is None, chunk_attention).value
+                                                      chunk_attention).value
         graphs = _use_decode_graphs(decode_graphs, model, self.device, self.decode_attention)
         spare = 1 if graphs else 0  # the block the padded rows of a graph's steps write (BatchedDecodeGraphs)
         windows = [layer.self_attn.window for layer in model._decoder_layers()]

@@ -639,19 +639,17 @@ CHUNK_ATTENTION = ("native", "sdpa")
 
 
 def choose_chunk_attention(config: ModelConfig, dtype: torch.dtype, device: torch.device, decode_attention: str,
-                           exact_pool: bool, forced: str = "auto") -> Choice:
+                           forced: str = "auto") -> Choice:
     """How the batched engine attends the prompt chunks of a step: "native", every token a row of the decode
-    group's native in-place kernel (each masked by its own position: no gather, no per-sequence call), or
-    "sdpa", each chunk by SDPA over its gathered keys. "native" needs the native decode kernel and an exact pool
-    (a quantized pool stages a chunk's rows itself); "auto" takes it where it is 5% faster than SDPA here on
+    group's native in-place kernel (each masked by its own position: no gather, no per-sequence call; over a
+    quantized pool's codes and staging too), or "sdpa", each chunk by SDPA over its gathered keys (a quantized pool's
+    dequantized). "native" needs the native decode kernel; "auto" takes it where it is 5% faster than SDPA here on
     this model's head shapes (4 prompts of 128 tokens, timed alternately): on a 2-core EPYC at the 150M Llama's
     heads 2.03 vs 3.27 ms in bf16 (SDPA's CPU flash kernel ran such chunks at 30-70 GFLOP/s), 3.27 vs 3.33 in fp32."""
     name = "prompt chunk attention"
     if forced not in ("auto", *CHUNK_ATTENTION):
         raise ValueError(f"chunk_attention must be 'auto', 'native' or 'sdpa', got {forced!r}")
     why = None if decode_attention == "native" else f"the decode rows attend by {decode_attention!r}, not 'native'"
-    if why is None and not exact_pool:
-        why = "a quantized pool stages a chunk's rows itself"
     if forced == "native" and why is not None:
         raise ValueError(f"chunk_attention='native' joins the decode rows' native kernel: {why}; use 'auto' or "
                          "'sdpa'")

@@ -131,23 +131,26 @@ def count_fills_inside(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return layers
 
 
+@pytest.mark.parametrize("chunks", ["sdpa", "native"])
 @pytest.mark.parametrize(("arch", "kv"), [("llama", "int8"), ("qwen2", "int4"), ("qwen3", "fp4")])
-def test_a_quantized_pool_in_the_whole_step_is_the_per_op_path_bit_for_bit(arch: str, kv: str,
+def test_a_quantized_pool_in_the_whole_step_is_the_per_op_path_bit_for_bit(arch: str, kv: str, chunks: str,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """A quantized pool's decode steps in the whole-step call (its rows staged in C, the blocks they fill quantized by
-    the pool's own code called back for every layer, the paged kernel over codes and staging): every request's tokens
-    and logits equal the per-op path's, with blocks filled inside the call."""
+    """A quantized pool's steps in the whole-step call (its rows staged in C, the blocks they fill quantized by the
+    pool's own code called back for every layer, the paged kernel over codes and staging): decode steps, and with
+    the prompt chunks' tokens rows of the kernel ("native" chunk attention) the mixed steps too, whole blocks filled
+    inside the call. Every request's tokens and logits equal the per-op path's."""
     rng = random.Random(kv)
     # prompts whose second block (a sink's neighbour: quantized when full) fills within the decode steps
     prompts = [[rng.randrange(1, 300) for _ in range(n)] for n in (29, 18, 5, 40)]
     with pytest.MonkeyPatch.context() as patch:
         fills = count_fills_inside(patch)
         rows = count_calls(patch)
-        fast = serve(arch, prompts, 20, native_step=True, kv_cache_dtype=kv)
+        fast = serve(arch, prompts, 20, native_step=True, kv_cache_dtype=kv, chunk_attention=chunks)
         assert rows, "no step took the whole-step call"
+        assert (max(rows) > len(prompts)) == (chunks == "native"), "the prompt chunks ran where they should not"
         assert sorted(set(fills)) == [0, 1], "no block filled inside the call in both layers of the test checkpoint"
         rows.clear()
-        slow = serve(arch, prompts, 20, native_step=False, kv_cache_dtype=kv)
+        slow = serve(arch, prompts, 20, native_step=False, kv_cache_dtype=kv, chunk_attention=chunks)
         assert not rows
     for (tokens, logits), (want_tokens, want_logits) in zip(fast, slow, strict=True):
         assert tokens == want_tokens and torch.equal(logits, want_logits), "the whole step parted from the per-op path"

@@ -480,21 +480,21 @@ def test_quantized_batches_past_the_codes_kernel_take_the_tile_kernel_in_the_eng
 
 
 def test_prompt_chunk_attention_is_measured_forced_or_sdpa() -> None:
-    """The prompt chunks join the native decode kernel only with it and an exact pool; "auto" times both ways
-    (4 prompts of 128 tokens) and names them; "sdpa" forced is taken as given."""
+    """The prompt chunks join the native decode kernel only with it; "auto" times both ways (4 prompts of 128 tokens)
+    and names them; "sdpa" forced is taken as given, "native" without the native decode kernel refused."""
     from infer.config import ModelConfig
     from infer.tuning import choose_chunk_attention
 
     config = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     cpu = torch.device("cpu")
-    off = choose_chunk_attention(config, torch.float32, cpu, "matmul", True)
+    off = choose_chunk_attention(config, torch.float32, cpu, "matmul")
     assert off.value == "sdpa" and "the decode rows attend by 'matmul'" in off.reason
-    quantized = choose_chunk_attention(config, torch.float32, cpu, "native", False)
-    assert quantized.value == "sdpa" and "quantized pool" in quantized.reason
-    assert choose_chunk_attention(config, torch.float32, cpu, "native", True, "sdpa").value == "sdpa"
+    with pytest.raises(ValueError, match="chunk_attention='native' joins the decode rows' native kernel: the decode"):
+        choose_chunk_attention(config, torch.float32, cpu, "sdpa", "native")
+    assert choose_chunk_attention(config, torch.float32, cpu, "native", "sdpa").value == "sdpa"
     if native_here():
-        auto = choose_chunk_attention(config, torch.bfloat16, cpu, "native", True)
+        auto = choose_chunk_attention(config, torch.bfloat16, cpu, "native")
         assert auto.value in ("native", "sdpa") and "native " in auto.reason and "sdpa " in auto.reason, auto.reason
 
 

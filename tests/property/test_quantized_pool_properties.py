@@ -37,6 +37,9 @@ from tests.property.strategies import model_configs
 KERNELS = ["sdpa", "matmul", "per-sequence"] + (
     ["native"] if native_kernels() is not None and TEST_DEVICE == "cpu" else []) + (
     ["triton"] if triton_available(torch.device(TEST_DEVICE).type) else [])
+# How a prompt chunk's tokens attend: each chunk by SDPA over its gathered keys, or every token a row of the native
+# kernel's one call.
+CHUNK_KERNELS = ["sdpa"] + (["native"] if native_kernels() is not None and TEST_DEVICE == "cpu" else [])
 
 
 def quantized_solo_logits(model: Transformer, scheme: str, block_size: int, prompt: list[int], tokens: list[int],
@@ -150,17 +153,21 @@ def test_batched_decode_steps_equal_the_quantized_cache(config: ModelConfig, see
 
 
 @given(config=model_configs(), seed=st.integers(0, 999), scheme=st.sampled_from(KV_CACHE_DTYPES),
-       block_size=st.integers(1, 6), budget=st.integers(2, 9), length=st.integers(2, 20), new=st.integers(1, 6))
+       block_size=st.integers(1, 6), budget=st.integers(2, 9), length=st.integers(2, 20), new=st.integers(1, 6),
+       chunk_attention=st.sampled_from(CHUNK_KERNELS))
 def test_chunked_prefill_equals_the_quantized_cache_fed_the_same_chunks(
-        config: ModelConfig, seed: int, scheme: str, block_size: int, budget: int, length: int, new: int) -> None:
+        config: ModelConfig, seed: int, scheme: str, block_size: int, budget: int, length: int, new: int,
+        chunk_attention: str) -> None:
     """A lone request prefilled in chunks of the token budget: multi-token writes fill blocks mid-step, and its
-    logits are the quantized cache's fed the same chunks."""
+    logits are the quantized cache's fed the same chunks; its chunks attending each by SDPA over gathered codes and
+    staging, or every token a row of the native kernel's one call over the pool in place."""
     config = even_head_dim(config)
     model = random_model(config, seed=seed)
     prompt = [(5 * i + 1) % config.vocab_size for i in range(length)]
     engine = Engine(model, None, num_blocks=-(-(length + new) // block_size) + 1, block_size=block_size,
                     max_num_seqs=1, max_num_batched_tokens=budget, keep_logits=True, kv_cache_dtype=scheme,
-                    bound_sliding_layers=False)
+                    bound_sliding_layers=False, chunk_attention=chunk_attention,
+                    decode_attention="native" if chunk_attention == "native" else "auto")
     rid = engine.add_request(prompt, SamplingParams(max_new_tokens=new, temperature=0.0))
     while engine.has_unfinished():
         engine.step()
