@@ -1772,15 +1772,12 @@ int infer_gemm_bf16_packed(const uint16_t *p, const uint16_t *x, const uint16_t 
 #if defined(HAVE_DOT_BF16)
     if (k % 2) return -3;
     if (m <= 0 || n <= 0 || k <= 0) return 0;
-    int64_t pairs = k / 2, blocks = (n + 15) / 16;
+    int64_t pairs = k / 2;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt, tiles = (m + PACK_ROWS - 1) / PACK_ROWS;
+        int64_t r0, r1;
+        thread_rows(n, &r0, &r1); /* (whole blocks of 16 rows) */
+        int64_t b0 = r0 / 16, b1 = (r1 + 15) / 16, tiles = (m + PACK_ROWS - 1) / PACK_ROWS;
         int64_t per_iter = (PACK_BLOCKS + tiles - 1) / tiles; /* a block is one line per pair */
         for (int64_t b = b0; b < b1; b += PACK_BLOCKS) {
             int nb = b1 - b < PACK_BLOCKS ? (int)(b1 - b) : PACK_BLOCKS;
@@ -2579,16 +2576,13 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
     if (fmt == Q6) fmt = Q8;
     if (!qshape_ok(fmt, k, group)) return -2;
     if (m <= 0 || n <= 0) return 0;
-    int64_t pairs = k / 2, blocks = (n + 15) / 16, groups = k / group, block_bytes = fmt == Q8 ? 16 * k : 8 * k;
+    int64_t pairs = k / 2, groups = k / group, block_bytes = fmt == Q8 ? 16 * k : 8 * k;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt, tiles = (m + PACK_ROWS - 1) / PACK_ROWS;
+        int64_t r0, r1;
+        thread_rows(n, &r0, &r1); /* (whole blocks of 16 rows) */
+        int64_t b0 = r0 / 16, b1 = (r1 + 15) / 16, tiles = (m + PACK_ROWS - 1) / PACK_ROWS;
         uint16_t *buf = (uint16_t *)malloc((size_t)(PACK_BLOCKS * pairs * 32) * sizeof(uint16_t));
         if (!buf) {
             b1 = b0;

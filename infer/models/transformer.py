@@ -741,14 +741,14 @@ class Transformer(nn.Module):
 
     @property
     def packed_bytes(self) -> int:
-        """Bytes of the packed copies (`packed_products`): the weights they copy, 0 when off."""
+        """Bytes of the packed copies (`packed_products`): the bf16 weights they copy, a quantized product's packed
+        codes and float32 scales; 0 when off."""
         return sum(m.weight.nbytes if isinstance(m, Linear) else m.packed.nbytes
                    for m in self._linears() if m.packed is not None)
 
     def packable_products(self) -> list[Projection]:
         """The products the engine's steps run, one per distinct product: the fused q/k/v and gate/up where they
-        exist, else their parts; o_proj, down_proj and the LM head (dense or quantized: a tied one read as an
-        embedding is neither)."""
+        exist, else their parts; o_proj, down_proj and the LM head, dense or quantized."""
         chosen: list[Projection] = []
         for layer in self._decoder_layers():
             attn, mlp = layer.self_attn, layer.mlp
@@ -758,7 +758,7 @@ class Transformer(nn.Module):
             chosen += [gate_up] if gate_up is not None else [mlp.gate_proj, mlp.up_proj]
             chosen.append(mlp.down_proj)
         chosen.append(cast(Projection, self.lm_head))
-        return [m for m in chosen if isinstance(m, (Linear, QuantizedLinear))]
+        return chosen
 
     @property
     def quantized(self) -> bool:
