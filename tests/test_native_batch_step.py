@@ -60,13 +60,14 @@ def serve(arch: str, prompts: list[list[int]], new: int, native_step: bool, pack
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3_text"])
 @settings(max_examples=3, deadline=None)
 @given(lengths=st.lists(st.integers(1, 40), min_size=2, max_size=6), new=st.integers(2, 8),
        seed=st.integers(0, 2**16))
 def test_the_whole_step_is_the_per_op_path_bit_for_bit(arch: str, lengths: list[int], new: int, seed: int) -> None:
     """Random batches (prompt chunks attending as rows of the paged kernel's one call, then decode steps; Qwen 2's
-    q/k/v biases, Qwen 3's q/k norms): every request's tokens and logits equal the per-op path's, and the call ran."""
+    q/k/v biases, Qwen 3's q/k norms, Gemma 3's norms, post-norms, GELU and sliding layers reading their rings'
+    tables): every request's tokens and logits equal the per-op path's, and the call ran."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, 300) for _ in range(n)] for n in lengths]
     with pytest.MonkeyPatch.context() as patch:
@@ -216,24 +217,22 @@ def test_the_whole_step_answers_to_the_solo_runs(monkeypatch: pytest.MonkeyPatch
     assert_within_rounding_of_solo_runs(engine, model, prompts, ids)
 
 
-@pytest.mark.parametrize(("arch", "packed", "why"), [
-    ("gemma3_text", "native", "sandwich norms and GELU"),
-    ("llama", "onednn", "products in oneDNN's layout"),
+@pytest.mark.parametrize(("arch", "packed", "why", "engine_args"), [
+    ("gemma3_text", "native", "an int8 pool beside the sliding layers' exact rings", {"kv_cache_dtype": "int8"}),
+    ("llama", "onednn", "products in oneDNN's layout", {}),
 ])
-def test_steps_it_cannot_take_run_the_per_op_path(arch: str, packed: str, why: str,
+def test_steps_it_cannot_take_run_the_per_op_path(arch: str, packed: str, why: str, engine_args: dict[str, object],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Layers or products the call does not take ({why}) keep the per-op path: no call, the same values as with the
-    switch off."""
+    """Steps the call does not take ({why}) keep the per-op path: no call, the same values as with the switch off."""
     from infer.models.transformer import packing_unavailable
 
     if packed == "onednn" and packing_unavailable([torch.zeros(2, 2, dtype=torch.bfloat16)]) is not None:
         pytest.skip("no oneDNN packing here")
     rows = count_calls(monkeypatch)
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3]]
-    # (Gemma 3's sliding layers read ring-bounded tables of their own unless told not to: one batch for every layer)
-    got = serve(arch, prompts, 4, native_step=True, packed=packed, bound_sliding_layers=False)
+    got = serve(arch, prompts, 4, native_step=True, packed=packed, **engine_args)
     assert not rows, f"the whole-step call ran with {why}"
-    want = serve(arch, prompts, 4, native_step=False, packed=packed, bound_sliding_layers=False)
+    want = serve(arch, prompts, 4, native_step=False, packed=packed, **engine_args)
     for (tokens, logits), (want_tokens, want_logits) in zip(got, want, strict=True):
         assert tokens == want_tokens and torch.equal(logits, want_logits)
 

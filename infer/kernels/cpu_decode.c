@@ -802,7 +802,8 @@ static inline __m512 exp16_fma(__m512 x) {
 /* infer_gated over `rows` rows at once (the batched engine's steps): out[r] = act(gate[r]) * up[r], gate and up
  * rows `gate_stride` / `up_stride` elements apart (the halves of a fused [gate | up] product, or two), split over
  * `threads`. SiLU of bf16 and fp32 rows 16 lanes at a time where the build has AVX512 (PyTorch's F.silu then mul
- * took 11 ms of a 512-token step of a 150M model on 2 EPYC cores); GELU, and the rest, by the scalar formula. */
+ * took 11 ms of a 512-token step of a 150M model on 2 EPYC cores), and tanh-GELU (Gemma's) the same way; the rest
+ * (fp16, a row's last values) by the scalar formula. */
 #if defined(HAVE_AVX512)
 /* SiLU of 16 lanes: g / (1 + e^-g) with e^-|g| <= 1 only: g / (1 + e) for g >= 0, g e / (1 + e) below (the same
  * value, no overflow); -inf gives NaN as the formula does. Below -87 e stays e^-87: ~1e-36 where the formula's is
@@ -810,6 +811,19 @@ static inline __m512 exp16_fma(__m512 x) {
 static inline __m512 silu16(__m512 g) {
     __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
     __m512 e = exp16_fma(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    __m512 act = _mm512_div_ps(_mm512_mask_mul_ps(g, neg, g, e), _mm512_add_ps(_mm512_set1_ps(1.f), e));
+    return _mm512_mask_mov_ps(act, _mm512_cmp_ps_mask(g, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
+                              _mm512_set1_ps(NAN));
+}
+
+/* tanh-GELU 0.5 g (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g^3), as g s / (1 + e) with e = exp(-2|u|) and s = e
+ * where u < 0, else 1 (1 + tanh(u) = 2 s / (1 + e): no cancellation for very negative gates); -inf gives NaN, as the
+ * formula's -inf * 0. */
+static inline __m512 gelu16(__m512 g) {
+    __m512 cube = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), g), g), g);
+    __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f), _mm512_add_ps(g, cube));
+    __m512 e = exp16_fma(_mm512_mul_ps(_mm512_set1_ps(-2.f), _mm512_abs_ps(u)));
+    __mmask16 neg = _mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_LT_OQ);
     __m512 act = _mm512_div_ps(_mm512_mask_mul_ps(g, neg, g, e), _mm512_add_ps(_mm512_set1_ps(1.f), e));
     return _mm512_mask_mov_ps(act, _mm512_cmp_ps_mask(g, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
                               _mm512_set1_ps(NAN));
@@ -824,10 +838,13 @@ static inline void gated_row(int dtype, const char *gate, const char *up, char *
     int64_t i = 0;
 #if defined(HAVE_AVX512)
     size_t es = dtype == F32 ? 4 : 2;
-    if (!gelu && (dtype == F32 || dtype == BF16))
+    if (dtype == F32 || dtype == BF16)
         for (; i + 64 <= n; i += 64) { /* four vectors a turn: each is one long dependent chain */
             __m512 act[4];
-            for (int v = 0; v < 4; v++) act[v] = silu16(load16_of(dtype, gate + (i + 16 * v) * es));
+            for (int v = 0; v < 4; v++) {
+                __m512 g = load16_of(dtype, gate + (i + 16 * v) * es);
+                act[v] = gelu ? gelu16(g) : silu16(g);
+            }
             for (int v = 0; v < 4; v++) {
                 __m512 u = load16_of(dtype, up + (i + 16 * v) * es);
                 if (dtype == F32) {
@@ -2798,7 +2815,15 @@ int infer_decode_step(int dtype, const step_layer *layers, int64_t n_layers, int
  * pool's layers stage their rows and call `quantize_filled(layer)` back (the pool's own Python quantizes the blocks
  * the rows fill: the per-op path's codes) before attending over codes and staging; a non-zero return stops the call
  * (-4). A quantized model's products run the packed product on its packed codes (infer_qgemm_packed), as its per-op
- * path does. */
+ * path does. Gemma 3's layers: its norms (x (1 + w)), the post-norms of the attention's and the MLP's outputs before
+ * each residual add (`attn_out`, `mlp_out`), tanh-GELU, and each layer's own batch (`batch`: its sliding layers read
+ * the rings' tables, the others the pool's). */
+typedef struct {
+    const int64_t *slot_blocks, *slot_offsets, *fresh; /* [rows], [rows], [n_fresh]: where each row's K/V go */
+    const int64_t *tables, *lengths, *starts;          /* [rows, nb], [rows], [rows]: what each row attends */
+    int64_t n_fresh, nb;
+} batch_tables;
+
 typedef struct {
     const void *w, *bias; /* bf16 packed by infer_pack_bf16 (fmt -1) or codes packed for infer_qgemm_packed; bias or NULL */
     const float *scales, *mins; /* the codes' (mins NULL: none) */
@@ -2814,7 +2839,9 @@ static int batch_product_run(const batch_product *p, const uint16_t *x, uint16_t
 
 typedef struct {
     const void *attn_norm, *mlp_norm;                            /* [hidden] */
-    const void *q_norm, *k_norm;                                 /* [d] (Qwen 3) or NULL */
+    const void *attn_out, *mlp_out;                              /* [hidden] (Gemma 3's post-norms) or NULL */
+    const void *q_norm, *k_norm;                                 /* [d] (Qwen 3, Gemma 3) or NULL */
+    const batch_tables *batch;                                   /* the batch this layer's pool reads */
     batch_product qkv, o, gate_up, down;
     void *k_blocks, *v_blocks;                                   /* [num_blocks, kv_heads, bs, d] */
     const void *cos, *sin;                                       /* [rows, d]: the layer's RoPE at each row */
@@ -2842,10 +2869,8 @@ static void add_bf16(const uint16_t *a, const uint16_t *b, uint16_t *out, int64_
 }
 
 int infer_batch_step(const batch_layer *layers, int64_t n_layers, uint16_t *x, int64_t rows, int64_t heads,
-                     int64_t kv_heads, int64_t d, int64_t hidden, int64_t inter, float eps,
-                     const int64_t *slot_blocks, const int64_t *slot_offsets, const int64_t *fresh, int64_t n_fresh,
-                     const int64_t *tables, const int64_t *lengths, const int64_t *starts, int64_t nb, int64_t bs,
-                     int threads, int (*quantize_filled)(int64_t layer)) {
+                     int64_t kv_heads, int64_t d, int64_t hidden, int64_t inter, float eps, int gemma, int gelu,
+                     int64_t bs, int threads, int (*quantize_filled)(int64_t layer)) {
 #if defined(HAVE_DOT_BF16)
     int64_t qkv_n = (heads + 2 * kv_heads) * d, wide = qkv_n > 2 * inter ? qkv_n : 2 * inter;
     if (d % 2 || hidden % 2 || inter % 2 || (heads * d) % 2) return -3;
@@ -2859,7 +2884,8 @@ int infer_batch_step(const batch_layer *layers, int64_t n_layers, uint16_t *x, i
     uint16_t *attn = k + rows * kv_heads * d, *o = attn + rows * heads * d, *gated = o + rows * hidden;
     for (int64_t l = 0; code == 0 && l < n_layers; l++) {
         const batch_layer *L = layers + l;
-        infer_rms_norm(BF16, x, L->attn_norm, h, rows, hidden, eps, 0, threads);
+        const batch_tables *B = L->batch;
+        infer_rms_norm(BF16, x, L->attn_norm, h, rows, hidden, eps, gemma, threads);
         if (batch_product_run(&L->qkv, h, big, rows, qkv_n, hidden, threads)) {
             code = -1;
             break;
@@ -2867,8 +2893,8 @@ int infer_batch_step(const batch_layer *layers, int64_t n_layers, uint16_t *x, i
         if (L->q_norm) /* each row's heads normed in place, as the per-op path's rows norms do */
             for (int64_t r = 0; r < rows; r++) {
                 uint16_t *row = big + r * qkv_n;
-                infer_rms_norm(BF16, row, L->q_norm, row, heads, d, eps, 0, 1);
-                infer_rms_norm(BF16, row + heads * d, L->k_norm, row + heads * d, kv_heads, d, eps, 0, 1);
+                infer_rms_norm(BF16, row, L->q_norm, row, heads, d, eps, gemma, 1);
+                infer_rms_norm(BF16, row + heads * d, L->k_norm, row + heads * d, kv_heads, d, eps, gemma, 1);
             }
         infer_rope_rows(BF16, big, qkv_n, d, L->cos, L->sin, q, rows, heads, d, threads);
         infer_rope_rows(BF16, big + heads * d, qkv_n, d, L->cos, L->sin, k, rows, kv_heads, d, threads);
@@ -2876,18 +2902,18 @@ int infer_batch_step(const batch_layer *layers, int64_t n_layers, uint16_t *x, i
         int quantized = L->k_codes != NULL;
         infer_write_kv(k, kv_heads * d, d, big + (heads + kv_heads) * d, qkv_n, d,
                        quantized ? L->k_stage : L->k_blocks, quantized ? L->v_stage : L->v_blocks,
-                       quantized ? L->write_rows : slot_blocks, slot_offsets, rows,
-                       quantized ? L->fresh_rows : fresh, n_fresh, kv_heads, bs, d, 2);
+                       quantized ? L->write_rows : B->slot_blocks, B->slot_offsets, rows,
+                       quantized ? L->fresh_rows : B->fresh, B->n_fresh, kv_heads, bs, d, 2);
         if (quantized && quantize_filled && quantize_filled(l)) {
             code = -4;
             break;
         }
         if (qattn_paged(BF16, quantized ? (int)L->scheme : Q_INT8, q, (const uint8_t *)L->k_codes,
                         (const uint8_t *)L->v_codes, (const uint16_t *)L->k_scale, (const uint16_t *)L->v_scale,
-                        (const uint16_t *)L->k_offset, L->rotation, L->k_blocks, L->v_blocks, tables, lengths, starts,
-                        attn, rows, heads, kv_heads, d, bs, nb, quantized ? L->num_blocks : 0, L->scale, L->softcap,
-                        L->window, threads, NULL)) { /* (its own score buffers, as the per-op path's call: the same
-                                                       * order of work) */
+                        (const uint16_t *)L->k_offset, L->rotation, L->k_blocks, L->v_blocks, B->tables, B->lengths,
+                        B->starts, attn, rows, heads, kv_heads, d, bs, B->nb, quantized ? L->num_blocks : 0, L->scale,
+                        L->softcap, L->window, threads, NULL)) { /* (its own score buffers, as the per-op path's call:
+                                                                   * the same order of work) */
             code = -1;
             break;
         }
@@ -2895,25 +2921,26 @@ int infer_batch_step(const batch_layer *layers, int64_t n_layers, uint16_t *x, i
             code = -1;
             break;
         }
+        if (L->attn_out) infer_rms_norm(BF16, o, L->attn_out, o, rows, hidden, eps, gemma, threads);
         add_bf16(x, o, x, rows * hidden);
-        infer_rms_norm(BF16, x, L->mlp_norm, h, rows, hidden, eps, 0, threads);
+        infer_rms_norm(BF16, x, L->mlp_norm, h, rows, hidden, eps, gemma, threads);
         if (batch_product_run(&L->gate_up, h, big, rows, 2 * inter, hidden, threads)) {
             code = -1;
             break;
         }
-        infer_gated_rows(BF16, big, 2 * inter, big + inter, 2 * inter, gated, rows, inter, 0, threads);
+        infer_gated_rows(BF16, big, 2 * inter, big + inter, 2 * inter, gated, rows, inter, gelu, threads);
         if (batch_product_run(&L->down, gated, o, rows, hidden, inter, threads)) {
             code = -1;
             break;
         }
+        if (L->mlp_out) infer_rms_norm(BF16, o, L->mlp_out, o, rows, hidden, eps, gemma, threads);
         add_bf16(x, o, x, rows * hidden);
     }
     free(mem);
     return code;
 #else
     (void)layers, (void)n_layers, (void)x, (void)rows, (void)heads, (void)kv_heads, (void)d, (void)hidden, (void)inter;
-    (void)eps, (void)slot_blocks, (void)slot_offsets, (void)fresh, (void)n_fresh, (void)tables, (void)lengths;
-    (void)starts, (void)nb, (void)bs, (void)threads, (void)quantize_filled;
+    (void)eps, (void)gemma, (void)gelu, (void)bs, (void)threads, (void)quantize_filled;
     return -2;
 #endif
 }

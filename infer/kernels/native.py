@@ -80,11 +80,23 @@ class BatchProduct(ctypes.Structure):
                 ("group", ctypes.c_int64)]
 
 
+class BatchTables(ctypes.Structure):
+    """cpu_decode.c's batch_tables: a ragged batch's slots and tables (int64 tensors' addresses), as the layers
+    reading it see them."""
+
+    _fields_ = [*((name, ctypes.c_void_p) for name in ("slot_blocks", "slot_offsets", "fresh", "tables", "lengths",
+                                                        "starts")),
+                ("n_fresh", ctypes.c_int64), ("nb", ctypes.c_int64)]
+    keep: list[torch.Tensor]  # the tensors it points into (not a field: alive as long as the description)
+
+
 class BatchLayer(ctypes.Structure):
     """cpu_decode.c's batch_layer: one decoder layer of a batched engine step in one call
     (infer/models/native_batch_step.py fills it)."""
 
-    _fields_ = [*((name, ctypes.c_void_p) for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm")),
+    _fields_ = [*((name, ctypes.c_void_p) for name in ("attn_norm", "mlp_norm", "attn_out", "mlp_out", "q_norm",
+                                                        "k_norm")),
+                ("batch", ctypes.POINTER(BatchTables)),
                 *((name, BatchProduct) for name in ("qkv", "o", "gate_up", "down")),
                 *((name, ctypes.c_void_p) for name in ("k_blocks", "v_blocks", "cos", "sin")),
                 ("window", ctypes.c_int64), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
@@ -154,11 +166,10 @@ class NativeKernels:
         lib.infer_decode_step.argtypes = step_args
         lib.infer_decode_step.restype = ctypes.c_int
         self._decode_step = lib.infer_decode_step
-        # layers, n_layers, x, rows, heads, kv_heads, d, hidden, inter, eps, slot_blocks, slot_offsets, fresh,
-        # n_fresh, tables, lengths, starts, nb, bs, threads, quantize_filled
+        # layers, n_layers, x, rows, heads, kv_heads, d, hidden, inter, eps, gemma, gelu, bs, threads, quantize_filled
         batch_args: list[Any] = [ctypes.POINTER(BatchLayer), ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 6,
-                                 ctypes.c_float, *[ctypes.c_void_p] * 3, ctypes.c_int64, *[ctypes.c_void_p] * 3,
-                                 ctypes.c_int64, ctypes.c_int64, ctypes.c_int, QUANTIZE_FILLED]
+                                 ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
+                                 QUANTIZE_FILLED]
         lib.infer_batch_step.argtypes = batch_args
         lib.infer_batch_step.restype = ctypes.c_int
         self._batch_step = lib.infer_batch_step
@@ -535,17 +546,15 @@ class NativeKernels:
             raise ValueError("the native decode step was handed a product whose shape it cannot take")
 
     def batch_step(self, layers: ctypes.Array[BatchLayer], shape: tuple[int, int, int, int, int], eps: float,
-                   x: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                   group: tuple[torch.Tensor, torch.Tensor, torch.Tensor], block_size: int,
-                   quantize_filled: Callable[[int], None] | None = None) -> None:
+                   x: torch.Tensor, block_size: int, quantize_filled: Callable[[int], None] | None = None,
+                   gemma: bool = False, gelu: bool = False) -> None:
         """Every decoder layer of a batched engine step in one call (cpu_decode.c's infer_batch_step): `x` (contiguous
-        bf16 `[rows, hidden]`) becomes the last layer's output; each layer's pool gets the rows' K/V at `slots`
-        (slot blocks, slot offsets, fresh blocks; int64; a quantized pool's layers: their own staging rows, and
-        `slots` names the fresh ones' count) and every row attends over its table in `group` (tables, lengths,
-        starts; int64). `shape`: heads, KV heads, head size, hidden size, MLP size. `quantize_filled(layer)`: called
-        after a quantized pool's layer staged its rows (an exception there stops the call and is raised)."""
+        bf16 `[rows, hidden]`) becomes the last layer's output; each layer's pool gets the rows' K/V at the slots of
+        its batch (`BatchLayer.batch`; a quantized pool's layers: their own staging rows) and every row attends over
+        its table there. `shape`: heads, KV heads, head size, hidden size, MLP size; `gemma`, `gelu`: Gemma's norms
+        and activation. `quantize_filled(layer)`: called after a quantized pool's layer staged its rows (an exception
+        there stops the call and is raised)."""
         heads, kv_heads, d, hidden, inter = shape
-        (slot_blocks, slot_offsets, fresh), (tables, lengths, starts) = slots, group
         rows = x.numel() // hidden
         failed: list[BaseException] = []
 
@@ -559,9 +568,7 @@ class NativeKernels:
 
         callback = QUANTIZE_FILLED() if quantize_filled is None else QUANTIZE_FILLED(call_back)  # (): NULL
         code = self._batch_step(layers, len(layers), x.data_ptr(), rows, heads, kv_heads, d, hidden, inter, eps,
-                                slot_blocks.data_ptr(), slot_offsets.data_ptr(), fresh.data_ptr(), fresh.numel(),
-                                tables.data_ptr(), lengths.data_ptr(), starts.data_ptr(), tables.shape[1], block_size,
-                                torch.get_num_threads(), callback)
+                                int(gemma), int(gelu), block_size, torch.get_num_threads(), callback)
         if failed:
             raise failed[0]
         if code == -1:

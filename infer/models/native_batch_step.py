@@ -21,15 +21,17 @@ stays the check (`Transformer.native_step = False` turns both whole-step calls o
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any, Protocol
 
 import torch
 
 from infer.cache.paged_quantized import QuantizedPagedPool
 from infer.config import ModelConfig
-from infer.kernels.native import QFORMATS, BatchLayer, BatchProduct, NativeKernels
+from infer.kernels.native import QFORMATS, BatchLayer, BatchProduct, BatchTables, NativeKernels
 from infer.models.native_step import QSCHEMES
 from infer.quant_weights import PackedCodes
+from infer.ragged import RaggedBatch
 
 
 class BatchModel(Protocol):
@@ -54,12 +56,32 @@ def batch_step_unavailable(model: BatchModel, kernels: NativeKernels | None) -> 
         return "odd sizes"
     for layer in model._decoder_layers():
         attn, mlp = layer.self_attn, layer.mlp
-        if layer.sandwich or mlp.gelu or layer.input_layernorm.gemma:
-            return "layers other than pre-norm SiLU layers"
         products = (attn.__dict__["qkv"], attn.o_proj, mlp.__dict__["gate_up"], mlp.down_proj)
         if any(p is None or getattr(p, "packed", None) is None or p.packed_layout != "native" for p in products):
             return "products not packed for the native packed product"
     return None
+
+
+def describe_batch(batch: RaggedBatch, pools: list[tuple[torch.Tensor, torch.Tensor]] | QuantizedPagedPool
+                   ) -> BatchTables:
+    """`batch` as the call reads it: where each row's K/V go (the pool's slots; a quantized pool's: its plan's write
+    and fresh staging slots) and what each row attends (its decode group's tables, lengths and starts), as int64
+    tensors the description holds (`keep`) and points into."""
+    group = batch.decode
+    if group is None or group.starts is None:
+        raise ValueError("the whole-step call needs every row in one decode group with table starts")
+    if isinstance(pools, QuantizedPagedPool):
+        if pools.plan.write_slots is None:
+            raise ValueError("the quantized pool's step was not planned (QuantizedPagedPool.plan_step)")
+        slots = (pools.plan.write_slots, batch.slot_offsets, pools.plan.fresh_slots)
+    else:
+        slots = (batch.slot_blocks, batch.slot_offsets, batch.fresh_blocks)
+    keep = [t.to(torch.int64).contiguous() for t in (*slots, group.tables, group.lengths, group.starts)]
+    slot_blocks, slot_offsets, fresh, tables, lengths, starts = keep
+    described = BatchTables(slot_blocks.data_ptr(), slot_offsets.data_ptr(), fresh.data_ptr(), tables.data_ptr(),
+                            lengths.data_ptr(), starts.data_ptr(), fresh.numel(), tables.shape[1])
+    described.keep = keep
+    return described
 
 
 class NativeBatchStep:
@@ -73,10 +95,17 @@ class NativeBatchStep:
         layers = model._decoder_layers()
         self.layer_types = [layer.self_attn.layer_type for layer in layers]
         self.layers = (BatchLayer * len(layers))()
+        first = layers[0]
+        self.gemma, self.gelu = first.input_layernorm.gemma, first.mlp.gelu
         for desc, layer in zip(self.layers, layers, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             desc.attn_norm = self._address(layer.input_layernorm.weight)
-            desc.mlp_norm = self._address(layer.post_attention_layernorm.weight)
+            if layer.sandwich:  # (Gemma 3: post-norms on the attention's and the MLP's outputs)
+                desc.attn_out = self._address(layer.post_attention_layernorm.weight)
+                desc.mlp_norm = self._address(layer.pre_feedforward_layernorm.weight)
+                desc.mlp_out = self._address(layer.post_feedforward_layernorm.weight)
+            else:
+                desc.mlp_norm = self._address(layer.post_attention_layernorm.weight)
             if attn.q_norm is not None:  # (Qwen 3)
                 desc.q_norm, desc.k_norm = self._address(attn.q_norm.weight), self._address(attn.k_norm.weight)
             for name, product in (("qkv", attn.__dict__["qkv"]), ("o", attn.o_proj),
@@ -107,17 +136,17 @@ class NativeBatchStep:
         return t.data_ptr()
 
     def __call__(self, x: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                 pools: list[tuple[torch.Tensor, torch.Tensor]] | QuantizedPagedPool,
-                 slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                 group: tuple[torch.Tensor, torch.Tensor, torch.Tensor], block_size: int) -> torch.Tensor:
+                 pools: list[tuple[torch.Tensor, torch.Tensor]] | QuantizedPagedPool, batches: list[BatchTables],
+                 block_size: int) -> torch.Tensor:
         """The step's hidden states after every layer, from the embedded `x` `[1, N, hidden]` (a new tensor; `x` is
         left as it was): `rope` the RoPE tables by layer type (`[N, D]` each), `pools` each layer's K and V blocks
-        or a quantized pool (every layer's), `slots` and `group` the batch's int64 slot and table tensors
-        (`NativeKernels.batch_step`)."""
+        or a quantized pool (every layer's), `batches` each layer's batch (`describe_batch`; kept alive by the
+        caller through the call)."""
         tables = {lt: (cos.contiguous(), sin.contiguous()) for lt, (cos, sin) in rope.items()}
-        for desc, layer_type in zip(self.layers, self.layer_types, strict=True):
+        for desc, layer_type, batch in zip(self.layers, self.layer_types, batches, strict=True):
             cos, sin = tables[layer_type]
             desc.cos, desc.sin = cos.data_ptr(), sin.data_ptr()
+            desc.batch = ctypes.pointer(batch)
         quantize_filled, rows = None, None
         if isinstance(pools, QuantizedPagedPool):
             rows = self._describe_quantized(pools)  # (the step's staging rows: alive through the call)
@@ -126,7 +155,8 @@ class NativeBatchStep:
             for desc, (k_blocks, v_blocks) in zip(self.layers, pools, strict=True):
                 desc.k_blocks, desc.v_blocks, desc.k_codes = k_blocks.data_ptr(), v_blocks.data_ptr(), None
         out = x.contiguous().clone()
-        self.kernels.batch_step(self.layers, self.shape, self.eps, out, slots, group, block_size, quantize_filled)
+        self.kernels.batch_step(self.layers, self.shape, self.eps, out, block_size, quantize_filled, self.gemma,
+                                self.gelu)
         del rows
         return out
 

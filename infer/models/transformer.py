@@ -33,7 +33,7 @@ from infer.families import FAMILIES
 from infer.kernels import triton_available
 from infer.kernels.native import NativeKernels, native_gemv, native_kernels, unavailable_reason
 from infer.memory import empty_on_huge_pages
-from infer.models.native_batch_step import NativeBatchStep, batch_step_unavailable
+from infer.models.native_batch_step import NativeBatchStep, batch_step_unavailable, describe_batch
 from infer.models.native_step import NativeStep, codes_cache, takes_model
 from infer.quant_weights import PackedCodes, QuantizedWeight, concat_rows, pack_codes
 from infer.rope import apply_rope, inverse_frequencies, rope_cos_sin
@@ -422,8 +422,8 @@ class MLP(nn.Module):
             gate, up = fused(x).split(self.up_proj.out_features, -1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        if rows is not None and not self.gelu:  # the engine's steps: every row's SiLU(gate) * up in one native call
-            return self.down_proj(rows.gated_rows(gate, up, False))  # (its GELU is scalar: PyTorch's is faster)
+        if rows is not None:  # the engine's steps: every row's SiLU(gate) * up (or GELU's) in one native call
+            return self.down_proj(rows.gated_rows(gate, up, self.gelu))
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(gate * up)
 
@@ -907,26 +907,25 @@ class Transformer(nn.Module):
                                              torch.Tensor] | None:
         """The batched whole-step native call for this forward (`x`, rope tables -> hidden states), or None for the
         per-op path: an engine step (`StepKernels.rows`) without reference attention whose every token attends in
-        the native paged kernel in one call (`DecodeGroup.all_rows`), every layer reading the step's one batch over
-        exact bf16 pools or one quantized pool with bf16 staging, on a model `batch_step_unavailable` takes."""
+        the native paged kernel in one call (`DecodeGroup.all_rows`) in each layer's batch (the pool's; Gemma 3's
+        sliding layers' rings have their own), over exact bf16 pools or one quantized pool with bf16 staging (every
+        layer's, one batch), on a model `batch_step_unavailable` takes."""
         if (not self.native_step or self.tensor_parallel is not None or kernels.rows is None or kernels.reference
                 or not isinstance(backend, PagedBackend)):
             return None
-        batch = backend.batch
-        group = batch.decode
-        if group is None or not group.all_rows or group.kernel != "native" or group.starts is None:
-            return None
-        if any(layer_batch is not batch for layer_batch, _, _ in backend.layers):
-            return None
+        batches = {id(batch): batch for batch, _, _ in backend.layers}
+        for batch in batches.values():
+            group = batch.decode
+            if group is None or not group.all_rows or group.kernel != "native" or group.starts is None:
+                return None
         pools: list[tuple[torch.Tensor, torch.Tensor]] | QuantizedPagedPool
-        slots = (batch.slot_blocks, batch.slot_offsets, batch.fresh_blocks)
         first = backend.layers[0][1]
-        if isinstance(first, QuantizedPoolLayer):  # every layer in one quantized pool: its own staging rows
-            pools = first.pool
-            if (pools.dtype != torch.bfloat16 or pools.plan.write_slots is None
+        quantized = isinstance(first, QuantizedPoolLayer)
+        if quantized:  # every layer in one quantized pool, one batch: its own staging rows
+            pools = cast(QuantizedPoolLayer, first).pool
+            if (pools.dtype != torch.bfloat16 or pools.plan.write_slots is None or len(batches) > 1
                     or [k for _, k, _ in backend.layers] != pools.layers):
                 return None
-            slots = (pools.plan.write_slots, batch.slot_offsets, pools.plan.fresh_slots)
         else:
             pools = []
             for _, k_blocks, v_blocks in backend.layers:
@@ -941,9 +940,10 @@ class Transformer(nn.Module):
             self.__dict__["_native_batch_step"] = step
         if not step:
             return None
-        int_slots = tuple(t.to(torch.int64).contiguous() for t in slots)
-        tables = tuple(t.to(torch.int64).contiguous() for t in (group.tables, group.lengths, group.starts))
-        return lambda x, rope: step(x, rope, pools, int_slots, tables, batch.block_size)
+        described = {key: describe_batch(batch, pools) for key, batch in batches.items()}
+        layer_batches = [described[id(batch)] for batch, _, _ in backend.layers]
+        block_size = backend.layers[0][0].block_size
+        return lambda x, rope: step(x, rope, pools, layer_batches, block_size)
 
     def forget_native_step(self) -> None:
         """Drop the whole-step descriptions (they hold the weights' addresses): rebuilt at the next step. Called
