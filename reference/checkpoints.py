@@ -272,10 +272,16 @@ def build_checkpoint(
 
 
 # A ~150M-parameter Llama (the size the issue's Hugging Face baseline figures were taken at): the shape of
-# Llama-3.2-1B scaled down, for benchmarks at long contexts that a 2-core CPU can finish.
+# Llama-3.2-1B scaled down, for benchmarks at long contexts that a 2-core CPU can finish; Qwen 3 and Gemma 3 at the
+# same width and depth with their own traits (Qwen 3's q/k norms and wide heads; Gemma 3's one KV head of 256, its
+# sliding layers' window of 512 in five of every six layers), so that the engine's paths for them can be timed too.
 BENCH_SMALL_OVERRIDES: dict[str, dict[str, Any]] = {
     "llama": {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
               "num_key_value_heads": 4, "vocab_size": 32768},
+    "qwen3": {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 8,
+              "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 32768},
+    "gemma3_text": {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 4,
+                    "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 32768},
 }
 
 
@@ -288,7 +294,7 @@ def build_bench_checkpoint(
     size: str = "1b",
 ) -> Path:
     """Path to a random checkpoint with the real 1B-class shapes of `arch` (legacy config, like the hub),
-    or with `size="150m"` a scaled-down Llama (see BENCH_SMALL_OVERRIDES).
+    or with `size="150m"` a scaled-down Llama, Qwen 3 or Gemma 3 (see BENCH_SMALL_OVERRIDES).
 
     For speed measurements only: the weights are noise. Takes a minute or so and a few GB the first time.
     """
