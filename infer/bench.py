@@ -334,7 +334,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_model_args(p, dtype="bfloat16")  # --model: default the bench-sized --arch checkpoint
     p.add_argument("--arch", default="llama", choices=list(ARCHITECTURES),
                    help="which bench-sized random checkpoint to build and use when --model is not given")
-    p.add_argument("--size", default="1b", choices=["1b", "150m"], help="bench checkpoint size (150m: llama, qwen3, gemma3_text)")
+    p.add_argument("--size", default="1b", choices=["1b", "150m"],
+                   help="bench checkpoint size (150m: llama, qwen3, gemma3_text)")
     p.add_argument("--cache", default="contiguous", choices=sorted(CACHE_KINDS), help="KV-cache kind")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens")
     p.add_argument("--max-new-tokens", "--new-tokens", dest="new_tokens", type=int, default=128,
