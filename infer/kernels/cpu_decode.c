@@ -808,12 +808,11 @@ static inline __m512 exp16_fma(__m512 x) {
 /* SiLU of 16 lanes: g / (1 + e^-g) with e^-|g| <= 1 only: g / (1 + e) for g >= 0, g e / (1 + e) below (the same
  * value, no overflow); -inf gives NaN as the formula does. Below -87 e stays e^-87: ~1e-36 where the formula's is
  * ~0. */
+static inline __m512 gate_times(__m512 g, __mmask16 neg, __m512 e);
+
 static inline __m512 silu16(__m512 g) {
     __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-    __m512 e = exp16_fma(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-    __m512 act = _mm512_div_ps(_mm512_mask_mul_ps(g, neg, g, e), _mm512_add_ps(_mm512_set1_ps(1.f), e));
-    return _mm512_mask_mov_ps(act, _mm512_cmp_ps_mask(g, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
-                              _mm512_set1_ps(NAN));
+    return gate_times(g, neg, exp16_fma(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g))));
 }
 
 /* tanh-GELU 0.5 g (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g^3), as g s / (1 + e) with e = exp(-2|u|) and s = e
@@ -824,6 +823,11 @@ static inline __m512 gelu16(__m512 g) {
     __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f), _mm512_add_ps(g, cube));
     __m512 e = exp16_fma(_mm512_mul_ps(_mm512_set1_ps(-2.f), _mm512_abs_ps(u)));
     __mmask16 neg = _mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_LT_OQ);
+    return gate_times(g, neg, e);
+}
+
+/* Both activations' last step: g s / (1 + e), s = e in the `neg` lanes, else 1; -inf gates give NaN. */
+static inline __m512 gate_times(__m512 g, __mmask16 neg, __m512 e) {
     __m512 act = _mm512_div_ps(_mm512_mask_mul_ps(g, neg, g, e), _mm512_add_ps(_mm512_set1_ps(1.f), e));
     return _mm512_mask_mov_ps(act, _mm512_cmp_ps_mask(g, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
                               _mm512_set1_ps(NAN));
