@@ -36,7 +36,7 @@ def count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return rows
 
 
-def serve(arch: str, prompts: list[list[int]], new: int, native_step: bool, packed: str = "native",
+def serve(arch: str, prompts: list[list[int]], new: int, native_step: bool, packed: str | bool = "native",
           weights: str | None = None, **engine_args: object) -> list[tuple[list[int], torch.Tensor]]:
     """Each request's greedy tokens and logits through a bf16 engine on `arch`'s test checkpoint (its weights
     quantized under `weights`)."""
@@ -133,11 +133,13 @@ def count_fills_inside(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 @pytest.mark.parametrize("chunks", ["sdpa", "native"])
-@pytest.mark.parametrize(("arch", "kv"), [("llama", "int8"), ("qwen2", "int4"), ("qwen3", "fp4")])
+@pytest.mark.parametrize(("arch", "kv"), [("llama", "int8"), ("qwen2", "int4"), ("qwen3", "fp4"),
+                                        ("gemma3_text", "int8")])
 def test_a_quantized_pool_in_the_whole_step_is_the_per_op_path_bit_for_bit(arch: str, kv: str, chunks: str,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A quantized pool's steps in the whole-step call (its rows staged in C, the blocks they fill quantized by the
-    pool's own code called back for every layer, the paged kernel over codes and staging): decode steps, and with
+    pool's own code called back for every layer, the paged kernel over codes and staging; Gemma 3's sliding layers
+    in their exact rings beside the pool's layers in the same call): decode steps, and with
     the prompt chunks' tokens rows of the kernel ("native" chunk attention) the mixed steps too, whole blocks filled
     inside the call. Every request's tokens and logits equal the per-op path's."""
     rng = random.Random(kv)
@@ -157,18 +159,20 @@ def test_a_quantized_pool_in_the_whole_step_is_the_per_op_path_bit_for_bit(arch:
         assert tokens == want_tokens and torch.equal(logits, want_logits), "the whole step parted from the per-op path"
 
 
-@pytest.mark.parametrize(("arch", "weights"), [("llama", "int8"), ("qwen2", "int4"), ("qwen3", "int8")])
-def test_quantized_weights_in_the_whole_step_are_the_per_op_path_bit_for_bit(arch: str, weights: str,
+@pytest.mark.parametrize(("arch", "weights", "kv"), [("llama", "int8", None), ("qwen2", "int4", None),
+                                                     ("qwen3", "int8", "fp4"), ("gemma3_text", "int4", None)])
+def test_quantized_weights_in_the_whole_step_are_the_per_op_path_bit_for_bit(arch: str, weights: str, kv: str | None,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """A quantized model's steps in the whole-step call (its products on the packed codes, Qwen 2's biases included):
-    every request's tokens and logits equal the per-op path's, prompt chunks and decode steps alike."""
+    """A quantized model's steps in the whole-step call (its products on the packed codes; Qwen 2's biases, a
+    quantized pool beside them, Gemma 3's rings): every request's tokens and logits equal the per-op path's, prompt
+    chunks and decode steps alike."""
     rng = random.Random(weights)
     prompts = [[rng.randrange(1, 300) for _ in range(n)] for n in (13, 3, 27, 8)]
     rows = count_calls(monkeypatch)
-    fast = serve(arch, prompts, 6, native_step=True, weights=weights, chunk_attention="native")
+    fast = serve(arch, prompts, 6, native_step=True, weights=weights, chunk_attention="native", kv_cache_dtype=kv)
     assert rows and max(rows) > len(prompts), "the prompt chunks and decode steps did not take the whole-step call"
     rows.clear()
-    slow = serve(arch, prompts, 6, native_step=False, weights=weights, chunk_attention="native")
+    slow = serve(arch, prompts, 6, native_step=False, weights=weights, chunk_attention="native", kv_cache_dtype=kv)
     assert not rows
     for (tokens, logits), (want_tokens, want_logits) in zip(fast, slow, strict=True):
         assert tokens == want_tokens and torch.equal(logits, want_logits), "the whole step parted from the per-op path"
@@ -218,10 +222,11 @@ def test_the_whole_step_answers_to_the_solo_runs(monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.parametrize(("arch", "packed", "why", "engine_args"), [
-    ("gemma3_text", "native", "an int8 pool beside the sliding layers' exact rings", {"kv_cache_dtype": "int8"}),
+    ("llama", False, "products left unpacked", {}),
     ("llama", "onednn", "products in oneDNN's layout", {}),
 ])
-def test_steps_it_cannot_take_run_the_per_op_path(arch: str, packed: str, why: str, engine_args: dict[str, object],
+def test_steps_it_cannot_take_run_the_per_op_path(arch: str, packed: str | bool, why: str,
+                                                  engine_args: dict[str, object],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Steps the call does not take ({why}) keep the per-op path: no call, the same values as with the switch off."""
     from infer.models.transformer import packing_unavailable

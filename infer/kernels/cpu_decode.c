@@ -2566,7 +2566,8 @@ static void dequant_block_packed(int fmt, const uint8_t *codes, const float *sca
             __m512 w[4];
             if (fmt == Q8) {
                 for (int v = 0; v < 4; v++)
-                    w[v] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 32 * q + 16 * v))));
+                    w[v] = _mm512_cvtepi32_ps(
+                        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 32 * q + 16 * v))));
             } else {
                 __m256i a = _mm256_loadu_si256((const __m256i *)(codes + 16 * q)), low = _mm256_set1_epi8(0x0f);
                 __m256i first = _mm256_and_si256(a, low), second = _mm256_and_si256(_mm256_srli_epi16(a, 4), low);
@@ -2829,14 +2830,15 @@ typedef struct {
 } batch_tables;
 
 typedef struct {
-    const void *w, *bias; /* bf16 packed by infer_pack_bf16 (fmt -1) or codes packed for infer_qgemm_packed; bias or NULL */
+    const void *w, *bias; /* bf16 packed by infer_pack_bf16 (fmt -1) or codes packed for infer_qgemm_packed; bias */
     const float *scales, *mins; /* the codes' (mins NULL: none) */
     int64_t fmt, group;         /* -1, Q8 or Q4; the codes' group */
 } batch_product;
 
 static int batch_product_run(const batch_product *p, const uint16_t *x, uint16_t *y, int64_t m, int64_t n, int64_t k,
                              int threads) {
-    if (p->fmt < 0) return infer_gemm_bf16_packed((const uint16_t *)p->w, x, (const uint16_t *)p->bias, y, m, n, k, threads);
+    if (p->fmt < 0)
+        return infer_gemm_bf16_packed((const uint16_t *)p->w, x, (const uint16_t *)p->bias, y, m, n, k, threads);
     return infer_qgemm_packed((int)p->fmt, (const uint8_t *)p->w, p->scales, p->mins, x, (const uint16_t *)p->bias, y,
                               m, n, k, p->group, threads);
 }

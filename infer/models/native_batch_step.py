@@ -1,8 +1,8 @@
 """Every decoder layer of a batched engine step in one native call.
 
 The per-op path of an engine step makes ~15 Python calls a layer around its kernels (norms, the products, RoPE, the
-K/V writes, the paged attention, SiLU * up, the residual adds): at 16 rows of a 150M Llama about 4 ms of a 20 ms
-step, as long as the attention and the small ops together. cpu_decode.c's `infer_batch_step` runs the same kernels
+K/V writes, the paged attention, the gated activation, the residual adds): at 16 rows of a 150M Llama about 4 ms of a
+20 ms step, as long as the attention and the small ops together. cpu_decode.c's `infer_batch_step` runs the same kernels
 in DecoderLayer's order, so a step's hidden states are the per-op path's bit for bit (tests/test_native_batch_step.py
 holds it to that). This module describes the model to it once (`NativeBatchStep`: each layer's packed products,
 norms and attention traits as ctypes structures holding the tensors' addresses) and fills in each step's pools and
@@ -12,21 +12,22 @@ Taken only where it applies (`Transformer._native_batch_step_for`): the engine's
 token of the step attending in the native paged kernel in one call (`DecodeGroup.all_rows`) over exact bf16 pools
 or a quantized pool (infer/cache/paged_quantized.py: the rows staged in C, the blocks they fill quantized by a call
 back into the pool's own Python, `QuantizedPoolLayer.quantize_filled`, so the codes are the per-op path's bit for
-bit; then the paged kernel over codes and staging), every layer reading the same batch; a bf16 model of pre-norm
-SiLU layers (Qwen 3's q/k norms included) whose products are packed for the native packed product
-(`Transformer.pack_products(layout="native")`: bf16 weights, or quantized ones' codes, `pack_codes`, which the call
-dequantizes a block at a time as the per-op path's `QuantizedLinear` does). Anything else runs the per-op path, which
-stays the check (`Transformer.native_step = False` turns both whole-step calls off).
+bit; then the paged kernel over codes and staging), each layer reading its batch (`describe_batch`: the pool's, or
+Gemma 3's sliding layers' rings'; a quantized pool's layers one batch); a bf16 model of pre-norm SiLU layers (Qwen 3's
+q/k norms included) or Gemma 3's (its norms, post-norms and GELU) whose products are packed for the native packed
+product (`Transformer.pack_products(layout="native")`: bf16 weights, or quantized ones' codes, `pack_codes`, which
+the call dequantizes a block at a time as the per-op path's `QuantizedLinear` does). Anything else runs the per-op
+path, which stays the check (`Transformer.native_step = False` turns both whole-step calls off).
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
-from infer.cache.paged_quantized import QuantizedPagedPool
+from infer.cache.paged_quantized import QuantizedPagedPool, QuantizedPoolLayer, StepPlan
 from infer.config import ModelConfig
 from infer.kernels.native import QFORMATS, BatchLayer, BatchProduct, BatchTables, NativeKernels
 from infer.models.native_step import QSCHEMES
@@ -62,18 +63,17 @@ def batch_step_unavailable(model: BatchModel, kernels: NativeKernels | None) -> 
     return None
 
 
-def describe_batch(batch: RaggedBatch, pools: list[tuple[torch.Tensor, torch.Tensor]] | QuantizedPagedPool
-                   ) -> BatchTables:
-    """`batch` as the call reads it: where each row's K/V go (the pool's slots; a quantized pool's: its plan's write
-    and fresh staging slots) and what each row attends (its decode group's tables, lengths and starts), as int64
-    tensors the description holds (`keep`) and points into."""
+def describe_batch(batch: RaggedBatch, plan: StepPlan | None = None) -> BatchTables:
+    """`batch` as the call reads it: where each row's K/V go (the pool's slots; read by a quantized pool's layers:
+    its `plan`'s write and fresh staging slots) and what each row attends (its decode group's tables, lengths and
+    starts), as int64 tensors the description holds (`keep`) and points into."""
     group = batch.decode
     if group is None or group.starts is None:
         raise ValueError("the whole-step call needs every row in one decode group with table starts")
-    if isinstance(pools, QuantizedPagedPool):
-        if pools.plan.write_slots is None:
+    if plan is not None:
+        if plan.write_slots is None:
             raise ValueError("the quantized pool's step was not planned (QuantizedPagedPool.plan_step)")
-        slots = (pools.plan.write_slots, batch.slot_offsets, pools.plan.fresh_slots)
+        slots = (plan.write_slots, batch.slot_offsets, plan.fresh_slots)
     else:
         slots = (batch.slot_blocks, batch.slot_offsets, batch.fresh_blocks)
     keep = [t.to(torch.int64).contiguous() for t in (*slots, group.tables, group.lengths, group.starts)]
@@ -106,7 +106,7 @@ class NativeBatchStep:
                 desc.mlp_out = self._address(layer.post_feedforward_layernorm.weight)
             else:
                 desc.mlp_norm = self._address(layer.post_attention_layernorm.weight)
-            if attn.q_norm is not None:  # (Qwen 3)
+            if attn.q_norm is not None:  # (Qwen 3, Gemma 3)
                 desc.q_norm, desc.k_norm = self._address(attn.q_norm.weight), self._address(attn.k_norm.weight)
             for name, product in (("qkv", attn.__dict__["qkv"]), ("o", attn.o_proj),
                                   ("gate_up", mlp.__dict__["gate_up"]), ("down", mlp.down_proj)):
@@ -136,48 +136,59 @@ class NativeBatchStep:
         return t.data_ptr()
 
     def __call__(self, x: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                 pools: list[tuple[torch.Tensor, torch.Tensor]] | QuantizedPagedPool, batches: list[BatchTables],
+                 pools: list[tuple[torch.Tensor, torch.Tensor] | QuantizedPoolLayer], batches: list[BatchTables],
                  block_size: int) -> torch.Tensor:
         """The step's hidden states after every layer, from the embedded `x` `[1, N, hidden]` (a new tensor; `x` is
         left as it was): `rope` the RoPE tables by layer type (`[N, D]` each), `pools` each layer's K and V blocks
-        or a quantized pool (every layer's), `batches` each layer's batch (`describe_batch`; kept alive by the
-        caller through the call)."""
+        or its layer of a quantized pool, `batches` each layer's batch (`describe_batch`; kept alive by the caller
+        through the call)."""
         tables = {lt: (cos.contiguous(), sin.contiguous()) for lt, (cos, sin) in rope.items()}
         for desc, layer_type, batch in zip(self.layers, self.layer_types, batches, strict=True):
             cos, sin = tables[layer_type]
             desc.cos, desc.sin = cos.data_ptr(), sin.data_ptr()
             desc.batch = ctypes.pointer(batch)
-        quantize_filled, rows = None, None
-        if isinstance(pools, QuantizedPagedPool):
-            rows = self._describe_quantized(pools)  # (the step's staging rows: alive through the call)
-            quantize_filled = (lambda layer: pools.layers[layer].quantize_filled()) if pools.plan.fill else None
-        else:
-            for desc, (k_blocks, v_blocks) in zip(self.layers, pools, strict=True):
-                desc.k_blocks, desc.v_blocks, desc.k_codes = k_blocks.data_ptr(), v_blocks.data_ptr(), None
+        rows = self._describe_pools(pools)  # (a quantized pool's staging rows: alive through the call)
+        quantize_filled = None
+        if rows is not None and rows[2].plan.fill:
+            quantize_filled = lambda layer: cast(QuantizedPoolLayer, pools[layer]).quantize_filled()  # noqa: E731
         out = x.contiguous().clone()
         self.kernels.batch_step(self.layers, self.shape, self.eps, out, block_size, quantize_filled, self.gemma,
                                 self.gelu)
         del rows
         return out
 
-    def _describe_quantized(self, pool: QuantizedPagedPool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Point every layer at `pool`'s codes, scales and staging and this step's staging rows (the per-op path's
-        `QuantizedPagedPool.stage_rows` of the plan's write and fresh slots); returns the row tensors."""
-        plan, layers = pool.plan, torch.arange(len(self.layers))[:, None]
-        if plan.write_slots is None:
-            raise ValueError("the quantized pool's step was not planned (QuantizedPagedPool.plan_step)")
-        write, fresh = (pool.stage_rows(slots, layers).to(torch.int64).contiguous()  # [layers, slots]
-                        for slots in (plan.write_slots, plan.fresh_slots))
-        if self.rotation is None or self.rotation[0] is not pool.rotation:
-            self.rotation = (pool.rotation, None if pool.rotation is None else pool.rotation.float().contiguous())
-        rotation = self.rotation[1]
-        for i, desc in enumerate(self.layers):
+    def _describe_pools(self, pools: list[tuple[torch.Tensor, torch.Tensor] | QuantizedPoolLayer]
+                        ) -> tuple[torch.Tensor, torch.Tensor, QuantizedPagedPool] | None:
+        """Point each layer at its K and V blocks, or at its quantized pool layer's codes, scales, staging and this
+        step's staging rows (the per-op path's `QuantizedPagedPool.stage_rows` of the plan's write and fresh slots);
+        returns those rows and the pool (None: no quantized layer)."""
+        coded = [p for p in pools if isinstance(p, QuantizedPoolLayer)]
+        rows = None
+        if coded:
+            pool = coded[0].pool
+            plan, index = pool.plan, torch.tensor([p.layer for p in coded])[:, None]
+            if plan.write_slots is None:
+                raise ValueError("the quantized pool's step was not planned (QuantizedPagedPool.plan_step)")
+            write, fresh = (pool.stage_rows(slots, index).to(torch.int64).contiguous()  # [coded layers, slots]
+                            for slots in (plan.write_slots, plan.fresh_slots))
+            if self.rotation is None or self.rotation[0] is not pool.rotation:
+                self.rotation = (pool.rotation, None if pool.rotation is None else pool.rotation.float().contiguous())
+            rows = (write, fresh, pool)
+        rotation = None if self.rotation is None else self.rotation[1]
+        n = 0
+        for desc, layer in zip(self.layers, pools, strict=True):
+            if not isinstance(layer, QuantizedPoolLayer):
+                k_blocks, v_blocks = layer
+                desc.k_blocks, desc.v_blocks, desc.k_codes = k_blocks.data_ptr(), v_blocks.data_ptr(), None
+                continue
+            pool, i = layer.pool, layer.layer
             desc.k_codes, desc.v_codes = pool.k_codes[i].data_ptr(), pool.v_codes[i].data_ptr()
             desc.k_scale, desc.v_scale = pool.k_scale[i].data_ptr(), pool.v_scale[i].data_ptr()
             desc.k_offset = pool.k_offset[i].data_ptr() if pool.key_offsets else None
             desc.rotation = None if rotation is None else rotation.data_ptr()
             desc.k_stage, desc.v_stage = pool.k_stage.data_ptr(), pool.v_stage.data_ptr()
             desc.k_blocks, desc.v_blocks = pool.k_persistent[i].data_ptr(), pool.v_persistent[i].data_ptr()
-            desc.write_rows, desc.fresh_rows = write[i].data_ptr(), fresh[i].data_ptr()
+            desc.write_rows, desc.fresh_rows = write[n].data_ptr(), fresh[n].data_ptr()
             desc.scheme, desc.num_blocks = QSCHEMES[pool.scheme], pool.num_blocks
-        return write, fresh
+            n += 1
+        return rows

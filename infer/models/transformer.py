@@ -27,7 +27,7 @@ from torch import nn
 from infer.attention import sdpa_backends
 from infer.backends import AttentionBackend, CacheBackend, PagedBackend, StaticBackend, StepKernels
 from infer.cache.base import KVCache
-from infer.cache.paged_quantized import QuantizedPagedPool, QuantizedPoolLayer
+from infer.cache.paged_quantized import QuantizedPoolLayer, StepPlan
 from infer.config import SLIDING_ATTENTION, ModelConfig, RopeConfig
 from infer.families import FAMILIES
 from infer.kernels import triton_available
@@ -908,8 +908,8 @@ class Transformer(nn.Module):
         """The batched whole-step native call for this forward (`x`, rope tables -> hidden states), or None for the
         per-op path: an engine step (`StepKernels.rows`) without reference attention whose every token attends in
         the native paged kernel in one call (`DecodeGroup.all_rows`) in each layer's batch (the pool's; Gemma 3's
-        sliding layers' rings have their own), over exact bf16 pools or one quantized pool with bf16 staging (every
-        layer's, one batch), on a model `batch_step_unavailable` takes."""
+        sliding layers' rings have their own), over exact bf16 blocks or a quantized pool with bf16 staging, on a
+        model `batch_step_unavailable` takes."""
         if (not self.native_step or self.tensor_parallel is not None or kernels.rows is None or kernels.reference
                 or not isinstance(backend, PagedBackend)):
             return None
@@ -918,21 +918,22 @@ class Transformer(nn.Module):
             group = batch.decode
             if group is None or not group.all_rows or group.kernel != "native" or group.starts is None:
                 return None
-        pools: list[tuple[torch.Tensor, torch.Tensor]] | QuantizedPagedPool
-        first = backend.layers[0][1]
-        quantized = isinstance(first, QuantizedPoolLayer)
-        if quantized:  # every layer in one quantized pool, one batch: its own staging rows
-            pools = cast(QuantizedPoolLayer, first).pool
-            if (pools.dtype != torch.bfloat16 or pools.plan.write_slots is None or len(batches) > 1
-                    or [k for _, k, _ in backend.layers] != pools.layers):
-                return None
-        else:
-            pools = []
-            for _, k_blocks, v_blocks in backend.layers:
-                if not all(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and t.is_contiguous()
-                           for t in (k_blocks, v_blocks)):
+        pools: list[tuple[torch.Tensor, torch.Tensor] | QuantizedPoolLayer] = []
+        plans: dict[int, StepPlan | None] = {}  # id(batch) -> the quantized pool's plan where its layers read it
+        for batch, k_blocks, v_blocks in backend.layers:
+            if isinstance(k_blocks, QuantizedPoolLayer):  # its staging rows, as its plan put them
+                plan = k_blocks.pool.plan
+                if k_blocks.pool.dtype != torch.bfloat16 or plan.write_slots is None:
                     return None
+                pools.append(k_blocks)
+            elif all(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and t.is_contiguous()
+                     for t in (k_blocks, v_blocks)):
+                plan = None
                 pools.append((cast(torch.Tensor, k_blocks), cast(torch.Tensor, v_blocks)))
+            else:
+                return None
+            if plans.setdefault(id(batch), plan) is not plan:  # (a batch read by exact and quantized layers)
+                return None
         step = self.__dict__["_native_batch_step"]
         if step is None:
             native = kernels.rows
@@ -940,7 +941,7 @@ class Transformer(nn.Module):
             self.__dict__["_native_batch_step"] = step
         if not step:
             return None
-        described = {key: describe_batch(batch, pools) for key, batch in batches.items()}
+        described = {key: describe_batch(batch, plans[key]) for key, batch in batches.items()}
         layer_batches = [described[id(batch)] for batch, _, _ in backend.layers]
         block_size = backend.layers[0][0].block_size
         return lambda x, rope: step(x, rope, pools, layer_batches, block_size)
