@@ -215,13 +215,13 @@ def test_quantized_weights_in_the_engine_are_the_dequantized_bf16_model(smollm2:
     """The file's codes as stored (Q4_1, its Q8_0 table), bf16 activations, through the engine on packed codes (every
     product of 2 rows or more dequantizes a block of 16 rows to bf16 in cache, in the whole-step call): each request's
     tokens and logits are the engine's on the dense bf16 model (the weights dequantized, then rounded once to bf16:
-    the numbers the packed codes dequantize to), bit for bit; five chat requests of 32 greedy tokens."""
+    the numbers the packed codes dequantize to), bit for bit; three chat requests of 24 greedy tokens."""
     from infer.models.transformer import native_packing_unavailable
 
     if (why := native_packing_unavailable([torch.zeros(2, 2, dtype=torch.bfloat16)])) is not None:
         pytest.skip(f"no native packed product here: {why}")
-    prompts = [chat(tokenizer, q) for q in QUESTIONS]
-    params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    prompts = [chat(tokenizer, q) for q in QUESTIONS[2:]]
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     served = []
     for weights in ("stored", "dense"):
         model = infer.load_model(smollm2, dtype="bfloat16", weights=weights)
