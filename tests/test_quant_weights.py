@@ -478,22 +478,34 @@ def test_the_quantized_tile_kernel_is_the_gemm_on_the_bf16_dequantized_weight(
     each output row is what that input row gives alone."""
     kernels = native_kernels()
     assert kernels is not None
-    group = group if scheme == "int4" else 16 if scheme.startswith("Q6_K") else 32
-    k = 256 * (1 + runs % 2) if scheme.endswith("-factored") else max(runs * 32 // group, 1) * group
-    weight = weight_of(scheme, n, k, group, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(m, k, generator=g).bfloat16()
-    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    weight, x, bias = bf16_product_case(scheme, n, runs, group, m, with_bias, seed)
     with on_threads(threads):
         got = kernels.quantized_gemm_bf16(weight, x, bias)
         alone = [kernels.quantized_gemm_bf16(weight, x[j : j + 1], bias)[0] for j in range(m)]
+    assert_within_the_bf16_dequantized_gemm(got, x, weight, bias)
+    assert all(torch.equal(got[j], alone[j]) for j in range(m)), "a row depends on the other rows of the call"
+
+
+def bf16_product_case(scheme: str, n: int, runs: int, group: int, m: int, with_bias: bool, seed: int
+                      ) -> tuple[QuantizedWeight, torch.Tensor, torch.Tensor | None]:
+    """A quantized weight of `scheme` (`weight_of`: its own group where the scheme fixes one; k from `runs`, whole
+    super-blocks for the factored k-quants), `m` bf16 input rows and maybe a bias."""
+    group = group if scheme == "int4" else 16 if scheme.startswith("Q6_K") else 32
+    k = 256 * (1 + runs % 2) if scheme.endswith("-factored") else max(runs * 32 // group, 1) * group
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    return weight_of(scheme, n, k, group, seed), x, torch.randn(n, generator=g).bfloat16() if with_bias else None
+
+
+def assert_within_the_bf16_dequantized_gemm(got: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight,
+                                            bias: torch.Tensor | None) -> None:
+    """`got` is `x @ dequantize(bf16).T (+ bias)` within fp32 summation and one bf16 rounding."""
     w = weight.dequantize(torch.bfloat16).double()
     exact = x.double() @ w.T + (0 if bias is None else bias.double())
     magnitude = x.double().abs() @ w.abs().T + (0 if bias is None else bias.double().abs())
-    bound = (k + 2) * 2.0**-24 * magnitude + 2.0**-8 * exact.abs() + 1e-30
-    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
-    assert ((got.double() - exact).abs() <= bound).all(), f"{scheme}: beyond rounding of the bf16-dequantized GEMM"
-    assert all(torch.equal(got[j], alone[j]) for j in range(m)), "a row depends on the other rows of the call"
+    bound = (x.shape[1] + 2) * 2.0**-24 * magnitude + 2.0**-8 * exact.abs() + 1e-30
+    assert got.dtype == torch.bfloat16 and got.shape == (x.shape[0], w.shape[0])
+    assert ((got.double() - exact).abs() <= bound).all(), f"{weight.scheme}: beyond rounding of the dequantized GEMM"
 
 
 @pytest.mark.skipif(native_kernels() is None or not native_kernels().gemm_bf16_available,
@@ -510,22 +522,11 @@ def test_the_quantized_packed_product_is_the_packed_product_on_the_bf16_dequanti
     the weight and x are left as they were."""
     kernels = native_kernels()
     assert kernels is not None
-    group = group if scheme == "int4" else 16 if scheme.startswith("Q6_K") else 32
-    k = 256 * (1 + runs % 2) if scheme.endswith("-factored") else max(runs * 32 // group, 1) * group
-    weight = weight_of(scheme, n, k, group, seed)
-    before = [t.clone() for t in weight.tensors()]
-    g = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(m, k, generator=g).bfloat16()
-    x_before = x.clone()
-    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
-    w = weight.dequantize(torch.bfloat16)
+    weight, x, bias = bf16_product_case(scheme, n, runs, group, m, with_bias, seed)
+    before, x_before = [t.clone() for t in weight.tensors()], x.clone()
     with on_threads(threads):
         got = kernels.quantized_gemm_packed(pack_codes(weight), x, bias)
-        want = kernels.gemm_bf16_packed(kernels.pack_bf16(w), x, n, bias)
-    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        want = kernels.gemm_bf16_packed(kernels.pack_bf16(weight.dequantize(torch.bfloat16)), x, n, bias)
     assert torch.equal(got, want), f"{scheme}: not the packed product on the bf16-dequantized weight"
-    exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
-    magnitude = x.double().abs() @ w.double().abs().T + (0 if bias is None else bias.double().abs())
-    bound = (k + 2) * 2.0**-24 * magnitude + 2.0**-8 * exact.abs() + 1e-30
-    assert ((got.double() - exact).abs() <= bound).all(), f"{scheme}: beyond rounding of the bf16-dequantized GEMM"
+    assert_within_the_bf16_dequantized_gemm(got, x, weight, bias)
     assert torch.equal(x, x_before) and all(torch.equal(a, b) for a, b in zip(weight.tensors(), before, strict=True))
