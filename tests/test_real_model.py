@@ -210,24 +210,24 @@ def test_the_bf16_engine_stays_near_the_fp32_model(tokenizer: infer.Tokenizer, o
     assert kl / steps < 4e-3 and agree / steps >= 0.9 and worst < 3.0
 
 
-def test_quantized_weights_in_the_engine_are_the_dequantized_bf16_model(smollm2: Path,
-                                                                        tokenizer: infer.Tokenizer) -> None:
+def test_quantized_weights_in_the_engine_are_the_dequantized_bf16_model(smollm2: Path, tokenizer: infer.Tokenizer,
+                                                                        ours_bf16: infer.Transformer) -> None:
     """The file's codes as stored (Q4_1, its Q8_0 table), bf16 activations, through the engine on packed codes (every
     product of 2 rows or more dequantizes a block of 16 rows to bf16 in cache, in the whole-step call): each request's
     tokens and logits are the engine's on the dense bf16 model (the weights dequantized, then rounded once to bf16:
-    the numbers the packed codes dequantize to), bit for bit; three chat requests of 24 greedy tokens."""
+    the numbers the packed codes dequantize to), bit for bit; two chat requests of 16 greedy tokens (every step of
+    two rows or more: no one-row product, whose kernels differ)."""
     from infer.models.transformer import native_packing_unavailable
 
     if (why := native_packing_unavailable([torch.zeros(2, 2, dtype=torch.bfloat16)])) is not None:
         pytest.skip(f"no native packed product here: {why}")
-    prompts = [chat(tokenizer, q) for q in QUESTIONS[2:]]
-    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-    served = []
-    for weights in ("stored", "dense"):
-        model = infer.load_model(smollm2, dtype="bfloat16", weights=weights)
-        engine = infer.Engine(model, tokenizer, num_blocks=256, keep_logits=True, packed_products="native")
-        served.append(engine.generate(prompts, params))
-        assert model.quantized == (weights == "stored")
+    prompts = [chat(tokenizer, q) for q in QUESTIONS[3:]]
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    stored = infer.load_model(smollm2, dtype="bfloat16", weights="stored", decode_gemv="linear")
+    assert stored.quantized and not ours_bf16.quantized
+    served = [infer.Engine(model, tokenizer, num_blocks=256, keep_logits=True, packed_products="native",
+                           decode_attention="native", chunk_attention="native").generate(prompts, params)
+              for model in (stored, ours_bf16)]
     for got, want in zip(*served, strict=True):
         assert got.token_ids == want.token_ids and got.logits is not None and want.logits is not None
         assert torch.equal(got.logits, want.logits), "the packed codes parted from the dequantized bf16 model"

@@ -42,6 +42,12 @@ KERNELS = ["sdpa", "matmul", "per-sequence"] + (
 CHUNK_KERNELS = ["sdpa"] + (["native"] if native_kernels() is not None and TEST_DEVICE == "cpu" else [])
 
 
+def chunks_with(decode_kernel: str) -> str:
+    """The prompt chunks' attention beside `decode_kernel`: its rows in the native kernel's call where the decode rows
+    are (named, not timed: the engine's "auto" would time it for every drawn model's head shape)."""
+    return "native" if decode_kernel == "native" else "sdpa"
+
+
 def quantized_solo_logits(model: Transformer, scheme: str, block_size: int, prompt: list[int], tokens: list[int],
                           chunks: Sequence[int] | None = None) -> torch.Tensor:
     """Logits predicting each of `tokens` from a solo run over the single-request quantized cache with the pool's
@@ -145,7 +151,7 @@ def test_batched_decode_steps_equal_the_quantized_cache(config: ModelConfig, see
     prompts = [[(7 * i + 3) % config.vocab_size] for i in range(n)]
     engine = Engine(model, None, num_blocks=n * (-(-(new + 1) // block_size)), block_size=block_size,
                     max_num_seqs=n, max_num_batched_tokens=n, keep_logits=True, kv_cache_dtype=scheme,
-                    bound_sliding_layers=False, decode_attention=kernel)
+                    bound_sliding_layers=False, decode_attention=kernel, chunk_attention=chunks_with(kernel))
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=new, temperature=0.0)) for p in prompts]
     while engine.has_unfinished():
         engine.step()
@@ -190,7 +196,8 @@ def test_copy_on_write_of_a_quantized_block_keeps_its_codes_and_scales(
     prompt = [(3 * i + 2) % config.vocab_size for i in range(blocks * block_size)]
     engine = Engine(model, None, num_blocks=(followers + 1) * (blocks + -(-new // block_size) + 1),
                     block_size=block_size, max_num_seqs=followers + 1, max_num_batched_tokens=len(prompt) + followers,
-                    keep_logits=True, kv_cache_dtype=scheme, bound_sliding_layers=False, decode_attention=kernel)
+                    keep_logits=True, kv_cache_dtype=scheme, bound_sliding_layers=False, decode_attention=kernel,
+                    chunk_attention=chunks_with(kernel))
     params = SamplingParams(max_new_tokens=new, temperature=0.0)
     copied: list[object] = []
     copy_blocks = engine.pool.copy_blocks
