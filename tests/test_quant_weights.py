@@ -465,11 +465,17 @@ def test_the_batched_engine_runs_quantized_weights_as_solo_generation_does(schem
         assert result.token_ids == infer.generate(model, tok, prompt, p).token_ids
 
 
+# The draws of the quantized bf16 products' cases (`bf16_product_case`), beside each test's own row count n.
+BF16_PRODUCT_DRAWS = {
+    "scheme": st.sampled_from(["int8", "int4", "Q8_0", "Q4_K", "Q6_K", "Q4_K-factored", "Q6_K-factored"]),
+    "runs": st.integers(1, 13), "group": st.sampled_from([32, 64, 128]), "m": st.integers(1, 21),
+    "with_bias": st.booleans(), "threads": st.integers(1, 3), "seed": st.integers(0, 2**31),
+}
+
+
 @pytest.mark.skipif(native_kernels() is None or not native_kernels().gemm_bf16_available,
                     reason="the quantized tile kernel needs AVX512-BF16 (and a native build)")
-@given(scheme=st.sampled_from(["int8", "int4", "Q8_0", "Q4_K", "Q6_K", "Q4_K-factored", "Q6_K-factored"]),
-       n=st.integers(1, 40), runs=st.integers(1, 13), group=st.sampled_from([32, 64, 128]), m=st.integers(1, 21),
-       with_bias=st.booleans(), threads=st.integers(1, 3), seed=st.integers(0, 2**31))
+@given(n=st.integers(1, 40), **BF16_PRODUCT_DRAWS)
 @settings(max_examples=40, deadline=None)
 def test_the_quantized_tile_kernel_is_the_gemm_on_the_bf16_dequantized_weight(
         scheme: str, n: int, runs: int, group: int, m: int, with_bias: bool, threads: int, seed: int) -> None:
@@ -510,9 +516,7 @@ def assert_within_the_bf16_dequantized_gemm(got: torch.Tensor, x: torch.Tensor, 
 
 @pytest.mark.skipif(native_kernels() is None or not native_kernels().gemm_bf16_available,
                     reason="the quantized packed product needs AVX512-BF16 (and a native build)")
-@given(scheme=st.sampled_from(["int8", "int4", "Q8_0", "Q4_K", "Q6_K", "Q4_K-factored", "Q6_K-factored"]),
-       n=st.integers(1, 80), runs=st.integers(1, 13), group=st.sampled_from([32, 64, 128]), m=st.integers(1, 21),
-       with_bias=st.booleans(), threads=st.integers(1, 3), seed=st.integers(0, 2**31))
+@given(n=st.integers(1, 80), **BF16_PRODUCT_DRAWS)
 @settings(max_examples=40, deadline=None)
 def test_the_quantized_packed_product_is_the_packed_product_on_the_bf16_dequantized_weight(
         scheme: str, n: int, runs: int, group: int, m: int, with_bias: bool, threads: int, seed: int) -> None:

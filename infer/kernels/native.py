@@ -287,11 +287,7 @@ class NativeKernels:
         code = self._qgemm_bf16(QFORMATS[fmt], codes, SCALE_CODES[sdtype], scales, mins, rows.data_ptr(),
                                 None if bias is None else bias.data_ptr(), out.data_ptr(), rows.shape[0], n, k, group,
                                 torch.get_num_threads())
-        if code == -1:
-            raise MemoryError(f"the native quantized few-row product could not allocate {8 * k} bytes")
-        if code:
-            raise ValueError(f"the native quantized few-row product needs AVX512-BF16 (this build: {self.isa}) and "
-                             f"k a multiple of 32 in groups of whole runs (k={k}, group={group})")
+        self._check_quantized_product(code, "few-row product", 8 * k, k, group)
         return out.view(*x.shape[:-1], n)
 
     def quantized_gemm_packed(self, packed: PackedCodes, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -305,12 +301,17 @@ class NativeKernels:
                                   None if packed.mins is None else packed.mins.data_ptr(), rows.data_ptr(),
                                   None if bias is None else bias.data_ptr(), out.data_ptr(), rows.shape[0], n, k,
                                   packed.group, torch.get_num_threads())
-        if code == -1:
-            raise MemoryError(f"the native quantized packed product could not allocate {64 * k} bytes")
-        if code:
-            raise ValueError(f"the native quantized packed product needs AVX512-BF16 (this build: {self.isa}) and k a "
-                             f"multiple of 32 in groups of whole runs (k={k}, group={packed.group})")
+        self._check_quantized_product(code, "packed product", 64 * k, k, packed.group)
         return out.view(*x.shape[:-1], n)
+
+    def _check_quantized_product(self, code: int, what: str, scratch: int, k: int, group: int) -> None:
+        """A quantized bf16 product's return code as one clear error: -1 its `scratch` bytes not allocated, other
+        non-zero codes a build without the pair instruction or a shape it cannot take."""
+        if code == -1:
+            raise MemoryError(f"the native quantized {what} could not allocate {scratch} bytes")
+        if code:
+            raise ValueError(f"the native quantized {what} needs AVX512-BF16 (this build: {self.isa}) and k a multiple "
+                             f"of 32 in groups of whole runs (k={k}, group={group})")
 
     def takes(self, weight: QuantizedWeight) -> bool:
         """Whether `quantized_gemv` and `dequantize` take this quantized weight: contiguous CPU tensors whose
