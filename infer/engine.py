@@ -44,7 +44,12 @@ from infer.sampling import SamplingParams, sample_next
 from infer.scheduler import Request, Scheduler, SchedulerOutput
 from infer.tensor_parallel import Shards, StepOrder, broadcast_step, min_over_ranks
 from infer.tokenizer import Tokenizer
-from infer.tuning import choose_chunk_attention, choose_decode_attention, choose_packed_products
+from infer.tuning import (
+    choose_chunk_attention,
+    choose_decode_attention,
+    choose_packed_ahead,
+    choose_packed_products,
+)
 
 
 @dataclass
@@ -187,6 +192,8 @@ class Engine:
         packing = choose_packed_products(model, max_num_batched_tokens, packed_products)
         if packing.on or model.packed_products:
             model.pack_products(packing.on, packing.native_rows, packing.layout)
+        if packing.on and packing.layout == "native":
+            choose_packed_ahead(model)
         # Pure-decode steps at padded static shapes, replayed from CUDA graphs on CUDA (infer/graphs.py).
         self.graphs: BatchedDecodeGraphs | None = None
         if graphs:

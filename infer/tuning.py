@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -392,6 +393,60 @@ def _choose_packing(model: Transformer, batch_rows: int, forced: bool | str | No
     return PackingChoice(Choice(name, best if on else "off", reason), rows)
 
 
+_AHEAD_SWEEP_BYTES = 256 * 2**20
+
+
+def choose_packed_ahead(model: Transformer, forced: int | None = None) -> Choice:
+    """How far ahead the native packed product prefetches its weights (`NativeKernels.packed_ahead`, process-wide):
+    the next pair of blocks or the pair after next. Timed over the model's bf16 products packed natively (in
+    model order, cut after max(256 MiB, 4 x last-level cache): a sweep of 64 MiB saw half the gain a step sees) at
+    16 rows, the decode steps' regime where the
+    weights stream beside the arithmetic, the two alternately; the next pair where it is 2% faster, else the pair
+    after next (the kernel's first setting). The same results either way. `forced` (1 or 2) skips the timing.
+    Cached per model."""
+    name = "packed product prefetch"
+    kernels = native_kernels()
+    labels = {1: "next pair", 2: "pair after next"}
+    if forced is not None:
+        if kernels is None:
+            raise ValueError(f"packed_ahead needs the native kernels: {unavailable_reason()}")
+        kernels.packed_ahead = forced
+        return record(Choice(name, labels[forced], "forced by the caller"))
+    cached: dict[str, Choice] = model.__dict__.setdefault("_packed_ahead_choice", {})
+    if "auto" not in cached:
+        cached["auto"] = _choose_packed_ahead(model, kernels, labels)
+    choice = cached["auto"]
+    if kernels is not None and choice.value in labels.values():
+        kernels.packed_ahead = 1 if choice.value == labels[1] else 2
+    return record(choice)
+
+
+def _choose_packed_ahead(model: Transformer, kernels: NativeKernels | None, labels: dict[int, str]) -> Choice:
+    name = "packed product prefetch"
+    products = [m for m in model.packable_products()
+                if isinstance(m, Linear) and m.packed is not None and m.packed_layout == "native"]
+    if kernels is None or not products:
+        return Choice(name, "none", "no bf16 product packed for the native packed product")
+    limit, total, sweep = max(_AHEAD_SWEEP_BYTES, 4 * last_level_cache_bytes()), 0, []
+    for product in products:
+        if total < limit:
+            sweep.append(product)
+            total += product.weight.nbytes
+    inputs = {m.weight.shape[1]: torch.randn(16, m.weight.shape[1]).to(torch.bfloat16) for m in sweep}
+
+    def sweep_at(ahead: int) -> list[object]:
+        kernels.packed_ahead = ahead
+        return [kernels.gemm_bf16_packed(cast(torch.Tensor, m.packed), inputs[m.weight.shape[1]], m.weight.shape[0])
+                for m in sweep]
+
+    times = _time_alternately({labels[a]: functools.partial(sweep_at, a) for a in (1, 2)}, torch.device("cpu"),
+                              repeats=11)
+    value = labels[1] if times[labels[1]] < 0.98 * times[labels[2]] else labels[2]
+    return Choice(name, value, f"native packed product at 16 rows over {len(sweep)} weights ({total / 2**20:.0f} MiB): "
+                               f"the next pair {times[labels[1]] * 1e3:.2f} ms, the pair after next "
+                               f"{times[labels[2]] * 1e3:.2f} ms (medians, alternately)")
+
+
 def _choose_quantized_packing(model: Transformer, coded: list[QuantizedLinear], weights: list[torch.Tensor],
                               batch_rows: int, forced: bool | str | None) -> PackingChoice:
     """`choose_packed_products` for a model with quantized projections: their codes packed for the native packed
@@ -418,7 +473,7 @@ def _choose_quantized_packing(model: Transformer, coded: list[QuantizedLinear], 
         return PackingChoice(Choice(name, "native", f"forced by the caller; packed copies up to {copy / 2**20:.0f} "
                                                     "MiB"), 1)
     # (cut as the dense sweep is, by the products' bf16 bytes: the same work to time, not 2-4x as much)
-    limit, total, sweep = max(_PACKING_SWEEP_BYTES, 2 * last_level_cache_bytes()), 0, []
+    limit, total, sweep = max(_AHEAD_SWEEP_BYTES, 4 * last_level_cache_bytes()), 0, []
     for module in coded:
         if total < limit:
             sweep.append(module)

@@ -361,12 +361,13 @@ def assert_rows_are_the_formula(y: torch.Tensor, alone: list[torch.Tensor], w: t
 @needs_bf16_pairs
 @settings(max_examples=40, deadline=None)
 @given(m=st.integers(1, 21), n=st.integers(1, 70), pairs=st.integers(1, 150), with_bias=st.booleans(),
-       threads=st.integers(1, 3), seed=st.integers(0, 2**16))
+       threads=st.integers(1, 3), ahead=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
 def test_the_packed_bf16_product_is_the_formula(m: int, n: int, pairs: int, with_bias: bool, threads: int,
-                                                seed: int) -> None:
+                                                ahead: int, seed: int) -> None:
     """`gemm_bf16_packed` on a weight `pack_bf16` packed (blocks of 16 rows, the last one padded; tiles of 8 input
-    rows by 2 blocks, row and block tails): every output within the rounding of fp32 sums rounded once to bf16, bit
-    for bit what that input row alone gives, and packing leaves the weight as it was."""
+    rows by 2 blocks, row and block tails), prefetching either pair of blocks ahead (`packed_ahead`): every output
+    within the rounding of fp32 sums rounded once to bf16, bit for bit what that input row alone gives and what the
+    other prefetch distance gives, and packing leaves the weight as it was."""
     kernels = native_kernels()
     assert kernels is not None
     gen = torch.Generator().manual_seed(seed)
@@ -374,13 +375,21 @@ def test_the_packed_bf16_product_is_the_formula(m: int, n: int, pairs: int, with
     w = torch.randn(n, k, generator=gen).bfloat16()
     x = torch.randn(m, k, generator=gen).bfloat16()
     bias = torch.randn(n, generator=gen).bfloat16() if with_bias else None
-    w_before, x_before = w.clone(), x.clone()
-    with on_threads(threads):
-        packed = kernels.pack_bf16(w)
-        y = kernels.gemm_bf16_packed(packed, x, n, bias)
-        alone = [kernels.gemm_bf16_packed(packed, x[j : j + 1], n, bias)[0] for j in range(m)]
+    w_before, x_before, before = w.clone(), x.clone(), kernels.packed_ahead
+    try:
+        with on_threads(threads):
+            packed = kernels.pack_bf16(w)
+            kernels.packed_ahead = 3 - ahead
+            other = kernels.gemm_bf16_packed(packed, x, n, bias)
+            kernels.packed_ahead = ahead
+            assert kernels.packed_ahead == ahead
+            y = kernels.gemm_bf16_packed(packed, x, n, bias)
+            alone = [kernels.gemm_bf16_packed(packed, x[j : j + 1], n, bias)[0] for j in range(m)]
+    finally:
+        kernels.packed_ahead = before
     assert torch.equal(w, w_before) and torch.equal(x, x_before), "the caller's tensors changed"
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    assert torch.equal(y, other), "the prefetch distance moved a value"
     assert_rows_are_the_formula(y, alone, w, x, bias)
 
 

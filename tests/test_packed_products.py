@@ -179,8 +179,11 @@ def test_the_engine_chooses_packing_or_takes_the_callers_word() -> None:
     assert choice.value in {"onednn", "native", "off"} and "F.linear" in choice.reason
     assert (bf16.packed_layout or "off") == choice.value
     if NATIVE_PACKING is None:
+        CHOICES.pop("packed product prefetch", None)
         Engine(bf16, None, num_blocks=16, packed_products="native")
         assert bf16.packed_layout == "native" and all(p.packed_from == 1 for p in bf16.packable_products())
+        assert CHOICES["packed product prefetch"].value in {"next pair", "pair after next"}, "native packing times " \
+            "how far ahead its product prefetches"
     Engine(bf16, None, num_blocks=16, packed_products=True)
     assert bf16.packed_products
     copies = [p.packed for p in bf16.packable_products()]

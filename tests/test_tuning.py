@@ -308,6 +308,52 @@ def test_load_model_applies_a_forced_prefetch_level(restore_prefetch: object) ->
         assert kernels.prefetch_level == level and CHOICES["native prefetch"].value == forced
 
 
+def test_the_packed_products_prefetch_distance_is_measured_or_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`choose_packed_ahead` applies what it reports: forced, or the next pair where it timed 2% faster than the
+    pair after next over the model's natively packed products (and not where it did not), cached per model; a
+    model without such products gets "none" and leaves the setting; a bad distance is refused, naming it."""
+    import infer
+    import infer.tuning
+    from infer.models.transformer import native_packing_unavailable
+    from infer.tuning import choose_packed_ahead
+    from reference import build_checkpoint
+
+    fp32 = infer.load_model(build_checkpoint("llama"), dtype="float32")
+    assert choose_packed_ahead(fp32).value == "none" and "no bf16 product packed" in CHOICES[
+        "packed product prefetch"].reason
+    if native_packing_unavailable([torch.zeros(2, 2, dtype=torch.bfloat16)]) is not None:
+        return
+    from infer.kernels.native import native_kernels
+
+    kernels = native_kernels()
+    assert kernels is not None
+    before = kernels.packed_ahead
+    try:
+        model = infer.load_model(build_checkpoint("llama"), dtype="bfloat16")
+        model.pack_products(True, layout="native")
+        for forced, label in ((1, "next pair"), (2, "pair after next")):
+            kernels.packed_ahead = 3 - forced
+            assert choose_packed_ahead(model, forced).value == label and kernels.packed_ahead == forced
+        with pytest.raises(ValueError, match="packed_ahead must be 1 .* or 2 .*, got 3"):
+            choose_packed_ahead(model, 3)
+        auto = choose_packed_ahead(model)
+        assert kernels.packed_ahead == (1 if auto.value == "next pair" else 2) and "16 rows" in auto.reason
+        for times, want in (({"next pair": 0.97, "pair after next": 1.0}, 1),
+                            ({"next pair": 0.99, "pair after next": 1.0}, 2)):
+            monkeypatch.setattr(infer.tuning, "_time_alternately", lambda forms, device, repeats, t=times: t)
+            model.__dict__.pop("_packed_ahead_choice")
+            kernels.packed_ahead = 3 - want
+            label = "next pair" if want == 1 else "pair after next"
+            assert choose_packed_ahead(model).value == label and kernels.packed_ahead == want
+            assert CHOICES["packed product prefetch"].value == label
+            kernels.packed_ahead = 3 - want  # cached: applied again without timing
+            monkeypatch.setattr(infer.tuning, "_time_alternately", lambda *args, **kwargs: 1 / 0)
+            choose_packed_ahead(model)
+            assert kernels.packed_ahead == want
+    finally:
+        kernels.packed_ahead = before
+
+
 def test_the_sweep_takes_each_weight_once_up_to_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     import infer.tuning
 

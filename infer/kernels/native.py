@@ -196,6 +196,9 @@ class NativeKernels:
         lib.infer_set_prefetch.argtypes = [ctypes.c_int]
         lib.infer_set_prefetch.restype = None
         self._set_prefetch, self._prefetch_level = lib.infer_set_prefetch, lib.infer_prefetch_level
+        lib.infer_set_packed_ahead.argtypes = [ctypes.c_int]
+        lib.infer_set_packed_ahead.restype = None
+        self._set_packed_ahead, self._packed_ahead = lib.infer_set_packed_ahead, lib.infer_packed_ahead
         self.path = path
         self.isa: str = lib.infer_isa().decode()
         # bf16 norms and rotations of many rows at once (the batched engine's steps) faster than PyTorch's ops
@@ -219,6 +222,20 @@ class NativeKernels:
         if isinstance(level, bool) or level not in (1, 2):
             raise ValueError(f"prefetch_level must be 1 (L1 cache) or 2 (L2), got {level!r}")
         self._set_prefetch(level)
+
+    @property
+    def packed_ahead(self) -> int:
+        """How many pairs of blocks ahead of its pass the packed product (`gemm_bf16_packed`) prefetches: 1 (the next
+        pair) or 2 (the pair after next), process-wide; the same results either way, only the speed differs
+        (infer.tuning.choose_packed_ahead times it)."""
+        return int(self._packed_ahead())
+
+    @packed_ahead.setter
+    def packed_ahead(self, pairs: int) -> None:
+        if isinstance(pairs, bool) or pairs not in (1, 2):
+            raise ValueError(f"packed_ahead must be 1 (the next pair of blocks) or 2 (the pair after next), got "
+                             f"{pairs!r}")
+        self._set_packed_ahead(pairs)
 
     def supports(self, weight: torch.Tensor) -> bool:
         """Whether `gemv` takes this weight: a contiguous 2-D CPU tensor of a dtype the build computes."""
