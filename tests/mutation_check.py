@@ -328,7 +328,7 @@ MUTANTS = [
            "        memset((char *)k_blocks + fresh[f] * block, 0, block);\n", "",
            ("tests/test_native_kernels.py", "tests/test_engine.py")),
     Mutant("native K/V writes: every head's row written into the first head's slots", "infer/kernels/cpu_decode.c",
-           "(size_t)((h * bs + slot_offsets[n]) * d * esize);", "(size_t)((slot_offsets[n]) * d * esize);",
+           "(size_t)(h * bs + slot_offsets[n]) * row;", "(size_t)(slot_offsets[n]) * row;",
            ("tests/test_native_kernels.py", "tests/test_engine.py")),
     Mutant("paged pool: huge pages without zeroing (an uninitialised map reused)", "infer/cache/base.py",
            "        return empty_on_huge_pages(shape, dtype)\n    # The tensor keeps",

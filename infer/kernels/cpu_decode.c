@@ -455,6 +455,12 @@ void infer_rope_rows(int dtype, const void *x, int64_t token_stride, int64_t hea
  * (k + n * k_ts + h * k_hs elements, d of them) to k_blocks[slot_blocks[n], h, slot_offsets[n]], and v's the same:
  * one call where PyTorch took two index_fill_ and two index_put_ (about 100 us a layer at 44 requests). Elements
  * of `esize` bytes copied as they are. */
+/* Where token n's head h lies in blocks [N, Hkv, bs, d] (bytes from the start; `row`: d elements' bytes). */
+static inline size_t kv_slot(const int64_t *slot_blocks, const int64_t *slot_offsets, int64_t n, int64_t h, size_t block,
+                             int64_t bs, size_t row) {
+    return (size_t)slot_blocks[n] * block + (size_t)(h * bs + slot_offsets[n]) * row;
+}
+
 void infer_write_kv(const void *k, int64_t k_ts, int64_t k_hs, const void *v, int64_t v_ts, int64_t v_hs,
                     void *k_blocks, void *v_blocks, const int64_t *slot_blocks, const int64_t *slot_offsets,
                     int64_t tokens, const int64_t *fresh, int64_t num_fresh, int64_t kv_heads, int64_t bs, int64_t d,
@@ -464,9 +470,20 @@ void infer_write_kv(const void *k, int64_t k_ts, int64_t k_hs, const void *v, in
         memset((char *)k_blocks + fresh[f] * block, 0, block);
         memset((char *)v_blocks + fresh[f] * block, 0, block);
     }
+    /* The slots lie in blocks all over the pool, long out of cache (a step's weights streamed through since): each
+     * line is asked for first (a prefetch for writing), so that their misses overlap instead of each copy waiting
+     * for its own (decode steps of 16 and 64 requests of a 150M Llama 1.02x faster on a 2-core Zen 5 EPYC). */
     for (int64_t n = 0; n < tokens; n++)
         for (int64_t h = 0; h < kv_heads; h++) {
-            size_t slot = (size_t)slot_blocks[n] * block + (size_t)((h * bs + slot_offsets[n]) * d * esize);
+            size_t slot = kv_slot(slot_blocks, slot_offsets, n, h, block, bs, row);
+            for (size_t b = 0; b < row; b += 64) {
+                __builtin_prefetch((char *)k_blocks + slot + b, 1, 3);
+                __builtin_prefetch((char *)v_blocks + slot + b, 1, 3);
+            }
+        }
+    for (int64_t n = 0; n < tokens; n++)
+        for (int64_t h = 0; h < kv_heads; h++) {
+            size_t slot = kv_slot(slot_blocks, slot_offsets, n, h, block, bs, row);
             memcpy((char *)k_blocks + slot, (const char *)k + (n * k_ts + h * k_hs) * esize, row);
             memcpy((char *)v_blocks + slot, (const char *)v + (n * v_ts + h * v_hs) * esize, row);
         }
