@@ -400,22 +400,21 @@ def choose_packed_ahead(model: Transformer, forced: int | None = None) -> Choice
     """How far ahead the native packed product prefetches its weights (`NativeKernels.packed_ahead`, process-wide):
     the next pair of blocks or the pair after next. Timed over the model's bf16 products packed natively (in
     model order, cut after max(256 MiB, 4 x last-level cache): a sweep of 64 MiB saw half the gain a step sees) at
-    16 rows, the decode steps' regime where the
-    weights stream beside the arithmetic, the two alternately; the next pair where it is 2% faster, else the pair
-    after next (the kernel's first setting). The same results either way. `forced` (1 or 2) skips the timing.
-    Cached per model."""
+    16 rows, the decode steps' regime where the weights stream beside the arithmetic, the two alternately; the next
+    pair where it is 2% faster, else the pair after next (the kernel's first setting). The same results either way.
+    `forced` (1 or 2) skips the timing. The choice, forced or timed, stays the model's: the engines built on it
+    apply it again."""
     name = "packed product prefetch"
     kernels = native_kernels()
     labels = {1: "next pair", 2: "pair after next"}
     if forced is not None:
         if kernels is None:
             raise ValueError(f"packed_ahead needs the native kernels: {unavailable_reason()}")
-        kernels.packed_ahead = forced
-        return record(Choice(name, labels[forced], "forced by the caller"))
-    cached: dict[str, Choice] = model.__dict__.setdefault("_packed_ahead_choice", {})
-    if "auto" not in cached:
-        cached["auto"] = _choose_packed_ahead(model, kernels, labels)
-    choice = cached["auto"]
+        kernels.packed_ahead = forced  # (refuses anything but 1 or 2)
+        model.__dict__["_packed_ahead"] = Choice(name, labels[forced], "forced by the caller")
+    elif "_packed_ahead" not in model.__dict__:
+        model.__dict__["_packed_ahead"] = _choose_packed_ahead(model, kernels, labels)
+    choice: Choice = model.__dict__["_packed_ahead"]
     if kernels is not None and choice.value in labels.values():
         kernels.packed_ahead = 1 if choice.value == labels[1] else 2
     return record(choice)

@@ -310,8 +310,9 @@ def test_load_model_applies_a_forced_prefetch_level(restore_prefetch: object) ->
 
 def test_the_packed_products_prefetch_distance_is_measured_or_forced(monkeypatch: pytest.MonkeyPatch) -> None:
     """`choose_packed_ahead` applies what it reports: forced, or the next pair where it timed 2% faster than the
-    pair after next over the model's natively packed products (and not where it did not), cached per model; a
-    model without such products gets "none" and leaves the setting; a bad distance is refused, naming it."""
+    pair after next over the model's natively packed products (and not where it did not); the choice stays the
+    model's, applied again without timing; a model without such products gets "none"; a bad distance is refused,
+    naming it."""
     import infer
     import infer.tuning
     from infer.models.transformer import native_packing_unavailable
@@ -328,28 +329,26 @@ def test_the_packed_products_prefetch_distance_is_measured_or_forced(monkeypatch
     kernels = native_kernels()
     assert kernels is not None
     before = kernels.packed_ahead
+    labels = {1: "next pair", 2: "pair after next"}
     try:
         model = infer.load_model(build_checkpoint("llama"), dtype="bfloat16")
         model.pack_products(True, layout="native")
-        for forced, label in ((1, "next pair"), (2, "pair after next")):
-            kernels.packed_ahead = 3 - forced
-            assert choose_packed_ahead(model, forced).value == label and kernels.packed_ahead == forced
+        auto = choose_packed_ahead(model)
+        assert kernels.packed_ahead == (1 if auto.value == labels[1] else 2) and "16 rows" in auto.reason
         with pytest.raises(ValueError, match="packed_ahead must be 1 .* or 2 .*, got 3"):
             choose_packed_ahead(model, 3)
-        auto = choose_packed_ahead(model)
-        assert kernels.packed_ahead == (1 if auto.value == "next pair" else 2) and "16 rows" in auto.reason
-        for times, want in (({"next pair": 0.97, "pair after next": 1.0}, 1),
-                            ({"next pair": 0.99, "pair after next": 1.0}, 2)):
+        for times, want in (({labels[1]: 0.97, labels[2]: 1.0}, 1), ({labels[1]: 0.99, labels[2]: 1.0}, 2)):
             monkeypatch.setattr(infer.tuning, "_time_alternately", lambda forms, device, repeats, t=times: t)
-            model.__dict__.pop("_packed_ahead_choice")
+            model.__dict__.pop("_packed_ahead")
             kernels.packed_ahead = 3 - want
-            label = "next pair" if want == 1 else "pair after next"
-            assert choose_packed_ahead(model).value == label and kernels.packed_ahead == want
-            assert CHOICES["packed product prefetch"].value == label
-            kernels.packed_ahead = 3 - want  # cached: applied again without timing
-            monkeypatch.setattr(infer.tuning, "_time_alternately", lambda *args, **kwargs: 1 / 0)
-            choose_packed_ahead(model)
-            assert kernels.packed_ahead == want
+            assert choose_packed_ahead(model).value == labels[want] and kernels.packed_ahead == want
+            assert CHOICES["packed product prefetch"].value == labels[want]
+        monkeypatch.setattr(infer.tuning, "_time_alternately", lambda *args, **kwargs: 1 / 0)
+        for forced in (1, 2):
+            kernels.packed_ahead = 3 - forced
+            assert choose_packed_ahead(model, forced).value == labels[forced] and kernels.packed_ahead == forced
+            kernels.packed_ahead = 3 - forced  # the model's choice, applied again without timing
+            assert choose_packed_ahead(model).reason == "forced by the caller" and kernels.packed_ahead == forced
     finally:
         kernels.packed_ahead = before
 
