@@ -205,11 +205,15 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
     for line in ratios:
         print(line)
     engines = [m for m in medians if m.stats]
+    pools: list[dict[str, float | str]] = []
     if len(engines) > 1:  # the pool kinds side by side: what the same memory holds, and what it runs
         mean_len = sum(len(r.prompt_ids) + r.max_new_tokens for r in work) / len(work)
-        print(format_table([pool_row(m, mean_len) for m in engines],
-                           ["name", "kv_mib", "blocks", "requests_fit", "tok_s", "preemptions"]))
-        print(f"requests_fit: requests of the workload's mean length ({mean_len:.0f} tokens) the pool holds at once")
+        pools = [pool_row(m, work) for m in engines]
+        print(format_table(pools, ["name", "kv_mib", "blocks", "requests_fit", "requests_per_gib", "tpot_p50_ms",
+                                   "tok_s", "preemptions"]))
+        print(f"requests_fit: requests of the workload's mean length ({mean_len:.0f} tokens) the pool holds at once; "
+              "requests_per_gib: the same per GiB of pool; tpot_p50_ms: the median request's time per output token "
+              "after its first, the latency they were served at (every pool under the same request and token limits)")
     pool = medians[0].stats
     print(f"pool: {pool['pool_blocks']:.0f} blocks of {pool['block_size']:.0f} tokens; peak used "
           f"{pool['peak_blocks_used']:.0f}, peak shared {pool['peak_blocks_shared']:.0f}; worst waste "
@@ -226,7 +230,7 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
                   "units": BATCHED_UNITS, "model": str(path), "dtype": str(dtype), "device": str(device),
                   "workload": [asdict(r) | {"prompt_ids": len(r.prompt_ids)} for r in work],
                   "engine_args": engine_args, "batch_size": args.batch_size, "results": rows, "ratios": ratios,
-                  "engine_stats": pool, "roofline": roofline,
+                  "engine_stats": pool, "pools": pools, "roofline": roofline,
                   "runs": {name: [asdict(r) | {"trace": len(r.trace)} for r in rs] for name, rs in runs.items()}}
         Path(args.json).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")
@@ -268,11 +272,18 @@ def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: d
             "profile": parts}
 
 
-def pool_row(run: BatchedRun, mean_len: float) -> dict[str, float | str]:
-    """An engine's pool: its memory, blocks, the requests of `mean_len` tokens it holds at once, its throughput."""
+def pool_row(run: BatchedRun, work: list[BatchRequest]) -> dict[str, float | str]:
+    """An engine's pool: its memory, blocks, the requests of the workload's mean length it holds at once (and per GiB
+    of pool), the median request's time per output token after its first (the latency it served at), its
+    throughput."""
     s = run.stats
+    mean_len = sum(len(r.prompt_ids) + r.max_new_tokens for r in work) / len(work)
+    fit = s["pool_blocks"] // -(-mean_len // s["block_size"])
+    per_token = [(end - first) / (r.max_new_tokens - 1)
+                 for r, first, end in zip(work, run.ttft_s, run.latency_s, strict=True) if r.max_new_tokens > 1]
     return {"name": run.name, "kv_mib": s["kv_memory_bytes"] / 2**20, "blocks": s["pool_blocks"],
-            "requests_fit": s["pool_blocks"] // -(-mean_len // s["block_size"]),
+            "requests_fit": fit, "requests_per_gib": fit / (s["kv_memory_bytes"] / 2**30),
+            "tpot_p50_ms": percentile(per_token, 50) * 1e3 if per_token else 0.0,
             "tok_s": run.new_tokens / run.wall_s, "preemptions": s["preemptions"]}
 
 

@@ -72,6 +72,36 @@ def test_batched_workload_report(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert stats["max_waste_slots_per_running_seq"] < stats["block_size"]
 
 
+def test_the_pool_kinds_report_requests_per_gib_and_the_latency_they_served_at() -> None:
+    """`pool_row`: the requests of the workload's mean length a pool holds (whole blocks each), per GiB of pool, and
+    the median request's time per output token after its first; requests of one token have no such time."""
+    from infer.bench_batched import BatchedRun, BatchRequest, pool_row
+
+    work = [BatchRequest([1] * 10, 5), BatchRequest([1] * 20, 3), BatchRequest([1] * 30, 1)]  # mean 23 tokens
+    run = BatchedRun("engine", 2.0, ttft_s=[0.1, 0.2, 0.3], latency_s=[0.5, 0.8, 0.3], new_tokens=9,
+                     stats={"kv_memory_bytes": 2**29, "pool_blocks": 100, "block_size": 16, "preemptions": 0})
+    row = pool_row(run, work)
+    assert row["requests_fit"] == 50, "23 tokens take 2 blocks of 16"
+    assert row["requests_per_gib"] == 100, "half a GiB of pool holds 50"
+    assert row["tpot_p50_ms"] == pytest.approx(200.0), "0.4 s over 4 tokens and 0.6 s over 2: 100 and 300 ms"
+    assert row["tok_s"] == 4.5
+
+
+def test_the_batched_bench_sets_pool_kinds_side_by_side(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`bench --batched --kv-cache-dtype int8`: the exact and the int8 pool in the same memory, int8 holding more
+    requests per GiB, each with the latency it served at, in the table and the JSON."""
+    out = tmp_path / "pools.json"
+    argv = ["bench", "--batched", "--model", str(build_checkpoint("llama")), "--requests", "4",
+            "--batched-prompt-lens", "3-12", "--batched-new-tokens", "2-6", "--kv-cache-dtype", "int8",
+            "--cache-memory", "4", "--no-one-by-one", "--no-roofline", "--trials", "1", "--json", str(out)]
+    assert main(argv) == 0
+    assert "requests_per_gib" in capsys.readouterr().out
+    pools = {row["name"]: row for row in json.loads(out.read_text())["pools"]}
+    assert set(pools) == {"infer engine", "infer engine[int8]"}
+    assert pools["infer engine[int8]"]["requests_per_gib"] > pools["infer engine"]["requests_per_gib"] > 0
+    assert all(row["tpot_p50_ms"] > 0 for row in pools.values())
+
+
 @pytest.mark.parametrize("bad", [["--requests", "0"], ["--batch-size", "0"], ["--shared-prefix", "-1"],
                                  ["--max-num-seqs", "0"]])
 def test_batched_arguments_fail_before_any_model_loads(bad: list[str], capsys: pytest.CaptureFixture[str],
