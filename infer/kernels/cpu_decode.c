@@ -450,17 +450,17 @@ void infer_rope_rows(int dtype, const void *x, int64_t token_stride, int64_t hea
     }
 }
 
-/* The batched engine's new K/V rows into one layer's blocks [N, Hkv, bs, d]: first each block of `fresh` zeroed (a
- * block a sequence starts: its unwritten slots must not keep a previous owner's values), then token n's head h
- * (k + n * k_ts + h * k_hs elements, d of them) to k_blocks[slot_blocks[n], h, slot_offsets[n]], and v's the same:
- * one call where PyTorch took two index_fill_ and two index_put_ (about 100 us a layer at 44 requests). Elements
- * of `esize` bytes copied as they are. */
 /* Where token n's head h lies in blocks [N, Hkv, bs, d] (bytes from the start; `row`: d elements' bytes). */
 static inline size_t kv_slot(const int64_t *slot_blocks, const int64_t *slot_offsets, int64_t n, int64_t h, size_t block,
                              int64_t bs, size_t row) {
     return (size_t)slot_blocks[n] * block + (size_t)(h * bs + slot_offsets[n]) * row;
 }
 
+/* The batched engine's new K/V rows into one layer's blocks [N, Hkv, bs, d]: first each block of `fresh` zeroed (a
+ * block a sequence starts: its unwritten slots must not keep a previous owner's values), then token n's head h
+ * (k + n * k_ts + h * k_hs elements, d of them) to k_blocks[slot_blocks[n], h, slot_offsets[n]], and v's the same:
+ * one call where PyTorch took two index_fill_ and two index_put_ (about 100 us a layer at 44 requests). Elements
+ * of `esize` bytes copied as they are. */
 void infer_write_kv(const void *k, int64_t k_ts, int64_t k_hs, const void *v, int64_t v_ts, int64_t v_hs,
                     void *k_blocks, void *v_blocks, const int64_t *slot_blocks, const int64_t *slot_offsets,
                     int64_t tokens, const int64_t *fresh, int64_t num_fresh, int64_t kv_heads, int64_t bs, int64_t d,
