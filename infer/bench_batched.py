@@ -249,16 +249,16 @@ def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: d
     table: list[dict[str, float | str]] = [
         {"phase": p.phase, "steps": p.steps, "seconds": p.seconds, "gflop": p.flops / 1e9, "gb": p.bytes / 1e9,
          "gflop_s": p.flops / p.seconds / 1e9, "gb_s": p.bytes / p.seconds / 1e9, "roofline_s": p.roofline_s,
-         "fraction": p.fraction, "fraction_at_shape": p.fraction_at_shape,
+         "fraction": p.fraction, "fraction_p50": p.fraction_p50, "fraction_at_shape": p.fraction_at_shape,
          "step_p50_ms": median_step_ms(run.trace, p.phase) if p.phase != "all" else 0.0}
         for p in phases]
     rates = ", ".join(f"{rows} rows {rate / 1e9:.0f}" for rows, rate in limits.flops_by_rows.items())
     print(f"roofline: matmul [rows, {config.hidden_size}] @ [{config.hidden_size}, {config.intermediate_size}] in "
           f"{str(dtype).removeprefix('torch.')}: {rates} GFLOP/s; read {bandwidth / 1e9:.1f} GB/s. A step's bound is "
-          "max(FLOPs / peak matmul, bytes / read) (fraction), or with the matmul rate at the step's own rows "
-          "(fraction_at_shape)")
+          "max(FLOPs / peak matmul, bytes / read) (fraction; fraction_p50: the median step's own), or with the "
+          "matmul rate at the step's own rows (fraction_at_shape)")
     print(format_table(table, ["phase", "steps", "seconds", "gflop", "gb", "gflop_s", "gb_s", "roofline_s", "fraction",
-                               "fraction_at_shape", "step_p50_ms"]))
+                               "fraction_p50", "fraction_at_shape", "step_p50_ms"]))
     profile = ForwardProfile()
     # The hooks synchronise the device around every op, which a CUDA graph capture forbids (and a replayed graph
     # would bypass): the profiled run steps op by op.

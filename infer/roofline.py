@@ -178,11 +178,18 @@ class PhaseSummary:
     bytes: float = 0.0
     roofline_s: float = 0.0  # against the peak matmul rate
     shape_bound_s: float = 0.0  # against the matmul rate at each step's row count
+    step_fractions: list[float] = field(default_factory=list)  # each step's roofline time over its own time
 
     @property
     def fraction(self) -> float:
         """Roofline time over measured time (1.0: at the machine's limit)."""
         return self.roofline_s / self.seconds if self.seconds else 0.0
+
+    @property
+    def fraction_p50(self) -> float:
+        """The median step's fraction of its own roofline: the phase's typical step, without the few steps a
+        one-off cost slowed (a first touch of pool memory, a preemption's recompute)."""
+        return statistics.median(self.step_fractions) if self.step_fractions else 0.0
 
     @property
     def fraction_at_shape(self) -> float:
@@ -196,13 +203,15 @@ def summarize_phases(records: list[StepRecord], shape: ModelShape, limits: Limit
     for record in records:
         cost = step_cost(shape, record.chunks)
         tokens = sum(c.num_tokens for c in record.chunks)
+        bound = roofline_s(cost, limits.peak_flops, limits.bandwidth)
         for row in (rows[record.phase], rows["all"]):
             row.steps += 1
             row.seconds += record.total_s
             row.flops += cost.flops
             row.bytes += cost.bytes
-            row.roofline_s += roofline_s(cost, limits.peak_flops, limits.bandwidth)
+            row.roofline_s += bound
             row.shape_bound_s += roofline_s(cost, limits.flops_at(tokens), limits.bandwidth)
+            row.step_fractions.append(bound / record.total_s)
     return [row for row in rows.values() if row.steps]
 
 

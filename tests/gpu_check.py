@@ -181,7 +181,8 @@ def bench_figures(name: str, report: Any) -> Any:
     return {"rows": rows, **extra}
 
 
-ROOFLINE_KEYS = ("phase", "steps", "seconds", "gflop_s", "gb_s", "fraction", "fraction_at_shape", "step_p50_ms")
+ROOFLINE_KEYS = ("phase", "steps", "seconds", "gflop_s", "gb_s", "fraction", "fraction_p50", "fraction_at_shape",
+                 "step_p50_ms")
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:

@@ -67,6 +67,7 @@ def test_batched_workload_report(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert phases["all"]["steps"] == stats["steps"]
     assert sum(row["steps"] for p, row in phases.items() if p != "all") == stats["steps"]
     assert all(0 < row["fraction"] <= row["fraction_at_shape"] for row in phases.values())
+    assert all(row["fraction_p50"] > 0 for row in phases.values()), "the median step's fraction, beside the mean's"
     assert roofline["read_bandwidth"] > 0 and all(r > 0 for r in roofline["matmul_flops_by_rows"].values())
     assert {p["part"] for p in roofline["profile"]} >= {"projections (matmuls)", "attention", "scheduling"}
     assert stats["max_waste_slots_per_running_seq"] < stats["block_size"]

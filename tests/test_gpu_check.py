@@ -56,7 +56,8 @@ def test_a_batched_bench_reports_its_roofline_per_phase_and_its_profile() -> Non
     """A batched bench's JSON (`bench --batched --json`) gives the report its fraction of the measured roofline per
     phase and where a step's time goes, as tables; one run without the roofline (`--no-roofline`) gives neither."""
     phases = [{"phase": phase, "steps": steps, "seconds": 0.5, "gflop": 1.0, "gb": 2.0, "gflop_s": 3.0, "gb_s": 4.0,
-               "roofline_s": 0.1, "fraction": fraction, "fraction_at_shape": 0.25, "step_p50_ms": 4.5}
+               "roofline_s": 0.1, "fraction": fraction, "fraction_p50": 0.21, "fraction_at_shape": 0.25,
+               "step_p50_ms": 4.5}
               for phase, steps, fraction in (("mixed", 137, 0.07), ("decode", 128, 0.19))]
     profile = [{"part": "attention", "seconds": 1.97, "share": 0.32}]
     report = {"results": [{"name": "infer engine", "tok_s": 3082.0}], "ratios": ["x"],
@@ -64,7 +65,7 @@ def test_a_batched_bench_reports_its_roofline_per_phase_and_its_profile() -> Non
     stage = gpu_check.Stage("bench-batched-256", ["python"], returncode=0, seconds=54.0)
     stage.figures = gpu_check.bench_figures("bench-batched-256", report)
     text = gpu_check.markdown({"device": "test"}, [stage])
-    assert "| decode | 128 | 0.5 | 3 | 4 | 0.19 | 0.25 | 4.5 |" in text
+    assert "| decode | 128 | 0.5 | 3 | 4 | 0.19 | 0.21 | 0.25 | 4.5 |" in text
     assert "| mixed | 137 |" in text and "| attention | 1.97 | 0.32 |" in text
     stage.figures = gpu_check.bench_figures("bench-batched-256", report | {"roofline": None})
     text = gpu_check.markdown({"device": "test"}, [stage])

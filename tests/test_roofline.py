@@ -4,6 +4,7 @@ against what the engine computed, the nearest-rows matmul rate, and the profilin
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -83,6 +84,16 @@ def test_limits_take_the_rate_at_the_nearest_row_count_and_phases_sum_to_the_run
     cost = step_cost(shape, records[2].chunks)
     assert rows["decode"].shape_bound_s == max(cost.flops / 10.0, cost.bytes / 1e9)
     assert rows["decode"].roofline_s == max(cost.flops / 1000.0, cost.bytes / 1e9)
+    # the median step's own fraction: each step's bound over its own time, the middle one of the three
+    bounds = [max(step_cost(shape, r.chunks).flops / 1000.0, step_cost(shape, r.chunks).bytes / 1e9) for r in records]
+    own = sorted(b / r.total_s for b, r in zip(bounds, records, strict=True))
+    assert rows["all"].fraction_p50 == pytest.approx(own[1]) and rows["decode"].fraction_p50 == pytest.approx(
+        bounds[2] / 0.2)
+    slow = [*records, *(StepRecord([ChunkShape(9, 1, True, True)], schedule_s=0.1, forward_s=0.1) for _ in range(2)),
+            StepRecord([ChunkShape(9, 1, True, True)], forward_s=50.0)]  # one step a one-off cost slowed
+    decode = {row.phase: row for row in summarize_phases(slow, shape, limits)}["decode"]
+    assert decode.fraction_p50 == pytest.approx(bounds[2] / 0.2), "the typical step's fraction"
+    assert decode.fraction < 0.05 * decode.fraction_p50, "the mean-based fraction takes the slow step, the median not"
 
 
 def test_the_engine_trace_records_every_step_it_computed() -> None:
