@@ -207,11 +207,11 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
     engines = [m for m in medians if m.stats]
     pools: list[dict[str, float | str]] = []
     if len(engines) > 1:  # the pool kinds side by side: what the same memory holds, and what it runs
-        mean_len = sum(len(r.prompt_ids) + r.max_new_tokens for r in work) / len(work)
         pools = [pool_row(m, work) for m in engines]
         print(format_table(pools, ["name", "kv_mib", "blocks", "requests_fit", "requests_per_gib", "tpot_p50_ms",
                                    "tok_s", "preemptions"]))
-        print(f"requests_fit: requests of the workload's mean length ({mean_len:.0f} tokens) the pool holds at once; "
+        print(f"requests_fit: requests of the workload's mean length ({mean_length(work):.0f} tokens) the pool holds "
+              "at once; "
               "requests_per_gib: the same per GiB of pool; tpot_p50_ms: the median request's time per output token "
               "after its first, the latency they were served at (every pool under the same request and token limits)")
     pool = medians[0].stats
@@ -272,13 +272,17 @@ def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: d
             "profile": parts}
 
 
+def mean_length(work: list[BatchRequest]) -> float:
+    """The workload's mean request length: prompt and new tokens."""
+    return sum(len(r.prompt_ids) + r.max_new_tokens for r in work) / len(work)
+
+
 def pool_row(run: BatchedRun, work: list[BatchRequest]) -> dict[str, float | str]:
     """An engine's pool: its memory, blocks, the requests of the workload's mean length it holds at once (and per GiB
     of pool), the median request's time per output token after its first (the latency it served at), its
     throughput."""
     s = run.stats
-    mean_len = sum(len(r.prompt_ids) + r.max_new_tokens for r in work) / len(work)
-    fit = s["pool_blocks"] // -(-mean_len // s["block_size"])
+    fit = s["pool_blocks"] // -(-mean_length(work) // s["block_size"])
     per_token = [(end - first) / (r.max_new_tokens - 1)
                  for r, first, end in zip(work, run.ttft_s, run.latency_s, strict=True) if r.max_new_tokens > 1]
     return {"name": run.name, "kv_mib": s["kv_memory_bytes"] / 2**20, "blocks": s["pool_blocks"],

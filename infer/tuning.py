@@ -394,6 +394,7 @@ def _choose_packing(model: Transformer, batch_rows: int, forced: bool | str | No
 
 
 _AHEAD_SWEEP_BYTES = 256 * 2**20
+_AHEAD_NAME, _AHEAD_LABELS = "packed product prefetch", {1: "next pair", 2: "pair after next"}
 
 
 def choose_packed_ahead(model: Transformer, forced: int | None = None) -> Choice:
@@ -404,33 +405,30 @@ def choose_packed_ahead(model: Transformer, forced: int | None = None) -> Choice
     pair where it is 2% faster, else the pair after next (the kernel's first setting). The same results either way.
     `forced` (1 or 2) skips the timing. The choice, forced or timed, stays the model's: the engines built on it
     apply it again."""
-    name = "packed product prefetch"
-    kernels = native_kernels()
-    labels = {1: "next pair", 2: "pair after next"}
+    name, labels, kernels = _AHEAD_NAME, _AHEAD_LABELS, native_kernels()
     if forced is not None:
         if kernels is None:
             raise ValueError(f"packed_ahead needs the native kernels: {unavailable_reason()}")
         kernels.packed_ahead = forced  # (refuses anything but 1 or 2)
         model.__dict__["_packed_ahead"] = Choice(name, labels[forced], "forced by the caller")
     elif "_packed_ahead" not in model.__dict__:
-        model.__dict__["_packed_ahead"] = _choose_packed_ahead(model, kernels, labels)
+        model.__dict__["_packed_ahead"] = _choose_packed_ahead(model, kernels)
     choice: Choice = model.__dict__["_packed_ahead"]
     if kernels is not None and choice.value in labels.values():
         kernels.packed_ahead = 1 if choice.value == labels[1] else 2
     return record(choice)
 
 
-def _choose_packed_ahead(model: Transformer, kernels: NativeKernels | None, labels: dict[int, str]) -> Choice:
-    name = "packed product prefetch"
+def _choose_packed_ahead(model: Transformer, kernels: NativeKernels | None) -> Choice:
+    name, labels = _AHEAD_NAME, _AHEAD_LABELS
     products = [m for m in model.packable_products()
                 if isinstance(m, Linear) and m.packed is not None and m.packed_layout == "native"]
     if kernels is None or not products:
         return Choice(name, "none", "no bf16 product packed for the native packed product")
-    limit, total, sweep = max(_AHEAD_SWEEP_BYTES, 4 * last_level_cache_bytes()), 0, []
-    for product in products:
-        if total < limit:
-            sweep.append(product)
-            total += product.weight.nbytes
+    kept = {w.data_ptr() for w in _sweep_weights([m.weight for m in products],
+                                                 max(_AHEAD_SWEEP_BYTES, 4 * last_level_cache_bytes()))}
+    sweep = [m for m in products if m.weight.data_ptr() in kept]
+    total = sum(m.weight.nbytes for m in sweep)
     inputs = {m.weight.shape[1]: torch.randn(16, m.weight.shape[1]).to(torch.bfloat16) for m in sweep}
 
     def sweep_at(ahead: int) -> list[object]:
