@@ -108,7 +108,8 @@ def run_engine(model: Transformer, work: list[BatchRequest], name: str = "infer 
              "pool_blocks": pool.num_blocks, "block_size": pool.block_size, "peak_blocks_used": s.peak_blocks_used,
              "peak_blocks_shared": s.peak_blocks_shared, "max_waste_slots_per_running_seq": s.max_waste_per_running_seq,
              "graph_steps": s.graph_steps, "graph_shapes": shapes, "graph_capture_s": capture_s,
-             "kv_memory_bytes": engine.memory_bytes}
+             "kv_memory_bytes": engine.memory_bytes, "max_num_seqs": engine.scheduler.max_num_seqs,
+             "token_budget": engine.scheduler.max_num_batched_tokens}
     return BatchedRun(name, wall, [r.time_to_first_token_s for r in results],
                       [r.time_to_first_token_s + sum(r.decode_times_s) for r in results],
                       sum(len(r.token_ids) for r in results), stats, engine.trace)
@@ -242,7 +243,7 @@ def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: d
     """Print (and return for the JSON) the machine's limits measured now, the engine run's FLOPs and bytes and its
     fraction of the roofline per phase, and where a step's time goes (a further run under timing hooks)."""
     config, dtype, device = model.config, model.dtype, model.device
-    budget = int(engine_args.get("max_num_batched_tokens", 512))
+    budget = int(run.stats["token_budget"])  # (the engine's: the caller's or its measured choice)
     bandwidth, _ = measure_read_bandwidth(device)
     limits = measure_limits(dtype, device, config.hidden_size, config.intermediate_size, budget, bandwidth)
     phases = summarize_phases(run.trace, ModelShape.of(model, dtype.itemsize), limits)
@@ -348,7 +349,7 @@ def add_batched_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=None, help="the engine's cap on running requests "
                    "(default: the Engine's, 64)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="the engine's tokens per forward "
-                   "(default: the Engine's, 512)")
+                   "(default: the Engine's, measured: infer.tuning.choose_token_budget)")
     g.add_argument("--num-blocks", type=int, default=None,
                    help="the engine's pool size in blocks of 16 tokens (default: sized for the machine); a small "
                         "pool shows preemption")

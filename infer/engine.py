@@ -25,6 +25,7 @@ from infer.backends import PagedBackend
 from infer.cache.batch_storage import BatchStorage
 from infer.cache.block_manager import BlockStats
 from infer.cache.paged import DEFAULT_BLOCK_SIZE
+from infer.cache.paged_quantized import check_pool_scheme
 from infer.generation import (
     GenerationResult,
     OutputStream,
@@ -49,6 +50,7 @@ from infer.tuning import (
     choose_decode_attention,
     choose_packed_ahead,
     choose_packed_products,
+    choose_token_budget,
 )
 
 
@@ -109,7 +111,7 @@ class Engine:
         num_blocks: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
+        max_num_batched_tokens: int | None = None,
         cache_memory: int | None = None,
         enable_prefix_caching: bool = True,
         keep_logits: bool = False,
@@ -163,6 +165,16 @@ class Engine:
         # over each chunk's gathered keys ("sdpa": each chunk on its own, the unoptimised path).
         self.chunk_attention = choose_chunk_attention(config, model.dtype, self.device, self.decode_attention,
                                                       chunk_attention).value
+        # The token budget: the caller's, else the fewest rows at which a prompt token costs near the least (the
+        # products at their rate there plus a share of a step's fixed cost), measured here; under tensor
+        # parallelism the smallest of the ranks'.
+        if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an int >= 1, got {max_num_seqs!r}")
+        if kv_cache_dtype is not None:  # (refused before the budget's measurement, which runs the model)
+            check_pool_scheme(kv_cache_dtype, config)
+        max_num_batched_tokens = int(choose_token_budget(model, max_num_seqs, max_num_batched_tokens).value)
+        if self.shards is not None:
+            max_num_batched_tokens = min_over_ranks(max_num_batched_tokens, self.shards)
         graphs = _use_decode_graphs(decode_graphs, model, self.device, self.decode_attention)
         spare = 1 if graphs else 0  # the block the padded rows of a graph's steps write (BatchedDecodeGraphs)
         windows = [layer.self_attn.window for layer in model._decoder_layers()]
@@ -173,8 +185,7 @@ class Engine:
         self.storage = BatchStorage.allocate(
             config, windows, dtype=model.dtype, device=self.device, block_size=block_size, num_blocks=num_blocks,
             cache_memory=cache_memory, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            bound_sliding_layers=bound_sliding_layers and isinstance(max_num_seqs, int)
-            and isinstance(max_num_batched_tokens, int),
+            bound_sliding_layers=bound_sliding_layers,
             spare_blocks=spare, kv_cache_dtype=kv_cache_dtype, huge_pages=model.huge_pages,
             agree_blocks=None if self.shards is None else (lambda n: min_over_ranks(n, cast(Shards, self.shards))))
         self.kv_cache_dtype = kv_cache_dtype

@@ -22,7 +22,7 @@ from infer.cache import create_cache
 from infer.config import ModelConfig
 from infer.kernels import triton_available
 from infer.kernels.native import NativeKernels, native_kernels, unavailable_reason
-from infer.memory import available_memory, huge_pages_mode
+from infer.memory import available_memory, huge_pages_mode, synchronize
 from infer.models import Transformer
 from infer.models.transformer import (
     GEMV_FORMS,
@@ -142,7 +142,7 @@ def choose_decode_gemv(weights: list[torch.Tensor], forced: str = "auto") -> Cho
         return record(Choice(name, forced, "forced by the caller"))
     sweep = _sweep_weights(weights)
     device = sweep[0].device
-    inputs = {w.shape[1]: torch.randn(w.shape[1], dtype=w.dtype, device=device) for w in sweep}
+    inputs = {w.shape[1]: _random(w.shape[1]).to(device, w.dtype) for w in sweep}
     forms: dict[str, Callable[[], object]] = {
         "linear": lambda: [torch.nn.functional.linear(inputs[w.shape[1]][None], w) for w in sweep],
         "mv": lambda: [torch.mv(w, inputs[w.shape[1]]) for w in sweep],
@@ -189,7 +189,7 @@ def choose_prefetch(weights: list[torch.Tensor], forced: str = "auto") -> Choice
     if not sweep:
         kernels.prefetch_level = 1
         return record(Choice(name, "l1", "no weight the native GEMV takes to time it on"))
-    inputs = {w.shape[1]: torch.randn(w.shape[1], dtype=w.dtype) for w in sweep}
+    inputs = {w.shape[1]: _random(w.shape[1]).to(w.dtype) for w in sweep}
 
     def sweep_at(level: int) -> list[object]:
         kernels.prefetch_level = level
@@ -239,7 +239,7 @@ def choose_quantized_rows(weight: QuantizedWeight, dtype: torch.dtype, compute: 
     gemm = compute or dtype
     rows, timed = 1, []
     for m in (4, 8, 16, 32, 64, 128):
-        x = torch.randn(m, weight.shape[1]).to(dtype)
+        x = _random(m, weight.shape[1]).to(dtype)
         times = _time_alternately({
             "kernel": functools.partial(kernels.quantized_gemv, weight, x),
             "gemm": functools.partial(dequantized_product, kernels, x.to(gemm), weight, None),
@@ -361,7 +361,7 @@ def _choose_packing(model: Transformer, batch_rows: int, forced: bool | str | No
     timed: list[str] = []
     ratios: dict[str, list[float]] = {layout: [] for layout in layouts}
     for m in (16, 64, max(batch_rows, 65)):
-        inputs = {w.shape[1]: torch.randn(m, w.shape[1]).to(w.dtype) for w in sweep}
+        inputs = {w.shape[1]: _random(m, w.shape[1]).to(w.dtype) for w in sweep}
         forms: dict[str, Callable[[], object]] = {
             "linear": functools.partial(_sweep_products, torch.nn.functional.linear, sweep, inputs, swap=True)}
         if "onednn" in layouts:
@@ -429,7 +429,7 @@ def _choose_packed_ahead(model: Transformer, kernels: NativeKernels | None) -> C
                                                  max(_AHEAD_SWEEP_BYTES, 4 * last_level_cache_bytes()))}
     sweep = [m for m in products if m.weight.data_ptr() in kept]
     total = sum(m.weight.nbytes for m in sweep)
-    inputs = {m.weight.shape[1]: torch.randn(16, m.weight.shape[1]).to(torch.bfloat16) for m in sweep}
+    inputs = {m.weight.shape[1]: _random(16, m.weight.shape[1]).to(torch.bfloat16) for m in sweep}
 
     def sweep_at(ahead: int) -> list[object]:
         kernels.packed_ahead = ahead
@@ -484,7 +484,7 @@ def _choose_quantized_packing(model: Transformer, coded: list[QuantizedLinear], 
         for module in sweep:  # (the model may be packed already: its own kernels are timed unpacked)
             module.packed = None
         for m in (16, 64, max(batch_rows, 65)):
-            inputs = {k: torch.randn(m, k).to(torch.bfloat16) for k in {p.shape[1] for p in packed}}
+            inputs = {k: _random(m, k).to(torch.bfloat16) for k in {p.shape[1] for p in packed}}
             times = _time_alternately({
                 "native": functools.partial(_quantized_packed_products, kernels, packed, inputs),
                 "own": functools.partial(_quantized_own_products, sweep, inputs),
@@ -521,7 +521,7 @@ def _rows_the_kernel_wins(kernels: NativeKernels, sweep: list[torch.Tensor],
     timed: list[str] = []
     best, rows, gains = 0.03, 1, 0.0
     for m in (m for m in (2, 4, 8, 16, 32, 64) if m <= limit):
-        inputs = {w.shape[1]: torch.randn(m, w.shape[1]).to(torch.bfloat16) for w in sweep}
+        inputs = {w.shape[1]: _random(m, w.shape[1]).to(torch.bfloat16) for w in sweep}
         times = _time_alternately({
             "kernel": functools.partial(_sweep_products, kernels.gemm_bf16, sweep, inputs),
             "other": functools.partial(other, inputs),
@@ -558,7 +558,7 @@ def choose_quantized_tile_rows(weight: QuantizedWeight, quantized_rows: int, for
                                         "(no AVX512-BF16 tile kernel here)"))
     rows, timed, m = 1, [], max(2 * quantized_rows, 2)
     while m <= 64:
-        x = torch.randn(m, weight.shape[1]).to(torch.bfloat16)
+        x = _random(m, weight.shape[1]).to(torch.bfloat16)
         times = _time_alternately({
             "kernel": functools.partial(kernels.quantized_gemm_bf16, weight, x),
             "gemm": functools.partial(dequantized_product, kernels, x, weight, None),
@@ -770,6 +770,12 @@ def choose_threads(model: Transformer, forced: int = 0, steps: int = 6) -> Choic
                                           f"{default} (medians, timed alternately)"))
 
 
+def _random(*shape: int) -> torch.Tensor:
+    """Inputs for a timing, drawn from a generator of their own: loading a model or building an engine leaves the
+    caller's global random state as it was (its unseeded requests follow the global seed)."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+
+
 def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
@@ -786,3 +792,111 @@ def _median_time(fn: Callable[[], object], repeats: int = 7) -> float:
 
 def _short(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+
+# Rows a step's products are timed at for the token budget: a CPU's products stop gaining within a few hundred
+# rows, a GPU's far later.
+BUDGET_ROWS = {"cpu": (256, 512, 1024, 2048), "cuda": (256, 512, 1024, 2048, 4096, 8192)}
+BUDGET_SLACK = 1.05
+
+
+def choose_token_budget(model: Transformer, max_num_seqs: int, forced: int | None = None) -> Choice:
+    """The batched engine's tokens per step (`max_num_batched_tokens`): `forced` where given, else the fewest of
+    the candidate rows (256 .. 2048 on a CPU, .. 8192 on a GPU) at which a prompt token costs within 5% of the
+    least it costs at any of them, and at least `max_num_seqs` (a step holds every running request's decode token).
+    A token's cost at R rows is the model's products per token at their rate at R rows (`product_rates`) plus a
+    step's fixed cost shared by its R tokens, measured as a one-token step of the model (`step_fixed_cost`: the
+    weights streamed once, the Python around a forward). Past the budget a bigger prompt chunk saves the
+    throughput little and lengthens every step the running requests' tokens wait on. The value is an int's
+    digits; the measurements are made once per model. The engine is exact at every budget: it moves speed only."""
+    name = "token budget"
+    if forced is not None:
+        if isinstance(forced, bool) or not isinstance(forced, int) or forced < 1:
+            raise ValueError(f"max_num_batched_tokens must be an int >= 1 or None (measured), got {forced!r}")
+        return record(Choice(name, str(forced), "forced by the caller"))
+    rates = product_rates(model, BUDGET_ROWS.get(model.device.type, BUDGET_ROWS["cpu"]))
+    fixed = step_fixed_cost(model)
+    budget = pick_token_budget(rates, token_flops(model), fixed, max_num_seqs)
+    table = ", ".join(f"{rows} rows {rate / 1e9:.0f}" for rows, rate in rates.items())
+    return record(Choice(name, str(budget), f"the products' GFLOP/s by rows: {table}; a one-token step "
+                                            f"{fixed * 1e3:.2f} ms (medians): the fewest rows whose cost a token is "
+                                            f"within 5% of the least, at least max_num_seqs ({max_num_seqs})"))
+
+
+def pick_token_budget(rates: dict[int, float], flops: float, fixed_s: float, max_num_seqs: int) -> int:
+    """The token budget from the products' rates by rows, their FLOPs a token and a step's fixed cost in seconds
+    (`choose_token_budget`'s rule)."""
+    cost = {rows: flops / rate + fixed_s / rows for rows, rate in rates.items()}
+    least = min(cost.values())
+    return max(min(rows for rows, c in cost.items() if c <= BUDGET_SLACK * least), max_num_seqs)
+
+
+def token_flops(model: Transformer) -> float:
+    """FLOPs of one token through the model's decoder products (2 x their weights; the LM head runs for the rows
+    that sample only)."""
+    products = list({id(m): m for m in model.packable_products()}.values())[:-1]
+    return 2.0 * sum(p.in_features * p.out_features for p in products)
+
+
+def step_fixed_cost(model: Transformer, steps: int = 7) -> float:
+    """Seconds of a one-token step of the model (the median of `steps` after a warm-up, on a contiguous cache
+    holding 8 tokens): what any step pays whatever its rows (the weights streamed once, the Python around a
+    forward), the cost a step's tokens share. Measured once per model, device and dtype."""
+    cached: dict[tuple[str, torch.dtype], float] = model.__dict__.setdefault("_step_fixed_cost", {})
+    key = (str(model.device), model.dtype)
+    if key not in cached:
+        device = model.device
+        cache = create_cache("contiguous", model.config, max_seq_len=8 + steps + 1, dtype=model.dtype, device=device)
+        token = torch.ones(1, 1, dtype=torch.long, device=device)
+        def step() -> None:
+            model(token, cache)
+            synchronize(device)
+
+        with torch.inference_mode():
+            model(torch.ones(1, 8, dtype=torch.long, device=device), cache)
+            cached[key] = _median_time(step, repeats=steps)
+    return cached[key]
+
+
+def product_rates(model: Transformer, rows: tuple[int, ...]) -> dict[int, float]:
+    """FLOP/s of the model's first layer's products (in a step's order) at each of `rows`, by the faster of what
+    the engine can run them with: the products' own forward (as in a step: `few_row_products`) and, for bf16
+    weights it can take, the native packed product (medians of 3, the forms alternately). At a few hundred rows
+    and more the products are bound by arithmetic, so one layer's (in cache or not) stands for the model's.
+    Measured once per model, device and dtype."""
+    cached: dict[tuple[str, torch.dtype, int], float] = model.__dict__.setdefault("_product_rates", {})
+    keys = {r: (str(model.device), model.dtype, r) for r in rows}
+    wanted = [r for r, key in keys.items() if key not in cached]
+    if wanted:
+        cached.update({keys[r]: rate for r, rate in _time_product_rates(model, wanted).items()})
+    return {r: cached[key] for r, key in keys.items()}
+
+
+def _time_product_rates(model: Transformer, rows: list[int]) -> dict[int, float]:
+    products = list({id(m): m for m in model.packable_products()}.values())
+    sweep = products[:max(1, (len(products) - 1) // model.config.num_hidden_layers)]  # (the LM head is last)
+    dense = [p.weight for p in sweep if isinstance(p, Linear)]
+    kernels, device = native_kernels(), model.device
+    packed = None
+    if kernels is not None and len(dense) == len(sweep) and native_packing_unavailable(dense) is None:
+        packed = [kernels.pack_bf16(w) for w in dense]
+    flops = 2.0 * sum(p.in_features * p.out_features for p in sweep)
+    rates: dict[int, float] = {}
+    for m in rows:
+        inputs = {p.in_features: _random(m, p.in_features).to(device, model.dtype) for p in sweep}
+        forms: dict[str, Callable[[], object]] = {"own": functools.partial(_own_products, sweep, inputs)}
+        if kernels is not None and packed is not None:
+            forms["native"] = functools.partial(_native_packed_products, kernels, dense, packed, inputs)
+        times = _time_alternately(forms, device, repeats=3)
+        rates[m] = m * flops / min(times.values())
+    return rates
+
+
+def _product_bytes(product: Linear | QuantizedLinear) -> int:
+    return product.weight.nbytes if isinstance(product, Linear) else product.qweight.nbytes
+
+
+def _own_products(sweep: list[Linear | QuantizedLinear], inputs: dict[int, torch.Tensor]) -> list[object]:
+    with few_row_products():  # (forward, not __call__: no hooks, so no tensor-parallel collective)
+        return [p.forward(inputs[p.in_features]) for p in sweep]

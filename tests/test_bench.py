@@ -46,7 +46,7 @@ def test_batched_workload_report(tmp_path: Path, capsys: pytest.CaptureFixture[s
     out = tmp_path / "batched.json"
     argv = ["bench", "--batched", "--model", str(build_checkpoint("llama")), "--requests", "5",
             "--batched-prompt-lens", "3-12", "--batched-new-tokens", "2-6", "--batch-size", "2", "--shared-prefix",
-            "20", "--max-num-batched-tokens", "16", "--against-hf", "--trials", "1", "--json", str(out)]
+            "20", "--max-num-batched-tokens", "24", "--against-hf", "--trials", "1", "--json", str(out)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "throughput" in printed and "prefix hit rate" in printed and "batched decode attention" in printed
@@ -69,6 +69,8 @@ def test_batched_workload_report(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert all(0 < row["fraction"] <= row["fraction_at_shape"] for row in phases.values())
     assert all(row["fraction_p50"] > 0 for row in phases.values()), "the median step's fraction, beside the mean's"
     assert roofline["read_bandwidth"] > 0 and all(r > 0 for r in roofline["matmul_flops_by_rows"].values())
+    assert stats["token_budget"] == 24 and {"24", "512"} <= set(roofline["matmul_flops_by_rows"]), \
+        "the matmul rate at the engine's budget, and the peak past a small budget's rows"
     assert {p["part"] for p in roofline["profile"]} >= {"projections (matmuls)", "attention", "scheduling"}
     assert stats["max_waste_slots_per_running_seq"] < stats["block_size"]
 

@@ -7,6 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from infer.families import ARCHITECTURES
 from infer.tuning import CHOICES, choose_prefill_dtype, cpu_flags
@@ -562,3 +564,121 @@ def test_the_kernels_rows_follow_the_summed_gains_not_the_first_loss(monkeypatch
     assert rows == 32 and len(timed) == 6 and timed[1] == "4: 1000.0 / 950.0 ms"
     scripted([1.01, 1.0, 1.01, 0.9])
     assert _rows_the_kernel_wins(kernels, sweep, lambda inputs: None, 16)[0] == 1  # type: ignore[arg-type]
+
+
+@given(st.dictionaries(st.sampled_from([256, 512, 1024, 2048, 4096, 8192]), st.floats(1e9, 1e15), min_size=1),
+       st.floats(1e6, 1e10), st.floats(0.0, 1.0), st.integers(1, 3000))
+def test_the_token_budget_is_the_fewest_rows_near_the_least_cost_a_token(
+        rates: dict[int, float], flops: float, fixed_s: float, max_num_seqs: int) -> None:
+    """The rule, restated: a token at R rows costs its FLOPs at the rate there plus an R-th of the step's fixed
+    cost; scan the rows upward, stop at the first within 5% of the least such cost; never below the cap on running
+    requests."""
+    from infer.tuning import pick_token_budget
+
+    def cost(rows: int) -> float:
+        return flops / rates[rows] + fixed_s / rows
+
+    least = min(cost(rows) for rows in rates)
+    first = next(rows for rows in sorted(rates) if cost(rows) <= 1.05 * least)
+    assert pick_token_budget(rates, flops, fixed_s, max_num_seqs) == max(first, max_num_seqs)
+
+
+def test_a_steps_fixed_cost_is_a_one_token_step_measured_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`step_fixed_cost` times one-token forwards of the model (a positive time, of the order of a real one),
+    once per model and dtype; `token_flops` counts the decoder's products, not the LM head."""
+    import time
+
+    import infer
+    import infer.tuning
+    from infer.roofline import projection_weights_per_token
+    from reference import build_checkpoint
+
+    model = infer.load_model(build_checkpoint("gemma3_text"), dtype="float32")
+    cache = infer.create_cache("contiguous", model.config, max_seq_len=16)
+    with torch.inference_mode():
+        model(torch.ones(1, 8, dtype=torch.long), cache)
+        start = time.perf_counter()
+        for _ in range(5):
+            model(torch.ones(1, 1, dtype=torch.long), cache)
+        one = (time.perf_counter() - start) / 5
+    fixed = infer.tuning.step_fixed_cost(model)
+    assert one / 20 < fixed < one * 20
+    monkeypatch.setattr(infer.tuning, "_median_time", lambda *args, **kwargs: 1 / 0)
+    assert infer.tuning.step_fixed_cost(model) == fixed, "measured once"
+    config = model.config
+    assert infer.tuning.token_flops(model) == 2.0 * config.num_hidden_layers * projection_weights_per_token(config)
+
+
+def test_the_products_rate_is_one_layers_flops_over_the_faster_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`product_rates` counts the first layer's products (2 x rows x its projections' weights, from the config)
+    over the faster form's time; it measures each row count once per model and dtype."""
+    import infer
+    import infer.tuning
+    from infer.roofline import projection_weights_per_token
+    from reference import build_checkpoint
+
+    model = infer.load_model(build_checkpoint("qwen3"), dtype="float32")
+    calls: list[list[str]] = []
+
+    def timed(forms: dict, device: object, repeats: int) -> dict[str, float]:
+        calls.append(list(forms))
+        for form in forms.values():
+            form()  # (each form runs)
+        return {key: 0.5 if i else 0.25 for i, key in enumerate(forms)}  # the products' own forward the faster
+
+    monkeypatch.setattr(infer.tuning, "_time_alternately", timed)
+    rates = infer.tuning.product_rates(model, (256, 512))
+    flops = 2.0 * projection_weights_per_token(model.config)
+    assert rates == {256: 256 * flops / 0.25, 512: 512 * flops / 0.25} and len(calls) == 2
+    assert infer.tuning.product_rates(model, (512, 256)) == {512: rates[512], 256: rates[256]} and len(calls) == 2
+    model.to(torch.bfloat16)
+    infer.tuning.product_rates(model, (256,))
+    assert len(calls) == 3, "another dtype is measured again"
+
+
+def test_the_engine_takes_the_measured_or_the_given_token_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset, the engine's budget is the choice from the products' rates (printed as "token budget"), at least
+    its cap on running requests; a given budget is taken as it is, without timing; a bad one is refused, naming
+    it. Either way its greedy tokens are each request's solo run's."""
+    import infer
+    import infer.tuning
+    from infer.engine import Engine
+    from infer.sampling import SamplingParams
+    from reference import build_checkpoint
+
+    model = infer.load_model(build_checkpoint("llama"), dtype="float32")
+    curve = {256: 400e9, 512: 700e9, 1024: 960e9, 2048: 1000e9, 4096: 1000e9, 8192: 1000e9}
+    monkeypatch.setattr(infer.tuning, "product_rates", lambda model, rows: {r: curve[r] for r in rows})
+    monkeypatch.setattr(infer.tuning, "step_fixed_cost", lambda model: 0.0)
+    engine = Engine(model, cache_memory=2**20)  # (no fixed cost: the rates alone, 1024 rows within 5%)
+    assert engine.scheduler.max_num_batched_tokens == 1024 == int(CHOICES["token budget"].value)
+    assert "1024 rows 960" in CHOICES["token budget"].reason
+    assert Engine(model, max_num_seqs=1500, cache_memory=2**20).scheduler.max_num_batched_tokens == 1500
+    monkeypatch.setattr(infer.tuning, "product_rates", lambda model, rows: dict.fromkeys(rows, 1e12))
+    monkeypatch.setattr(infer.tuning, "step_fixed_cost", lambda model: 1.0)  # (a step's cost shared: the most rows)
+    assert Engine(model, cache_memory=2**20).scheduler.max_num_batched_tokens == 2048
+    monkeypatch.setattr(infer.tuning, "product_rates", lambda *args: 1 / 0)
+    assert Engine(model, max_num_batched_tokens=96, cache_memory=2**20).scheduler.max_num_batched_tokens == 96
+    assert CHOICES["token budget"].reason == "forced by the caller"
+    for name, bad in (("max_num_batched_tokens", 0), ("max_num_batched_tokens", True), ("max_num_seqs", "64")):
+        with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
+            Engine(model, **{name: bad})
+    prompts = [[5, 6, 7] * 40, [9, 10]]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    solo = [infer.generate(model, None, p, params).token_ids for p in prompts]
+    assert [r.token_ids for r in engine.generate(prompts, params)] == solo
+
+
+def test_building_an_engine_leaves_the_global_random_state_alone() -> None:
+    """The engine's measured choices (the token budget's rates, the packed products and their prefetch distance)
+    draw their timing inputs from generators of their own: an unseeded request after `torch.manual_seed` draws
+    what it would have without the engine's start-up."""
+    import infer
+    from infer.engine import Engine
+    from reference import build_checkpoint
+
+    model = infer.load_model(build_checkpoint("llama"), dtype="bfloat16")
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    Engine(model, cache_memory=2**20)
+    assert torch.equal(torch.get_rng_state(), state)

@@ -62,6 +62,16 @@ class StepPlan:
     fresh_slots: torch.Tensor = field(default_factory=lambda: _NO_INTS)  # slots written from their first slot
 
 
+def check_pool_scheme(scheme: object, config: ModelConfig) -> None:
+    """Refuse a `kv_cache_dtype` that is no pool scheme, or one this model's head size cannot pack."""
+    if not isinstance(scheme, str) or scheme not in SCHEMES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))} (or None for "
+                         f"the model's dtype), got {scheme!r}")
+    if config.head_dim % SCHEMES[scheme][2]:
+        raise ValueError(f"kv_cache_dtype={scheme!r} packs two values per byte and needs an even head_dim, got "
+                         f"{config.head_dim}; use 'int8'")
+
+
 class QuantizedPagedPool:
     """Codes and scales for `num_blocks` blocks of `num_layers` layers, staging for the blocks being filled, and
     the `BlockManager` deciding who owns which block (as `PagedKVPool`, which holds exact blocks)."""
@@ -69,15 +79,10 @@ class QuantizedPagedPool:
     def __init__(self, config: ModelConfig, *, scheme: str, num_blocks: int, block_size: int, stage_slots: int,
                  scratch_slots: int, dtype: torch.dtype, device: torch.device | str,
                  num_layers: int | None = None) -> None:
-        if scheme not in SCHEMES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))} (or None for "
-                             f"the model's dtype), got {scheme!r}")
+        check_pool_scheme(scheme, config)
         check_counts(num_blocks=num_blocks, block_size=block_size, stage_slots=stage_slots,
                      scratch_slots=scratch_slots)
         _, _, per_element, code_dtype = SCHEMES[scheme]
-        if config.head_dim % per_element:
-            raise ValueError(f"kv_cache_dtype={scheme!r} packs two values per byte and needs an even head_dim, got "
-                             f"{config.head_dim}; use 'int8'")
         self.scheme, self.dtype = scheme, dtype
         self.key_offsets = POOL_KEY_OFFSETS[scheme]
         self.rotation = quant.value_rotation(config.head_dim, device) if DEFAULT_ROTATE_VALUES[scheme] else None
