@@ -632,8 +632,12 @@ def test_the_products_rate_is_one_layers_flops_over_the_faster_form(monkeypatch:
     assert rates == {256: 256 * flops / 0.25, 512: 512 * flops / 0.25} and len(calls) == 2
     assert infer.tuning.product_rates(model, (512, 256)) == {512: rates[512], 256: rates[256]} and len(calls) == 2
     model.to(torch.bfloat16)
-    infer.tuning.product_rates(model, (256,))
-    assert len(calls) == 3, "another dtype is measured again"
+    assert infer.tuning.product_rates(model, (256,)) == {256: rates[256]} and len(calls) == 3, \
+        "another dtype is measured again, by the faster form"
+    from infer.models.transformer import native_packing_unavailable
+
+    if native_packing_unavailable([model.layers[0].mlp.down_proj.weight]) is None:
+        assert calls[-1] == ["own", "native"], "bf16 weights are timed in the native packed product too"
 
 
 def test_the_engine_takes_the_measured_or_the_given_token_budget(monkeypatch: pytest.MonkeyPatch) -> None:
