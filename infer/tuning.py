@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -487,7 +487,7 @@ def _choose_quantized_packing(model: Transformer, coded: list[QuantizedLinear], 
             inputs = {k: _random(m, k).to(torch.bfloat16) for k in {p.shape[1] for p in packed}}
             times = _time_alternately({
                 "native": functools.partial(_quantized_packed_products, kernels, packed, inputs),
-                "own": functools.partial(_quantized_own_products, sweep, inputs),
+                "own": functools.partial(_own_products, sweep, inputs),
             }, torch.device("cpu"), repeats=3)
             ratios.append(times["native"] / times["own"])
             timed.append(f"{m} rows: {times['native'] * 1e3:.1f} / {times['own'] * 1e3:.1f} ms")
@@ -504,11 +504,6 @@ def _choose_quantized_packing(model: Transformer, coded: list[QuantizedLinear], 
 def _quantized_packed_products(kernels: NativeKernels, packed: list[PackedCodes], inputs: dict[int, torch.Tensor]
                                ) -> list[object]:
     return [kernels.quantized_gemm_packed(p, inputs[p.shape[1]]) for p in packed]
-
-
-def _quantized_own_products(sweep: list[QuantizedLinear], inputs: dict[int, torch.Tensor]) -> list[object]:
-    with few_row_products():
-        return [m(inputs[m.in_features]) for m in sweep]
 
 
 def _rows_the_kernel_wins(kernels: NativeKernels, sweep: list[torch.Tensor],
@@ -861,8 +856,9 @@ def step_fixed_cost(model: Transformer, steps: int = 7) -> float:
 
 def product_rates(model: Transformer, rows: tuple[int, ...]) -> dict[int, float]:
     """FLOP/s of the model's first layer's products (in a step's order) at each of `rows`, by the faster of what
-    the engine can run them with: the products' own forward (as in a step: `few_row_products`) and, for bf16
-    weights it can take, the native packed product (medians of 3, the forms alternately). At a few hundred rows
+    the engine can run them with: the products' own forward (as in a step: `few_row_products`) and the native
+    packed product, of bf16 weights or of a quantized model's packed codes where it takes them (medians of 3, the
+    forms alternately). At a few hundred rows
     and more the products are bound by arithmetic, so one layer's (in cache or not) stands for the model's.
     Measured once per model, device and dtype."""
     cached: dict[tuple[str, torch.dtype, int], float] = model.__dict__.setdefault("_product_rates", {})
@@ -877,17 +873,21 @@ def _time_product_rates(model: Transformer, rows: list[int]) -> dict[int, float]
     products = list({id(m): m for m in model.packable_products()}.values())
     sweep = products[:max(1, (len(products) - 1) // model.config.num_hidden_layers)]  # (the LM head is last)
     dense = [p.weight for p in sweep if isinstance(p, Linear)]
+    coded = [p for p in sweep if isinstance(p, QuantizedLinear)]
     kernels, device = native_kernels(), model.device
-    packed = None
+    native: Callable[[dict[int, torch.Tensor]], object] | None = None
     if kernels is not None and len(dense) == len(sweep) and native_packing_unavailable(dense) is None:
-        packed = [kernels.pack_bf16(w) for w in dense]
+        native = functools.partial(_native_packed_products, kernels, dense, [kernels.pack_bf16(w) for w in dense])
+    elif (kernels is not None and len(coded) == len(sweep) and model.dtype == torch.bfloat16
+          and native_packing_unavailable([], coded) is None):
+        native = functools.partial(_quantized_packed_products, kernels, [pack_codes(p.qweight) for p in coded])
     flops = 2.0 * sum(p.in_features * p.out_features for p in sweep)
     rates: dict[int, float] = {}
     for m in rows:
         inputs = {p.in_features: _random(m, p.in_features).to(device, model.dtype) for p in sweep}
         forms: dict[str, Callable[[], object]] = {"own": functools.partial(_own_products, sweep, inputs)}
-        if kernels is not None and packed is not None:
-            forms["native"] = functools.partial(_native_packed_products, kernels, dense, packed, inputs)
+        if native is not None:
+            forms["native"] = functools.partial(native, inputs)
         times = _time_alternately(forms, device, repeats=3)
         rates[m] = m * flops / min(times.values())
     return rates
@@ -897,6 +897,6 @@ def _product_bytes(product: Linear | QuantizedLinear) -> int:
     return product.weight.nbytes if isinstance(product, Linear) else product.qweight.nbytes
 
 
-def _own_products(sweep: list[Linear | QuantizedLinear], inputs: dict[int, torch.Tensor]) -> list[object]:
+def _own_products(sweep: Sequence[Linear | QuantizedLinear], inputs: dict[int, torch.Tensor]) -> list[object]:
     with few_row_products():  # (forward, not __call__: no hooks, so no tensor-parallel collective)
         return [p.forward(inputs[p.in_features]) for p in sweep]
