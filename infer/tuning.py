@@ -789,7 +789,6 @@ def _short(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-
 # Rows a step's products are timed at for the token budget: a CPU's products stop gaining within a few hundred
 # rows, a GPU's far later.
 BUDGET_ROWS = {"cpu": (256, 512, 1024, 2048), "cuda": (256, 512, 1024, 2048, 4096, 8192)}
@@ -844,6 +843,7 @@ def step_fixed_cost(model: Transformer, steps: int = 7) -> float:
         device = model.device
         cache = create_cache("contiguous", model.config, max_seq_len=8 + steps + 1, dtype=model.dtype, device=device)
         token = torch.ones(1, 1, dtype=torch.long, device=device)
+
         def step() -> None:
             model(token, cache)
             synchronize(device)
@@ -858,9 +858,8 @@ def product_rates(model: Transformer, rows: tuple[int, ...]) -> dict[int, float]
     """FLOP/s of the model's first layer's products (in a step's order) at each of `rows`, by the faster of what
     the engine can run them with: the products' own forward (as in a step: `few_row_products`) and the native
     packed product, of bf16 weights or of a quantized model's packed codes where it takes them (medians of 3, the
-    forms alternately). At a few hundred rows
-    and more the products are bound by arithmetic, so one layer's (in cache or not) stands for the model's.
-    Measured once per model, device and dtype."""
+    forms alternately). At a few hundred rows and more the products are bound by arithmetic, so one layer's (in
+    cache or not) stands for the model's. Measured once per model, device and dtype."""
     cached: dict[tuple[str, torch.dtype, int], float] = model.__dict__.setdefault("_product_rates", {})
     keys = {r: (str(model.device), model.dtype, r) for r in rows}
     wanted = [r for r, key in keys.items() if key not in cached]
@@ -891,10 +890,6 @@ def _time_product_rates(model: Transformer, rows: list[int]) -> dict[int, float]
         times = _time_alternately(forms, device, repeats=3)
         rates[m] = m * flops / min(times.values())
     return rates
-
-
-def _product_bytes(product: Linear | QuantizedLinear) -> int:
-    return product.weight.nbytes if isinstance(product, Linear) else product.qweight.nbytes
 
 
 def _own_products(sweep: Sequence[Linear | QuantizedLinear], inputs: dict[int, torch.Tensor]) -> list[object]:
