@@ -829,7 +829,16 @@ def pick_token_budget(rates: dict[int, float], flops: float, fixed_s: float, max
 def token_flops(model: Transformer) -> float:
     """FLOPs of one token through the model's decoder products (2 x their weights; the LM head runs for the rows
     that sample only)."""
-    products = list({id(m): m for m in model.packable_products()}.values())[:-1]
+    return _row_flops(_distinct_products(model)[:-1])
+
+
+def _distinct_products(model: Transformer) -> list[Linear | QuantizedLinear]:
+    """The step's products, each once, in model order (the LM head last)."""
+    return list({id(m): m for m in model.packable_products()}.values())
+
+
+def _row_flops(products: Sequence[Linear | QuantizedLinear]) -> float:
+    """FLOPs of one row through `products` (2 x their weights)."""
     return 2.0 * sum(p.in_features * p.out_features for p in products)
 
 
@@ -869,7 +878,7 @@ def product_rates(model: Transformer, rows: tuple[int, ...]) -> dict[int, float]
 
 
 def _time_product_rates(model: Transformer, rows: list[int]) -> dict[int, float]:
-    products = list({id(m): m for m in model.packable_products()}.values())
+    products = _distinct_products(model)
     sweep = products[:max(1, (len(products) - 1) // model.config.num_hidden_layers)]  # (the LM head is last)
     dense = [p.weight for p in sweep if isinstance(p, Linear)]
     coded = [p for p in sweep if isinstance(p, QuantizedLinear)]
@@ -880,7 +889,7 @@ def _time_product_rates(model: Transformer, rows: list[int]) -> dict[int, float]
     elif (kernels is not None and len(coded) == len(sweep) and model.dtype == torch.bfloat16
           and native_packing_unavailable([], coded) is None):
         native = functools.partial(_quantized_packed_products, kernels, [pack_codes(p.qweight) for p in coded])
-    flops = 2.0 * sum(p.in_features * p.out_features for p in sweep)
+    flops = _row_flops(sweep)
     rates: dict[int, float] = {}
     for m in rows:
         inputs = {p.in_features: _random(m, p.in_features).to(device, model.dtype) for p in sweep}
