@@ -53,6 +53,26 @@ def test_a_steps_greedy_picks_are_each_requests_own(llama: tuple) -> None:
         assert result.token_ids == infer.generate(model, None, prompt, p).token_ids, f"{prompt} {p}"
 
 
+def test_a_steps_sampled_picks_are_each_requests_own(llama: tuple) -> None:
+    """The sampling requests of a step with equal settings are processed and drawn in one call, each row from its
+    own seeded generator; other settings in their own group, a repetition penalty on its own: every request equals
+    its solo run, and equal prompts with other seeds draw other tokens."""
+    model, _ = llama
+    same = dict(max_new_tokens=10, temperature=0.9, top_p=0.8, ignore_eos=True)
+    prompts = [[5, 6, 7, 8]] * 3 + [[9, 9, 9], [3, 1, 4, 1, 5], [2, 7], [4, 4], [6, 1, 6], [7, 3, 5]]
+    params = [SamplingParams(**same, seed=1), SamplingParams(**same, seed=2), SamplingParams(**same, seed=3),
+              # each setting of the group's but one changed: a group of its own
+              *(SamplingParams(**{**same, name: value}, seed=4 + i)
+                for i, (name, value) in enumerate([("temperature", 1.3), ("top_k", 3), ("top_p", 0.3),
+                                                   ("min_p", 0.2)])),
+              SamplingParams(max_new_tokens=10, temperature=1.0, repetition_penalty=1.5, seed=9, ignore_eos=True),
+              SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)]
+    results = Engine(model, None, num_blocks=64, block_size=4).generate(prompts, params)
+    for prompt, p, result in zip(prompts, params, results, strict=True):
+        assert result.token_ids == infer.generate(model, None, prompt, p).token_ids, f"{prompt} {p}"
+    assert len({tuple(r.token_ids) for r in results[:3]}) > 1, "three seeds drew the same tokens"
+
+
 def test_incremental_api_streams_text_and_aborts(llama: tuple) -> None:
     model, tok = llama
     engine = Engine(model, tok, num_blocks=64, block_size=4)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import infer
 from infer.generation import generate
-from infer.sampling import SamplingParams, process_logits, sample_next
+from infer.sampling import SamplingParams, draw, process_logits, sample_next, top_p_removed, top_p_removed_by_sort
 from reference import build_checkpoint
 from reference.sampling import hf_next_token_distribution, hf_process_logits
 
@@ -29,12 +29,15 @@ def engine_distribution(logits: torch.Tensor, params: SamplingParams, seen: torc
 
 
 def assert_same_distribution(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None) -> None:
-    ours, theirs = process_logits(logits, params, seen), hf_process_logits(logits, params, seen)
-    kept, hf_kept = torch.isfinite(ours), torch.isfinite(theirs)
-    assert torch.equal(kept, hf_kept), (
-        f"kept sets differ for {params}: engine keeps {kept.sum(-1).tolist()}, HF keeps {hf_kept.sum(-1).tolist()}, "
-        f"first difference at {torch.nonzero(kept != hf_kept)[0].tolist()}"
-    )
+    theirs = hf_process_logits(logits, params, seen)
+    hf_kept = torch.isfinite(theirs)
+    for sort_free in (True, False):  # top-p from the sorted values (the default) and by HF's own sort
+        ours = process_logits(logits, params, seen, sort_free_top_p=sort_free)
+        kept = torch.isfinite(ours)
+        assert torch.equal(kept, hf_kept), (
+            f"kept sets differ for {params} (sort_free_top_p={sort_free}): engine keeps {kept.sum(-1).tolist()}, "
+            f"HF keeps {hf_kept.sum(-1).tolist()}, first difference at {torch.nonzero(kept != hf_kept)[0].tolist()}"
+        )
     p, q = engine_distribution(logits, params, seen), hf_next_token_distribution(logits, params, seen)
     worst = (p - q).abs().max().item()
     assert worst <= 1e-6, f"probabilities differ by {worst:.2e} for {params}"
@@ -213,3 +216,68 @@ def test_sampling_params_cannot_be_changed_after_validation() -> None:
     assert params.temperature == 0.7
     with pytest.raises(ValueError, match="temperature"):
         dataclasses.replace(params, temperature=-1.0)
+
+
+@given(data=st.data(), logits=logits_rows())
+def test_top_p_from_sorted_values_equals_the_sorting_form(data: st.DataObject, logits: torch.Tensor) -> None:
+    """The sort-free set is HF's sorted form's, bf16-rounded logits too (a real bf16 model's: ties at the boundary
+    in most rows), -0.0 beside 0.0 included."""
+    if data.draw(st.booleans(), label="bf16 logits"):
+        logits = logits.to(torch.bfloat16).float()
+    if data.draw(st.booleans(), label="signed zeros"):
+        logits = torch.where(torch.arange(logits.shape[-1]) % 2 == 0, logits * 0.0, logits)  # 0.0 and -0.0 mixed
+    top_p = data.draw(st.floats(0.001, 0.999), label="top_p")
+    assert torch.equal(top_p_removed(logits, top_p), top_p_removed_by_sort(logits, top_p))
+
+
+def test_top_p_sorts_only_the_rows_tied_at_the_boundary(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 logits of distinct values never take torch.sort; a row whose removed run ends inside a run of equal
+    values does (torch.sort's order of the tied tokens decides which go), and only that row."""
+    import infer.sampling as sampling
+
+    sorted_rows: list[int] = []
+    real = sampling.top_p_removed_by_sort
+
+    def spy(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+        sorted_rows.append(logits.shape[0])
+        return real(logits, top_p)
+
+    monkeypatch.setattr(sampling, "top_p_removed_by_sort", spy)
+    distinct = torch.randn(3, 32768, generator=torch.Generator().manual_seed(0)) * 3
+    sampling.top_p_removed(distinct, 0.9)
+    assert sorted_rows == []
+    tied = torch.cat([distinct[:2], torch.zeros(1, 32768)])  # all equal: the boundary falls inside the tie
+    assert torch.equal(sampling.top_p_removed(tied, 0.5), real(tied, 0.5))
+    assert sorted_rows == [1]
+
+
+def test_draw_takes_the_inverse_cdf_and_never_a_removed_token() -> None:
+    """u = 0 draws the first token with probability, u just below 1 the last; every u between lands on a kept token,
+    token i for the u in its share of the cumulative sum."""
+    processed = torch.tensor([[float("-inf"), 0.0, float("-inf"), 0.0, 0.0, float("-inf")]])  # thirds at 1, 3, 4
+    ends = [0.0, 1 / 3, 2 / 3, 1.0]
+    for u, want in [(0.0, 1), (1 / 3 - 1e-9, 1), (1 / 3 + 1e-9, 3), (0.5, 3), (2 / 3 + 1e-9, 4),
+                    (1 - 2**-53, 4)]:
+        assert int(draw(processed, torch.tensor([u], dtype=torch.float64))[0]) == want, (u, want, ends)
+    grid = torch.linspace(0, 1 - 2**-53, 1001, dtype=torch.float64)
+    tokens = draw(processed.expand(grid.shape[0], -1), grid)
+    assert set(tokens.tolist()) == {1, 3, 4}
+    counts = torch.bincount(tokens, minlength=6)
+    assert all(abs(int(counts[t]) - 1001 / 3) <= 1 for t in (1, 3, 4))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_draw_refuses_logits_it_cannot_sample(bad: float) -> None:
+    processed = torch.tensor([[0.0, bad, 1.0]])
+    with pytest.raises(ValueError, match="NaN or inf"):
+        draw(processed, torch.tensor([0.5], dtype=torch.float64))
+
+
+def test_draw_reaches_a_token_below_fp32_resolution() -> None:
+    """A token of probability ~1e-12 after one of ~1 keeps its share of [0, 1) (fp32 sums would round it away:
+    1 - 1e-12 is 1.0 in fp32, so no u could reach it)."""
+    processed = torch.tensor([[0.0, -27.6]])
+    p = processed.double().softmax(-1)[0]
+    assert 1e-13 < p[1] < 1e-11
+    u = torch.tensor([float(p[0]) + float(p[1]) / 2, float(p[0]) / 2], dtype=torch.float64)
+    assert draw(processed.expand(2, -1), u).tolist() == [1, 0]
