@@ -838,7 +838,7 @@ class Transformer(nn.Module):
         except BaseException:  # Ctrl-C too: the storage must not keep half a step
             backend.abort()
             raise
-        return self._logits(backend.finish(x), kernels.native)
+        return self._logits(backend.finish(x), kernels.native or kernels.rows)
 
     def _backend_for(self, input_ids: torch.Tensor, kv_cache: KVCache | AttentionBackend | None,
                      all_logits: bool | None) -> AttentionBackend:
