@@ -1,8 +1,9 @@
 """`python -m infer bench --batched`: many requests at once, served by the batched engine, against the same
 requests one by one and against contender plugins (Hugging Face static batching, from `reference`).
 
-All requests arrive at time 0 with their prompt and output length fixed by the workload; greedy decoding
-with the end-of-sequence token ignored, so every contender produces exactly the same number of tokens per
+All requests arrive at time 0 with their prompt and output length fixed by the workload; greedy decoding (or
+the workload's sampling settings, `--temperature` / `--top-k` / `--top-p` / `--min-p`, each request its own
+seed) with the end-of-sequence token ignored, so every contender produces exactly the same number of tokens per
 request and the figures compare like with like:
 - tokens/s: generated tokens (each request's own count, never padding) over the wall time;
 - requests/s: requests over the wall time;
@@ -19,7 +20,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -38,15 +39,35 @@ from infer.roofline import (
     profile_table,
     summarize_phases,
 )
-from infer.sampling import SamplingParams
+from infer.sampling import GREEDY_BELOW, SamplingParams
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a workload's requests pick their tokens (`SamplingParams`' fields of the name): greedy by default."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def __str__(self) -> str:
+        """'greedy', or the settings that are on ('temperature 0.8, top_p 0.9')."""
+        if self.temperature < GREEDY_BELOW:
+            return "greedy"
+        return ", ".join(f"{f.name} {getattr(self, f.name):g}" for f in fields(self)
+                         if f.name == "temperature" or getattr(self, f.name) != f.default)
 
 
 @dataclass(frozen=True)
 class BatchRequest:
-    """One request of a workload: its prompt and how many tokens it generates."""
+    """One request of a workload: its prompt, how many tokens it generates and how it picks them (its seed
+    `seed`)."""
 
     prompt_ids: list[int]
     max_new_tokens: int
+    sampling: Sampling = Sampling()
+    seed: int = 0
 
 
 @dataclass
@@ -64,11 +85,13 @@ class BatchedRun:
 
 
 def batched_workload(vocab_size: int, *, num_requests: int = 48, prompt_lens: tuple[int, int] = (16, 256),
-                     new_tokens: tuple[int, int] = (8, 96), shared_prefix: int = 0, seed: int = 0
-                     ) -> list[BatchRequest]:
+                     new_tokens: tuple[int, int] = (8, 96), shared_prefix: int = 0, seed: int = 0,
+                     sampling: Sampling = Sampling()) -> list[BatchRequest]:
     """`num_requests` requests with prompt and output lengths drawn uniformly from the given inclusive
     ranges, token ids uniform over the vocabulary; the first `shared_prefix` prompt tokens are the same in
-    every request (a system prompt)."""
+    every request (a system prompt). `sampling`: every request's (checked as `SamplingParams` checks it: its
+    error names the field); request i's seed is `seed + i`."""
+    request_params(BatchRequest([], 1, sampling))
     for name, (lo, hi) in (("prompt_lens", prompt_lens), ("new_tokens", new_tokens)):
         if not 1 <= lo <= hi:
             raise ValueError(f"{name} must be a range 1 <= low <= high, got {lo}..{hi}")
@@ -77,12 +100,14 @@ def batched_workload(vocab_size: int, *, num_requests: int = 48, prompt_lens: tu
     rng = random.Random(seed)
     prefix = [rng.randrange(vocab_size) for _ in range(shared_prefix)]
     return [BatchRequest(prefix + [rng.randrange(vocab_size) for _ in range(rng.randint(*prompt_lens))],
-                         rng.randint(*new_tokens)) for _ in range(num_requests)]
+                         rng.randint(*new_tokens), sampling, seed + i) for i in range(num_requests)]
 
 
-def greedy_params(request: BatchRequest) -> SamplingParams:
-    """Greedy, exactly `max_new_tokens` tokens (the end token does not stop it)."""
-    return SamplingParams(max_new_tokens=request.max_new_tokens, temperature=0.0, ignore_eos=True)
+def request_params(request: BatchRequest) -> SamplingParams:
+    """The request's settings, exactly `max_new_tokens` tokens (the end token does not stop it)."""
+    s = request.sampling
+    return SamplingParams(max_new_tokens=request.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
+                          top_p=s.top_p, min_p=s.min_p, seed=request.seed, ignore_eos=True)
 
 
 def run_engine(model: Transformer, work: list[BatchRequest], name: str = "infer engine",
@@ -98,7 +123,7 @@ def run_engine(model: Transformer, work: list[BatchRequest], name: str = "infer 
     shapes = engine.capture_decode_graphs(max(len(r.prompt_ids) + r.max_new_tokens for r in work))
     capture_s = time.perf_counter() - began
     start = time.perf_counter()
-    results = engine.generate([r.prompt_ids for r in work], [greedy_params(r) for r in work])
+    results = engine.generate([r.prompt_ids for r in work], [request_params(r) for r in work])
     wall = time.perf_counter() - start
     failed = [r.error for r in results if r.finish_reason == "error"]
     if failed:
@@ -129,7 +154,7 @@ def run_one_by_one(model: Transformer, work: list[BatchRequest], cache: str = "c
     start = time.perf_counter()
     for request in work:
         began = time.perf_counter() - start
-        result = generate(model, None, request.prompt_ids, greedy_params(request), cache=cache)
+        result = generate(model, None, request.prompt_ids, request_params(request), cache=cache)
         ttft.append(began + result.time_to_first_token_s)
         latency.append(time.perf_counter() - start)
         tokens += len(result.token_ids)
@@ -160,7 +185,8 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
 
     config = model.config
     work = batched_workload(config.vocab_size, num_requests=args.requests, prompt_lens=args.batched_prompt_lens,
-                            new_tokens=args.batched_new_tokens, shared_prefix=args.shared_prefix, seed=args.seed)
+                            new_tokens=args.batched_new_tokens, shared_prefix=args.shared_prefix, seed=args.seed,
+                            sampling=workload_sampling(args))
     dtype, device = model.dtype, model.device
     engine_args = {name: getattr(args, name) for name in ("max_num_seqs", "max_num_batched_tokens", "decode_attention",
                                                           "chunk_attention", "num_blocks", "cache_memory")
@@ -197,7 +223,8 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
     rows = [summarize_batched(r) for r in medians]
     print(f"\nmodel {path} ({config.model_type}), {dtype}, {device}, {len(work)} requests (prompts "
           f"{args.batched_prompt_lens[0]}-{args.batched_prompt_lens[1]}, new {args.batched_new_tokens[0]}-"
-          f"{args.batched_new_tokens[1]}, shared prefix {args.shared_prefix}), {args.trials} trial(s), medians")
+          f"{args.batched_new_tokens[1]}, shared prefix {args.shared_prefix}, {work[0].sampling}), "
+          f"{args.trials} trial(s), medians")
     print(format_table(rows, ["name", "wall_s", "tok_s", "req_s", "ttft_p50_ms", "ttft_p99_ms", "latency_p50_ms",
                               "latency_p99_ms"]))
     engine = rows[0]
@@ -292,6 +319,11 @@ def pool_row(run: BatchedRun, work: list[BatchRequest]) -> dict[str, float | str
             "tok_s": run.new_tokens / run.wall_s, "preemptions": s["preemptions"]}
 
 
+def workload_sampling(args: argparse.Namespace) -> Sampling:
+    """`--temperature`, `--top-k`, `--top-p`, `--min-p`."""
+    return Sampling(args.temperature, args.top_k, args.top_p, args.min_p)
+
+
 def check_batched_args(args: argparse.Namespace) -> None:
     """Refuse bad `--batched` options before any model loads."""
     for name in ("requests", "batch_size", "max_num_seqs", "max_num_batched_tokens", "num_blocks", "trials"):
@@ -303,6 +335,10 @@ def check_batched_args(args: argparse.Namespace) -> None:
         raise ValueError("give --cache-memory or --num-blocks, not both")
     if args.cache_memory is not None and args.cache_memory < 1:
         raise ValueError(f"--cache-memory must be >= 1 MiB, got {args.cache_memory / 2**20:g}")
+    try:
+        request_params(BatchRequest([], 1, workload_sampling(args)))
+    except ValueError as error:  # "SamplingParams.top_p=..." as the flag the user gave
+        raise ValueError(str(error).replace("SamplingParams.", "--").replace("_", "-")) from None
 
 
 def mebibytes(text: str) -> int:
@@ -345,6 +381,11 @@ def add_batched_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batched-new-tokens", type=length_range, default=(8, 96), metavar="LOW-HIGH",
                    help="tokens each request generates, drawn uniformly")
     g.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with (a system prompt)")
+    g.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (0: greedy, the "
+                   "default); each request samples with its own seed (--seed + its index)")
+    g.add_argument("--top-k", type=int, default=0, help="every request's top-k (0: off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="every request's top-p (1: off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="every request's min-p (0: off)")
     g.add_argument("--batch-size", type=int, default=16, help="batch size of the static-batching contenders")
     g.add_argument("--max-num-seqs", type=int, default=None, help="the engine's cap on running requests "
                    "(default: the Engine's, 64)")

@@ -12,13 +12,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import AutoModelForCausalLM, Cache, DynamicCache, PreTrainedModel, StaticCache
 
-from infer.bench_batched import BatchedRun, BatchRequest
+from infer.bench_batched import BatchedRun, BatchRequest, request_params
 from infer.bench_common import Contender, Trial, peak_memory_bytes
+from reference.sampling import hf_logits_processors
 
 
 def _sync(device: torch.device) -> None:
@@ -92,10 +93,20 @@ def hf_compiled_contender(model: PreTrainedModel, prompt_ids: list[int], new_tok
 
 def hf_static_batches(model: PreTrainedModel, work: list[BatchRequest], batch_size: int) -> BatchedRun:
     """Static batching as users do it with `transformers`: requests in arrival order, `batch_size` at a time,
-    left-padded with an attention mask, greedy, each batch run until its longest request is done (a
-    hand-written loop doing what `generate()` does, without its bookkeeping). A request's first token
+    left-padded with an attention mask, greedy or sampled as the workload says (HF's logits processors and
+    `torch.multinomial`, as `generate(do_sample=True)` samples), each batch run until its longest request is done
+    (a hand-written loop doing what `generate()` does, without its bookkeeping). A request's first token
     comes with its batch's prefill; its result, with the end of its batch."""
     device = next(model.parameters()).device
+    params = request_params(work[0])  # (the workload's settings: every request's)
+    processors = hf_logits_processors(params)
+
+    def pick(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if params.is_greedy:
+            return logits.argmax(-1, keepdim=True)
+        scores = processors(cast(torch.LongTensor, ids), cast(torch.FloatTensor, logits.float()))
+        return torch.multinomial(scores.softmax(-1), 1)
+
     ttft: list[float] = []
     latency: list[float] = []
     start = time.perf_counter()
@@ -111,7 +122,7 @@ def hf_static_batches(model: PreTrainedModel, work: list[BatchRequest], batch_si
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                         logits_to_keep=1, use_cache=True)
-            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            token = pick(out.logits[:, -1], ids)
             token.tolist()
             first = time.perf_counter() - start
             last = positions[:, -1:]
@@ -120,7 +131,7 @@ def hf_static_batches(model: PreTrainedModel, work: list[BatchRequest], batch_si
                 last = last + 1
                 out = model(input_ids=token, attention_mask=mask, position_ids=last, past_key_values=cache,
                             use_cache=True)
-                token = out.logits[:, -1].argmax(-1, keepdim=True)
+                token = pick(out.logits[:, -1], ids)
             token.tolist()
         done = time.perf_counter() - start
         ttft += [first] * len(batch)

@@ -105,8 +105,33 @@ def test_the_batched_bench_sets_pool_kinds_side_by_side(tmp_path: Path, capsys: 
     assert all(row["tpot_p50_ms"] > 0 for row in pools.values())
 
 
+def test_the_batched_bench_samples_as_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`bench --batched --temperature 0.8 --top-p 0.9`: every request samples with those settings and its own seed,
+    in the engine, one by one and HF's static batches (its processors and multinomial), each the workload's
+    tokens; the header says how they pick."""
+    from infer.bench_batched import BatchRequest, Sampling, batched_workload, request_params
+
+    out = tmp_path / "sampled.json"
+    argv = ["bench", "--batched", "--model", str(build_checkpoint("llama")), "--requests", "4",
+            "--batched-prompt-lens", "3-12", "--batched-new-tokens", "2-6", "--batch-size", "2", "--temperature",
+            "0.8", "--top-p", "0.9", "--against-hf", "--no-roofline", "--trials", "1", "--json", str(out)]
+    assert main(argv) == 0
+    assert "shared prefix 0, temperature 0.8, top_p 0.9)" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert {json.dumps(r["sampling"], sort_keys=True) for r in report["workload"]} == {
+        json.dumps({"temperature": 0.8, "top_k": 0, "top_p": 0.9, "min_p": 0.0}, sort_keys=True)}
+    wanted = sum(r["max_new_tokens"] for r in report["workload"])
+    assert len(report["runs"]) == 3 and all(run["new_tokens"] == wanted for (run,) in report["runs"].values())
+    work = batched_workload(100, num_requests=3, sampling=Sampling(0.8, 5, 0.9, 0.1), seed=7)
+    params = [request_params(r) for r in work]
+    assert [p.seed for p in params] == [7, 8, 9] and all(p.ignore_eos for p in params)
+    assert {(p.temperature, p.top_k, p.top_p, p.min_p) for p in params} == {(0.8, 5, 0.9, 0.1)}
+    assert str(BatchRequest([1], 1).sampling) == "greedy" and request_params(BatchRequest([1], 2)).seed == 0
+
+
 @pytest.mark.parametrize("bad", [["--requests", "0"], ["--batch-size", "0"], ["--shared-prefix", "-1"],
-                                 ["--max-num-seqs", "0"]])
+                                 ["--max-num-seqs", "0"], ["--top-p", "1.5"], ["--temperature", "-1"],
+                                 ["--top-k", "-2"], ["--min-p", "2"]])
 def test_batched_arguments_fail_before_any_model_loads(bad: list[str], capsys: pytest.CaptureFixture[str],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     import infer.loader
