@@ -175,7 +175,7 @@ def top_p_removed(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     the sorting form (bf16 logits tie there in most rows; fp32 ones almost never)."""
     if logits.device.type != "cpu" or logits.dim() != 2:
         return top_p_removed_by_sort(logits, top_p)
-    values = torch.from_numpy(np.sort(logits.numpy(), axis=-1))
+    values = torch.from_numpy(np.sort(logits.detach().numpy(), axis=-1))
     remove_sorted = values.softmax(-1).cumsum(-1) <= 1 - top_p
     remove_sorted[..., -1] = False  # always keep the most likely token
     m = remove_sorted.sum(-1, keepdim=True)  # how many go, the first m of the order
