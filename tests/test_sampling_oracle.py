@@ -281,3 +281,12 @@ def test_draw_reaches_a_token_below_fp32_resolution() -> None:
     assert 1e-13 < p[1] < 1e-11
     u = torch.tensor([float(p[0]) + float(p[1]) / 2, float(p[0]) / 2], dtype=torch.float64)
     assert draw(processed.expand(2, -1), u).tolist() == [1, 0]
+
+
+def test_top_p_takes_logits_that_require_grad() -> None:
+    """A caller's logits straight from a model under autograd: processed as HF processes them, no numpy error."""
+    logits = (torch.randn(2, 50, generator=torch.Generator().manual_seed(3)) * 2).requires_grad_()
+    assert_same_distribution(logits.detach(), SamplingParams(temperature=1.0, top_p=0.5), None)
+    assert torch.equal(torch.isfinite(process_logits(logits, SamplingParams(temperature=1.0, top_p=0.5), None)),
+                       torch.isfinite(process_logits(logits.detach(), SamplingParams(temperature=1.0, top_p=0.5),
+                                                     None)))
