@@ -1,5 +1,6 @@
 """asv benchmarks: decode-step latency by context x cache kind x architecture (every one in infer.families),
-prefill latency, peak memory of a generation, decode tokens/s and cache bytes.
+prefill latency, peak memory of a generation, decode tokens/s, cache bytes and the batched engine greedy and
+sampling.
 
 Models are built in-process from a seeded `ModelConfig` (no checkpoint, no transformers): mid-sized
 so one commit's full run stays under 20 minutes on 2 CPU cores. Every decode sample starts from the
@@ -14,7 +15,7 @@ import functools
 import torch
 
 import infer
-from infer.bench_batched import batched_workload, run_engine
+from infer.bench_batched import Sampling, batched_workload, run_engine
 from infer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig
 from infer.families import ARCHITECTURES, FAMILIES
 from infer.generation import generate
@@ -155,24 +156,28 @@ class CacheMemory:
             cache.advance(chunk)
 
 
+SAMPLINGS = {"greedy": Sampling(), "top-p": Sampling(temperature=0.8, top_p=0.9)}
+
+
 class BatchedEngine:
     """A mixed workload through the batched engine (16 requests, prompts 16-128 tokens, 8-32 new tokens,
-    greedy, all arriving at once): wall time, and generated tokens/s as a tracked figure."""
+    greedy or sampled with top-p, all arriving at once): wall time, and generated tokens/s as a tracked figure."""
 
-    params = [ARCHITECTURES]
-    param_names = ["architecture"]
+    params = [ARCHITECTURES, list(SAMPLINGS)]
+    param_names = ["architecture", "sampling"]
     number = 1
     repeat = (2, 5, 60.0)
     timeout = 600
 
-    def setup(self, arch: str) -> None:
+    def setup(self, arch: str, sampling: str) -> None:
         self.model = bench_model(arch)
-        self.work = batched_workload(8192, num_requests=16, prompt_lens=(16, 128), new_tokens=(8, 32))
+        self.work = batched_workload(8192, num_requests=16, prompt_lens=(16, 128), new_tokens=(8, 32),
+                                     sampling=SAMPLINGS[sampling])
 
-    def time_engine(self, arch: str) -> None:
+    def time_engine(self, arch: str, sampling: str) -> None:
         run_engine(self.model, self.work)
 
-    def track_engine_tokens_per_s(self, arch: str) -> float:
+    def track_engine_tokens_per_s(self, arch: str, sampling: str) -> float:
         run_engine(self.model, self.work[:2])  # warm-up
         run = run_engine(self.model, self.work)
         return run.new_tokens / run.wall_s
