@@ -158,9 +158,12 @@ def draw(processed: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def top_p_removed_by_sort(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """HF's TopPLogitsWarper's removed tokens `[B, V]`: sorted ascending (torch.sort's order, ties as it leaves
-    them), those whose cumulative probability is at most 1 - top_p, never the most likely."""
-    sorted_logits, order = torch.sort(logits, descending=False, dim=-1)
+    """HF's TopPLogitsWarper's removed tokens `[B, V]`: sorted ascending, those whose cumulative probability is at
+    most 1 - top_p, never the most likely; tokens of equal logits in index order (a stable sort). HF's own sort is
+    not stable, and torch documents the order it leaves equal elements in as not guaranteed (it differs between
+    devices): where the removed run ends inside a run of equal logits (bf16 logits do in most rows), which of
+    them go is unspecified there; here the lower indices go first, as HF with a stable sort removes them."""
+    sorted_logits, order = torch.sort(logits, descending=False, dim=-1, stable=True)
     cumulative = sorted_logits.softmax(-1).cumsum(-1)
     remove_sorted = cumulative <= 1 - top_p
     remove_sorted[..., -1] = False  # always keep the most likely token
@@ -169,10 +172,10 @@ def top_p_removed_by_sort(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def top_p_removed(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """`top_p_removed_by_sort`'s set from the sorted values alone, on a CPU (elsewhere that form): the cumulative
-    sums need only the values in order (numpy's vectorised sort, ~35x faster than torch.sort's values and
-    indices at 32k), and the first m of the order are the tokens below the first kept value, unless that value
-    also ends the removed run: then which of the tied tokens go is torch.sort's own order, so those rows take
-    the sorting form (bf16 logits tie there in most rows; fp32 ones almost never)."""
+    sums need only the values in order (numpy's vectorised sort, ~25x faster than torch.sort's values and
+    indices at 32k), and the first m of the order are the tokens below the first kept value, then, where that
+    value also ends the removed run, the lowest-indexed of the tokens equal to it (the stable order) until m
+    have gone."""
     if logits.device.type != "cpu" or logits.dim() != 2:
         return top_p_removed_by_sort(logits, top_p)
     values = torch.from_numpy(np.sort(logits.detach().numpy(), axis=-1))
@@ -181,8 +184,9 @@ def top_p_removed(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     m = remove_sorted.sum(-1, keepdim=True)  # how many go, the first m of the order
     first_kept = values.gather(-1, m)
     removed = logits < first_kept
-    tied = (values.gather(-1, (m - 1).clamp(min=0)) == first_kept)[:, 0] & (m[:, 0] > 0)
-    if bool(tied.any()):
-        rows = tied.nonzero()[:, 0]
-        removed[rows] = top_p_removed_by_sort(logits[rows], top_p)
+    short = m - removed.sum(-1, keepdim=True)  # > 0 where the run ends among tokens equal to the first kept one
+    if bool((short > 0).any()):
+        rows = (short[:, 0] > 0).nonzero()[:, 0]
+        tied = logits[rows] == first_kept[rows]
+        removed[rows] |= tied & (tied.cumsum(-1) <= short[rows])
     return removed

@@ -7,7 +7,11 @@ large and tiny magnitudes; every parameter combination is drawn, greedy included
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -28,17 +32,42 @@ def engine_distribution(logits: torch.Tensor, params: SamplingParams, seen: torc
     return processed.softmax(-1)
 
 
+@contextlib.contextmanager
+def stable_sorts() -> Iterator[None]:
+    """torch.sort with equal elements in index order while HF's processors run. HF's top-p sorts without
+    `stable=True`, and torch leaves the order of equal elements unspecified then (it differs between devices), so
+    which of the tokens tied at top-p's boundary HF removes is not its answer; the engine takes the stable order."""
+    real = torch.sort
+
+    def stable(*args: Any, **kwargs: Any) -> Any:
+        return real(*args, **{**kwargs, "stable": True})
+
+    with mock.patch.object(torch, "sort", stable):
+        yield
+
+
 def assert_same_distribution(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None) -> None:
-    theirs = hf_process_logits(logits, params, seen)
+    with stable_sorts():
+        theirs = hf_process_logits(logits, params, seen)
     hf_kept = torch.isfinite(theirs)
-    for sort_free in (True, False):  # top-p from the sorted values (the default) and by HF's own sort
+    for sort_free in (True, False):  # top-p from the sorted values (the default) and by a stable sort
         ours = process_logits(logits, params, seen, sort_free_top_p=sort_free)
         kept = torch.isfinite(ours)
         assert torch.equal(kept, hf_kept), (
             f"kept sets differ for {params} (sort_free_top_p={sort_free}): engine keeps {kept.sum(-1).tolist()}, "
             f"HF keeps {hf_kept.sum(-1).tolist()}, first difference at {torch.nonzero(kept != hf_kept)[0].tolist()}"
         )
-    p, q = engine_distribution(logits, params, seen), hf_next_token_distribution(logits, params, seen)
+    # HF as it runs (its own sort): the same sets, but which tokens of the boundary's value go
+    as_is = hf_process_logits(logits, params, seen)
+    as_is_kept = torch.isfinite(as_is)
+    assert torch.equal(kept.sum(-1), as_is_kept.sum(-1)), f"kept counts differ from HF's for {params}"
+    for row in range(logits.shape[0]):
+        differ = kept[row] != as_is_kept[row]
+        values = torch.cat([ours[row][differ & kept[row]], as_is[row][differ & as_is_kept[row]]])
+        assert bool((values == values[:1]).all()), f"row {row}: tokens of other values kept than HF keeps, {params}"
+    p = engine_distribution(logits, params, seen)
+    with stable_sorts():
+        q = hf_next_token_distribution(logits, params, seen)
     worst = (p - q).abs().max().item()
     assert worst <= 1e-6, f"probabilities differ by {worst:.2e} for {params}"
 
@@ -230,25 +259,23 @@ def test_top_p_from_sorted_values_equals_the_sorting_form(data: st.DataObject, l
     assert torch.equal(top_p_removed(logits, top_p), top_p_removed_by_sort(logits, top_p))
 
 
-def test_top_p_sorts_only_the_rows_tied_at_the_boundary(monkeypatch: pytest.MonkeyPatch) -> None:
-    """fp32 logits of distinct values never take torch.sort; a row whose removed run ends inside a run of equal
-    values does (torch.sort's order of the tied tokens decides which go), and only that row."""
+def test_top_p_ties_at_the_boundary_go_in_index_order_without_a_sort(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sort-free form never sorts indices: where the removed run ends among equal logits, the lowest-indexed of
+    them go (a stable sort's order); below them everything goes, above nothing."""
     import infer.sampling as sampling
 
-    sorted_rows: list[int] = []
-    real = sampling.top_p_removed_by_sort
+    def no_sort(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the sort-free top-p sorted")
 
-    def spy(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-        sorted_rows.append(logits.shape[0])
-        return real(logits, top_p)
-
-    monkeypatch.setattr(sampling, "top_p_removed_by_sort", spy)
-    distinct = torch.randn(3, 32768, generator=torch.Generator().manual_seed(0)) * 3
-    sampling.top_p_removed(distinct, 0.9)
-    assert sorted_rows == []
-    tied = torch.cat([distinct[:2], torch.zeros(1, 32768)])  # all equal: the boundary falls inside the tie
-    assert torch.equal(sampling.top_p_removed(tied, 0.5), real(tied, 0.5))
-    assert sorted_rows == [1]
+    monkeypatch.setattr(sampling, "top_p_removed_by_sort", no_sort)
+    monkeypatch.setattr(torch, "sort", no_sort)
+    equal = torch.zeros(1, 8)  # eighths: cumulative sums 1/8 .. 1 exactly, 1/2 at the fourth
+    assert sampling.top_p_removed(equal, 0.5).tolist() == [[True] * 4 + [False] * 4]
+    # 2.0 at 1 and 6, 1.0 at 0, 4, 7, -1.0 at 2, 3, 5: the -1s go, then the 1s by index until the mass is reached
+    mixed = torch.tensor([[1.0, 2.0, -1.0, -1.0, 1.0, -1.0, 2.0, 1.0]])
+    probs = mixed.softmax(-1)[0]
+    top_p = 1 - float(probs[2] * 3 + probs[0] * 1.5)  # the boundary inside the 1s: one of them goes
+    assert sampling.top_p_removed(mixed, top_p).tolist() == [[True, False, True, True, False, True, False, False]]
 
 
 def test_draw_takes_the_inverse_cdf_and_never_a_removed_token() -> None:
