@@ -231,3 +231,30 @@ def test_quantized_weights_in_the_engine_are_the_dequantized_bf16_model(smollm2:
     for got, want in zip(*served, strict=True):
         assert got.token_ids == want.token_ids and got.logits is not None and want.logits is not None
         assert torch.equal(got.logits, want.logits), "the packed codes parted from the dequantized bf16 model"
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=0.6, top_p=0.9), dict(temperature=0.6, top_k=20, top_p=0.95),
+                                      dict(temperature=1.0, top_k=64, top_p=0.95)],
+                         ids=["llama", "qwen3", "gemma3"])
+def test_top_p_on_the_real_models_bf16_logits_is_hfs(settings: dict, tokenizer: infer.Tokenizer,
+                                                     ours_bf16: infer.Transformer) -> None:
+    """The real model's bf16 logits at every position of a chat, under the three families' default sampling: the
+    sort-free top-p keeps HF's set (HF with a stable sort exactly; HF as it runs but for which of the tokens tied at
+    the boundary go), and such ties occur there (10-22% of this chat's positions: the case the stable order
+    decides)."""
+    from infer.sampling import top_p_removed, top_p_removed_by_sort
+    from tests.test_sampling_oracle import assert_same_distribution
+
+    prompt = chat(tokenizer, QUESTIONS[4])
+    with torch.inference_mode():
+        logits = ours_bf16(torch.tensor([prompt]))[0].float()
+    params = SamplingParams(**settings)
+    assert_same_distribution(logits, params, None)
+    tempered = logits / params.temperature
+    if params.top_k:
+        tempered = tempered.masked_fill(tempered < torch.topk(tempered, params.top_k).values[:, -1:], float("-inf"))
+    removed = top_p_removed(tempered, params.top_p)
+    assert torch.equal(removed, top_p_removed_by_sort(tempered, params.top_p))
+    first_kept = torch.where(removed, float("inf"), tempered).min(-1, keepdim=True).values
+    straddles = ((tempered == first_kept) & removed).any(-1)  # a token of the first kept value removed
+    assert int(straddles.sum()) >= 3, f"ties at the boundary in {int(straddles.sum())} of {len(straddles)} rows only"
