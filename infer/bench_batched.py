@@ -337,8 +337,11 @@ def check_batched_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--cache-memory must be >= 1 MiB, got {args.cache_memory / 2**20:g}")
     try:
         request_params(BatchRequest([], 1, workload_sampling(args)))
-    except ValueError as error:  # "SamplingParams.top_p=..." as the flag the user gave
-        raise ValueError(str(error).replace("SamplingParams.", "--").replace("_", "-")) from None
+    except ValueError as error:  # "SamplingParams.top_p=..." as the flag the user gave: "--top-p=..."
+        text = str(error)
+        for f in fields(Sampling):
+            text = text.replace(f"SamplingParams.{f.name}", "--" + f.name.replace("_", "-"))
+        raise ValueError(text) from None
 
 
 def mebibytes(text: str) -> int:

@@ -102,6 +102,7 @@ def hf_static_batches(model: PreTrainedModel, work: list[BatchRequest], batch_si
     processors = hf_logits_processors(params)
 
     def pick(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        # (`ids`: the prompts; the workload's settings take no repetition penalty, which would read the tokens)
         if params.is_greedy:
             return logits.argmax(-1, keepdim=True)
         scores = processors(cast(torch.LongTensor, ids), cast(torch.FloatTensor, logits.float()))
