@@ -41,7 +41,7 @@ from infer.models import Transformer
 from infer.models.transformer import PACKED_LAYOUTS, few_row_products
 from infer.ragged import SeqChunk, build_ragged_batch
 from infer.roofline import ChunkShape, StepRecord
-from infer.sampling import SamplingParams, draw, process_logits, sample_next, uniforms
+from infer.sampling import SamplingParams, draw, process_logits, uniforms
 from infer.scheduler import Request, Scheduler, SchedulerOutput
 from infer.tensor_parallel import Shards, StepOrder, broadcast_step, min_over_ranks
 from infer.tokenizer import Tokenizer
@@ -324,7 +324,7 @@ class Engine:
         sampling = [self._live[c.request_id] for c in plan.chunks if c.sample]
         picked = self._batched_picks(sampling, logits)
         for i, (live, row) in enumerate(zip(sampling, logits, strict=True)):
-            outputs.append(self._sample(live, row, done, picked.get(i)))
+            outputs.append(self._record(live, row, done, picked[i]))
         if self.trace is not None and shapes is not None:
             self.trace.append(StepRecord(shapes, schedule_s=scheduled - started, build_s=self._build_s,
                                          forward_s=done - scheduled - self._build_s,
@@ -425,24 +425,24 @@ class Engine:
 
     @staticmethod
     def _batched_picks(sampling: list[_Live], logits: torch.Tensor) -> dict[int, int]:
-        """The tokens of the step's rows that take no repetition penalty, by row: the plain greedy ones (the argmax
-        of their fp32 logits, as `sample_next` takes it) in one call over their rows (one per row cost ~20 us
-        each), the sampling ones in one `process_logits` and one `draw` per set of equal settings, each row
-        drawing its one uniform from its own generator as its solo run does (one call a row cost ~0.5 ms at 32k
-        with torch.multinomial, more than a 16-request decode step's forward)."""
+        """The step's tokens, by row, each as its solo run's `sample_next` takes it: the plain greedy rows (the argmax
+        of their fp32 logits) in one call over their rows (one per row cost ~20 us each); the others in one
+        `process_logits` per set
+        of equal settings (a repetition penalty reading each row's own tokens, padded with its first: a token
+        penalised twice is penalised once), then their argmax or one `draw`, each row's uniform from its own
+        generator as its solo run draws it (one call a row cost ~0.5 ms at 32k with torch.multinomial, more than a
+        16-request decode step's forward)."""
         picks: dict[int, int] = {}
         greedy: list[int] = []
-        groups: dict[tuple[float, int, float, float], list[int]] = {}
+        groups: dict[tuple[float, int, float, float, float], list[int]] = {}
         for i, live in enumerate(sampling):
-            params = live.params
-            if params.repetition_penalty != 1.0:
-                continue
-            if params.is_greedy:
+            p = live.params
+            if p.is_greedy and p.repetition_penalty == 1.0:
                 greedy.append(i)
             else:
-                groups.setdefault((params.temperature, params.top_k, params.top_p, params.min_p), []).append(i)
+                groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty), []).append(i)
         with torch.inference_mode():
-            if len(greedy) >= 2:
+            if greedy:
                 picked = logits if len(greedy) == logits.shape[0] else logits[greedy]
                 kernels = native_kernels() if logits.device.type == "cpu" and logits.dtype in (
                     torch.float32, torch.bfloat16) else None  # the native scan takes the same index, ~15x faster
@@ -450,21 +450,23 @@ class Engine:
                 picks.update(zip(greedy, tokens.tolist(), strict=True))
             for rows in groups.values():
                 params = sampling[rows[0]].params
-                processed = process_logits(logits if len(rows) == logits.shape[0] else logits[rows], params, None)
-                u = torch.cat([uniforms(1, sampling[i].generator, logits.device) for i in rows])
-                picks.update(zip(rows, draw(processed, u).tolist(), strict=True))
+                seen = None
+                if params.repetition_penalty != 1.0:
+                    ids = [sampling[i].request.token_ids for i in rows]
+                    width = max(len(t) for t in ids)
+                    seen = torch.tensor([t + t[:1] * (width - len(t)) for t in ids], device=logits.device)
+                processed = process_logits(logits if len(rows) == logits.shape[0] else logits[rows], params, seen)
+                if params.is_greedy:
+                    tokens = processed.argmax(dim=-1)
+                else:
+                    tokens = draw(processed, torch.cat([uniforms(1, sampling[i].generator, logits.device)
+                                                        for i in rows]))
+                picks.update(zip(rows, tokens.tolist(), strict=True))
         return picks
 
-    def _sample(self, live: _Live, logits: torch.Tensor, now: float, token_id: int | None = None) -> RequestOutput:
-        """The request's next token (`token_id` when the step picked it already, `_batched_picks`): recorded,
-        streamed, and the request ended if it stops."""
-        request, params = live.request, live.params
-        if token_id is None:
-            seen = None
-            if params.repetition_penalty != 1.0:
-                seen = torch.tensor([request.token_ids], dtype=torch.long, device=self.device)
-            with torch.inference_mode():
-                token_id = int(sample_next(logits[None], params, seen, live.generator)[0])
+    def _record(self, live: _Live, logits: torch.Tensor, now: float, token_id: int) -> RequestOutput:
+        """The request's next token (`_batched_picks`'): recorded, streamed, and the request ended if it stops."""
+        request = live.request
         if self.keep_logits:
             live.logits.append(logits.float().cpu())
         live.token_times_s.append(now)

@@ -73,6 +73,36 @@ def test_a_steps_sampled_picks_are_each_requests_own(llama: tuple) -> None:
     assert len({tuple(r.token_ids) for r in results[:3]}) > 1, "three seeds drew the same tokens"
 
 
+def test_a_steps_picks_equal_each_rows_own_sample_next() -> None:
+    """`Engine._batched_picks` over rows of mixed settings picks what `sample_next` (held to HF's processors) picks for
+    each row alone, with its own tokens and generator: greedy rows, penalised greedy rows of other lengths (a shorter
+    row's tokens padded for the group), sampled rows with and without a penalty."""
+    from types import SimpleNamespace
+
+    from infer.sampling import sample_next
+
+    logits = torch.randn(7, 50, generator=torch.Generator().manual_seed(0)) * 2
+    logits[:, 0] = 10.0  # token 0 first everywhere: penalising it (a padding's or a wrong group's) changes the pick
+    sampled = dict(temperature=0.9, top_p=0.8)
+    rows = [  # (settings, the row's tokens so far)
+        (SamplingParams(temperature=0.0, repetition_penalty=8.0), [5, 6]),
+        (SamplingParams(temperature=0.0, repetition_penalty=8.0), [7, 8, 9, 10, 11]),
+        (SamplingParams(temperature=0.0), [1]),
+        (SamplingParams(temperature=0.0), [2, 3]),
+        (SamplingParams(**sampled, repetition_penalty=8.0, seed=1), [0, 12, 13]),
+        (SamplingParams(**sampled, repetition_penalty=8.0, seed=2), [0]),
+        (SamplingParams(**sampled, seed=3), [0, 4]),
+    ]
+    live = [SimpleNamespace(params=p, request=SimpleNamespace(token_ids=ids),
+                            generator=torch.Generator().manual_seed(p.seed or 0)) for p, ids in rows]
+    picks = Engine._batched_picks(live, logits)  # type: ignore[arg-type]
+    for i, (p, ids) in enumerate(rows):
+        seen = torch.tensor([ids]) if p.repetition_penalty != 1.0 else None
+        solo = int(sample_next(logits[i : i + 1], p, seen, torch.Generator().manual_seed(p.seed or 0))[0])
+        assert picks[i] == solo, (i, p, ids)
+    assert picks[0] == picks[6] == 0 and picks[5] != 0, "the penalty on token 0 (or its absence) decides these rows"
+
+
 def test_incremental_api_streams_text_and_aborts(llama: tuple) -> None:
     model, tok = llama
     engine = Engine(model, tok, num_blocks=64, block_size=4)
