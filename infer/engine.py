@@ -427,11 +427,10 @@ class Engine:
     def _batched_picks(sampling: list[_Live], logits: torch.Tensor) -> dict[int, int]:
         """The step's tokens, by row, each as its solo run's `sample_next` takes it: the plain greedy rows (the argmax
         of their fp32 logits) in one call over their rows (one per row cost ~20 us each); the others in one
-        `process_logits` per set
-        of equal settings (a repetition penalty reading each row's own tokens, padded with its first: a token
-        penalised twice is penalised once), then their argmax or one `draw`, each row's uniform from its own
-        generator as its solo run draws it (one call a row cost ~0.5 ms at 32k with torch.multinomial, more than a
-        16-request decode step's forward)."""
+        `process_logits` per set of equal settings (a repetition penalty reading each row's own tokens, padded with
+        its first: a token penalised twice is penalised once), then their argmax or one `draw`, each row's uniform
+        from its own generator as its solo run draws it (one call a row cost ~0.5 ms at 32k with torch.multinomial,
+        more than a 16-request decode step's forward)."""
         picks: dict[int, int] = {}
         greedy: list[int] = []
         groups: dict[tuple[float, int, float, float, float], list[int]] = {}
