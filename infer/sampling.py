@@ -101,8 +101,8 @@ def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penal
 def process_logits(logits: torch.Tensor, params: SamplingParams, seen_ids: torch.Tensor | None, *,
                    sort_free_top_p: bool = True) -> torch.Tensor:
     """Turn last-position logits `[B, V]` into the (masked, tempered) logits to sample from, in fp32.
-    `sort_free_top_p=False` takes top-p's set by HF's own sort (`top_p_removed_by_sort`), the check of the
-    default's (`top_p_removed`)."""
+    `sort_free_top_p=False` takes top-p's set by HF's rule over a stable sort (`top_p_removed_by_sort`), the check
+    of the default's (`top_p_removed`)."""
     logits = logits.float()
     if params.repetition_penalty != 1.0 and seen_ids is not None and seen_ids.numel():
         logits = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
