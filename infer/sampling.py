@@ -161,13 +161,19 @@ def top_p_removed_by_sort(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """HF's TopPLogitsWarper's removed tokens `[B, V]`: sorted ascending, those whose cumulative probability is at
     most 1 - top_p, never the most likely; tokens of equal logits in index order (a stable sort). HF's own sort is
     not stable, and torch documents the order it leaves equal elements in as not guaranteed (it differs between
-    devices): where the removed run ends inside a run of equal logits (bf16 logits do in most rows), which of
-    them go is unspecified there; here the lower indices go first, as HF with a stable sort removes them."""
+    devices): where the removed run ends inside a run of equal logits (bf16 logits often do), which of them go is
+    unspecified there; here the lower indices go first, as HF with a stable sort removes them."""
     sorted_logits, order = torch.sort(logits, descending=False, dim=-1, stable=True)
-    cumulative = sorted_logits.softmax(-1).cumsum(-1)
-    remove_sorted = cumulative <= 1 - top_p
-    remove_sorted[..., -1] = False  # always keep the most likely token
+    remove_sorted = removed_in_order(sorted_logits, top_p)
     return remove_sorted.scatter(-1, order, remove_sorted)
+
+
+def removed_in_order(ascending: torch.Tensor, top_p: float) -> torch.Tensor:
+    """HF's top-p rule over logits sorted ascending `[B, V]`: the positions whose cumulative probability is at most
+    1 - top_p, never the last (the most likely)."""
+    remove_sorted = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
+    remove_sorted[..., -1] = False
+    return remove_sorted
 
 
 def top_p_removed(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -179,9 +185,7 @@ def top_p_removed(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     if logits.device.type != "cpu" or logits.dim() != 2:
         return top_p_removed_by_sort(logits, top_p)
     values = torch.from_numpy(np.sort(logits.detach().numpy(), axis=-1))
-    remove_sorted = values.softmax(-1).cumsum(-1) <= 1 - top_p
-    remove_sorted[..., -1] = False  # always keep the most likely token
-    m = remove_sorted.sum(-1, keepdim=True)  # how many go, the first m of the order
+    m = removed_in_order(values, top_p).sum(-1, keepdim=True)  # how many go, the first m of the order
     first_kept = values.gather(-1, m)
     removed = logits < first_kept
     short = m - removed.sum(-1, keepdim=True)  # > 0 where the run ends among tokens equal to the first kept one
