@@ -38,6 +38,8 @@ class Mutant:
 
 TP_TESTS = "tests/test_tensor_parallel.py"
 ROOFLINE_TESTS = "tests/test_roofline.py"
+TOP_P_TESTS = ("tests/test_sampling_oracle.py", "tests/test_native_kernels.py")
+NATIVE_C = "infer/kernels/cpu_decode.c"
 
 MUTANTS = [
     Mutant("sliding window off by one (W+1 keys)", "infer/attention.py",
@@ -71,22 +73,29 @@ MUTANTS = [
            "        inv_freq = _llama3_scaling(inv_freq, rope)", "        pass",
            ("tests/test_models.py",)),
     Mutant("top-p keeps the token that crosses the threshold out", "infer/sampling.py",
-           "remove_sorted = ascending.softmax(-1).cumsum(-1) <= 1 - top_p",
-           "remove_sorted = ascending.softmax(-1).cumsum(-1) < 1 - top_p", ("tests/test_sampling_oracle.py",)),
-    Mutant("top-p from sorted values: a tie across the boundary left to the values (all tied tokens kept)",
-           "infer/sampling.py", "    if bool((short > 0).any()):", "    if False:", ("tests/test_sampling_oracle.py",)),
-    Mutant("top-p from sorted values: tied tokens at the boundary removed from the highest index", "infer/sampling.py",
-           "removed[rows] |= tied & (tied.cumsum(-1) <= short[rows])",
-           "removed[rows] |= tied & (tied.flip(-1).cumsum(-1).flip(-1) <= short[rows])",
-           ("tests/test_sampling_oracle.py",)),
+           "remove_sorted = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p",
+           "remove_sorted = sorted_logits.softmax(-1).cumsum(-1) < 1 - top_p", ("tests/test_sampling_oracle.py",)),
     Mutant("top-p by sort: HF's unstable sort again (tied tokens in an unspecified order)", "infer/sampling.py",
            "torch.sort(logits, descending=False, dim=-1, stable=True)", "torch.sort(logits, descending=False, dim=-1)",
            ("tests/test_sampling_oracle.py",)),
-    Mutant("top-p from sorted values: the first kept value's tokens removed too", "infer/sampling.py",
-           "removed = logits < first_kept", "removed = logits <= first_kept", ("tests/test_sampling_oracle.py",)),
-    Mutant("top-p from sorted values: one tied token too many removed at the boundary", "infer/sampling.py",
-           "tied & (tied.cumsum(-1) <= short[rows])", "tied & (tied.cumsum(-1) <= short[rows] + 1)",
-           ("tests/test_sampling_oracle.py",)),
+    Mutant("native top-p keeps the token that crosses the threshold out", NATIVE_C,
+           "        if (!((float)sum <= limit)) break;", "        if (!((float)sum < limit)) break;", TOP_P_TESTS),
+    Mutant("native top-p: the cumulative sums in float (not torch's double accumulator)", NATIVE_C,
+           "    double sum = 0;\n    int64_t m = 0;", "    float sum = 0;\n    int64_t m = 0;", TOP_P_TESTS),
+    Mutant("native top-p: a tie across the boundary left to the values (all tied tokens kept)", NATIVE_C,
+           "    while (below > 0 && sorted[below - 1] == kept) below--;\n", "", TOP_P_TESTS),
+    Mutant("native top-p: a block's tied tokens at the boundary removed from its highest lane", NATIVE_C,
+           "            tied_gone |= eq & -eq;\n            eq &= eq - 1;",
+           "            tied_gone |= (__mmask16)(1u << (31 - __builtin_clz((unsigned)eq)));\n"
+           "            eq &= ~tied_gone;",
+           TOP_P_TESTS),
+    Mutant("native top-p: the first kept value's tokens removed too", NATIVE_C,
+           "    for (; j < n; j++) out[j] = x[j] < kept ? -INFINITY : x[j];",
+           "    for (; j < n; j++) out[j] = x[j] <= kept ? -INFINITY : x[j];", TOP_P_TESTS),
+    Mutant("native top-p: one tied token too many removed at the boundary", NATIVE_C,
+           "int64_t ties = m - below, j = 0;", "int64_t ties = m - below + 1, j = 0;", TOP_P_TESTS),
+    Mutant("native top-p: tied tokens past the last block of sixteen kept (one lane at a time)", NATIVE_C,
+           "        int gone = v < kept || (v == kept && ties-- > 0);", "        int gone = v < kept;", TOP_P_TESTS),
     Mutant("draw: the first token at or past u (a removed token at the start drawn at u = 0)", "infer/sampling.py",
            "* total, right=True)[:, 0]", "* total, right=False)[:, 0]", ("tests/test_sampling_oracle.py",)),
     Mutant("draw: the cumulative sum in fp32 (a token under fp32's resolution never drawn)", "infer/sampling.py",

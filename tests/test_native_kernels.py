@@ -440,6 +440,25 @@ def test_native_kv_writes_are_the_engines_index_writes(tokens: int, kv_heads: in
     assert torch.equal(qkv, before), "the step's K/V are left as they were"
 
 
+@pytest.mark.parametrize("flavour", FLAVOURS_HERE)
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 4), n=st.integers(1, 200), levels=st.sampled_from([2, 5, 1000]),
+       top_p=st.floats(0.001, 0.999), seed=st.integers(0, 2**16))
+def test_native_top_p_leaves_hfs_tokens_on_every_path(flavour: str, rows: int, n: int, levels: int, top_p: float,
+                                                      seed: int) -> None:
+    """`top_p_rows` on each instruction-set path (sixteen lanes at a time, or one): the removed tokens are HF's
+    TopPLogitsWarper's over a stable sort, rows of few distinct values (ties at the boundary in most) and many."""
+    from infer.sampling import top_p_removed_by_sort
+
+    kernels = native_kernels(flavour)
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, levels, (rows, n), generator=gen).float() * (4.0 / levels)
+    ascending = x.sort(-1).values
+    got = kernels.top_p_rows(x, ascending, ascending.softmax(-1), top_p)
+    assert torch.equal(got, x.masked_fill(top_p_removed_by_sort(x, top_p), float("-inf")))
+
+
 @needs_build
 @settings(max_examples=40, deadline=None)
 @given(dtype=st.sampled_from([torch.float32, torch.bfloat16]), rows=st.integers(1, 5), n=st.integers(1, 300),

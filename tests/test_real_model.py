@@ -242,7 +242,7 @@ def test_top_p_on_the_real_models_bf16_logits_is_hfs(settings: dict, tokenizer: 
     sort-free top-p keeps HF's set (HF with a stable sort exactly; HF as it runs but for which of the tokens tied at
     the boundary go), and such ties occur there (10-22% of this chat's positions: the case the stable order
     decides)."""
-    from infer.sampling import top_p_removed, top_p_removed_by_sort
+    from infer.sampling import top_p_filtered, top_p_removed_by_sort
     from tests.test_sampling_oracle import assert_same_distribution
 
     prompt = chat(tokenizer, QUESTIONS[4])
@@ -253,8 +253,8 @@ def test_top_p_on_the_real_models_bf16_logits_is_hfs(settings: dict, tokenizer: 
     tempered = logits / params.temperature
     if params.top_k:
         tempered = tempered.masked_fill(tempered < torch.topk(tempered, params.top_k).values[:, -1:], float("-inf"))
-    removed = top_p_removed(tempered, params.top_p)
-    assert torch.equal(removed, top_p_removed_by_sort(tempered, params.top_p))
+    removed = top_p_removed_by_sort(tempered, params.top_p)
+    assert torch.equal(top_p_filtered(tempered, params.top_p), tempered.masked_fill(removed, float("-inf")))
     first_kept = torch.where(removed, float("inf"), tempered).min(-1, keepdim=True).values
     straddles = ((tempered == first_kept) & removed).any(-1)  # a token of the first kept value removed
     assert int(straddles.sum()) >= 3, f"ties at the boundary in {int(straddles.sum())} of {len(straddles)} rows only"

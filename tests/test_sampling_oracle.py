@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -20,7 +21,8 @@ from hypothesis import strategies as st
 
 import infer
 from infer.generation import generate
-from infer.sampling import SamplingParams, draw, process_logits, sample_next, top_p_removed, top_p_removed_by_sort
+from infer.kernels.native import native_kernels, unavailable_reason
+from infer.sampling import SamplingParams, draw, process_logits, sample_next, top_p_filtered, top_p_removed_by_sort
 from reference import build_checkpoint
 from reference.sampling import hf_next_token_distribution, hf_process_logits
 
@@ -247,21 +249,36 @@ def test_sampling_params_cannot_be_changed_after_validation() -> None:
         dataclasses.replace(params, temperature=-1.0)
 
 
+needs_build = pytest.mark.skipif(native_kernels() is None, reason=f"no native build here: {unavailable_reason()}")
+
+
+@needs_build
 @given(data=st.data(), logits=logits_rows())
 def test_top_p_from_sorted_values_equals_the_sorting_form(data: st.DataObject, logits: torch.Tensor) -> None:
-    """The sort-free set is HF's sorted form's, bf16-rounded logits too (a real bf16 model's: ties at the boundary
-    in most rows), -0.0 beside 0.0 included."""
+    """The sort-free form (numpy's sorted values, the native pass) leaves HF's sorted form's tokens, bf16-rounded
+    logits too (a real bf16 model's: ties at the boundary in most rows), -0.0 beside 0.0 and NaN included; rows
+    read in place from wider ones; the caller's logits untouched."""
     if data.draw(st.booleans(), label="bf16 logits"):
         logits = logits.to(torch.bfloat16).float()
     if data.draw(st.booleans(), label="signed zeros"):
         logits = torch.where(torch.arange(logits.shape[-1]) % 2 == 0, logits * 0.0, logits)  # 0.0 and -0.0 mixed
+    if data.draw(st.booleans(), label="NaN"):
+        logits[-1, data.draw(st.integers(0, logits.shape[-1] - 1), label="NaN at")] = float("nan")
+    if data.draw(st.booleans(), label="a view of wider rows"):
+        logits = torch.cat([logits, torch.zeros(logits.shape[0], 3)], -1)[:, :-3]
     top_p = data.draw(st.floats(0.001, 0.999), label="top_p")
-    assert torch.equal(top_p_removed(logits, top_p), top_p_removed_by_sort(logits, top_p))
+    before = logits.clone()
+    got = top_p_filtered(logits, top_p)
+    want = logits.masked_fill(top_p_removed_by_sort(logits, top_p), float("-inf"))
+    assert torch.equal(got.nan_to_num(), want.nan_to_num()) and torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(logits.nan_to_num(), before.nan_to_num()), "the caller's logits were changed"
 
 
+@needs_build
 def test_top_p_ties_at_the_boundary_go_in_index_order_without_a_sort(monkeypatch: pytest.MonkeyPatch) -> None:
     """The sort-free form never sorts indices: where the removed run ends among equal logits, the lowest-indexed of
-    them go (a stable sort's order); below them everything goes, above nothing."""
+    them go (a stable sort's order); below them everything goes, above nothing. Rows past sixteen tokens too (the
+    native pass takes sixteen at a time), the tied run crossing a block's edge."""
     import infer.sampling as sampling
 
     def no_sort(*args: object, **kwargs: object) -> None:
@@ -269,13 +286,52 @@ def test_top_p_ties_at_the_boundary_go_in_index_order_without_a_sort(monkeypatch
 
     monkeypatch.setattr(sampling, "top_p_removed_by_sort", no_sort)
     monkeypatch.setattr(torch, "sort", no_sort)
+
+    def removed(logits: torch.Tensor, top_p: float) -> list[list[bool]]:
+        return torch.isneginf(sampling.top_p_filtered(logits, top_p)).tolist()
+
     equal = torch.zeros(1, 8)  # eighths: cumulative sums 1/8 .. 1 exactly, 1/2 at the fourth
-    assert sampling.top_p_removed(equal, 0.5).tolist() == [[True] * 4 + [False] * 4]
+    assert removed(equal, 0.5) == [[True] * 4 + [False] * 4]
     # 2.0 at 1 and 6, 1.0 at 0, 4, 7, -1.0 at 2, 3, 5: the -1s go, then the 1s by index until the mass is reached
     mixed = torch.tensor([[1.0, 2.0, -1.0, -1.0, 1.0, -1.0, 2.0, 1.0]])
     probs = mixed.softmax(-1)[0]
     top_p = 1 - float(probs[2] * 3 + probs[0] * 1.5)  # the boundary inside the 1s: one of them goes
-    assert sampling.top_p_removed(mixed, top_p).tolist() == [[True, False, True, True, False, True, False, False]]
+    assert removed(mixed, top_p) == [[True, False, True, True, False, True, False, False]]
+    # 64 equal tokens: sums k/64 exactly; 1 - 21/64 = 43/64 removes the first 43, across two blocks of sixteen
+    assert removed(torch.zeros(1, 64), 21 / 64) == [[True] * 43 + [False] * 21]
+    # ten 1s among 0s in a row of 40 (1.0 at 3, 7, ..., 39): the 0s go, then the 1s from the lowest index
+    spread = torch.zeros(1, 40)
+    spread[0, 3::4] = 1.0
+    p = spread.softmax(-1)[0]
+    top_p = 1 - float(p[0] * 30 + p[3] * 6.5)  # six of the ten 1s go (the last crossing into the second block)
+    assert removed(spread, top_p) == [[i % 4 != 3 or i <= 23 for i in range(40)]]  # the 1s at 3 .. 23 go
+    with pytest.raises(ValueError, match="top_p_rows takes fp32 rows"):
+        native_kernels().top_p_rows(torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(2, 4), torch.zeros(2, 4), 0.5)
+
+
+def test_top_p_by_sort_removes_tied_tokens_in_index_order() -> None:
+    """The sorting form (the check, and the path off the CPU) sorts stably: of 4096 equal logits at top-p 0.5, the
+    first 2048 go (torch's unstable sort leaves equal elements in another order, even at 40)."""
+    removed = top_p_removed_by_sort(torch.zeros(2, 4096), 0.5)
+    assert bool(removed[:, :2048].all()) and not bool(removed[:, 2048:].any())
+
+
+@needs_build
+def test_top_p_sums_round_as_torchs_cumsum() -> None:
+    """HF's cumulative sums are torch's CPU cumsum of fp32: a double accumulator, each sum rounded to float. A
+    boundary placed exactly on such a sum, where a float accumulator's sum already lies past it: the sort-free
+    form removes what HF removes."""
+    logits = torch.randn(1, 30000, generator=torch.Generator().manual_seed(0)) * 0.1
+    probs = logits.sort(-1).values.softmax(-1)[0].numpy()
+    exact = np.cumsum(probs.astype(np.float64)).astype(np.float32)
+    single = np.cumsum(probs)  # sequential float32 sums
+    past = np.nonzero((single > exact) & (exact > 0.05) & (exact < 0.95))[0]
+    assert len(past), "no float sum above the double one here"
+    i = int(past[len(past) // 2])
+    top_p = 1 - float(exact[i])  # 1 - top_p is exact[i] exactly: positions 0 .. i go, the float sums stop earlier
+    want = logits.masked_fill(top_p_removed_by_sort(logits, top_p), float("-inf"))
+    assert int(torch.isneginf(want).sum()) == i + 1
+    assert torch.equal(top_p_filtered(logits, top_p), want)
 
 
 def test_draw_takes_the_inverse_cdf_and_never_a_removed_token() -> None:

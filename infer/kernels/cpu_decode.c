@@ -554,6 +554,53 @@ void infer_argmax_rows(int dtype, const void *x, int64_t stride, int64_t rows, i
     for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(dtype, (const char *)x + r * stride * es, n);
 }
 
+/* ---- top-p (HF's TopPLogitsWarper) over rows whose values come sorted ----
+ * HF sorts a row ascending, takes the softmax's cumulative sums (torch's CPU cumsum: a double accumulator, each
+ * sum rounded to float) and removes the positions whose sum is at most 1 - top_p (compared in float), never the
+ * last. The sums never fall, so the removed are the first m positions of the order: every token below the first
+ * kept value, then, where m ends among tokens equal to it, the lowest-indexed of those (a stable sort's order).
+ * `sorted` holds each row's values ascending and `probs` their softmax (PyTorch's, so the sums round as HF's do);
+ * `out` gets `x` with the removed tokens at -inf. Rows split over `threads`. */
+static void top_p_row(const float *x, const float *sorted, const float *probs, float *out, int64_t n, float limit) {
+    double sum = 0;
+    int64_t m = 0;
+    for (; m < n - 1; m++) {
+        sum += probs[m];
+        if (!((float)sum <= limit)) break;
+    }
+    float kept = sorted[m];
+    int64_t below = m; /* the tokens below `kept` lie before its run of equals in the sorted row */
+    while (below > 0 && sorted[below - 1] == kept) below--;
+    int64_t ties = m - below, j = 0; /* how many of the tokens equal to `kept` go, from the lowest index */
+#ifdef HAVE_AVX512
+    /* bf16 logits tie at the boundary in most rows: their run ends anywhere in the row, so sixteen at a time */
+    __m512 at = _mm512_set1_ps(kept), gone16 = _mm512_set1_ps(-INFINITY);
+    for (; j + 16 <= n && ties > 0; j += 16) {
+        __m512 v = _mm512_loadu_ps(x + j);
+        __mmask16 eq = _mm512_cmp_ps_mask(v, at, _CMP_EQ_OQ), tied_gone = 0;
+        for (; eq && ties > 0; ties--) { /* the lowest-indexed equal lanes, while ties remain */
+            tied_gone |= eq & -eq;
+            eq &= eq - 1;
+        }
+        _mm512_storeu_ps(out + j, _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, at, _CMP_LT_OQ) | tied_gone, gone16));
+    }
+#endif
+    for (; j < n && ties > 0; j++) {
+        float v = x[j];
+        int gone = v < kept || (v == kept && ties-- > 0);
+        out[j] = gone ? -INFINITY : v;
+    }
+    for (; j < n; j++) out[j] = x[j] < kept ? -INFINITY : x[j];
+}
+
+void infer_top_p_rows(const float *x, int64_t x_stride, const float *sorted, const float *probs, int64_t s_stride,
+                      float *out, int64_t rows, int64_t n, double top_p, int threads) {
+    float limit = (float)(1.0 - top_p);
+#pragma omp parallel for num_threads(threads) if (threads > 1 && rows > 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        top_p_row(x + r * x_stride, sorted + r * s_stride, probs + r * s_stride, out + r * n, n, limit);
+}
+
 /* Reads `nbytes` (a multiple of 4) once, as a GEMV reads its weights (same threads, ranges and prefetch),
  * and returns their float sum so nothing is optimised away: the machine's read bandwidth for the bench. */
 typedef float vf16 __attribute__((vector_size(64)));

@@ -135,6 +135,9 @@ class NativeKernels:
         lib.infer_argmax_rows.argtypes = [ctypes.c_int, p, n, n, n, p, ctypes.c_int]
         lib.infer_argmax_rows.restype = None
         self._argmax_rows = lib.infer_argmax_rows
+        lib.infer_top_p_rows.argtypes = [p, n, p, p, n, p, n, n, ctypes.c_double, ctypes.c_int]
+        lib.infer_top_p_rows.restype = None
+        self._top_p_rows = lib.infer_top_p_rows
         for fn in (lib.infer_rms_norm, lib.infer_rope, lib.infer_rope_rows, lib.infer_gated, lib.infer_write_kv,
                    lib.infer_gated_rows):
             fn.restype = None
@@ -456,6 +459,23 @@ class NativeKernels:
         out = torch.empty(x.shape[0], dtype=torch.int64)
         self._argmax_rows(DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr(),
                           torch.get_num_threads())
+        return out
+
+    def top_p_rows(self, x: torch.Tensor, ascending: torch.Tensor, probs: torch.Tensor, top_p: float) -> torch.Tensor:
+        """`x` (fp32 rows `[rows, n]`) with HF's top-p removed tokens at -inf, given each row's values sorted
+        `ascending` and their softmax `probs` (both `[rows, n]` fp32): the first m tokens of a stable ascending
+        sort go, m being the positions whose cumulative probability is at most 1 - top_p, never the last. A new
+        tensor; rows split over PyTorch's threads."""
+        if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] == 0:
+            raise ValueError(f"top_p_rows takes fp32 rows [rows, n >= 1], got {x.dtype} {tuple(x.shape)}")
+        if ascending.shape != x.shape or probs.shape != x.shape or ascending.dtype != torch.float32 or (
+                probs.dtype != torch.float32):
+            raise ValueError(f"top_p_rows takes sorted values and probabilities shaped as x {tuple(x.shape)}, fp32")
+        x = x if x.stride(1) == 1 else x.contiguous()
+        ascending, probs = ascending.contiguous(), probs.contiguous()
+        out = torch.empty(x.shape, dtype=torch.float32)
+        self._top_p_rows(x.data_ptr(), x.stride(0), ascending.data_ptr(), probs.data_ptr(), ascending.stride(0),
+                         out.data_ptr(), x.shape[0], x.shape[1], float(top_p), torch.get_num_threads())
         return out
 
     def quantized_attention(self, q: torch.Tensor, sinks: tuple[torch.Tensor, torch.Tensor], num_sinks: int,
