@@ -142,19 +142,32 @@ def uniforms(n: int, generator: torch.Generator | None, device: torch.device) ->
     return torch.rand(n, generator=generator, dtype=torch.float64, device=device)
 
 
-def draw(processed: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def draw(processed: torch.Tensor, u: torch.Tensor, *, native: bool = True) -> torch.Tensor:
     """A token a row of processed logits `[B, V]` (-inf where removed), by its inverse CDF at `u` `[B]`: the first
     token whose cumulative probability exceeds u times the total. torch.multinomial draws a token from 32k by an
     exponential per entry, ~0.5 ms a row on a CPU; this is one cumulative sum (float64, so a token's share of
-    the total is its probability to ~1e-16 and none is lost to rounding) and a binary search."""
-    cdf = processed.softmax(-1).double().cumsum(-1)
+    the total is its probability to ~1e-16 and none is lost to rounding) and a binary search. On a CPU with the
+    native kernels (`native=False` turns them off: the check) the sums go by blocks (`draw_rows`): the same token
+    but where u lands within double rounding of a boundary, and 0.45 -> 0.15 ms at 16 rows of 32k."""
+    probs = processed.softmax(-1)
+    kernels = native_kernels() if native and probs.device.type == "cpu" and probs.dim() == 2 and (
+        probs.dtype == torch.float32) else None
+    if kernels is not None:
+        tokens = kernels.draw_rows(probs, u.to(torch.float64).cpu())
+        if bool((tokens < 0).any()):
+            raise ValueError(NOT_DRAWABLE)
+        return tokens
+    cdf = probs.double().cumsum(-1)
     total = cdf[:, -1:]
     if not bool(torch.isfinite(total).all()):
-        raise ValueError("the processed logits hold NaN or inf (a model overflowing, or logits passed in so): no "
-                         "token can be drawn from them")
+        raise ValueError(NOT_DRAWABLE)
     # u < 1 and a total near 1 (softmax's, to fp32 rounding): u * total stays below the total, so the token found
     # has a probability above zero (a removed token adds nothing to the sum and is never the first past it)
     return torch.searchsorted(cdf, u.to(cdf.device, torch.float64)[:, None] * total, right=True)[:, 0]
+
+
+NOT_DRAWABLE = ("the processed logits hold NaN or inf (a model overflowing, or logits passed in so): no token can be "
+                "drawn from them")
 
 
 def top_p_removed_by_sort(logits: torch.Tensor, top_p: float) -> torch.Tensor:

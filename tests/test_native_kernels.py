@@ -442,6 +442,34 @@ def test_native_kv_writes_are_the_engines_index_writes(tokens: int, kv_heads: in
 
 @pytest.mark.parametrize("flavour", FLAVOURS_HERE)
 @settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 4), n=st.integers(1, 300), removed=st.sampled_from([0.0, 0.5, 0.95]),
+       edge=st.sampled_from(["random", "0", "just below 1"]), seed=st.integers(0, 2**16))
+def test_native_draw_takes_the_cumulative_sums_token(flavour: str, rows: int, n: int, removed: float, edge: str,
+                                                     seed: int) -> None:
+    """`draw_rows` on each instruction-set path: the token of the float64 cumulative sum's binary search (`draw`'s
+    unoptimised form) at u = 0, just below 1 and between, rows of every length against its blocks of 64, many
+    tokens at probability 0; a total of NaN or inf gets -1."""
+    kernels = native_kernels(flavour)
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, n, generator=gen) * 3
+    logits[torch.rand(rows, n, generator=gen) < removed] = float("-inf")
+    logits[:, n // 2] = 0.0
+    probs = logits.softmax(-1)
+    u = {"random": torch.rand(rows, generator=gen, dtype=torch.float64), "0": torch.zeros(rows, dtype=torch.float64),
+         "just below 1": torch.full((rows,), 1 - 2**-53, dtype=torch.float64)}[edge]
+    cdf = probs.double().cumsum(-1)
+    want = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)[:, 0]
+    assert torch.equal(kernels.draw_rows(probs, u), want)
+    bad = probs.clone()
+    bad[0, -1] = float("inf")
+    bad[-1, 0] = float("nan")
+    got = kernels.draw_rows(bad, u)
+    assert int(got[0]) == -1 and int(got[-1]) == -1
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS_HERE)
+@settings(max_examples=30, deadline=None)
 @given(rows=st.integers(1, 4), n=st.integers(1, 200), levels=st.sampled_from([2, 5, 1000]),
        top_p=st.floats(0.001, 0.999), seed=st.integers(0, 2**16))
 def test_native_top_p_leaves_hfs_tokens_on_every_path(flavour: str, rows: int, n: int, levels: int, top_p: float,

@@ -334,36 +334,45 @@ def test_top_p_sums_round_as_torchs_cumsum() -> None:
     assert torch.equal(top_p_filtered(logits, top_p), want)
 
 
-def test_draw_takes_the_inverse_cdf_and_never_a_removed_token() -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["native", "cumulative sum"])
+def test_draw_takes_the_inverse_cdf_and_never_a_removed_token(native: bool) -> None:
     """u = 0 draws the first token with probability, u just below 1 the last; every u between lands on a kept token,
-    token i for the u in its share of the cumulative sum."""
+    token i for the u in its share of the cumulative sum. Both forms (the native one's blocks of 64 too)."""
     processed = torch.tensor([[float("-inf"), 0.0, float("-inf"), 0.0, 0.0, float("-inf")]])  # thirds at 1, 3, 4
     ends = [0.0, 1 / 3, 2 / 3, 1.0]
     for u, want in [(0.0, 1), (1 / 3 - 1e-9, 1), (1 / 3 + 1e-9, 3), (0.5, 3), (2 / 3 + 1e-9, 4),
                     (1 - 2**-53, 4)]:
-        assert int(draw(processed, torch.tensor([u], dtype=torch.float64))[0]) == want, (u, want, ends)
+        assert int(draw(processed, torch.tensor([u], dtype=torch.float64), native=native)[0]) == want, (u, want, ends)
     grid = torch.linspace(0, 1 - 2**-53, 1001, dtype=torch.float64)
-    tokens = draw(processed.expand(grid.shape[0], -1), grid)
+    tokens = draw(processed.expand(grid.shape[0], -1), grid, native=native)
     assert set(tokens.tolist()) == {1, 3, 4}
     counts = torch.bincount(tokens, minlength=6)
     assert all(abs(int(counts[t]) - 1001 / 3) <= 1 for t in (1, 3, 4))
+    wide = torch.full((2, 200), float("-inf"))
+    wide[:, [5, 70, 199]] = 0.0  # thirds in the first, second and last (partial) blocks of 64
+    for u, want in [(0.0, 5), (1 / 3 + 1e-9, 70), (2 / 3 + 1e-9, 199), (1 - 2**-53, 199)]:
+        assert draw(wide, torch.tensor([u, u], dtype=torch.float64), native=native).tolist() == [want, want]
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "cumulative sum"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_draw_refuses_logits_it_cannot_sample(bad: float) -> None:
+def test_draw_refuses_logits_it_cannot_sample(bad: float, native: bool) -> None:
     processed = torch.tensor([[0.0, bad, 1.0]])
     with pytest.raises(ValueError, match="NaN or inf"):
-        draw(processed, torch.tensor([0.5], dtype=torch.float64))
+        draw(processed, torch.tensor([0.5], dtype=torch.float64), native=native)
 
 
-def test_draw_reaches_a_token_below_fp32_resolution() -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["native", "cumulative sum"])
+@pytest.mark.parametrize("at", [(0, 1), (10, 20)], ids=["alone", "in a block of 64"])
+def test_draw_reaches_a_token_below_fp32_resolution(at: tuple[int, int], native: bool) -> None:
     """A token of probability ~1e-12 after one of ~1 keeps its share of [0, 1) (fp32 sums would round it away:
-    1 - 1e-12 is 1.0 in fp32, so no u could reach it)."""
-    processed = torch.tensor([[0.0, -27.6]])
-    p = processed.double().softmax(-1)[0]
+    1 - 1e-12 is 1.0 in fp32, so no u could reach it), alone or in one of the native form's blocks."""
+    processed = torch.full((1, 2 if at == (0, 1) else 200), float("-inf"))
+    processed[0, at[0]], processed[0, at[1]] = 0.0, -27.6
+    p = processed.double().softmax(-1)[0, list(at)]
     assert 1e-13 < p[1] < 1e-11
     u = torch.tensor([float(p[0]) + float(p[1]) / 2, float(p[0]) / 2], dtype=torch.float64)
-    assert draw(processed.expand(2, -1), u).tolist() == [1, 0]
+    assert draw(processed.expand(2, -1), u, native=native).tolist() == [at[1], at[0]]
 
 
 def test_top_p_takes_logits_that_require_grad() -> None:

@@ -138,6 +138,9 @@ class NativeKernels:
         lib.infer_top_p_rows.argtypes = [p, n, p, p, n, p, n, n, ctypes.c_double, ctypes.c_int]
         lib.infer_top_p_rows.restype = None
         self._top_p_rows = lib.infer_top_p_rows
+        lib.infer_draw_rows.argtypes = [p, n, n, n, p, p, ctypes.c_int]
+        lib.infer_draw_rows.restype = None
+        self._draw_rows = lib.infer_draw_rows
         for fn in (lib.infer_rms_norm, lib.infer_rope, lib.infer_rope_rows, lib.infer_gated, lib.infer_write_kv,
                    lib.infer_gated_rows):
             fn.restype = None
@@ -476,6 +479,21 @@ class NativeKernels:
         out = torch.empty(x.shape, dtype=torch.float32)
         self._top_p_rows(x.data_ptr(), x.stride(0), ascending.data_ptr(), probs.data_ptr(), ascending.stride(0),
                          out.data_ptr(), x.shape[0], x.shape[1], float(top_p), torch.get_num_threads())
+        return out
+
+    def draw_rows(self, probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """A token a row of fp32 probabilities `[rows, n]` (each row contiguous): the first whose cumulative
+        probability (double sums) exceeds `u` (float64 `[rows]`) times the row's total; -1 for a row whose total is
+        NaN or inf. int64 `[rows]`, rows split over PyTorch's threads."""
+        if probs.dim() != 2 or probs.dtype != torch.float32 or probs.shape[1] == 0:
+            raise ValueError(f"draw_rows takes fp32 rows [rows, n >= 1], got {probs.dtype} {tuple(probs.shape)}")
+        if u.shape != probs.shape[:1]:
+            raise ValueError(f"draw_rows takes one uniform a row: u {tuple(u.shape)} for {probs.shape[0]} rows")
+        probs = probs if probs.stride(1) == 1 else probs.contiguous()
+        u = u.to(torch.float64).contiguous()
+        out = torch.empty(probs.shape[0], dtype=torch.int64)
+        self._draw_rows(probs.data_ptr(), probs.stride(0), probs.shape[0], probs.shape[1], u.data_ptr(),
+                        out.data_ptr(), torch.get_num_threads())
         return out
 
     def quantized_attention(self, q: torch.Tensor, sinks: tuple[torch.Tensor, torch.Tensor], num_sinks: int,
