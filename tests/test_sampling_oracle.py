@@ -309,6 +309,17 @@ def test_top_p_ties_at_the_boundary_go_in_index_order_without_a_sort(monkeypatch
         native_kernels().top_p_rows(torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(2, 4), torch.zeros(2, 4), 0.5)
 
 
+@pytest.mark.parametrize("vocab", [80, 151936])
+def test_top_p_after_top_k_equals_hf(vocab: int) -> None:
+    """Top-k leaves most tokens at -inf, whose probabilities (exactly 0) lead the sorted order; the native pass skips
+    their run sixteen at a time, never past a token with probability: 24 kept by top-k of 80 (the run ends mid
+    block) and Qwen3's top-k 20 of 152k, under top-p from 0.5 to 0.999, as HF's processors keep them."""
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(vocab)) * 2
+    for top_p in (0.5, 0.9, 0.99, 0.999):
+        assert_same_distribution(logits, SamplingParams(temperature=1.0, top_k=24 if vocab == 80 else 20,
+                                                        top_p=top_p), None)
+
+
 def test_top_p_by_sort_removes_tied_tokens_in_index_order() -> None:
     """The sorting form (the check, and the path off the CPU) sorts stably: of 4096 equal logits at top-p 0.5, the
     first 2048 go (torch's unstable sort leaves equal elements in another order, even at 40)."""

@@ -561,9 +561,18 @@ void infer_argmax_rows(int dtype, const void *x, int64_t stride, int64_t rows, i
  * kept value, then, where m ends among tokens equal to it, the lowest-indexed of those (a stable sort's order).
  * `sorted` holds each row's values ascending and `probs` their softmax (PyTorch's, so the sums round as HF's do);
  * `out` gets `x` with the removed tokens at -inf. Rows split over `threads`. */
+static inline int zeros16(const float *p) {
+    int any = 0;
+    for (int i = 0; i < 16; i++) any |= p[i] != 0.f;
+    return !any;
+}
+
 static void top_p_row(const float *x, const float *sorted, const float *probs, float *out, int64_t n, float limit) {
     double sum = 0;
     int64_t m = 0;
+    /* the tokens of probability 0 come first (a top-k's removed, at -inf) and add nothing to the sums: their
+     * run is skipped sixteen at a time (Qwen3's top-k 20 at 152k: 1.1 -> 0.1 ms over 16 rows) */
+    while (m + 16 <= n - 1 && zeros16(probs + m)) m += 16;
     for (; m < n - 1; m++) {
         sum += probs[m];
         if (!((float)sum <= limit)) break;
