@@ -571,7 +571,7 @@ static void top_p_row(const float *x, const float *sorted, const float *probs, f
     double sum = 0;
     int64_t m = 0;
     /* the tokens of probability 0 come first (a top-k's removed, at -inf) and add nothing to the sums: their
-     * run is skipped sixteen at a time (Qwen3's top-k 20 at 152k: 1.1 -> 0.1 ms over 16 rows) */
+     * run is skipped sixteen at a time (Qwen3's top-k 20 at 152k: the pass 1.1 -> 0.65 ms over 16 rows) */
     while (m + 16 <= n - 1 && zeros16(probs + m)) m += 16;
     for (; m < n - 1; m++) {
         sum += probs[m];
