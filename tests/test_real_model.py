@@ -241,8 +241,8 @@ def test_top_p_on_the_real_models_bf16_logits_is_hfs(settings: dict, tokenizer: 
     """The real model's bf16 logits at every position of a chat, under the three families' default sampling: the
     sort-free top-p keeps HF's set (HF with a stable sort exactly; HF as it runs but for which of the tokens tied at
     the boundary go), and such ties occur there (10-22% of this chat's positions: the case the stable order
-    decides)."""
-    from infer.sampling import top_p_filtered, top_p_removed_by_sort
+    decides); the native draw takes the cumulative sum's token from them."""
+    from infer.sampling import draw, top_p_filtered, top_p_removed_by_sort
     from tests.test_sampling_oracle import assert_same_distribution
 
     prompt = chat(tokenizer, QUESTIONS[4])
@@ -258,3 +258,7 @@ def test_top_p_on_the_real_models_bf16_logits_is_hfs(settings: dict, tokenizer: 
     first_kept = torch.where(removed, float("inf"), tempered).min(-1, keepdim=True).values
     straddles = ((tempered == first_kept) & removed).any(-1)  # a token of the first kept value removed
     assert int(straddles.sum()) >= 3, f"ties at the boundary in {int(straddles.sum())} of {len(straddles)} rows only"
+    # the draw's native blocks take the cumulative sum's token on these peaked rows, 64 uniforms a row
+    processed = tempered.masked_fill(removed, float("-inf")).repeat_interleave(64, 0)
+    u = torch.rand(processed.shape[0], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    assert torch.equal(draw(processed, u), draw(processed, u, native=False))
