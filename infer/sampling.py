@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from infer.kernels.native import native_kernels
+from infer.kernels.native import NativeKernels, native_kernels
 
 GREEDY_BELOW = 1e-5
 
@@ -150,10 +150,9 @@ def draw(processed: torch.Tensor, u: torch.Tensor, *, native: bool = True) -> to
     native kernels (`native=False` turns them off: the check) the sums go by blocks (`draw_rows`): the same token
     but where u lands within double rounding of a boundary, 0.40-0.45 -> 0.20 ms in a 16-row step at 32k."""
     probs = processed.softmax(-1)
-    kernels = native_kernels() if native and probs.device.type == "cpu" and probs.dim() == 2 and (
-        probs.dtype == torch.float32) else None
+    kernels = _native_for(probs) if native else None
     if kernels is not None:
-        tokens = kernels.draw_rows(probs, u.to(torch.float64).cpu())
+        tokens = kernels.draw_rows(probs, u.cpu())
         if bool((tokens < 0).any()):
             raise ValueError(NOT_DRAWABLE)
         return tokens
@@ -189,10 +188,15 @@ def top_p_filtered(logits: torch.Tensor, top_p: float, *, sort_free: bool = True
     cumulative sums, the tokens below the first kept value, the lowest-indexed of those equal to it where the
     removed run ends among them, and the -inf written; PyTorch's masked_fill alone took 0.3-0.9 ms at 16 rows of
     32k). Elsewhere, or with `sort_free=False` (the check), the sorting form."""
-    kernels = native_kernels() if sort_free and logits.device.type == "cpu" and logits.dim() == 2 and (
-        logits.dtype == torch.float32) else None
+    kernels = _native_for(logits) if sort_free else None
     if kernels is None:
         return logits.masked_fill(top_p_removed_by_sort(logits, top_p), float("-inf"))
     ascending = torch.from_numpy(np.sort(logits.detach().numpy(), axis=-1))
     return kernels.top_p_rows(logits, ascending, ascending.softmax(-1), top_p)
 
+
+def _native_for(rows: torch.Tensor) -> NativeKernels | None:
+    """The native kernels where they take `rows` (fp32 `[B, V]` on the CPU) and could be built here, else None."""
+    if rows.device.type != "cpu" or rows.dim() != 2 or rows.dtype != torch.float32:
+        return None
+    return native_kernels()
