@@ -25,7 +25,7 @@ from infer.backends import PagedBackend
 from infer.cache.batch_storage import BatchStorage
 from infer.cache.block_manager import BlockStats
 from infer.cache.paged import DEFAULT_BLOCK_SIZE
-from infer.cache.paged_quantized import check_pool_scheme
+from infer.cache.paged_quantized import QuantizedPagedPool, check_pool_scheme
 from infer.generation import (
     GenerationResult,
     OutputStream,
@@ -151,16 +151,12 @@ class Engine:
         # ("per-sequence": one call each, the check).
         self.decode_attention = choose_decode_attention(config, model.dtype, self.device, decode_attention).value
         # A quantized pool (kv_cache_dtype "int8" | "int4" | "fp4") is read in place by the native kernel on the
-        # CPU and the Triton one on CUDA ("sdpa" / "matmul" dequantize gathers); not at a graph's static shapes
-        # (its staging is planned per step on the host).
-        if kv_cache_dtype is not None:
-            if decode_graphs:
-                raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} plans its staging per step on the host: drop "
-                                 "decode_graphs=True")
-            if decode_attention == "auto" and self.device.type == "cpu" and native_kernels() is not None:
-                # Over codes the native kernel reads them in place; sdpa / matmul would dequantize gathers.
-                self.decode_attention = "native"
-            decode_graphs = False
+        # CPU and the Triton one on CUDA ("sdpa" / "matmul" dequantize gathers); its staging is planned per step on
+        # the host, and padded into a graph's static buffers for replayed decode steps.
+        if (kv_cache_dtype is not None and decode_attention == "auto" and self.device.type == "cpu"
+                and native_kernels() is not None):
+            # Over codes the native kernel reads them in place; sdpa / matmul would dequantize gathers.
+            self.decode_attention = "native"
         # The prompt chunks' tokens join the decode rows in the native kernel where it is measured faster than SDPA
         # over each chunk's gathered keys ("sdpa": each chunk on its own, the unoptimised path).
         self.chunk_attention = choose_chunk_attention(config, model.dtype, self.device, self.decode_attention,
@@ -209,10 +205,11 @@ class Engine:
         self.graphs: BatchedDecodeGraphs | None = None
         if graphs:
             self.graphs = BatchedDecodeGraphs(
-                model, cast(list[tuple[int, torch.Tensor, torch.Tensor]], self.storage.layer_blocks()),
+                model, self.storage.layer_blocks(),
                 [cast(int, ts.spare) for ts in self.storage.table_sets],
                 block_size=block_size, kernel=self.decode_attention, max_batch=max_num_seqs,
-                max_blocks=-(-config.max_position_embeddings // block_size))
+                max_blocks=-(-config.max_position_embeddings // block_size),
+                staging=self.pool if isinstance(self.pool, QuantizedPagedPool) else None)
         self.stats = EngineStats()
         # A list to record each step into (infer/roofline.py: its chunks and where its time went); None: off.
         self.trace: list[StepRecord] | None = None

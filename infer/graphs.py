@@ -13,7 +13,9 @@ the ordinary step, and it is what the graph holds.
 The batched engine's pure-decode steps (one new token for each running sequence, the steady state of serving)
 get the same treatment in `BatchedDecodeGraphs`: the ragged batch is padded to a few batch-size buckets and
 block-table widths, its metadata lives in static buffers the graph reads, and the paged kernel reads the pool
-in place. Steps with prompt chunks run eagerly, as prefill does.
+in place. A quantized pool's step plan (where each token is staged, which blocks the step fills and quantizes) is
+planned on the host as in an eager step and padded into the same buffers (`QuantizedPagedPool.padded_plan`).
+Steps with prompt chunks run eagerly, as prefill does.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from infer.backends import PagedBackend
 from infer.cache.contiguous import ContiguousCache
+from infer.cache.paged_quantized import QuantizedPagedPool, QuantizedPoolLayer
 from infer.errors import CacheFullError
 from infer.models import Transformer
 from infer.ragged import DecodeGroup, RaggedBatch, SeqChunk, padded_table
@@ -148,6 +151,7 @@ class _Shape:
     inputs: torch.Tensor  # every input, flat: ids, positions, then each set's fields (see _layout)
     ids: torch.Tensor
     batches: list[RaggedBatch]  # per table set, reading views of `inputs`
+    plan: torch.Tensor | None  # [4, B] a quantized pool's padded plan (`QuantizedPagedPool.padded_plan`), last
     logits: torch.Tensor | None = None
     graph: torch.cuda.CUDAGraph | None = None
 
@@ -160,16 +164,19 @@ class BatchedDecodeGraphs:
 
     `layers[i]`: (table set, k_blocks, v_blocks) of model layer i. Table sets are the block spaces sequences
     have tables in (the engine's pool, and its sliding layers' rings); `spare[s]` is a block of set s that no
-    sequence owns: padding rows write and read only there, so they touch no sequence's K/V. Each step's
-    metadata is copied into the shape's input buffer in one host-to-device copy."""
+    sequence owns: padding rows write and read only there, so they touch no sequence's K/V. A quantized pool's
+    layers (`staging`, the pool: its plan padded into the buffer too) take its spare code block and staging slot.
+    Each step's metadata is copied into the shape's input buffer in one host-to-device copy."""
 
-    def __init__(self, model: Transformer, layers: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
+    def __init__(self, model: Transformer,
+                 layers: Sequence[tuple[int, torch.Tensor | QuantizedPoolLayer, torch.Tensor | QuantizedPoolLayer]],
                  spare: Sequence[int], *, block_size: int, kernel: str, max_batch: int, max_blocks: int,
-                 capture: bool | None = None) -> None:
-        device = layers[0][1].device
+                 capture: bool | None = None, staging: QuantizedPagedPool | None = None) -> None:
+        first = layers[0][1]
+        device = first.pool.device if isinstance(first, QuantizedPoolLayer) else first.device
         if capture and device.type != "cuda":
             raise ValueError(f"capturing CUDA graphs needs the model on CUDA, the pool is on {device.type}")
-        self.model, self.layers, self.spare = model, list(layers), list(spare)
+        self.model, self.layers, self.spare, self.staging = model, list(layers), list(spare), staging
         self.block_size, self.kernel, self.device = block_size, kernel, device
         self.max_batch, self.max_blocks = max_batch, max_blocks
         self.capture = device.type == "cuda" if capture is None else capture
@@ -238,6 +245,8 @@ class BatchedDecodeGraphs:
             for c in chunks:
                 values += padded_table(c.block_table[: c.start // bs + 1], width)
             values += [spare] * (pad * width)
+        if self.staging is not None:
+            values += self.staging.padded_plan(batch)
         return values
 
     def _shape(self, key: tuple[int, int]) -> _Shape:
@@ -248,17 +257,20 @@ class BatchedDecodeGraphs:
         return shape
 
     def _new_shape(self, batch: int, width: int) -> _Shape:
-        num_sets = len(self.spare)
-        inputs = torch.zeros(2 * batch + num_sets * (4 * batch + batch * width), dtype=torch.long,
+        num_sets, planned = len(self.spare), 4 * batch if self.staging is not None else 0
+        inputs = torch.zeros(2 * batch + num_sets * (4 * batch + batch * width) + planned, dtype=torch.long,
                              device=self.device)
         ids, positions, sets = _layout(inputs, batch, width, num_sets)
         rows = torch.arange(batch, device=self.device)
         batches = [RaggedBatch(positions, s.slot_blocks, s.slot_offsets, [], rows, self.block_size, s.fresh,
                                DecodeGroup(self.kernel, rows, s.tables, s.lengths, {}, torch.zeros_like(rows)))
                    for s in sets]
-        return _Shape(inputs, ids, batches)
+        plan = inputs[inputs.numel() - planned :].view(4, batch) if planned else None
+        return _Shape(inputs, ids, batches, plan)
 
     def _forward(self, shape: _Shape) -> torch.Tensor:
+        if self.staging is not None:
+            self.staging.use_padded_plan(cast(torch.Tensor, shape.plan))
         layers = [(shape.batches[s], k, v) for s, k, v in self.layers]
         return self.model(shape.ids[None], PagedBackend(layers))
 

@@ -193,6 +193,56 @@ def test_engine_graph_replay_equals_its_eager_static_steps_in_bf16(arch: str) ->
         assert torch.equal(r.logits, s.logits)
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4", "fp4"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_quantized_pool_graph_replay_equals_its_static_steps_and_the_eager_engine(arch: str, scheme: str) -> None:
+    """A quantized pool's pure-decode steps replayed from CUDA graphs (the step's staging plan padded into the
+    graph's static buffers; blocks filling and quantized inside the replay; the Triton kernel over codes and
+    staging; Gemma 3's sliding layers in their exact rings, a second table set) in fp32: identical tokens and logits
+    to the same padded steps run eagerly; against the engine stepping eagerly, logits within fp32 rounding plus 5%
+    of what quantizing did (a key on a rounding boundary may take the next code in another batch shape) and the
+    same tokens unless parted at a near-tie; Llama's requests against their quantized solo runs (the oracle)."""
+    from infer.engine import Engine
+    from tests.property.test_quantized_pool_properties import check_against_solo
+
+    model = infer.load_model(build_checkpoint(arch), device="cuda")
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 400, (n,), generator=gen).tolist() for n in (3, 9, 17, 5, 2, 30)]
+    params = [SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True) for new in (20, 6, 14, 9, 3, 11)]
+    runs = {}
+    for mode in ("replay", "static", "eager"):
+        engine = Engine(model, None, num_blocks=128, block_size=4, keep_logits=True, kv_cache_dtype=scheme,
+                        decode_graphs=mode != "eager", max_num_batched_tokens=256)
+        assert engine.decode_attention == "triton"
+        prepared = 0
+        if engine.graphs is not None:
+            engine.graphs.capture = mode == "replay"
+            prepared = engine.capture_decode_graphs(48) if mode == "replay" else 0
+        ids = [engine.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.stats.graph_steps == (0 if mode == "eager" else engine.stats.steps - 1)
+        if mode == "replay":
+            assert engine.graphs is not None and len(engine.graphs.shapes) == prepared
+            assert all(s.graph is not None for s in engine.graphs.shapes.values())
+            if arch == "llama":
+                for prompt, rid in zip(prompts, ids, strict=True):
+                    check_against_solo(engine, model, scheme, 4, [prompt], [rid], chunks=[len(prompt)])
+        runs[mode] = [engine.result(rid) for rid in ids]
+    for prompt, replayed, static, eager in zip(prompts, runs["replay"], runs["static"], runs["eager"], strict=True):
+        assert replayed.token_ids == static.token_ids
+        assert torch.equal(replayed.logits, static.logits)
+        exact = solo_logits(model, prompt, eager.token_ids).float().cpu()
+        lossy = (eager.logits - exact).abs().max().item()
+        tol = 1e-5 * max(1.0, exact.abs().max().item()) + 0.05 * lossy
+        same = next((i for i, (a, b) in enumerate(zip(replayed.token_ids, eager.token_ids, strict=True)) if a != b),
+                    len(eager.token_ids))
+        assert_close(replayed.logits[: same + 1], eager.logits[: same + 1], tol, f"{arch} {scheme} logits")
+        if same < len(eager.token_ids):  # parted: only where the eager run's top two were within the tolerance
+            top2 = eager.logits[same].topk(2).values
+            assert (top2[0] - top2[1]).item() <= 2 * tol, f"parted at token {same} with a clear margin"
+
+
 def test_hf_compiled_static_contender_runs_on_cuda() -> None:
     """The bench's `hf[static+compile:reduce-overhead]` contender compiles and steps (twice, on one cache)."""
     from transformers import AutoModelForCausalLM

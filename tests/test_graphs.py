@@ -2,10 +2,12 @@
 eagerly on the CPU against the ordinary cached step: the same logits, the same tokens, and nothing read from
 the slots past the position. The batched engine's padded pure-decode steps (`BatchedDecodeGraphs`) likewise:
 every request equals its solo run (also drawn by Hypothesis in tests/property/test_engine_properties.py), the
-padding rows touch no block but the spare, and only pure-decode steps take the padded path. The capture itself
-needs CUDA: tests/test_gpu.py."""
+padding rows touch no block but the spare (a quantized pool's: no code block or staging slot but its spare ones),
+and only pure-decode steps take the padded path. The capture itself needs CUDA: tests/test_gpu.py."""
 
 from __future__ import annotations
+
+from typing import cast
 
 import pytest
 import torch
@@ -13,14 +15,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import infer
+from infer.cache.paged_quantized import QuantizedPagedPool
 from infer.engine import Engine
 from infer.errors import CacheFullError
 from infer.families import ARCHITECTURES
 from infer.graphs import BATCH_BUCKETS, MIN_TABLE_WIDTH, GraphedDecoder, batch_bucket, graphed_decoder, table_width
 from infer.kernels import triton_available
+from infer.ragged import SeqChunk
 from infer.sampling import SamplingParams
 from reference import build_checkpoint
-from tests.helpers import assert_close, solo_logits
+from tests.helpers import assert_close, random_model, solo_logits, tiny_config
+from tests.property.test_quantized_pool_properties import check_against_solo
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["triton-kernel", "masked"])
@@ -203,6 +208,56 @@ def test_padding_rows_write_only_the_spare_block() -> None:
     assert torch.isnan(pool.k_blocks[:, untouched]).all() and torch.isnan(pool.v_blocks[:, untouched]).all()
     for prompt, rid in zip(prompts, ids, strict=True):
         assert engine.result(rid).token_ids == infer.generate(model, None, prompt, params).token_ids
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_quantized_pools_padding_touches_only_its_spare_block_and_slot(scheme: str) -> None:
+    """A quantized pool's padded steps: codes, scales, offsets and staging full of sentinels, three requests padded
+    to a bucket of four whose blocks fill and are quantized while they run. The padding's writes, zeroing and
+    quantizing land in the spare code block and staging slot only: every code block no request held and every
+    staging slot no plan used keep their sentinels, and each request equals its quantized solo run."""
+    config = tiny_config("llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=32,
+                         vocab_size=64)
+    model = random_model(config, seed=5)
+    engine = Engine(model, None, num_blocks=32, block_size=4, max_num_seqs=4, keep_logits=True,
+                    kv_cache_dtype=scheme, decode_graphs=True)
+    pool = cast(QuantizedPagedPool, engine.pool)
+    assert pool.spare_block == 32 and pool.code_blocks == 33 and pool.spare_slot is not None
+    for t in (pool.k_scale, pool.v_scale, pool.k_offset, pool.k_stage, pool.v_stage):
+        t.fill_(float("nan"))
+    pool.k_codes.fill_(0x55)
+    pool.v_codes.fill_(0x55)
+    blocks: set[int] = set()
+    slots: set[int] = set()
+    tables, plan_step = pool.manager.block_table, pool.plan_step
+
+    def recorded_table(seq_id: int) -> list[int]:
+        table = tables(seq_id)
+        blocks.update(table)
+        return table
+
+    def recorded_plan(chunks: list[SeqChunk]) -> list[SeqChunk]:
+        planned = plan_step(chunks)
+        slots.update(s for s in pool.plan.writes + pool.plan.fresh if s < pool.stage_slots)
+        return planned
+
+    pool.manager.block_table = recorded_table  # type: ignore[method-assign]
+    pool.plan_step = recorded_plan  # type: ignore[method-assign]
+    prompts = [[5, 6, 7], [(3 * i) % 64 for i in range(9)], [40] * 6]
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=9, temperature=0.0)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.graphs is not None and (4, 4) in engine.graphs.shapes and engine.stats.graph_steps > 5
+    untouched = [b for b in range(pool.num_blocks) if b not in blocks]
+    assert untouched and (pool.k_codes[:, untouched] == 0x55).all() and (pool.v_codes[:, untouched] == 0x55).all()
+    assert torch.isnan(pool.k_scale[:, untouched]).all() and torch.isnan(pool.v_scale[:, untouched]).all()
+    assert torch.isnan(pool.k_offset[:, untouched]).all()
+    unused = [s for s in range(pool.stage_slots) if s not in slots and s != pool.spare_slot]
+    assert unused and torch.isnan(pool.k_persistent[:, unused]).all()
+    assert torch.isnan(pool.v_persistent[:, unused]).all()
+    assert (pool.k_codes[:, pool.spare_block] != 0x55).any(), "the padding quantized its fills into the spare block"
+    for prompt, rid in zip(prompts, ids, strict=True):  # (each prompt prefilled in one chunk, then token by token)
+        check_against_solo(engine, model, scheme, 4, [prompt], [rid], chunks=[len(prompt)])
 
 
 def test_decode_graphs_is_validated() -> None:

@@ -125,8 +125,6 @@ def test_refusals_name_the_argument() -> None:
         Engine(model, None, num_blocks=8, kv_cache_dtype="bf16")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         Engine(model, None, num_blocks=8, kv_cache_dtype=8)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="decode_graphs=True"):
-        Engine(model, None, num_blocks=8, kv_cache_dtype="int8", decode_graphs=True)
     odd = random_model(tiny_config("llama", num_heads=2, num_kv_heads=1, head_dim=5, hidden_size=10))
     with pytest.raises(ValueError, match="even head_dim"):
         Engine(odd, None, num_blocks=8, kv_cache_dtype="int4")

@@ -118,8 +118,6 @@ class BatchStorage:
         staging counted in `cache_memory`); the rings stay exact. `agree_blocks`: the number of blocks every rank
         of a tensor-parallel group can hold, from this rank's (their pools must mirror each other). `huge_pages`:
         an exact pool on transparent huge pages where the kernel allows (PagedKVPool)."""
-        if kv_cache_dtype is not None and spare_blocks:
-            raise ValueError("a quantized pool has no spare block for graph-captured steps; run them eagerly")
         ring_layers = [i for i, w in enumerate(windows) if w is not None] if bound_sliding_layers else []
         pool_layers = [i for i in range(len(windows)) if i not in ring_layers]
         ring = None
@@ -137,7 +135,8 @@ class BatchStorage:
                 raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))} or None "
                                  f"(the model's dtype), got {kv_cache_dtype!r}")
             # A slot holds one exact block in every layer; a scratch row one layer's.
-            stage_bytes = stage_slots * block_bytes + scratch_slots * block_bytes // max(len(pool_layers), 1)
+            stage_bytes = ((stage_slots + spare_blocks) * block_bytes
+                           + scratch_slots * block_bytes // max(len(pool_layers), 1))
             block_bytes = QuantizedPagedPool.block_bytes(config, kv_cache_dtype, block_size, len(pool_layers)) or 1
         if num_blocks is None:
             # Fixed costs first: the sliding layers' rings, a quantized pool's staging.
@@ -157,9 +156,8 @@ class BatchStorage:
         if kv_cache_dtype is not None:
             pool = QuantizedPagedPool(config, scheme=kv_cache_dtype, num_blocks=num_blocks, block_size=block_size,
                                       stage_slots=stage_slots, scratch_slots=scratch_slots, dtype=dtype,
-                                      device=device,
-                                      num_layers=len(pool_layers))
-            sets = [TableSet(pool.layers, pool.layers, pool_layers, pool_windows, None)]
+                                      device=device, num_layers=len(pool_layers), spare_blocks=spare_blocks)
+            sets = [TableSet(pool.layers, pool.layers, pool_layers, pool_windows, pool.spare_block)]
         else:
             pool = PagedKVPool(config, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device,
                                num_layers=len(pool_layers), spare_blocks=spare_blocks, huge_pages=huge_pages)

@@ -8,8 +8,13 @@ K/V sit exact, in the model dtype, in a staging slot (KIVI's full-precision resi
 that fills the block. A sequence's first block is never quantized: it is its attention sink (BOS and the first
 tokens, where a real model's largest keys sit), kept exact in its slot while any sequence holds it and while the
 prefix cache can still find it (such sinks are forgotten, oldest first, when their slots are needed). Block tables
-name a staged block `num_blocks + slot` (`plan_step`), so the ragged batch's writes land in staging and its gathers
-read codes or staging block by block (`QuantizedPoolLayer`).
+name a staged block `code_blocks + slot` (`plan_step`; `code_blocks` is every block with codes: the managed ones and
+a spare), so the ragged batch's writes land in staging and its gathers read codes or staging block by block
+(`QuantizedPoolLayer`).
+
+Pure-decode steps replayed from CUDA graphs (infer/graphs.py) read the plan from static buffers padded to the
+graph's batch: padding rows write to the discard row, padding fills quantize a spare staging slot into a spare code
+block, and padding fresh slots zero that spare slot (`pad_plan`), so the same kernels run whatever the step holds.
 
 The host side is pure Python and all-or-nothing. Each step:
   `plan_step(chunks)`  every block the step writes gets a staging slot, zeroed when written from its first slot
@@ -60,6 +65,14 @@ class StepPlan:
     fill_blocks: torch.Tensor = field(default_factory=lambda: _NO_INTS)
     write_slots: torch.Tensor | None = None  # [N] the staging slot of each new token, in batch order; None: unplanned
     fresh_slots: torch.Tensor = field(default_factory=lambda: _NO_INTS)  # slots written from their first slot
+    writes: list[int] = field(default_factory=list)  # write_slots and fresh_slots on the host
+    fresh: list[int] = field(default_factory=list)
+    padded: bool = False  # the tensors are a graph's static buffers (`pad_plan`): quantize their fills every step
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether the layers quantize `fill_slots` into `fill_blocks` after their writes."""
+        return bool(self.fill) or self.padded
 
 
 def check_pool_scheme(scheme: object, config: ModelConfig) -> None:
@@ -78,23 +91,30 @@ class QuantizedPagedPool:
 
     def __init__(self, config: ModelConfig, *, scheme: str, num_blocks: int, block_size: int, stage_slots: int,
                  scratch_slots: int, dtype: torch.dtype, device: torch.device | str,
-                 num_layers: int | None = None) -> None:
+                 num_layers: int | None = None, spare_blocks: int = 0) -> None:
         check_pool_scheme(scheme, config)
         check_counts(num_blocks=num_blocks, block_size=block_size, stage_slots=stage_slots,
                      scratch_slots=scratch_slots)
+        if spare_blocks not in (0, 1):
+            raise ValueError(f"spare_blocks must be 0 or 1 (graph steps' padding), got {spare_blocks!r}")
         _, _, per_element, code_dtype = SCHEMES[scheme]
         self.scheme, self.dtype = scheme, dtype
         self.key_offsets = POOL_KEY_OFFSETS[scheme]
         self.rotation = quant.value_rotation(config.head_dim, device) if DEFAULT_ROTATE_VALUES[scheme] else None
         self.num_layers = config.num_hidden_layers if num_layers is None else num_layers
-        self.num_blocks, self.block_size, self.stage_slots = num_blocks, block_size, stage_slots
+        # With `spare_blocks`, one code block past the managed ones and one staging slot past the handed-out ones
+        # that only a graph step's padding touches (`pad_plan`); block tables name staged blocks past every code block.
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.code_blocks, self.stage_slots = num_blocks + spare_blocks, stage_slots + spare_blocks
+        self.spare_block = num_blocks if spare_blocks else None
+        self.spare_slot = stage_slots if spare_blocks else None
         self.scratch_slots = scratch_slots
-        lnh = (self.num_layers, num_blocks, config.num_key_value_heads)
+        lnh = (self.num_layers, self.code_blocks, config.num_key_value_heads)
         codes = ((*lnh, block_size, config.head_dim // per_element), code_dtype)
         # Staging rows: `stage_slots` per layer for blocks that stay partly filled between steps (row layer * P +
         # slot), then `scratch_slots` that every layer reuses within its step: blocks a step writes whole and fills
         # (row L * P + t), and the last one, where writes that must change nothing go (see plan_step).
-        stage = ((self.num_layers * stage_slots + scratch_slots, config.num_key_value_heads, block_size,
+        stage = ((self.num_layers * self.stage_slots + scratch_slots, config.num_key_value_heads, block_size,
                   config.head_dim), dtype)
         # k_codes, v_codes: [L, N, Hkv, bs, D or D/2]; k_scale [L, N, Hkv, D] (per channel over the block's tokens);
         # v_scale [L, N, Hkv, bs] (per token); k_stage, v_stage [L * P + T, Hkv, bs, D] exact; k_offset as k_scale
@@ -110,10 +130,9 @@ class QuantizedPagedPool:
         self._sinks: dict[int, int] = {}  # full first blocks kept staged -> their generation in the manager
         self._free_slots = list(range(stage_slots - 1, -1, -1))
         # Persistent staging by layer: [L, P, Hkv, bs, D] views.
-        self.k_persistent = self.k_stage[: self.num_layers * stage_slots].view(self.num_layers, stage_slots,
-                                                                              *self.k_stage.shape[1:])
-        self.v_persistent = self.v_stage[: self.num_layers * stage_slots].view(self.num_layers, stage_slots,
-                                                                              *self.v_stage.shape[1:])
+        P = self.stage_slots
+        self.k_persistent = self.k_stage[: self.num_layers * P].view(self.num_layers, P, *self.k_stage.shape[1:])
+        self.v_persistent = self.v_stage[: self.num_layers * P].view(self.num_layers, P, *self.v_stage.shape[1:])
         self.plan = StepPlan()
         self.layers = [QuantizedPoolLayer(self, i) for i in range(self.num_layers)]
 
@@ -162,7 +181,7 @@ class QuantizedPagedPool:
         quantized cache reads a block in the step that fills it; a sequence's first block, its sink, stays
         staged). Raises `CacheFullError`, changing nothing, when staging runs out (the engine sizes it so that it
         cannot)."""
-        bs, n, P = self.block_size, self.num_blocks, self.stage_slots
+        bs, n, P = self.block_size, self.code_blocks, self.stage_slots
         self.release_unheld()
         # (chunk, block index, first and last position written in the block)
         spans = [(c, j, max(c.start, j * bs), min(c.start + c.num_tokens, (j + 1) * bs)) for c in chunks
@@ -215,11 +234,38 @@ class QuantizedPagedPool:
 
         plan.fill_slots, plan.fill_blocks = ints([f[0] for f in plan.fill]), ints([f[1] for f in plan.fill])
         plan.write_slots, plan.fresh_slots = ints(write_slots), ints(fresh)
+        plan.writes, plan.fresh = write_slots, fresh
         self.plan = plan
         filled = {block for _, block in plan.fill}
         stays = {b: s for b, s in self._staged.items() if b not in filled}
         return [SeqChunk(c.start, c.num_tokens, [n + stays[b] if b in stays else b for b in c.block_table])
                 for c in chunks]
+
+    def padded_plan(self, batch: int) -> list[int]:
+        """This step's plan padded to `batch` rows for a graph's static buffers, flat: write slots (padding rows
+        write to the discard row), fresh slots, fill slots and fill blocks (padding zeroes and quantizes the spare
+        slot into the spare block), `batch` of each. (Before any plan: padding only, as a graph's capture runs.)"""
+        if self.spare_slot is None or self.spare_block is None:
+            raise ValueError("a graph step pads its plan into the spare block and slot: allocate the pool with "
+                             "spare_blocks=1")
+        plan, spare = self.plan, self.spare_slot
+        if len(plan.writes) > batch or len(plan.fresh) > batch or len(plan.fill) > batch:
+            raise ValueError(f"the step's plan ({len(plan.writes)} writes, {len(plan.fresh)} fresh slots, "
+                             f"{len(plan.fill)} fills) does not fit a graph of {batch} rows")
+        discard = self.stage_slots + self.scratch_slots - 1
+
+        def pad(values: list[int], fill: int) -> list[int]:
+            return values + [fill] * (batch - len(values))
+
+        return [*pad(plan.writes, discard), *pad(plan.fresh, spare), *pad([s for s, _ in plan.fill], spare),
+                *pad([b for _, b in plan.fill], self.spare_block)]
+
+    def use_padded_plan(self, static: torch.Tensor) -> None:
+        """Read this step's plan from a graph's static buffer `[4, batch]` holding `padded_plan`'s values: the
+        layers' writes, zeroing and quantizing read those tensors (a captured graph reads them at every replay)."""
+        plan = self.plan
+        plan.write_slots, plan.fresh_slots, plan.fill_slots, plan.fill_blocks = static
+        plan.padded = True
 
     def release_unheld(self) -> None:
         """Staged blocks no sequence holds any more (their request finished or was preempted) give their slots
@@ -315,7 +361,7 @@ class QuantizedPoolLayer:
         """Quantize the blocks the step fills from their staging rows into this layer's codes and scales (after its
         writes: `write`, or the batched whole-step call, which calls back here)."""
         pool, plan, i = self.pool, self.pool.plan, self.layer
-        if plan.fill:
+        if plan.quantizes:
             filled = pool.stage_rows(plan.fill_slots, i)
             keys = pool.k_stage[filled]
             centres = quant.channel_offsets(keys) if pool.key_offsets else None
@@ -333,9 +379,9 @@ class QuantizedPoolLayer:
         dequantized, staged blocks exact."""
         pool, i = self.pool, self.layer
         ids = tables.reshape(-1)
-        staged = ids >= pool.num_blocks
+        staged = ids >= pool.code_blocks
         code_ids = torch.where(staged, torch.zeros_like(ids), ids)
-        slot_ids = torch.where(staged, ids - pool.num_blocks, torch.zeros_like(ids))
+        slot_ids = torch.where(staged, ids - pool.code_blocks, torch.zeros_like(ids))
         where = staged[:, None, None, None]
         keys = torch.where(where, pool.k_persistent[i].index_select(0, slot_ids),
                            quant.dequantize_channels(pool.k_codes[i].index_select(0, code_ids),

@@ -133,9 +133,16 @@ def fp4_codes_reference(v: torch.Tensor) -> torch.Tensor:
     return (magnitude_code | ((v < 0).long() << 3)).to(torch.uint8)
 
 
+_MIDPOINTS: dict[torch.device, torch.Tensor] = {}
+
+
 def fp4_codes(v: torch.Tensor) -> torch.Tensor:
     """Same as `fp4_codes_reference`, by binary search over the midpoints instead of 8 distances."""
-    midpoints = torch.tensor(FP4_MIDPOINTS, device=v.device)
+    # Made once per device: a host-to-device copy cannot run inside a CUDA graph's capture (the quantized pool's
+    # graph-replayed decode steps quantize the blocks they fill).
+    midpoints = _MIDPOINTS.get(v.device)
+    if midpoints is None:
+        midpoints = _MIDPOINTS[v.device] = torch.tensor(FP4_MIDPOINTS, device=v.device)
     # right=False: a value equal to a midpoint stays in the lower bucket, as argmin's tie-break does.
     magnitude_code = torch.bucketize(v.float().abs(), midpoints, right=False)
     return (magnitude_code | ((v < 0).long() << 3)).to(torch.uint8)

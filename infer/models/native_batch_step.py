@@ -149,7 +149,7 @@ class NativeBatchStep:
             desc.batch = ctypes.pointer(batch)
         rows = self._describe_pools(pools)  # (a quantized pool's staging rows: alive through the call)
         quantize_filled = None
-        if rows is not None and rows[2].plan.fill:
+        if rows is not None and rows[2].plan.quantizes:
             quantize_filled = lambda layer: cast(QuantizedPoolLayer, pools[layer]).quantize_filled()  # noqa: E731
         out = x.contiguous().clone()
         self.kernels.batch_step(self.layers, self.shape, self.eps, out, block_size, quantize_filled, self.gemma,

@@ -113,16 +113,19 @@ def token_by_token_workloads(draw: st.DrawFn, config: ModelConfig) -> dict:
             "scheme": draw(st.sampled_from(KV_CACHE_DTYPES))}
 
 
-@given(data=st.data(), config=model_configs(), seed=st.integers(0, 999))
-def test_one_token_per_step_equals_the_quantized_cache(data: st.DataObject, config: ModelConfig, seed: int) -> None:
+@given(data=st.data(), config=model_configs(), seed=st.integers(0, 999), graphs=st.booleans())
+def test_one_token_per_step_equals_the_quantized_cache(data: st.DataObject, config: ModelConfig, seed: int,
+                                                       graphs: bool) -> None:
     """Prefix sharing, copy-on-write, preemption with recompute and interleaving: each request's logits are its
-    token-by-token run over the single-request quantized cache."""
+    token-by-token run over the single-request quantized cache; with `graphs`, the decode steps padded to a graph's
+    static shapes and plan (run eagerly here: replayed on CUDA, tests/test_gpu.py)."""
     config = even_head_dim(config)
     model = random_model(config, seed=seed)
     w = data.draw(token_by_token_workloads(config))
     engine = Engine(model, None, num_blocks=w["num_blocks"], block_size=w["block_size"],
                     max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=1, keep_logits=True,
-                    kv_cache_dtype=w["scheme"], bound_sliding_layers=False, decode_attention="sdpa")
+                    kv_cache_dtype=w["scheme"], bound_sliding_layers=False, decode_attention="sdpa",
+                    decode_graphs=graphs)
     params = SamplingParams(max_new_tokens=w["new"], temperature=0.0)
     ids: dict[int, int] = {}
     step = 0
@@ -135,26 +138,36 @@ def test_one_token_per_step_equals_the_quantized_cache(data: st.DataObject, conf
         step += 1
     assert not engine.has_unfinished()
     event(f"preempted: {engine.stats.preemptions > 0}")
+    event(f"padded decode steps: {engine.stats.graph_steps > 0}")
     event(f"prefix hits: {engine.stats.prefix_hit_tokens > 0}")
     check_against_solo(engine, model, w["scheme"], w["block_size"], w["prompts"], [ids[i] for i in range(len(ids))])
 
 
 @given(config=model_configs(), seed=st.integers(0, 999), scheme=st.sampled_from(KV_CACHE_DTYPES),
        block_size=st.integers(1, 5), n=st.integers(2, 5), new=st.integers(1, 12),
-       kernel=st.sampled_from(KERNELS))
+       kernel=st.sampled_from(KERNELS), graphs=st.booleans(), spread=st.integers(0, 3))
 def test_batched_decode_steps_equal_the_quantized_cache(config: ModelConfig, seed: int, scheme: str, block_size: int,
-                                                        n: int, new: int, kernel: str) -> None:
+                                                        n: int, new: int, kernel: str, graphs: bool,
+                                                        spread: int) -> None:
     """One-token prompts, so every step is a batch of one-token chunks read by one padded gather of codes and
-    staging, in place by a kernel, or one sequence at a time: each request is its token-by-token quantized run."""
+    staging, in place by a kernel, or one sequence at a time: each request is its token-by-token quantized run.
+    With `graphs`, each step padded to a graph's batch bucket (requests ending `spread` tokens apart leave batches
+    of every size), its plan too: padding rows write, zero and quantize only the spare slot and block."""
+    if graphs and kernel == "per-sequence":
+        kernel = "sdpa"  # a padded step attends in one call
     config = even_head_dim(config)
     model = random_model(config, seed=seed)
     prompts = [[(7 * i + 3) % config.vocab_size] for i in range(n)]
-    engine = Engine(model, None, num_blocks=n * (-(-(new + 1) // block_size)), block_size=block_size,
+    news = [new + spread * i for i in range(n)]
+    engine = Engine(model, None, num_blocks=sum(-(-(m + 1) // block_size) for m in news), block_size=block_size,
                     max_num_seqs=n, max_num_batched_tokens=n, keep_logits=True, kv_cache_dtype=scheme,
-                    bound_sliding_layers=False, decode_attention=kernel, chunk_attention=chunks_with(kernel))
-    ids = [engine.add_request(p, SamplingParams(max_new_tokens=new, temperature=0.0)) for p in prompts]
+                    bound_sliding_layers=False, decode_attention=kernel, chunk_attention=chunks_with(kernel),
+                    decode_graphs=graphs)
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=m, temperature=0.0))
+           for p, m in zip(prompts, news, strict=True)]
     while engine.has_unfinished():
         engine.step()
+    assert (engine.stats.graph_steps > 0) == graphs
     check_against_solo(engine, model, scheme, block_size, prompts, ids)
 
 
