@@ -142,6 +142,17 @@ def test_int4_decodes_every_byte_as_two_signed_nibbles() -> None:
     assert decoded.tolist() == [[signed(b & 0xF), signed(b >> 4)] for b in range(256)]
 
 
+def test_fp4_lookup_tables_are_made_once_per_device() -> None:
+    """A CUDA graph's capture cannot copy from the host: the quantized pool's replayed decode steps quantize and
+    gather FP4 codes through tables made before (tests/test_gpu.py replays them)."""
+    x = torch.randn(4, 8)
+    quant.quantize_fp4(x)
+    assert quant.fp4_code_table("cpu") is quant.fp4_code_table(torch.device("cpu"))
+    midpoints = quant._MIDPOINTS[x.device]
+    quant.quantize_fp4(x)
+    assert quant._MIDPOINTS[x.device] is midpoints
+
+
 def test_fp4_codes_decode_to_the_e2m1_values() -> None:
     magnitudes = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
     assert quant.fp4_code_table().tolist() == magnitudes + [-m for m in magnitudes]

@@ -102,17 +102,21 @@ def test_real_model_requests_stay_within_the_kinds_bounds(scheme: str) -> None:
     check_within_bounds(engine, model, prompts, ids, bounds)
 
 
-def test_the_same_memory_holds_more_quantized_blocks() -> None:
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_same_memory_holds_more_quantized_blocks(graphs: bool) -> None:
     """At head_dim 64 and blocks of 16 a bf16 block is 4096 bytes per layer and KV head; int8 2208 (0.54x: codes
     2048, key scales 128, value scales 32), 4-bit 1312 (0.32x: codes 1024, key scales and offsets 256, value scales
-    32): the pool holds that many more blocks, after its fixed staging."""
+    32): the pool holds that many more blocks, after its fixed staging (and with graph steps, as on CUDA, their
+    spare block and slot), within the memory given."""
     config = tiny_config("llama", num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64, hidden_size=64)
     model = random_model(config, dtype=torch.bfloat16)
     memory = 2**22
-    exact = Engine(model, None, cache_memory=memory, max_num_seqs=4, max_num_batched_tokens=32)
+    exact = Engine(model, None, cache_memory=memory, max_num_seqs=4, max_num_batched_tokens=32, decode_graphs=graphs)
+    assert exact.memory_bytes <= memory
     for scheme, ratio in (("int8", 4096 / 2208), ("int4", 4096 / 1312), ("fp4", 4096 / 1312)):
         engine = Engine(model, None, cache_memory=memory, max_num_seqs=4, max_num_batched_tokens=32,
-                        kv_cache_dtype=scheme)
+                        kv_cache_dtype=scheme, decode_graphs=graphs)
+        assert (engine.graphs is not None) == graphs
         assert engine.memory_bytes <= memory
         staging = engine.pool.k_stage.nbytes + engine.pool.v_stage.nbytes
         expected = exact.pool.num_blocks * (memory - staging) / memory * ratio
@@ -180,7 +184,7 @@ def test_sinks_only_the_prefix_cache_keeps_give_their_slots_when_needed() -> Non
     model = random_model(tiny_config("llama", num_layers=2, head_dim=8), seed=4)
     engine = Engine(model, None, num_blocks=16, block_size=4, max_num_seqs=1, max_num_batched_tokens=16,
                     keep_logits=True, kv_cache_dtype="int4")
-    assert engine.pool.stage_slots == 3
+    assert engine.pool.stage_slots == 3 + (engine.graphs is not None)  # (on CUDA, the graph steps' spare slot)
     prompts = [[10 * i + t for t in range(6)] for i in range(5)]
     params = SamplingParams(max_new_tokens=3, temperature=0.0)
 

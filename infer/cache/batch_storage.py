@@ -139,8 +139,8 @@ class BatchStorage:
                            + scratch_slots * block_bytes // max(len(pool_layers), 1))
             block_bytes = QuantizedPagedPool.block_bytes(config, kv_cache_dtype, block_size, len(pool_layers)) or 1
         if num_blocks is None:
-            # Fixed costs first: the sliding layers' rings, a quantized pool's staging.
-            ring_bytes = (ring.memory_bytes if ring is not None else 0) + stage_bytes
+            # Fixed costs first: the sliding layers' rings, a quantized pool's staging, the graphs' spare block.
+            ring_bytes = (ring.memory_bytes if ring is not None else 0) + stage_bytes + spare_blocks * block_bytes
             if ring_bytes and cache_memory is not None and cache_memory - ring_bytes < block_bytes:
                 raise ValueError(f"cache_memory={cache_memory} bytes does not hold the sliding layers' rings and "
                                  f"the quantized pool's staging ({ring_bytes} bytes) and one KV block of "

@@ -120,9 +120,19 @@ def e2m1_value(code: int) -> float:
     return sign * 2.0 ** (exponent - 1) * (1.0 + mantissa / 2)
 
 
+_CODE_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
 def fp4_code_table(device: torch.device | str = "cpu") -> torch.Tensor:
-    """The 16 code values as fp32 [16], indexed by code: what `dequantize_fp4` looks up."""
-    return torch.tensor([e2m1_value(c) for c in range(16)], dtype=torch.float32, device=device)
+    """The 16 code values as fp32 [16], indexed by code: what `dequantize_fp4` looks up. Made once per device (a
+    host-to-device copy cannot run inside a CUDA graph's capture: a quantized pool's gathers in replayed steps);
+    do not write to it."""
+    device = torch.device(device)
+    table = _CODE_TABLES.get(device)
+    if table is None:
+        table = _CODE_TABLES[device] = torch.tensor([e2m1_value(c) for c in range(16)], dtype=torch.float32,
+                                                    device=device)
+    return table
 
 
 def fp4_codes_reference(v: torch.Tensor) -> torch.Tensor:
