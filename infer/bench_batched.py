@@ -406,9 +406,9 @@ def add_batched_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-attention", default=None, choices=["auto", *DECODE_KERNELS],
                    help="how the engine's decode steps attend (default: auto: the Triton kernel on CUDA, else "
                         "measured)")
-    g.add_argument("--chunk-attention", default=None, choices=["auto", "native", "sdpa"],
-                   help="how the engine's prompt chunks attend (default: auto: with the native decode kernel, their "
-                        "tokens as its rows where measured faster than SDPA over each chunk)")
+    g.add_argument("--chunk-attention", default=None, choices=["auto", "native", "triton", "sdpa"],
+                   help="how the engine's prompt chunks attend (default: auto: with the native or Triton decode "
+                        "kernel, their tokens as its rows where measured faster than SDPA over each chunk)")
     g.add_argument("--no-decode-graphs", action="store_true",
                    help="step the engine eagerly on CUDA (default: pure-decode steps replayed from CUDA graphs)")
     g.add_argument("--no-packed-products", action="store_true",

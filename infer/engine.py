@@ -412,7 +412,7 @@ class Engine:
         began = time.perf_counter()
         batches = [build_ragged_batch(chunks, sample, block_size=self.pool.block_size, windows=ts.windows,
                                       device=self.device, decode_kernel=self.decode_attention,
-                                      every_token=self.chunk_attention == "native")
+                                      every_token=self.chunk_attention in ("native", "triton"))
                    for chunks, ts in zip(chunk_sets, self.storage.table_sets, strict=True)]
         layers = [(batches[s], k, v) for s, k, v in self.storage.layer_blocks()]
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)

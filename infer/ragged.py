@@ -93,13 +93,13 @@ def build_ragged_batch(
     `windows`: the sliding windows the model's layers use (None for full attention). `decode_kernel`: how
     the one-token chunks attend, together in one call when there are at least two ("sdpa", "matmul", or a
     paged kernel reading the pool in place: "native" on the CPU, "triton"), or each on its own ("per-sequence",
-    the check). `every_token` (with "native"): the prompt chunks' tokens too, each a row of that one call masked
-    by its own position (`_every_token_group`), instead of each chunk attending on its own."""
+    the check). `every_token` (with "native" or "triton"): the prompt chunks' tokens too, each a row of that one
+    call masked by its own position (`_every_token_group`), instead of each chunk attending on its own."""
     if decode_kernel not in DECODE_KERNELS:
         raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {decode_kernel!r}")
-    if every_token and decode_kernel != "native":
-        raise ValueError(f"every_token=True needs decode_kernel='native' (the kernel that masks each row by its "
-                         f"position), got {decode_kernel!r}")
+    if every_token and decode_kernel not in IN_PLACE_KERNELS:
+        raise ValueError(f"every_token=True needs decode_kernel 'native' or 'triton' (the kernels that mask each row "
+                         f"by its position), got {decode_kernel!r}")
     batch_decode = decode_kernel != "per-sequence"
     positions: list[int] = []
     seqs: list[SeqSlice] = []
@@ -152,8 +152,9 @@ def build_ragged_batch(
         return torch.tensor(values, dtype=torch.long, device=device)
 
     decode = None
-    if every_token and chunks:
-        decode = _every_token_group(chunks, as_tensor(positions), block_size, reach, device)
+    if every_token and chunks:  # (the Triton kernel over exact blocks reads tables from position 0, as for decode)
+        decode = _every_token_group(chunks, as_tensor(positions), block_size,
+                                    None if decode_kernel == "triton" else reach, device, decode_kernel)
     elif decoding:
         decode = _decode_group([chunks[i] for i in decoding], [starts[i] for i in decoding], block_size,
                                windows, device, decode_kernel, None if decode_kernel == "triton" else reach)
@@ -190,7 +191,7 @@ def _decode_group(chunks: Sequence[SeqChunk], rows: Sequence[int], block_size: i
 
 
 def _every_token_group(chunks: Sequence[SeqChunk], positions: torch.Tensor, block_size: int, reach: int | None,
-                       device: torch.device) -> DecodeGroup:
+                       device: torch.device, kernel: str = "native") -> DecodeGroup:
     """Every token of `chunks` a row of one in-place kernel call, rows 0 .. N-1 in order: a token at position p
     sees its sequence's keys up to p (its length p + 1; the step's later keys are written but masked), its table
     that of its chunk, from the first block the widest window (`reach`) touches from the chunk's first token (the
@@ -205,7 +206,7 @@ def _every_token_group(chunks: Sequence[SeqChunk], positions: torch.Tensor, bloc
         # ~0.3 ms a call even where every chunk is one token: a pure decode step's every table)
         rows = torch.tensor([i for i, c in enumerate(chunks) for _ in range(c.num_tokens)], device=device)
         tables, starts = tables[rows], starts[rows]
-    return DecodeGroup("native", torch.arange(positions.shape[0], device=device), tables, positions + 1, {}, starts,
+    return DecodeGroup(kernel, torch.arange(positions.shape[0], device=device), tables, positions + 1, {}, starts,
                        all_rows=True)
 
 
@@ -218,3 +219,5 @@ def padded_table(blocks: Sequence[int], width: int) -> list[int]:
 
 # How the one-token chunks of a batch attend: the one list (the engine, tuning, the bench and the tests read it).
 DECODE_KERNELS = ("sdpa", "matmul", "native", "triton", "per-sequence")
+# The kernels that read the pool in place and mask each row by its own length: a step's prompt tokens can be rows too.
+IN_PLACE_KERNELS = ("native", "triton")

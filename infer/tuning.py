@@ -685,54 +685,64 @@ def _time_decode_attention(heads: int, kv_heads: int, head_dim: int, dtype: torc
     return _time_alternately(contenders, device, repeats)
 
 
-CHUNK_ATTENTION = ("native", "sdpa")
+CHUNK_ATTENTION = ("native", "triton", "sdpa")
 
 
 def choose_chunk_attention(config: ModelConfig, dtype: torch.dtype, device: torch.device, decode_attention: str,
                            forced: str = "auto") -> Choice:
-    """How the batched engine attends the prompt chunks of a step: "native", every token a row of the decode
-    group's native in-place kernel (each masked by its own position: no gather, no per-sequence call; over a
-    quantized pool's codes and staging too), or "sdpa", each chunk by SDPA over its gathered keys (a quantized pool's
-    dequantized). "native" needs the native decode kernel; "auto" takes it where it is 5% faster than SDPA here on
-    this model's head shapes (4 prompts of 128 tokens, timed alternately): on a 2-core EPYC at the 150M Llama's
-    heads 2.03 vs 3.27 ms in bf16 (SDPA's CPU flash kernel ran such chunks at 30-70 GFLOP/s), 3.27 vs 3.33 in fp32."""
+    """How the batched engine attends the prompt chunks of a step: "native" (CPU) or "triton" (CUDA), every token a
+    row of the decode group's in-place kernel (each masked by its own position: no gather, no per-sequence call;
+    over a quantized pool's codes and staging too), or "sdpa", each chunk by SDPA over its gathered keys (a quantized
+    pool's dequantized). A kernel needs the decode rows to attend by it; "auto" takes it where it is 5% faster than
+    SDPA here on this model's head shapes (prompts of 128 tokens, 4 on a CPU and 32 on a GPU, timed alternately over
+    exact blocks; a quantized pool's gathers also dequantize, so the kernel gains there at least as much): on a 2-core
+    EPYC at the 150M Llama's heads 2.03 vs 3.27 ms in bf16 (SDPA's CPU flash kernel ran such chunks at 30-70
+    GFLOP/s), 3.27 vs 3.33 in fp32. On CUDA the SDPA form is one gather and one call per chunk and layer: host-bound
+    at many prompts a step (a quantized pool's prefill step of 64 prompts took 522 ms against the exact pool's 96
+    on an H200)."""
     name = "prompt chunk attention"
     if forced not in ("auto", *CHUNK_ATTENTION):
-        raise ValueError(f"chunk_attention must be 'auto', 'native' or 'sdpa', got {forced!r}")
-    why = None if decode_attention == "native" else f"the decode rows attend by {decode_attention!r}, not 'native'"
-    if forced == "native" and why is not None:
-        raise ValueError(f"chunk_attention='native' joins the decode rows' native kernel: {why}; use 'auto' or "
-                         "'sdpa'")
+        raise ValueError(f"chunk_attention must be 'auto', 'native', 'triton' or 'sdpa', got {forced!r}")
+    kernel = decode_attention if decode_attention in ("native", "triton") else None
+    if forced in ("native", "triton") and forced != kernel:
+        raise ValueError(f"chunk_attention={forced!r} joins the decode rows' kernel, but they attend by "
+                         f"{decode_attention!r}; use 'auto' or 'sdpa'")
     if forced != "auto":
         return record(Choice(name, forced, "forced by the caller"))
-    if why is not None:
-        return record(Choice(name, "sdpa", why))
-    times = _time_chunk_attention(config.num_attention_heads, config.num_key_value_heads, config.head_dim, dtype)
-    value = "native" if times["native"] < 0.95 * times["sdpa"] else "sdpa"
-    return record(Choice(name, value, "4 prompts x 128 tokens: " + ", ".join(
+    if kernel is None:
+        return record(Choice(name, "sdpa", f"the decode rows attend by {decode_attention!r}, not in place"))
+    if kernel == "triton" and device.type != "cuda":
+        return record(Choice(name, "sdpa", "Triton runs interpreted off CUDA (a check, not a speed); force 'triton'"))
+    prompts = 32 if device.type == "cuda" else 4
+    times = _time_chunk_attention(config.num_attention_heads, config.num_key_value_heads, config.head_dim, dtype,
+                                  str(device), kernel, prompts)
+    value = kernel if times[kernel] < 0.95 * times["sdpa"] else "sdpa"
+    return record(Choice(name, value, f"{prompts} prompts x 128 tokens: " + ", ".join(
         f"{k} {t * 1e3:.2f} ms" for k, t in times.items()) + " (medians, alternately)"))
 
 
 @functools.cache
-def _time_chunk_attention(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, prompts: int = 4,
-                          tokens: int = 128, repeats: int = 5) -> dict[str, float]:
+def _time_chunk_attention(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device_name: str,
+                          kernel: str, prompts: int, tokens: int = 128, repeats: int = 5) -> dict[str, float]:
     from infer.backends import paged_attention
     from infer.ragged import SeqChunk, build_ragged_batch
 
+    device = torch.device(device_name)
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, h, prompts * tokens, head_dim, generator=gen).to(dtype) for h in (heads, kv_heads,
-                                                                                                kv_heads))
+    q, k, v = (torch.randn(1, h, prompts * tokens, head_dim, generator=gen).to(device, dtype)
+               for h in (heads, kv_heads, kv_heads))
     per_prompt = tokens // 16
-    k_blocks, v_blocks = (torch.zeros(prompts * per_prompt, kv_heads, 16, head_dim, dtype=dtype) for _ in range(2))
+    k_blocks, v_blocks = (torch.zeros(prompts * per_prompt, kv_heads, 16, head_dim, dtype=dtype, device=device)
+                          for _ in range(2))
     chunks = [SeqChunk(0, tokens, list(range(i * per_prompt, (i + 1) * per_prompt))) for i in range(prompts)]
     sample = [True] * prompts
-    batches = {way: build_ragged_batch(chunks, sample, block_size=16, windows=[None], device=torch.device("cpu"),
-                                       decode_kernel="native", every_token=way == "native")
-               for way in CHUNK_ATTENTION}
-    rows = native_kernels()
+    batches = {way: build_ragged_batch(chunks, sample, block_size=16, windows=[None], device=device,
+                                       decode_kernel=kernel, every_token=way == kernel)
+               for way in (kernel, "sdpa")}
+    rows = native_kernels() if kernel == "native" else None
     return _time_alternately({way: functools.partial(paged_attention, q, k, v, k_blocks, v_blocks, batch, None,
                                                      head_dim**-0.5, native=rows)
-                              for way, batch in batches.items()}, torch.device("cpu"), repeats)
+                              for way, batch in batches.items()}, device, repeats)
 
 
 def choose_threads(model: Transformer, forced: int = 0, steps: int = 6) -> Choice:

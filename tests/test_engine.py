@@ -273,9 +273,10 @@ def test_decode_attention_choice_is_validated(llama: tuple, monkeypatch: pytest.
     model, tok = llama
     with pytest.raises(ValueError, match="decode_attention must be"):
         Engine(model, tok, num_blocks=8, decode_attention="flash")
-    with pytest.raises(ValueError, match="chunk_attention must be 'auto', 'native' or 'sdpa'"):
+    with pytest.raises(ValueError, match="chunk_attention must be 'auto', 'native', 'triton' or 'sdpa'"):
         Engine(model, tok, num_blocks=8, chunk_attention="flash")
-    with pytest.raises(ValueError, match="chunk_attention='native' joins the decode rows' native kernel: the decode"):
+    with pytest.raises(ValueError, match="chunk_attention='native' joins the decode rows' kernel, but they attend by "
+                                         "'sdpa'"):
         Engine(model, tok, num_blocks=8, decode_attention="sdpa", chunk_attention="native")
     if model.embed_tokens.weight.device.type == "cpu":
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # a CPU without the interpreter cannot run Triton

@@ -243,6 +243,19 @@ def test_quantized_pool_graph_replay_equals_its_static_steps_and_the_eager_engin
             assert (top2[0] - top2[1]).item() <= 2 * tol, f"parted at token {same} with a clear margin"
 
 
+def test_prompt_chunks_join_the_triton_kernel_where_measured_faster_on_cuda() -> None:
+    """On CUDA "auto" times the prompt chunks' tokens as rows of the Triton kernel against SDPA per chunk (32 prompts
+    of 128 tokens) and names both times; the engine's requests equal their solo runs either way (the oracle suites
+    run the engine on CUDA)."""
+    from infer.config import ModelConfig
+    from infer.tuning import choose_chunk_attention
+
+    config = ModelConfig(model_type="llama", vocab_size=64, hidden_size=2048, intermediate_size=128,
+                         num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=8, head_dim=64)
+    auto = choose_chunk_attention(config, torch.bfloat16, torch.device("cuda"), "triton")
+    assert auto.value in ("triton", "sdpa") and "triton " in auto.reason and "sdpa " in auto.reason, auto.reason
+
+
 def test_hf_compiled_static_contender_runs_on_cuda() -> None:
     """The bench's `hf[static+compile:reduce-overhead]` contender compiles and steps (twice, on one cache)."""
     from transformers import AutoModelForCausalLM

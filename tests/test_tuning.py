@@ -527,8 +527,9 @@ def test_quantized_batches_past_the_codes_kernel_take_the_tile_kernel_in_the_eng
 
 
 def test_prompt_chunk_attention_is_measured_forced_or_sdpa() -> None:
-    """The prompt chunks join the native decode kernel only with it; "auto" times both ways (4 prompts of 128 tokens)
-    and names them; "sdpa" forced is taken as given, "native" without the native decode kernel refused."""
+    """The prompt chunks join the native or Triton decode kernel only with it; "auto" times both ways (4 prompts of
+    128 tokens on a CPU) and names them; "sdpa" forced is taken as given, a kernel the decode rows do not use
+    refused."""
     from infer.config import ModelConfig
     from infer.tuning import choose_chunk_attention
 
@@ -537,12 +538,17 @@ def test_prompt_chunk_attention_is_measured_forced_or_sdpa() -> None:
     cpu = torch.device("cpu")
     off = choose_chunk_attention(config, torch.float32, cpu, "matmul")
     assert off.value == "sdpa" and "the decode rows attend by 'matmul'" in off.reason
-    with pytest.raises(ValueError, match="chunk_attention='native' joins the decode rows' native kernel: the decode"):
+    with pytest.raises(ValueError, match="chunk_attention='native' joins the decode rows' kernel, but they attend "
+                                         "by 'sdpa'"):
         choose_chunk_attention(config, torch.float32, cpu, "sdpa", "native")
+    with pytest.raises(ValueError, match="chunk_attention='triton' joins the decode rows' kernel, but they attend "
+                                         "by 'native'"):
+        choose_chunk_attention(config, torch.float32, cpu, "native", "triton")
     assert choose_chunk_attention(config, torch.float32, cpu, "native", "sdpa").value == "sdpa"
     if native_here():
         auto = choose_chunk_attention(config, torch.bfloat16, cpu, "native")
         assert auto.value in ("native", "sdpa") and "native " in auto.reason and "sdpa " in auto.reason, auto.reason
+
 
 
 def test_the_kernels_rows_follow_the_summed_gains_not_the_first_loss(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -70,8 +70,8 @@ def workloads(draw: st.DrawFn, config: ModelConfig) -> dict:
         "budget": draw(st.integers(1, 16)),
         "prefix_caching": draw(st.booleans()),
         "decode_attention": kernel,
-        # With the native kernel, the prompt chunks' tokens as its rows too, or each chunk by SDPA.
-        "chunk_attention": draw(st.sampled_from(["native", "sdpa"])) if kernel == "native" else "sdpa",
+        # With the native or Triton kernel, the prompt chunks' tokens as its rows too, or each chunk by SDPA.
+        "chunk_attention": draw(st.sampled_from([kernel, "sdpa"])) if kernel in ("native", "triton") else "sdpa",
         # Pure-decode steps at padded static shapes (what CUDA graphs replay), run eagerly here.
         "decode_graphs": kernel != "per-sequence" and draw(st.booleans()),
     }

@@ -20,7 +20,8 @@ from tests.helpers import assert_close
 KERNELS = [k for k in DECODE_KERNELS if k != "triton" or triton_available("cpu")]
 
 
-# every_token: the prompt chunks' tokens too as rows of the native kernel (the engine's chunk_attention="native").
+# every_token: the prompt chunks' tokens too as rows of the native or Triton kernel (the engine's chunk_attention
+# "native" / "triton").
 @pytest.mark.parametrize("every_token", [False, True])
 @given(data=st.data(), kv_heads=st.integers(1, 2), groups=st.integers(1, 3), head_dim=st.sampled_from([4, 8]),
        block_size=st.integers(1, 5), window=st.none() | st.integers(1, 9), kernel=st.sampled_from(KERNELS),
@@ -29,9 +30,10 @@ def test_any_chunk_order_attends_each_sequence_to_its_own_keys(
         every_token: bool, data: st.DataObject, kv_heads: int, groups: int, head_dim: int, block_size: int,
         window: int | None, kernel: str, seed: int) -> None:
     if every_token:
-        if native_kernels() is None:
-            pytest.skip("no native build here")
-        kernel = "native"
+        in_place = [k for k in ("native", "triton") if k in KERNELS and (k != "native" or native_kernels())]
+        if not in_place:
+            pytest.skip("no native build here, and no Triton")
+        kernel = data.draw(st.sampled_from(in_place))
     seqs = data.draw(st.lists(st.tuples(st.integers(0, 14), st.one_of(st.just(1), st.integers(2, 7))),
                               min_size=1, max_size=5))  # (cached history, new tokens)
     order = data.draw(st.permutations(range(len(seqs))))
