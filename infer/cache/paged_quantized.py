@@ -14,7 +14,8 @@ a spare), so the ragged batch's writes land in staging and its gathers read code
 
 Pure-decode steps replayed from CUDA graphs (infer/graphs.py) read the plan from static buffers padded to the
 graph's batch: padding rows write to the discard row, padding fills quantize a spare staging slot into a spare code
-block, and padding fresh slots zero that spare slot (`pad_plan`), so the same kernels run whatever the step holds.
+block, and padding fresh slots zero that spare slot (`padded_plan`), so the same kernels run whatever the step
+holds.
 
 The host side is pure Python and all-or-nothing. Each step:
   `plan_step(chunks)`  every block the step writes gets a staging slot, zeroed when written from its first slot
@@ -67,7 +68,7 @@ class StepPlan:
     fresh_slots: torch.Tensor = field(default_factory=lambda: _NO_INTS)  # slots written from their first slot
     writes: list[int] = field(default_factory=list)  # write_slots and fresh_slots on the host
     fresh: list[int] = field(default_factory=list)
-    padded: bool = False  # the tensors are a graph's static buffers (`pad_plan`): quantize their fills every step
+    padded: bool = False  # the tensors are a graph's static buffers (`padded_plan`): quantize every step
 
     @property
     def quantizes(self) -> bool:
@@ -103,7 +104,7 @@ class QuantizedPagedPool:
         self.rotation = quant.value_rotation(config.head_dim, device) if DEFAULT_ROTATE_VALUES[scheme] else None
         self.num_layers = config.num_hidden_layers if num_layers is None else num_layers
         # With `spare_blocks`, one code block past the managed ones and one staging slot past the handed-out ones
-        # that only a graph step's padding touches (`pad_plan`); block tables name staged blocks past every code block.
+        # that only a graph step's padding touches (`padded_plan`); tables name staged blocks past every code block.
         self.num_blocks, self.block_size = num_blocks, block_size
         self.code_blocks, self.stage_slots = num_blocks + spare_blocks, stage_slots + spare_blocks
         self.spare_block = num_blocks if spare_blocks else None
