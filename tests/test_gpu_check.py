@@ -52,6 +52,24 @@ def test_the_report_counts_every_outcome_and_names_each_failure(tmp_path: Path) 
     assert "`tests.test_a::test_bad[llama]` (failure): assert 1 == 2" in report
 
 
+def test_a_stage_cut_by_its_limit_still_counts_and_names_its_failures() -> None:
+    """A test stage killed at its limit writes no JUnit XML and no summary: its per-test lines (`-v`, with and
+    without xdist) give the counts and the failing ids."""
+    log = ("bringing up nodes...\n"
+           "[gw1] [ 25%] PASSED tests/test_a.py::test_ok \n"
+           "[gw0] [ 50%] FAILED tests/property/test_b.py::test_bad[int8-llama] \n"
+           "[gw1] [ 75%] SKIPPED tests/test_a.py::test_gpu \n"
+           "tests/test_c.py::test_fixture ERROR                                   [ 90%]\n"
+           "[gw2] [ 99%] XFAIL tests/test_a.py::test_known \n"
+           "E   assert PASSED tests/not_a_test_line is only text\n")
+    stage = gpu_check.Stage("oracle", ["pytest"], returncode=None, seconds=330.0)
+    gpu_check.read_outcome_lines(log, stage)
+    assert stage.counts == {"passed": 1, "failed": 1, "errors": 1, "skipped": 2}
+    assert [(f["test"], f["kind"]) for f in stage.failures] == [
+        ("tests/property/test_b.py::test_bad[int8-llama]", "failure"), ("tests/test_c.py::test_fixture", "error")]
+    assert "| oracle | timed out | 330 | 1 | 1 | 1 | 2 |" in gpu_check.markdown({"device": "test"}, [stage])
+
+
 def test_a_batched_bench_reports_its_roofline_per_phase_and_its_profile() -> None:
     """A batched bench's JSON (`bench --batched --json`) gives the report its fraction of the measured roofline per
     phase and where a step's time goes, as tables; one run without the roofline (`--no-roofline`) gives neither."""
