@@ -76,8 +76,10 @@ def test_each_request_stays_within_the_kinds_bounds_of_its_exact_run(arch: str, 
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_real_model_requests_stay_within_the_kinds_bounds(scheme: str) -> None:
+@pytest.mark.parametrize(("scheme", "graphs"), [("int8", False), ("int4", False), ("int4", True)])
+def test_real_model_requests_stay_within_the_kinds_bounds(scheme: str, graphs: bool) -> None:
+    """Chat prompts on SmolLM2 through a quantized pool, prefilled in chunks of 32 tokens; with `graphs`, the decode
+    steps padded to a graph's shapes and plan (replayed on CUDA)."""
     from infer.model_store import default_model_path
 
     path: Path = default_model_path()
@@ -88,11 +90,12 @@ def test_real_model_requests_stay_within_the_kinds_bounds(scheme: str) -> None:
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
                for q in questions]
     engine = Engine(model, tokenizer, num_blocks=64, block_size=16, max_num_batched_tokens=32, keep_logits=True,
-                    kv_cache_dtype=scheme)
+                    kv_cache_dtype=scheme, decode_graphs=graphs, max_num_seqs=8)
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True))
            for p in prompts]
     while engine.has_unfinished():
         engine.step()
+    assert (engine.stats.graph_steps > 0) == graphs
     bounds = CACHE_KINDS[scheme].error_bounds
     assert bounds is not None
     if not POOL_KEY_OFFSETS[scheme]:
