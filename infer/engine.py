@@ -25,7 +25,7 @@ from infer.backends import PagedBackend
 from infer.cache.batch_storage import BatchStorage
 from infer.cache.block_manager import BlockStats
 from infer.cache.paged import DEFAULT_BLOCK_SIZE
-from infer.cache.paged_quantized import QuantizedPagedPool, check_pool_scheme
+from infer.cache.paged_quantized import check_pool_scheme
 from infer.generation import (
     GenerationResult,
     OutputStream,
@@ -39,7 +39,7 @@ from infer.graphs import BatchedDecodeGraphs
 from infer.kernels.native import native_kernels
 from infer.models import Transformer
 from infer.models.transformer import PACKED_LAYOUTS, few_row_products
-from infer.ragged import SeqChunk, build_ragged_batch
+from infer.ragged import IN_PLACE_KERNELS, SeqChunk, build_ragged_batch
 from infer.roofline import ChunkShape, StepRecord
 from infer.sampling import SamplingParams, draw, process_logits, uniforms
 from infer.scheduler import Request, Scheduler, SchedulerOutput
@@ -208,8 +208,7 @@ class Engine:
                 model, self.storage.layer_blocks(),
                 [cast(int, ts.spare) for ts in self.storage.table_sets],
                 block_size=block_size, kernel=self.decode_attention, max_batch=max_num_seqs,
-                max_blocks=-(-config.max_position_embeddings // block_size),
-                staging=self.pool if isinstance(self.pool, QuantizedPagedPool) else None)
+                max_blocks=-(-config.max_position_embeddings // block_size))
         self.stats = EngineStats()
         # A list to record each step into (infer/roofline.py: its chunks and where its time went); None: off.
         self.trace: list[StepRecord] | None = None
@@ -412,7 +411,7 @@ class Engine:
         began = time.perf_counter()
         batches = [build_ragged_batch(chunks, sample, block_size=self.pool.block_size, windows=ts.windows,
                                       device=self.device, decode_kernel=self.decode_attention,
-                                      every_token=self.chunk_attention in ("native", "triton"))
+                                      every_token=self.chunk_attention in IN_PLACE_KERNELS)
                    for chunks, ts in zip(chunk_sets, self.storage.table_sets, strict=True)]
         layers = [(batches[s], k, v) for s, k, v in self.storage.layer_blocks()]
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)

@@ -165,18 +165,21 @@ class BatchedDecodeGraphs:
     `layers[i]`: (table set, k_blocks, v_blocks) of model layer i. Table sets are the block spaces sequences
     have tables in (the engine's pool, and its sliding layers' rings); `spare[s]` is a block of set s that no
     sequence owns: padding rows write and read only there, so they touch no sequence's K/V. A quantized pool's
-    layers (`staging`, the pool: its plan padded into the buffer too) take its spare code block and staging slot.
-    Each step's metadata is copied into the shape's input buffer in one host-to-device copy."""
+    layers (its plan padded into the buffer too) take its spare code block and staging slot. Each step's metadata is
+    copied into the shape's input buffer in one host-to-device copy."""
 
     def __init__(self, model: Transformer,
                  layers: Sequence[tuple[int, torch.Tensor | QuantizedPoolLayer, torch.Tensor | QuantizedPoolLayer]],
                  spare: Sequence[int], *, block_size: int, kernel: str, max_batch: int, max_blocks: int,
-                 capture: bool | None = None, staging: QuantizedPagedPool | None = None) -> None:
+                 capture: bool | None = None) -> None:
         first = layers[0][1]
         device = first.pool.device if isinstance(first, QuantizedPoolLayer) else first.device
         if capture and device.type != "cuda":
             raise ValueError(f"capturing CUDA graphs needs the model on CUDA, the pool is on {device.type}")
-        self.model, self.layers, self.spare, self.staging = model, list(layers), list(spare), staging
+        self.model, self.layers, self.spare = model, list(layers), list(spare)
+        # A quantized pool's layers: the pool whose step plan is padded into each shape's buffer.
+        self.staging: QuantizedPagedPool | None = next(
+            (k.pool for _, k, _ in layers if isinstance(k, QuantizedPoolLayer)), None)
         self.block_size, self.kernel, self.device = block_size, kernel, device
         self.max_batch, self.max_blocks = max_batch, max_blocks
         self.capture = device.type == "cuda" if capture is None else capture

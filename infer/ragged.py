@@ -152,12 +152,13 @@ def build_ragged_batch(
         return torch.tensor(values, dtype=torch.long, device=device)
 
     decode = None
-    if every_token and chunks:  # (the Triton kernel over exact blocks reads tables from position 0, as for decode)
-        decode = _every_token_group(chunks, as_tensor(positions), block_size,
-                                    None if decode_kernel == "triton" else reach, device, decode_kernel)
+    # The Triton kernel over exact blocks reads each table from position 0 (it masks the window by position).
+    table_reach = None if decode_kernel == "triton" else reach
+    if every_token and chunks:
+        decode = _every_token_group(chunks, as_tensor(positions), block_size, table_reach, device, decode_kernel)
     elif decoding:
         decode = _decode_group([chunks[i] for i in decoding], [starts[i] for i in decoding], block_size,
-                               windows, device, decode_kernel, None if decode_kernel == "triton" else reach)
+                               windows, device, decode_kernel, table_reach)
         decode.all_rows = len(decoding) == len(chunks)  # every chunk one token: rows 0 .. B-1
     return RaggedBatch(as_tensor(positions), as_tensor(slot_blocks), as_tensor(slot_offsets), seqs,
                        as_tensor(sample_rows), block_size, as_tensor(fresh), decode)

@@ -36,7 +36,7 @@ from infer.models.transformer import (
     packing_unavailable,
 )
 from infer.quant_weights import PackedCodes, QuantizedWeight, pack_codes
-from infer.ragged import DECODE_KERNELS
+from infer.ragged import DECODE_KERNELS, IN_PLACE_KERNELS
 
 
 @dataclass(frozen=True)
@@ -685,7 +685,7 @@ def _time_decode_attention(heads: int, kv_heads: int, head_dim: int, dtype: torc
     return _time_alternately(contenders, device, repeats)
 
 
-CHUNK_ATTENTION = ("native", "triton", "sdpa")
+CHUNK_ATTENTION = (*IN_PLACE_KERNELS, "sdpa")
 
 
 def choose_chunk_attention(config: ModelConfig, dtype: torch.dtype, device: torch.device, decode_attention: str,
@@ -703,8 +703,8 @@ def choose_chunk_attention(config: ModelConfig, dtype: torch.dtype, device: torc
     name = "prompt chunk attention"
     if forced not in ("auto", *CHUNK_ATTENTION):
         raise ValueError(f"chunk_attention must be 'auto', 'native', 'triton' or 'sdpa', got {forced!r}")
-    kernel = decode_attention if decode_attention in ("native", "triton") else None
-    if forced in ("native", "triton") and forced != kernel:
+    kernel = decode_attention if decode_attention in IN_PLACE_KERNELS else None
+    if forced in IN_PLACE_KERNELS and forced != kernel:
         raise ValueError(f"chunk_attention={forced!r} joins the decode rows' kernel, but they attend by "
                          f"{decode_attention!r}; use 'auto' or 'sdpa'")
     if forced != "auto":
