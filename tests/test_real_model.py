@@ -15,6 +15,8 @@ import torch
 
 import infer
 from infer import SamplingParams
+from infer.kernels import triton_available
+from tests.helpers import TEST_DEVICE, assert_close, solo_logits
 
 pytestmark = pytest.mark.real_model
 
@@ -188,7 +190,6 @@ def test_the_bf16_engine_stays_near_the_fp32_model(tokenizer: infer.Tokenizer, o
     transformers) on the real model: five chat requests of 32 greedy tokens, each step's log-probabilities against
     the fp32 model fed the same tokens. The bounds are this test's figures on the AMD EPYC on 2026-11-26 (mean KL
     1.24e-3, top-1 0.975, largest log-probability error 1.12) with a margin: a real model's near-ties flip in bf16."""
-    from tests.helpers import solo_logits
 
     prompts = [chat(tokenizer, q) for q in QUESTIONS]
     params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
@@ -231,6 +232,24 @@ def test_quantized_weights_in_the_engine_are_the_dequantized_bf16_model(smollm2:
     for got, want in zip(*served, strict=True):
         assert got.token_ids == want.token_ids and got.logits is not None and want.logits is not None
         assert torch.equal(got.logits, want.logits), "the packed codes parted from the dequantized bf16 model"
+
+
+@pytest.mark.skipif(not triton_available(torch.device(TEST_DEVICE).type),
+                    reason="needs Triton, and CUDA or TRITON_INTERPRET=1")
+def test_prompt_tokens_as_triton_kernel_rows_give_the_solo_runs(tokenizer: infer.Tokenizer,
+                                                                ours_fp32: infer.Transformer) -> None:
+    """The prompt chunks' tokens as rows of the Triton paged kernel (chunk_attention="triton", CUDA's fast path,
+    interpreted here: ~1 minute) beside its decode rows, on the real model in fp32: a chat request prefilled in one
+    step, then a decode step, its solo run's greedy tokens with fp32 logits within 1e-5."""
+    prompts = [chat(tokenizer, QUESTIONS[0])]
+    params = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+    engine = infer.Engine(ours_fp32, tokenizer, num_blocks=64, keep_logits=True, max_num_batched_tokens=256,
+                          decode_attention="triton", chunk_attention="triton")
+    for prompt, result in zip(prompts, engine.generate(prompts, params), strict=True):
+        solo = solo_logits(ours_fp32, prompt, result.token_ids)
+        assert result.token_ids == solo.argmax(-1).tolist()
+        assert result.logits is not None
+        assert_close(result.logits, solo, 1e-5 * max(1.0, solo.abs().max().item()), "logits")
 
 
 @pytest.mark.parametrize("settings", [dict(temperature=0.6, top_p=0.9), dict(temperature=0.6, top_k=20, top_p=0.95),
