@@ -272,7 +272,9 @@ def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: d
     config, dtype, device = model.config, model.dtype, model.device
     budget = int(run.stats["token_budget"])  # (the engine's: the caller's or its measured choice)
     bandwidth, _ = measure_read_bandwidth(device)
-    limits = measure_limits(dtype, device, config.hidden_size, config.intermediate_size, budget, bandwidth)
+    # (the weights' dtype and, where the products upcast, the one they compute in: the faster is the limit)
+    dtypes = tuple(dict.fromkeys(d for d in (dtype, model.compute_dtype) if d is not None))
+    limits = measure_limits(dtypes, device, config.hidden_size, config.intermediate_size, budget, bandwidth)
     phases = summarize_phases(run.trace, ModelShape.of(model, dtype.itemsize), limits)
     table: list[dict[str, float | str]] = [
         {"phase": p.phase, "steps": p.steps, "seconds": p.seconds, "gflop": p.flops / 1e9, "gb": p.bytes / 1e9,
@@ -281,8 +283,9 @@ def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: d
          "step_p50_ms": median_step_ms(run.trace, p.phase) if p.phase != "all" else 0.0}
         for p in phases]
     rates = ", ".join(f"{rows} rows {rate / 1e9:.0f}" for rows, rate in limits.flops_by_rows.items())
+    named = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
     print(f"roofline: matmul [rows, {config.hidden_size}] @ [{config.hidden_size}, {config.intermediate_size}] in "
-          f"{str(dtype).removeprefix('torch.')}: {rates} GFLOP/s; read {bandwidth / 1e9:.1f} GB/s. A step's bound is "
+          f"{named} (the faster): {rates} GFLOP/s; read {bandwidth / 1e9:.1f} GB/s. A step's bound is "
           "max(FLOPs / peak matmul, bytes / read) (fraction; fraction_p50: the median step's own), or with the "
           "matmul rate at the step's own rows (fraction_at_shape)")
     print(format_table(table, ["phase", "steps", "seconds", "gflop", "gb", "gflop_s", "gb_s", "roofline_s", "fraction",
@@ -296,7 +299,8 @@ def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: d
     print(f"where a step's time goes (a further run under timing hooks, without decode graphs, "
           f"{profiled.wall_s:.1f} s):")
     print(format_table(parts, ["part", "seconds", "share"]))
-    return {"matmul_flops_by_rows": limits.flops_by_rows, "read_bandwidth": bandwidth, "phases": table,
+    return {"matmul_flops_by_rows": limits.flops_by_rows, "matmul_dtypes": [str(d) for d in dtypes],
+            "read_bandwidth": bandwidth, "phases": table,
             "profile": parts}
 
 

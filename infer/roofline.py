@@ -144,13 +144,16 @@ def roofline_s(cost: StepCost, peak_flops: float, bandwidth: float) -> float:
     return max(cost.flops / peak_flops, cost.bytes / bandwidth)
 
 
-def measure_limits(dtype: torch.dtype, device: torch.device, inputs: int, outputs: int, max_rows: int,
+def measure_limits(dtypes: tuple[torch.dtype, ...], device: torch.device, inputs: int, outputs: int, max_rows: int,
                    bandwidth: float) -> Limits:
     """`Limits` with matmul rates of `[rows, inputs] @ [inputs, outputs]` for rows 1, 4, 16, 64, 256, 512 and
-    `max_rows` (the step's token budget): the peak is the machine's, not the budget's (a budget below 512 rows
+    `max_rows` (the step's token budget), each the faster of `dtypes` (the weights' dtype and the one the products
+    compute in: on a CPU without bf16 units a bf16 matmul is emulated 10-100x below an fp32 one, which is then the
+    machine's real limit for the same math): the peak is the machine's, not the budget's (a budget below 512 rows
     would otherwise lower the bar)."""
     rows = sorted({1, 4, 16, 64, 256, 512, max_rows})
-    return Limits({r: matmul_rate(dtype, device, r, inputs, outputs) for r in rows}, bandwidth)
+    return Limits({r: max(matmul_rate(dtype, device, r, inputs, outputs) for dtype in dtypes) for r in rows},
+                  bandwidth)
 
 
 def matmul_rate(dtype: torch.dtype, device: torch.device, m: int, k: int, n: int, repeats: int = 5) -> float:

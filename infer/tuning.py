@@ -335,7 +335,12 @@ def _choose_packing(model: Transformer, batch_rows: int, forced: bool | str | No
     coded = [m for m in products if isinstance(m, QuantizedLinear)]
     if coded:
         return _choose_quantized_packing(model, coded, weights, batch_rows, forced)
-    unavailable = {"onednn": packing_unavailable(weights), "native": native_packing_unavailable(weights)}
+    # A CPU without bf16 units multiplies the products in float32 (the model's compute dtype): oneDNN's copies are
+    # then made in it, against the products widening every weight on every call.
+    upcast = model.compute_dtype
+    unavailable = {"onednn": packing_unavailable(weights, upcast),
+                   "native": native_packing_unavailable(weights) if upcast in (None, torch.float32)
+                   else f"the products upcast to {upcast}, and it sums in float32"}
     wanted = "onednn" if forced is True else forced if isinstance(forced, str) else None
     gemm_rows = model.gemm_rows
     if wanted == "onednn" and unavailable["onednn"] is not None:
@@ -346,15 +351,19 @@ def _choose_packing(model: Transformer, batch_rows: int, forced: bool | str | No
                          "it None or False")
     layouts = [wanted] if wanted else [key for key, why in unavailable.items() if why is None]
     why = None if layouts else unavailable["onednn"]
-    copy = sum(w.nbytes for w in weights)
+    copies = {"onednn": sum(w.numel() * (upcast or w.dtype).itemsize for w in weights),
+              "native": sum(w.nbytes for w in weights)}
     if why is None and not wanted:
-        why = _crowding(copy)
+        crowded = {layout: _crowding(copies[layout]) for layout in layouts}
+        layouts = [layout for layout in layouts if crowded[layout] is None]
+        why = None if layouts else next(iter(crowded.values()))
     if forced is False or why is not None:
         return PackingChoice(Choice(name, "off", why if why is not None else "forced off by the caller"), gemm_rows)
     limit = max(_PACKING_SWEEP_BYTES, 2 * last_level_cache_bytes())
     sweep = _sweep_weights(weights, limit)
     kernels = native_kernels()
-    packed = {"onednn": [pack_weight(w) for w in sweep] if "onednn" in layouts else [],
+    packed = {"onednn": [pack_weight(w if upcast is None else w.to(upcast)) for w in sweep] if "onednn" in layouts
+              else [],
               "native": [kernels.pack_bf16(w) for w in sweep] if "native" in layouts and kernels else []}
     few_rows = kernels is not None and gemm_rows > 1
     megabytes = sum(w.nbytes for w in sweep) / 2**20
@@ -363,9 +372,10 @@ def _choose_packing(model: Transformer, batch_rows: int, forced: bool | str | No
     for m in (16, 64, max(batch_rows, 65)):
         inputs = {w.shape[1]: _random(m, w.shape[1]).to(w.dtype) for w in sweep}
         forms: dict[str, Callable[[], object]] = {
-            "linear": functools.partial(_sweep_products, torch.nn.functional.linear, sweep, inputs, swap=True)}
+            "linear": functools.partial(_sweep_products, torch.nn.functional.linear, sweep, inputs, swap=True)
+            if upcast is None else functools.partial(_upcast_products, sweep, inputs, upcast)}
         if "onednn" in layouts:
-            forms["onednn"] = functools.partial(_packed_products, sweep, packed["onednn"], inputs)
+            forms["onednn"] = functools.partial(_packed_products, sweep, packed["onednn"], inputs, upcast)
             if few_rows and kernels is not None and m <= gemm_rows:
                 forms["few-row"] = functools.partial(_sweep_products, kernels.gemm_bf16, sweep, inputs)
         if "native" in layouts and kernels is not None:
@@ -382,13 +392,17 @@ def _choose_packing(model: Transformer, batch_rows: int, forced: bool | str | No
     scores = {layout: sum(ratios[layout]) * (1.0 if layout == "onednn" else 0.95) for layout in layouts}
     best = min(layouts, key=scores.__getitem__)
     on = bool(wanted) or (sum(ratios[best]) / len(ratios[best]) < 0.97 and max(ratios[best]) < 1.1)
-    reason = (f"{' / '.join(layouts)} packed / F.linear over {len(sweep)} weights ({megabytes:.0f} MiB), "
+    # (where the products upcast, oneDNN's copy is in the compute dtype, the native one bf16 summed in float32)
+    named = [f"{layout} ({str(upcast).removeprefix('torch.')})" if upcast is not None and layout == "onednn"
+             else layout for layout in layouts]
+    unpacked = "F.linear" if upcast is None else "F.linear upcast per call"
+    reason = (f"{' / '.join(named)} packed / {unpacked} over {len(sweep)} weights ({megabytes:.0f} MiB), "
               f"{', '.join(timed)} (medians, alternately); {'forced by the caller; ' if wanted else ''}packed copies "
-              f"{copy / 2**20:.0f} MiB")
+              f"{copies[best] / 2**20:.0f} MiB")
     rows = 1
     if on and best == "onednn" and few_rows and kernels is not None:
-        rows, kept = _rows_the_kernel_wins(kernels, sweep, functools.partial(_packed_products, sweep,
-                                                                             packed["onednn"]), gemm_rows)
+        packed_form = functools.partial(_packed_products, sweep, packed["onednn"], upcast=upcast)
+        rows, kept = _rows_the_kernel_wins(kernels, sweep, packed_form, gemm_rows)
         reason += f"; native few-row kernel / packed by rows: {', '.join(kept)} -> {rows} rows (largest summed gain)"
     return PackingChoice(Choice(name, best if on else "off", reason), rows)
 
@@ -528,9 +542,17 @@ def _rows_the_kernel_wins(kernels: NativeKernels, sweep: list[torch.Tensor],
     return rows, timed
 
 
-def _packed_products(sweep: list[torch.Tensor], packed: list[torch.Tensor], inputs: dict[int, torch.Tensor]
-                     ) -> list[object]:
+def _packed_products(sweep: list[torch.Tensor], packed: list[torch.Tensor], inputs: dict[int, torch.Tensor],
+                     upcast: torch.dtype | None = None) -> list[object]:
+    if upcast is not None:  # (as Linear runs a copy packed in the dtype its products upcast to)
+        return [packed_linear(inputs[w.shape[1]].to(upcast), p, None).to(w.dtype)
+                for w, p in zip(sweep, packed, strict=True)]
     return [packed_linear(inputs[w.shape[1]], p, None) for w, p in zip(sweep, packed, strict=True)]
+
+
+def _upcast_products(sweep: list[torch.Tensor], inputs: dict[int, torch.Tensor], upcast: torch.dtype) -> list[object]:
+    """What an unpacked Linear whose products upcast runs: the input and the whole weight widened on every call."""
+    return [torch.nn.functional.linear(inputs[w.shape[1]].to(upcast), w.to(upcast)).to(w.dtype) for w in sweep]
 
 
 def _native_packed_products(kernels: NativeKernels, sweep: list[torch.Tensor], packed: list[torch.Tensor],

@@ -358,7 +358,11 @@ def assert_rows_are_the_formula(y: torch.Tensor, alone: list[torch.Tensor], w: t
         assert torch.equal(y[j], alone[j]), f"row {j} depends on the other rows of the call"
 
 
-@needs_bf16_pairs
+needs_packed_bf16 = pytest.mark.skipif(native_kernels() is None or not native_kernels().packed_bf16_available,
+                                       reason="the packed bf16 product needs AVX512-BF16 or AVX2 with FMA")
+
+
+@needs_packed_bf16
 @settings(max_examples=40, deadline=None)
 @given(m=st.integers(1, 21), n=st.integers(1, 70), pairs=st.integers(1, 150), with_bias=st.booleans(),
        threads=st.integers(1, 3), ahead=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
@@ -393,7 +397,24 @@ def test_the_packed_bf16_product_is_the_formula(m: int, n: int, pairs: int, with
     assert_rows_are_the_formula(y, alone, w, x, bias)
 
 
-@needs_bf16_pairs
+@needs_packed_bf16
+@pytest.mark.parametrize(("m", "k"), [(70, 3000), (9, 6000)])
+def test_the_packed_bf16_product_passes_many_rows_in_groups(m: int, k: int) -> None:
+    """Rows past what one pass keeps in cache (AVX2's widened rows, 192 KiB: 16 rows of k = 3000, 8 of 6000) go
+    through the weights in groups: every row still the formula within rounding and what it gives alone."""
+    kernels = native_kernels()
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(m)
+    w = torch.randn(37, k, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    bias = torch.randn(37, generator=gen).bfloat16()
+    packed = kernels.pack_bf16(w)
+    y = kernels.gemm_bf16_packed(packed, x, 37, bias)
+    assert_rows_are_the_formula(y, [kernels.gemm_bf16_packed(packed, x[j : j + 1], 37, bias)[0] for j in range(m)],
+                                w, x, bias)
+
+
+@needs_packed_bf16
 def test_the_packed_bf16_product_refuses_what_it_cannot_take() -> None:
     """An odd k, a packed weight of another shape and a weight that is not bf16: one clear error each."""
     kernels = native_kernels()

@@ -213,6 +213,9 @@ class NativeKernels:
         self.dtypes = frozenset(d for d, code in DTYPE_CODES.items() if lib.infer_supports(code))
         # The few-row bf16 product needs the bf16 pair instruction (AVX512-BF16); a call on no rows asks.
         self.gemm_bf16_available = lib.infer_gemm_bf16(None, None, None, None, 0, 0, 0, 1) == 0
+        # The packed product runs on the pair instruction, or on AVX2's fp32 FMAs with the weights widened in
+        # registers (CPUs without bf16 units).
+        self.packed_bf16_available = lib.infer_gemm_bf16_packed(None, None, None, None, 0, 0, 0, 1) == 0
 
     def __repr__(self) -> str:
         return f"NativeKernels({self.isa}{'' if self.openmp else ', one thread'}, {self.path.name})"
@@ -288,15 +291,18 @@ class NativeKernels:
     def gemm_bf16_packed(self, packed: torch.Tensor, x: torch.Tensor, n: int, bias: torch.Tensor | None = None
                          ) -> torch.Tensor:
         """`gemm_bf16` on a weight of `n` outputs that `pack_bf16` packed: 16 outputs a register (no fold of partial
-        sums), each its own row's fp32 sum rounded once. Needs `gemm_bf16_available`."""
+        sums), each its own row's fp32 sum rounded once. Needs `packed_bf16_available` (AVX512-BF16's pair
+        instruction, or AVX2 and FMA)."""
         k = x.shape[-1]
         if packed.numel() != -(-n // 16) * 16 * k:
             raise ValueError(f"a packed weight of {packed.numel()} values is not [{n}, {k}] packed")
         rows, bias, out = _bf16_operands(x, k, n, bias)
         code = self._gemm_bf16_packed(packed.data_ptr(), rows.data_ptr(), None if bias is None else bias.data_ptr(),
                                       out.data_ptr(), rows.shape[0], n, k, torch.get_num_threads())
+        if code == -4:
+            raise MemoryError(f"the native packed product could not widen {rows.shape[0]} x {k} inputs to fp32")
         if code:
-            raise ValueError(f"the native packed product needs the AVX512-BF16 pair instruction (this build: "
+            raise ValueError(f"the native packed product needs AVX512-BF16 or AVX2 with FMA (this build: "
                              f"{self.isa}) and an even k (k={k})")
         return out.view(*x.shape[:-1], n)
 

@@ -107,14 +107,21 @@ class Linear(ProjectionTraits, nn.Linear):
     packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.packed is not None and x.dtype == self.weight.dtype and self.upcast is None and not x.requires_grad
+        if (self.packed is not None and x.dtype == self.weight.dtype and not x.requires_grad
                 and x.numel() > self.packed_from * self.in_features and _FEW_ROW_PRODUCTS.get()):
             # The engine's products past the native kernel's rows: oneDNN's GEMM on the weight it packed once, where
             # F.linear packs it again on every call (as long as the product itself at a few dozen rows); or the
             # native packed product (16 outputs a register), which takes every row count from 2.
-            if self.packed_layout == "native":
+            if self.packed_layout == "native" and self.upcast in (None, torch.float32):
+                # (fp32 sums of the bf16 operands rounded once: what the products upcast to fp32 compute too)
                 return native_kernels_or_raise().gemm_bf16_packed(self.packed, x, self.out_features, self.bias)
-            return packed_linear(x, self.packed, self.bias)
+            if self.packed_layout == "onednn" and self.packed.dtype == self.weight.dtype and self.upcast is None:
+                return packed_linear(x, self.packed, self.bias)
+            if self.packed_layout == "onednn" and self.packed.dtype == self.upcast:
+                # Packed in the dtype the products upcast to (a CPU without bf16 units): the upcast product below
+                # without widening and repacking the whole weight on every call (at 48 rows that was most of it).
+                bias = None if self.bias is None else self.bias.to(self.upcast)
+                return packed_linear(x.to(self.upcast), self.packed, bias).to(x.dtype)
         if (self.gemv == "native" and self.native_rows > 1 and x.dtype == torch.bfloat16 == self.weight.dtype
                 and not x.requires_grad and self.in_features < x.numel() <= self.native_rows * self.in_features
                 and _FEW_ROW_PRODUCTS.get()):
@@ -149,16 +156,19 @@ def _not_bf16_on_the_cpu(weights: list[torch.Tensor]) -> str | None:
     return None
 
 
-def packing_unavailable(weights: list[torch.Tensor]) -> str | None:
+def packing_unavailable(weights: list[torch.Tensor], upcast: torch.dtype | None = None) -> str | None:
     """Why oneDNN cannot pack these weights for `Linear.packed` (None: it can): bf16 on the CPU, a PyTorch built
-    with oneDNN, and a CPU its bf16 kernels run on (not emulated)."""
+    with oneDNN, and a CPU its bf16 kernels run on (not emulated); or, where the products upcast (`upcast`, the
+    model's compute dtype: float32 on a CPU without bf16 units), packed in float32, which oneDNN runs everywhere."""
     if (why := _not_bf16_on_the_cpu(weights)) is not None:
         return why
     if not torch.backends.mkldnn.is_available():
         return "this PyTorch has no oneDNN"
     if not all(hasattr(torch.ops.mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise")):
         return "this PyTorch lacks oneDNN's packed linear ops"
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if upcast is not None and upcast != torch.float32:
+        return f"the products upcast to {upcast}, and oneDNN's packed copies are bf16 or float32"
+    if upcast is None and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return "oneDNN has no bf16 kernels for this CPU"
     return None
 
@@ -167,7 +177,7 @@ def native_packing_unavailable(weights: list[torch.Tensor], coded: list[Quantize
                                ) -> str | None:
     """Why the native packed product cannot take these weights and quantized projections (`coded`; None: it can):
     bf16 CPU weights of even inputs, CPU codes whose scales the native kernels take (`NativeKernels.takes`), and a
-    native build with the bf16 pair instruction (AVX512-BF16)."""
+    native build with the bf16 pair instruction (AVX512-BF16), or for dense weights AVX2 with FMA."""
     coded = coded or []
     if (weights or not coded) and (why := _not_bf16_on_the_cpu(weights)) is not None:
         return why
@@ -178,7 +188,9 @@ def native_packing_unavailable(weights: list[torch.Tensor], coded: list[Quantize
     kernels = native_kernels()
     if kernels is None:
         return f"no native kernels: {unavailable_reason()}"
-    if not kernels.gemm_bf16_available:
+    if weights and not kernels.packed_bf16_available:
+        return f"this build ({kernels.isa}) has neither AVX512-BF16 nor AVX2 with FMA"
+    if coded and not kernels.gemm_bf16_available:
         return f"this build ({kernels.isa}) has no AVX512-BF16"
     if not all(kernels.takes(m.qweight) for m in coded):
         return "a quantized projection's scales are not float16, float32 or factored over whole runs of 256"
@@ -708,11 +720,14 @@ class Transformer(nn.Module):
         products = self.packable_products()
         weights = [m.weight for m in products if isinstance(m, Linear)]
         coded = [m for m in products if isinstance(m, QuantizedLinear)]
+        upcast = self.compute_dtype
         if on and layout == "onednn" and (why := "quantized projections have no oneDNN layout" if coded
-                                          else packing_unavailable(weights)) is not None:
+                                          else packing_unavailable(weights, upcast)) is not None:
             raise ValueError(f"packing the products needs oneDNN's bf16 GEMM: {why}; leave them unpacked")
         if coded and self.dtype != torch.bfloat16:
             coded_why: str | None = f"the activations are {self.dtype}, not bf16"
+        elif upcast not in (None, torch.float32):
+            coded_why = f"the products upcast to {upcast} (compute_dtype), and it sums in float32"
         else:
             coded_why = native_packing_unavailable(weights, coded)
         if on and layout == "native" and (why := coded_why) is not None:
@@ -723,7 +738,9 @@ class Transformer(nn.Module):
         self.forget_native_step()  # (the batched whole step reads the packed copies)
         products = self.packable_products()
         rows = native_rows if layout == "onednn" else 1
-        if on and all(p.packed is not None and p.packed_layout == layout for p in products):
+        if on and all(p.packed is not None and p.packed_layout == layout
+                      and (layout != "onednn" or isinstance(p.packed, torch.Tensor)
+                           and p.packed.dtype == (upcast or p.weight.dtype)) for p in products):
             for product in products:  # packed already: only the rows the native kernel keeps
                 product.packed_from = rows
             return
@@ -732,7 +749,11 @@ class Transformer(nn.Module):
             if isinstance(module, Linear):
                 module.packed_layout = "onednn"
         if on:
-            pack = pack_weight if layout == "onednn" else native_kernels_or_raise().pack_bf16
+            if layout == "native":
+                pack = native_kernels_or_raise().pack_bf16
+            else:  # (in the dtype the products upcast to, if they do)
+                def pack(weight: torch.Tensor) -> torch.Tensor:
+                    return pack_weight(weight if upcast is None else weight.to(upcast))
             for product in products:
                 if isinstance(product, QuantizedLinear):
                     product.packed, product.packed_from = pack_codes(product.qweight), rows
@@ -741,9 +762,9 @@ class Transformer(nn.Module):
 
     @property
     def packed_bytes(self) -> int:
-        """Bytes of the packed copies (`packed_products`): the bf16 weights they copy, a quantized product's packed
-        codes and float32 scales; 0 when off."""
-        return sum(m.weight.nbytes if isinstance(m, Linear) else m.packed.nbytes
+        """Bytes of the packed copies (`packed_products`): the weights they copy in the copies' dtype (bf16, or float32
+        where the products upcast), a quantized product's packed codes and float32 scales; 0 when off."""
+        return sum(m.weight.numel() * m.packed.element_size() if isinstance(m, Linear) else m.packed.nbytes
                    for m in self._linears() if m.packed is not None)
 
     def packable_products(self) -> list[Projection]:
