@@ -33,6 +33,7 @@ from infer.roofline import (
     ForwardProfile,
     ModelShape,
     StepRecord,
+    limit_dtypes,
     measure_limits,
     median_step_ms,
     profile_forward,
@@ -272,8 +273,7 @@ def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: d
     config, dtype, device = model.config, model.dtype, model.device
     budget = int(run.stats["token_budget"])  # (the engine's: the caller's or its measured choice)
     bandwidth, _ = measure_read_bandwidth(device)
-    # (the weights' dtype and, where the products upcast, the one they compute in: the faster is the limit)
-    dtypes = tuple(dict.fromkeys(d for d in (dtype, model.compute_dtype) if d is not None))
+    dtypes = limit_dtypes(model)
     limits = measure_limits(dtypes, device, config.hidden_size, config.intermediate_size, budget, bandwidth)
     phases = summarize_phases(run.trace, ModelShape.of(model, dtype.itemsize), limits)
     table: list[dict[str, float | str]] = [

@@ -144,6 +144,13 @@ def roofline_s(cost: StepCost, peak_flops: float, bandwidth: float) -> float:
     return max(cost.flops / peak_flops, cost.bytes / bandwidth)
 
 
+def limit_dtypes(model: nn.Module) -> tuple[torch.dtype, ...]:
+    """The dtypes whose matmul rates bound the model's products: the weights', and the one its products upcast to
+    (`compute_dtype`, float32 for bf16 weights on a CPU without bf16 units), where they do."""
+    dtypes: list[torch.dtype | None] = [getattr(model, "dtype", None), getattr(model, "compute_dtype", None)]
+    return tuple(dict.fromkeys(d for d in dtypes if d is not None))
+
+
 def measure_limits(dtypes: tuple[torch.dtype, ...], device: torch.device, inputs: int, outputs: int, max_rows: int,
                    bandwidth: float) -> Limits:
     """`Limits` with matmul rates of `[rows, inputs] @ [inputs, outputs]` for rows 1, 4, 16, 64, 256, 512 and

@@ -360,19 +360,23 @@ def assert_rows_are_the_formula(y: torch.Tensor, alone: list[torch.Tensor], w: t
 
 needs_packed_bf16 = pytest.mark.skipif(native_kernels() is None or not native_kernels().packed_bf16_available,
                                        reason="the packed bf16 product needs AVX512-BF16 or AVX2 with FMA")
+# (the pair instruction's path, and AVX2's FMAs on a CPU that has both)
+PACKED_FLAVOURS = [f for f in FLAVOURS_HERE if getattr(native_kernels(f), "packed_bf16_available", False)]
 
 
-@needs_packed_bf16
-@settings(max_examples=40, deadline=None)
+@pytest.mark.skipif(not PACKED_FLAVOURS, reason="the packed bf16 product needs AVX512-BF16 or AVX2 with FMA")
+@settings(max_examples=60, deadline=None)
 @given(m=st.integers(1, 21), n=st.integers(1, 70), pairs=st.integers(1, 150), with_bias=st.booleans(),
-       threads=st.integers(1, 3), ahead=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+       threads=st.integers(1, 3), ahead=st.sampled_from([1, 2]), seed=st.integers(0, 2**16),
+       flavour=st.sampled_from(PACKED_FLAVOURS or ["native"]))
 def test_the_packed_bf16_product_is_the_formula(m: int, n: int, pairs: int, with_bias: bool, threads: int,
-                                                ahead: int, seed: int) -> None:
+                                                ahead: int, seed: int, flavour: str) -> None:
     """`gemm_bf16_packed` on a weight `pack_bf16` packed (blocks of 16 rows, the last one padded; tiles of 8 input
-    rows by 2 blocks, row and block tails), prefetching either pair of blocks ahead (`packed_ahead`): every output
-    within the rounding of fp32 sums rounded once to bf16, bit for bit what that input row alone gives and what the
-    other prefetch distance gives, and packing leaves the weight as it was."""
-    kernels = native_kernels()
+    rows by 2 blocks for the pair instruction, 4 by 1 for AVX2's FMAs; row and block tails), prefetching either pair
+    of blocks ahead (`packed_ahead`): every output within the rounding of fp32 sums rounded once to bf16, bit for bit
+    what that input row alone gives and what the other prefetch distance gives, and packing leaves the weight as it
+    was."""
+    kernels = native_kernels(flavour)
     assert kernels is not None
     gen = torch.Generator().manual_seed(seed)
     k = 2 * pairs
@@ -397,12 +401,12 @@ def test_the_packed_bf16_product_is_the_formula(m: int, n: int, pairs: int, with
     assert_rows_are_the_formula(y, alone, w, x, bias)
 
 
-@needs_packed_bf16
 @pytest.mark.parametrize(("m", "k"), [(70, 3000), (9, 6000)])
-def test_the_packed_bf16_product_passes_many_rows_in_groups(m: int, k: int) -> None:
+@pytest.mark.parametrize("flavour", PACKED_FLAVOURS)
+def test_the_packed_bf16_product_passes_many_rows_in_groups(m: int, k: int, flavour: str) -> None:
     """Rows past what one pass keeps in cache (AVX2's widened rows, 192 KiB: 16 rows of k = 3000, 8 of 6000) go
     through the weights in groups: every row still the formula within rounding and what it gives alone."""
-    kernels = native_kernels()
+    kernels = native_kernels(flavour)
     assert kernels is not None
     gen = torch.Generator().manual_seed(m)
     w = torch.randn(37, k, generator=gen).bfloat16()

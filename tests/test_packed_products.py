@@ -197,18 +197,31 @@ def test_the_engine_chooses_packing_or_takes_the_callers_word() -> None:
     assert not bf16.packed_products
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_the_engine_with_packed_products_answers_to_the_solo_runs(layout: str, monkeypatch: pytest.MonkeyPatch
-                                                                  ) -> None:
+UPCAST_PACKING = packing_unavailable([torch.zeros(2, 2, dtype=torch.bfloat16)], torch.float32)
+
+
+def layouts_and_upcasts() -> list[object]:
+    """Each layout with the products in bf16 and upcast to fp32, skipped where the layout cannot pack them."""
+    why = {("onednn", False): PACKING, ("native", False): NATIVE_PACKING, ("onednn", True): UPCAST_PACKING,
+           ("native", True): NATIVE_PACKING}
+    return [pytest.param(layout, upcast, marks=pytest.mark.skipif(reason is not None, reason=f"cannot pack: {reason}"),
+                         id=f"{layout}-{'fp32' if upcast else 'bf16'}") for (layout, upcast), reason in why.items()]
+
+
+@pytest.mark.parametrize(("layout", "upcast"), layouts_and_upcasts())
+def test_the_engine_with_packed_products_answers_to_the_solo_runs(layout: str, upcast: bool,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A bf16 engine with packed products (prefill chunks and decode batches past the native rows take them; every
-    product of 2 rows or more in the native layout): each request's logits within bf16 rounding of its solo run."""
+    product of 2 rows or more in the native layout), its products in bf16 or upcast to fp32 (a CPU without bf16
+    units; oneDNN's copies then fp32): each request's logits within bf16 rounding of its solo run."""
     import infer
     from infer.engine import Engine
     from infer.sampling import SamplingParams
     from reference import build_checkpoint
     from tests.helpers import assert_within_rounding_of_solo_runs
 
-    model = infer.load_model(build_checkpoint("qwen2"), dtype="bfloat16")
+    model = infer.load_model(build_checkpoint("qwen2"), dtype="bfloat16",
+                             compute_dtype=torch.float32 if upcast else "exact")
     rows = count_packed(monkeypatch)
     prompts = [[5, 9, 2, 8, 8, 1], [7, 7, 1, 3], [11], [4, 4, 4, 4, 4, 4, 4], [6, 2]]
     engine = Engine(model, None, num_blocks=32, keep_logits=True, packed_products=layout)
@@ -241,9 +254,11 @@ def test_packing_stays_off_where_the_copies_would_crowd_memory(monkeypatch: pyte
 
 
 def test_packing_names_why_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each precondition refused with its own reason: no weights, weights off the CPU, not bf16, no oneDNN."""
+    """Each precondition refused with its own reason: no weights, weights off the CPU, not bf16, an upcast oneDNN
+    has no copies for, no oneDNN."""
     bf16 = torch.zeros(4, 4, dtype=torch.bfloat16)
     assert packing_unavailable([]) == "no dense projections"
+    assert "upcast to torch.float16" in str(packing_unavailable([bf16], torch.float16))
     meta = torch.zeros(4, 4, dtype=torch.bfloat16, device="meta")
     assert packing_unavailable([bf16, meta]) == "the weights are not on the CPU"
     assert packing_unavailable([bf16, torch.zeros(4, 4)]) == "the weights are not bf16"
@@ -354,3 +369,37 @@ def test_a_quantized_model_packs_where_the_packed_codes_are_faster(ratios: tuple
     assert choice.choice.value == want and choice.on == (want != "off")
     assert "16 rows: " in choice.choice.reason and "128 rows: " in choice.choice.reason
     assert all(p.packed is c for p, c in zip(model.packable_products(), before, strict=True))
+
+
+@pytest.mark.skipif(UPCAST_PACKING is not None, reason=f"no oneDNN packing: {UPCAST_PACKING}")
+def test_products_that_upcast_pack_their_copies_in_the_compute_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 weights whose products upcast to fp32 (a CPU without bf16 units: forced here) pack oneDNN's copies in fp32
+    (twice the bytes) and the engine's products run on them, within bf16 rounding of the unpacked upcast products
+    (Qwen 2's biases included); outside the engine's steps nothing changes, bit for bit; once the products no longer
+    upcast, the fp32 copies go unused, and packing again makes them in the weights' dtype where oneDNN runs it."""
+    import infer
+    from infer.models.transformer import few_row_products
+    from reference import build_checkpoint
+
+    path = build_checkpoint("qwen2")
+    plain = infer.load_model(path, decode_gemv="linear", dtype="bfloat16", compute_dtype=torch.float32)
+    model = infer.load_model(path, decode_gemv="linear", dtype="bfloat16", compute_dtype=torch.float32)
+    model.pack_products(True, layout="onednn")
+    products = model.packable_products()
+    assert all(p.packed is not None and p.packed.dtype == torch.float32 for p in products)
+    assert model.packed_bytes == 2 * sum(p.weight.nbytes for p in products)
+    rows = count_packed(monkeypatch)
+    ids = torch.randint(0, 400, (3, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(model(ids), plain(ids)) and not rows, "outside the engine's steps: the upcast F.linear"
+        with few_row_products():
+            got, want = model(ids).float(), plain(ids).float()
+            assert rows == [18] * (4 * len(model.layers) + 1), f"not one packed product per fused projection: {rows}"
+            assert (got - want).abs().max() <= 0.05 * want.abs().max(), "beyond bf16 rounding of the upcast products"
+            model.compute_dtype = None
+            rows.clear()
+            model(ids)
+            assert not rows, "fp32 copies used by products that no longer upcast"
+    if PACKING is None:  # (oneDNN runs bf16 here: packing again makes bf16 copies)
+        model.pack_products(True, layout="onednn")
+        assert all(p.packed is not None and p.packed.dtype == torch.bfloat16 for p in model.packable_products())

@@ -131,3 +131,26 @@ def test_profiling_splits_the_forward_and_leaves_nothing_behind() -> None:
     assert abs(sum(float(p["share"]) for p in parts) - 1.0) < 1e-9
     assert PagedBackend.attend is attend and type(model).forward is forward
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_the_limits_take_the_faster_of_the_weights_and_the_compute_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 model whose products upcast to float32 (a CPU without bf16 units, where a bf16 matmul is emulated 10-100x
+    slower) is held to the faster of the two dtypes' matmul rates at every row count; a model that does not upcast,
+    to its own dtype's."""
+    import infer.roofline as roofline
+    from reference import build_checkpoint
+
+    rates = {torch.bfloat16: {1: 5.0, 512: 1.0}, torch.float32: {1: 2.0, 512: 90.0}}
+    monkeypatch.setattr(roofline, "matmul_rate", lambda dtype, device, m, k, n: rates[dtype].get(m, 3.0) * m)
+    limits = roofline.measure_limits((torch.bfloat16, torch.float32), torch.device("cpu"), 8, 8, 24, 1e9)
+    assert limits.flops_by_rows[1] == 5.0 and limits.flops_by_rows[512] == 90.0 * 512
+    assert limits.flops_by_rows[24] == 3.0 * 24 and limits.peak_flops == 90.0 * 512
+    import infer
+
+    model = infer.load_model(build_checkpoint("llama"), dtype="bfloat16")
+    model.compute_dtype = torch.float32
+    assert roofline.limit_dtypes(model) == (torch.bfloat16, torch.float32)
+    model.compute_dtype = None
+    assert roofline.limit_dtypes(model) == (torch.bfloat16,)
+    model.compute_dtype = torch.bfloat16  # (an upcast to its own dtype is no second dtype)
+    assert roofline.limit_dtypes(model) == (torch.bfloat16,)
