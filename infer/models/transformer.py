@@ -32,7 +32,7 @@ from infer.config import SLIDING_ATTENTION, ModelConfig, RopeConfig
 from infer.families import FAMILIES
 from infer.kernels import triton_available
 from infer.kernels.native import NativeKernels, native_gemv, native_kernels, unavailable_reason
-from infer.memory import empty_on_huge_pages
+from infer.memory import empty_on_huge_pages, on_huge_pages
 from infer.models.native_batch_step import NativeBatchStep, batch_step_unavailable, describe_batch
 from infer.models.native_step import NativeStep, codes_cache, takes_model
 from infer.quant_weights import PackedCodes, QuantizedWeight, concat_rows, pack_codes
@@ -750,7 +750,11 @@ class Transformer(nn.Module):
                 module.packed_layout = "onednn"
         if on:
             if layout == "native":
-                pack = native_kernels_or_raise().pack_bf16
+                kernels = native_kernels_or_raise()
+
+                def pack(weight: torch.Tensor) -> torch.Tensor:  # (streamed each step, as the weights are: same pages)
+                    packed = kernels.pack_bf16(weight)
+                    return on_huge_pages(packed) if self.huge_pages else packed
             else:  # (in the dtype the products upcast to, if they do)
                 def pack(weight: torch.Tensor) -> torch.Tensor:
                     return pack_weight(weight if upcast is None else weight.to(upcast))
