@@ -151,7 +151,9 @@ def test_quantized_caches_step_natively_as_layer_by_layer(arch: str, kind: str, 
     # The same step bound to an exact cache next reads its rows as exact again.
     exact = decode(model, ids[:, :12], "contiguous", prefill=2)
     model.native_step = True
-    assert (decode(model, ids[:, :12], "contiguous", prefill=2) - exact).abs().max() < 1e-5
+    # (relative to the logits: the native kernel sums in another order, 1.4e-5 apart on an AVX2 build's logits)
+    assert (decode(model, ids[:, :12], "contiguous", prefill=2) - exact).abs().max() < 1e-5 * max(
+        1.0, float(exact.abs().max())), "the native step parted from the per-op path beyond fp32 rounding"
 
 
 @pytest.mark.parametrize("kind", ["sliding", "int4"])
@@ -203,11 +205,14 @@ def test_rebuilt_when_the_weights_change(calls: list[int]) -> None:
     model = infer.load_model(path, decode_gemv="native")
     ids = prompt(10, seed=8)
     decode(model, ids, "contiguous", prefill=4)
-    fresh = infer.load_model(path, decode_gemv="native", dtype="bfloat16")
+    # (bf16 loaded with the model's own exact products: `.to()` keeps the fp32 model's, where a CPU without bf16
+    # units would otherwise upcast the fresh load's prefill)
+    fresh = infer.load_model(path, decode_gemv="native", dtype="bfloat16", compute_dtype="exact")
     model.to(torch.bfloat16)
     model.decode_gemv = "native"
     assert torch.equal(decode(model, ids, "contiguous", prefill=4), decode(fresh, ids, "contiguous", prefill=4))
-    other = infer.load_model(build_checkpoint("qwen3", seed=1), decode_gemv="native", dtype="bfloat16")
+    other = infer.load_model(build_checkpoint("qwen3", seed=1), decode_gemv="native", dtype="bfloat16",
+                             compute_dtype="exact")
     model.load_state_dict(other.state_dict(), assign=True)
     model.decode_gemv = "native"
     assert torch.equal(decode(model, ids, "contiguous", prefill=4), decode(other, ids, "contiguous", prefill=4))
