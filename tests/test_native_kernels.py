@@ -221,14 +221,16 @@ def test_native_rope_is_the_formula_bit_for_bit(dtype: torch.dtype, rows: int, h
 @settings(max_examples=40, deadline=None)
 @given(dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
        tokens=st.integers(1, 12) | st.integers(64, 80), heads=st.integers(1, 3),
-       half=st.sampled_from([16, 32, 64]) | st.integers(1, 40), spare=st.integers(0, 24), seed=st.integers(0, 2**16))
+       half=st.sampled_from([16, 32, 64]) | st.integers(1, 40), spare=st.integers(0, 24), seed=st.integers(0, 2**16),
+       flavour=st.sampled_from(FLAVOURS_HERE or ["native"]))
 def test_native_rope_of_every_row_is_the_formula_bit_for_bit(dtype: torch.dtype, tokens: int, heads: int, half: int,
-                                                              spare: int, seed: int) -> None:
+                                                              spare: int, seed: int, flavour: str) -> None:
     """The engine's steps: q or k as the fused product leaves them (a view of wider rows, heads transposed), each
-    token by its own position's cos/sin, against apply_rope on the same view."""
+    token by its own position's cos/sin, against apply_rope on the same view; every build flavour this CPU runs
+    (16 lanes on AVX512, 8 on AVX2, the scalar loop)."""
     from infer.rope import apply_rope
 
-    kernels = native_kernels()
+    kernels = native_kernels(flavour)
     assert kernels is not None
     gen = torch.Generator().manual_seed(seed)
     d = 2 * half
@@ -245,12 +247,13 @@ def test_native_rope_of_every_row_is_the_formula_bit_for_bit(dtype: torch.dtype,
 @settings(max_examples=30, deadline=None)
 @given(dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
        rows=st.integers(1, 12) | st.integers(64, 90),  # 64 and more: split over threads (the engine's steps)
-       d=st.integers(1, 300) | st.sampled_from([64, 768]), gemma=st.booleans(), seed=st.integers(0, 2**16))
+       d=st.integers(1, 300) | st.sampled_from([64, 768]), gemma=st.booleans(), seed=st.integers(0, 2**16),
+       flavour=st.sampled_from(FLAVOURS_HERE or ["native"]))
 def test_native_rms_norm_is_the_formula_within_an_ulp(dtype: torch.dtype, rows: int, d: int, gemma: bool,
-                                                       seed: int) -> None:
+                                                       seed: int, flavour: str) -> None:
     from infer.models.transformer import RMSNorm
 
-    kernels = native_kernels()
+    kernels = native_kernels(flavour)
     assert kernels is not None
     gen = torch.Generator().manual_seed(seed)
     norm = RMSNorm(d, 1e-6, gemma=gemma)
@@ -265,14 +268,15 @@ def test_native_rms_norm_is_the_formula_within_an_ulp(dtype: torch.dtype, rows: 
 @settings(max_examples=30, deadline=None)
 @given(dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), n=st.integers(1, 600),
        rows=st.integers(1, 3) | st.integers(64, 66), fused=st.booleans(), gelu=st.booleans(),
-       seed=st.integers(0, 2**16))
+       seed=st.integers(0, 2**16), flavour=st.sampled_from(FLAVOURS_HERE or ["native"]))
 def test_native_gated_activation_is_the_formula_within_an_ulp(dtype: torch.dtype, n: int, rows: int, fused: bool,
-                                                               gelu: bool, seed: int) -> None:
+                                                               gelu: bool, seed: int, flavour: str) -> None:
     """`gated` (one row) and `gated_rows` (the engine's steps: every row, gate and up the halves of a fused
-    product's rows or two tensors, split over threads; SiLU 16 lanes at a time) against the formula."""
+    product's rows or two tensors, split over threads; 16 lanes at a time on AVX512, 8 on AVX2) against the
+    formula, in every build flavour this CPU runs."""
     import torch.nn.functional as F
 
-    kernels = native_kernels()
+    kernels = native_kernels(flavour)
     assert kernels is not None
     gen = torch.Generator().manual_seed(seed)
     gate_up = (torch.randn(rows, 2 * n, generator=gen) * 4).to(dtype)
@@ -289,6 +293,35 @@ def test_native_gated_activation_is_the_formula_within_an_ulp(dtype: torch.dtype
     assert torch.equal(gate_up.nan_to_num(), before.nan_to_num()), "the input is left as it was"
     if rows == 1:
         assert_within_an_ulp(kernels.gated(gate_up, gelu).nan_to_num(), want.nan_to_num(), what, cancel)
+
+
+@needs_build
+@pytest.mark.parametrize("flavour", FLAVOURS_HERE or ["native"])
+def test_the_row_ops_at_the_engines_shapes(flavour: str) -> None:
+    """The vector paths the properties above draw among other shapes, at the sizes a 150M Llama's decode step of
+    16 requests has (bf16; hidden 768, 12 heads of 64, MLP 3072), in every build flavour: RoPE bit for bit, the
+    norm and SiLU * up within an ulp of PyTorch's formulas."""
+    import torch.nn.functional as F
+
+    from infer.models.transformer import RMSNorm
+    from infer.rope import apply_rope
+
+    kernels = native_kernels(flavour)
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(3)
+    q = (torch.randn(1, 16, 12 * 64, generator=gen) * 4).bfloat16().view(1, 16, 12, 64).transpose(1, 2)
+    angles = torch.randn(16, 64, generator=gen) * 100
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    assert torch.equal(kernels.rope_rows(q, cos, sin), apply_rope(q, cos, sin)), f"{flavour}: RoPE"
+    norm = RMSNorm(768, 1e-6)
+    norm.weight.data = torch.randn(768, generator=gen)
+    norm = norm.bfloat16()
+    x = (torch.randn(16, 768, generator=gen) * 3).bfloat16()
+    with torch.no_grad():
+        assert_within_an_ulp(kernels.rms_norm(x, norm.weight, norm.eps, False), norm(x), f"{flavour}: RMSNorm")
+    gate, up = (torch.randn(16, 2 * 3072, generator=gen) * 4).bfloat16().split(3072, -1)
+    assert_within_an_ulp(kernels.gated_rows(gate, up, False), F.silu(gate) * up, f"{flavour}: SiLU * up",
+                         4 * 2.0**-24 * (gate.float() * up.float()).abs())
 
 
 @needs_build

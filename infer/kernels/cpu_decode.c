@@ -254,9 +254,10 @@ static inline void thread_rows(int64_t n, int64_t *r0, int64_t *r1) {
 /* The instruction-set path this build took. */
 const char *infer_isa(void) { return ISA; }
 
-/* Whether the many-row small ops (infer_rms_norm over rows, infer_rope_rows) run 16 lanes at a time on bf16 here. */
+/* Whether the many-row small ops (infer_rms_norm over rows, infer_rope_rows, infer_gated_rows) run 16 (AVX512) or 8
+ * (AVX2) lanes at a time on bf16 here. */
 int infer_rows_vectorized(void) {
-#if defined(HAVE_AVX512)
+#if defined(HAVE_AVX512) || (defined(__AVX2__) && defined(__FMA__))
     return 1;
 #else
     return 0;
@@ -365,6 +366,46 @@ static inline void rms_norm_row_bf16(const uint16_t *x, const uint16_t *w, uint1
         _mm256_storeu_si256((__m256i *)(out + i), bf16x16_round(o));
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The same helpers 8 lanes at a time, for AVX2 builds (a Zen 3 EPYC: PyTorch's RMSNorm, RoPE and SiLU * up took
+ * ~15 ms of a 16-request decode step of a 150M model, the scalar loops longer). */
+#define HAVE_AVX2_ROWS 1
+static inline __m256 bf16x8_widen(__m128i h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline __m256 bf16x8_load(const uint16_t *p) { return bf16x8_widen(_mm_loadu_si128((const __m128i *)p)); }
+
+/* 8 fp32 lanes rounded to bf16 as f32_to_bf16 rounds one (bf16x16_round's formula). */
+static inline __m128i bf16x8_round(__m256 v) {
+    __m256i u = _mm256_castps_si256(v), one = _mm256_set1_epi32(1);
+    __m256i nearest = _mm256_srli_epi32(
+        _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(u, 16), one))), 16);
+    /* |u| and 0x7f800000 are both below 2^31: the signed compare is the unsigned one */
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    __m256i halves = _mm256_blendv_epi8(nearest, quiet, nan); /* each lane < 2^16: packus keeps it */
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(halves, halves), 0x08));
+}
+
+static inline __m256 negate8(__m256 v) { return _mm256_xor_ps(v, _mm256_set1_ps(-0.0f)); }
+
+static inline void rms_norm_row_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t d, float eps,
+                                     int gemma) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(); /* 16 partial sums, as the AVX512 loop's */
+    for (int64_t i = 0; i < d; i += 16) {
+        __m256 v0 = bf16x8_load(x + i), v1 = bf16x8_load(x + i + 8);
+        acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(v0, v0));
+        acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(v1, v1));
+    }
+    __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum8(_mm256_add_ps(acc0, acc1)) / (float)d + eps));
+    for (int64_t i = 0; i < d; i += 8) {
+        __m256 h = _mm256_mul_ps(bf16x8_load(x + i), inv), wv = bf16x8_load(w + i);
+        __m256 o = gemma ? _mm256_mul_ps(h, _mm256_add_ps(_mm256_set1_ps(1.0f), wv))
+                         : _mm256_mul_ps(wv, bf16x8_widen(bf16x8_round(h)));
+        _mm_storeu_si128((__m128i *)(out + i), bf16x8_round(o));
+    }
+}
 #endif
 
 /* RMSNorm of `rows` rows of d: h = x * 1/sqrt(mean(x^2) + eps) in fp32, then
@@ -377,7 +418,7 @@ void infer_rms_norm(int dtype, const void *x, const void *weight, void *out, int
     for (int64_t r = 0; r < rows; r++) {
         const char *xr = (const char *)x + r * d * esize;
         char *outr = (char *)out + r * d * esize;
-#if defined(HAVE_AVX512)
+#if defined(HAVE_AVX512) || defined(HAVE_AVX2_ROWS)
         if (dtype == BF16 && d % 16 == 0) {
             rms_norm_row_bf16((const uint16_t *)xr, (const uint16_t *)weight, (uint16_t *)outr, d, eps, gemma);
             continue;
@@ -441,6 +482,21 @@ void infer_rope_rows(int dtype, const void *x, int64_t token_stride, int64_t hea
                         bf16x16_widen(bf16x16_round(_mm512_mul_ps(a, bf16x16_load(s + half + i)))));
                     _mm256_storeu_si256((__m256i *)(o + i), bf16x16_round(lo));
                     _mm256_storeu_si256((__m256i *)(o + half + i), bf16x16_round(hi));
+                }
+                continue;
+            }
+#elif defined(HAVE_AVX2_ROWS)
+            if (dtype == BF16 && half % 8 == 0) {
+                const uint16_t *xa = (const uint16_t *)xr, *c = (const uint16_t *)ct, *s = (const uint16_t *)st;
+                uint16_t *o = (uint16_t *)outr;
+                for (int64_t i = 0; i < half; i += 8) {
+                    __m256 a = bf16x8_load(xa + i), b = bf16x8_load(xa + half + i);
+                    __m256 lo = _mm256_add_ps(bf16x8_widen(bf16x8_round(_mm256_mul_ps(a, bf16x8_load(c + i)))),
+                        bf16x8_widen(bf16x8_round(_mm256_mul_ps(negate8(b), bf16x8_load(s + i)))));
+                    __m256 hi = _mm256_add_ps(bf16x8_widen(bf16x8_round(_mm256_mul_ps(b, bf16x8_load(c + half + i)))),
+                        bf16x8_widen(bf16x8_round(_mm256_mul_ps(a, bf16x8_load(s + half + i)))));
+                    _mm_storeu_si128((__m128i *)(o + i), bf16x8_round(lo));
+                    _mm_storeu_si128((__m128i *)(o + half + i), bf16x8_round(hi));
                 }
                 continue;
             }
@@ -949,6 +1005,48 @@ static inline __m512 gate_times(__m512 g, __mmask16 neg, __m512 e) {
 static inline __m512 load16_of(int dtype, const char *p) {
     return dtype == F32 ? _mm512_loadu_ps(p) : bf16x16_load((const uint16_t *)p);
 }
+#elif defined(HAVE_AVX2_ROWS)
+/* exp16_fma's reduction and polynomial 8 lanes at a time; 2^k built in the exponent field (k in [-126, 0] for
+ * x in [-87, 0]: a normal number, so p * 2^k rounds as vscalefps does). */
+static inline __m256 exp8_fma(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_fmadd_ps(r, _mm256_set1_ps(1.9875691500e-4f), _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
+}
+
+static inline __m256 abs8(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
+
+/* gate_times of 8 lanes: g s / (1 + e), s = e where `neg` (a lane mask), else 1; -inf gates give NaN. */
+static inline __m256 gate_times8(__m256 g, __m256 neg, __m256 e) {
+    __m256 act = _mm256_div_ps(_mm256_blendv_ps(g, _mm256_mul_ps(g, e), neg), _mm256_add_ps(_mm256_set1_ps(1.f), e));
+    return _mm256_blendv_ps(act, _mm256_set1_ps(NAN), _mm256_cmp_ps(g, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
+}
+
+static inline __m256 silu8(__m256 g) {
+    __m256 neg = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+    return gate_times8(g, neg, exp8_fma(_mm256_sub_ps(_mm256_setzero_ps(), abs8(g))));
+}
+
+static inline __m256 gelu8(__m256 g) {
+    __m256 cube = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), g), g), g);
+    __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f), _mm256_add_ps(g, cube));
+    __m256 e = exp8_fma(_mm256_mul_ps(_mm256_set1_ps(-2.f), abs8(u)));
+    return gate_times8(g, _mm256_cmp_ps(u, _mm256_setzero_ps(), _CMP_LT_OQ), e);
+}
+
+static inline __m256 load8_of(int dtype, const char *p) {
+    return dtype == F32 ? _mm256_loadu_ps((const float *)p) : bf16x8_load((const uint16_t *)p);
+}
 #endif
 
 static inline void gated_row(int dtype, const char *gate, const char *up, char *out, int64_t n, int gelu) {
@@ -969,6 +1067,25 @@ static inline void gated_row(int dtype, const char *gate, const char *up, char *
                 } else { /* the activation is a bf16 tensor before the product */
                     __m512 a = bf16x16_widen(bf16x16_round(act[v]));
                     _mm256_storeu_si256((__m256i *)(out + (i + 16 * v) * es), bf16x16_round(_mm512_mul_ps(a, u)));
+                }
+            }
+        }
+#elif defined(HAVE_AVX2_ROWS)
+    size_t es = dtype == F32 ? 4 : 2;
+    if (dtype == F32 || dtype == BF16)
+        for (; i + 32 <= n; i += 32) {
+            __m256 act[4];
+            for (int v = 0; v < 4; v++) {
+                __m256 g = load8_of(dtype, gate + (i + 8 * v) * es);
+                act[v] = gelu ? gelu8(g) : silu8(g);
+            }
+            for (int v = 0; v < 4; v++) {
+                __m256 u = load8_of(dtype, up + (i + 8 * v) * es);
+                if (dtype == F32) {
+                    _mm256_storeu_ps((float *)(out + (i + 8 * v) * es), _mm256_mul_ps(act[v], u));
+                } else {
+                    __m256 a = bf16x8_widen(bf16x8_round(act[v]));
+                    _mm_storeu_si128((__m128i *)(out + (i + 8 * v) * es), bf16x8_round(_mm256_mul_ps(a, u)));
                 }
             }
         }
