@@ -471,9 +471,11 @@ def smollm2() -> Path:
 
 @pytest.fixture(scope="module")
 def hf_smollm2(smollm2: Path) -> Any:
+    """transformers' reading of the file (`gguf_file=`), from the copy it saved once (reference.real_model)."""
     from reference import Oracle
+    from reference.real_model import smollm2_transformers
 
-    return Oracle(smollm2.parent, gguf_file=smollm2.name)
+    return Oracle(smollm2_transformers())
 
 
 @pytest.fixture(scope="module")
