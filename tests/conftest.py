@@ -16,6 +16,10 @@ from hypothesis import settings
 # imported: `triton.jit` reads it at decoration time).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.triton_interpreter import skip_nested_language_patching
+
+    skip_nested_language_patching()
 
 import infer
 import reference
