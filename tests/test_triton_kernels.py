@@ -121,6 +121,22 @@ def test_split_count_does_not_change_the_result() -> None:
     assert_close(outs[0], outs[2], 1e-5, "default split vs one split")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_split_written_directly_is_its_combine(dtype: torch.dtype) -> None:
+    """With one split the kernel writes the rows itself (acc / sum) instead of a second launch combining one split:
+    the same values as that launch (its weight exp(m - m) is 1), fp32 and bf16, a window and a softcap."""
+    from infer.kernels.paged_attention import paged_decode_attention
+
+    p = {"kv_heads": 2, "group": 3, "head_dim": 40, "block_size": 4, "lengths": [1, 9, 19], "window": 6,
+         "softcap": 30.0, "num_splits": 1, "seed": 2}
+    q, k_blocks, v_blocks, tables = build(p, dtype)
+    lengths = torch.tensor(p["lengths"], device=DEVICE)
+    direct, combined = (paged_decode_attention(q, k_blocks, v_blocks, tables, lengths, 0.125, 30.0, 6, num_splits=1,
+                                               one_split_direct=d) for d in (True, False))
+    assert direct.dtype == combined.dtype == dtype
+    assert torch.equal(direct, combined)
+
+
 @given(st.one_of(st.integers(1, 9), st.integers(10, 300)), st.sampled_from([40, 64, 128, 256]),
        st.sampled_from([torch.float32, torch.bfloat16]), st.integers(0, 2**31 - 1))
 def test_the_one_launch_combine_is_the_pytorch_combine(splits: int, head_dim: int, dtype: torch.dtype,

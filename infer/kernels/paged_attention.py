@@ -63,18 +63,19 @@ def _attend_tile(q, k, v, visible, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP: t
 
 @triton.jit
 def _paged_decode_split(
-    Q, K, V, Tables, Lengths, Acc, M, L,
+    Q, K, V, Tables, Lengths, Acc, M, L, Out,
     stride_qb, stride_qh,
     stride_kn, stride_kh, stride_ks,
     stride_vn, stride_vh, stride_vs,
     stride_tb,
     stride_ab, stride_ah, stride_as,
     stride_mb, stride_mh,
+    stride_ob, stride_oh,
     scale, softcap, window, num_splits,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, ONE_SPLIT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -102,8 +103,12 @@ def _paged_decode_split(
                     mask=kv_ok, other=0.0).to(tl.float32)
         m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, scale, softcap, HAS_SOFTCAP, PRECISION)
 
-    _store_split(Acc, M, L, b, heads, split, acc, m_i, l_i, g_ok, d_ok, offs_d, stride_ab, stride_ah, stride_as,
-                 stride_mb, stride_mh)
+    if ONE_SPLIT:  # the combine of one split is this division (its weight exp(m - m) is 1): no second launch
+        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    else:
+        _store_split(Acc, M, L, b, heads, split, acc, m_i, l_i, g_ok, d_ok, offs_d, stride_ab, stride_ah,
+                     stride_as, stride_mb, stride_mh)
 
 
 @triton.jit
@@ -149,16 +154,19 @@ def paged_decode_attention(
     softcap: float | None = None,
     window: int | None = None,
     num_splits: int | None = None,
+    *,
+    one_split_direct: bool = True,
 ) -> torch.Tensor:
     """Attention of one query per sequence, `q` `[B, H, D]`, over its own blocks; returns `[B, H, D]` in q's
     dtype. `num_splits`: programs per sequence and KV head, each reading an equal run of the sequence's blocks
-    (default: enough to give the GPU ~2 programs per SM, at most one per table column). Every sequence must
-    have length >= 1."""
+    (default: enough to give the GPU ~2 programs per SM, at most one per table column). `one_split_direct=False`
+    combines even one split in its own launch (the unoptimised path the direct write is checked against). Every
+    sequence must have length >= 1."""
     _, Hkv, block_size, _ = k_blocks.shape
     if q.shape[1] % Hkv or k_blocks.shape != v_blocks.shape or k_blocks.shape[-1] != q.shape[2]:
         raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k/v blocks {tuple(k_blocks.shape)}")
     return _decode(q, k_blocks, v_blocks, tables, lengths, k_blocks.stride()[:3], v_blocks.stride()[:3], Hkv,
-                   block_size, scale, softcap, window, num_splits)
+                   block_size, scale, softcap, window, num_splits, one_split_direct)
 
 
 def contiguous_decode_attention(
@@ -199,7 +207,8 @@ def contiguous_tables(batch: int, num_kv_heads: int, max_seq_len: int, device: t
 
 def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
             k_strides: tuple[int, ...], v_strides: tuple[int, ...], Hkv: int, block_size: int, scale: float,
-            softcap: float | None, window: int | None, num_splits: int | None) -> torch.Tensor:
+            softcap: float | None, window: int | None, num_splits: int | None,
+            one_split_direct: bool = True) -> torch.Tensor:
     """Launch the split kernel over K and V each addressed as `block * s0 + head * s1 + slot * s2` (their
     strides) and combine the splits."""
     B, H, D = q.shape
@@ -211,29 +220,33 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Ten
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be an int >= 1 or None, got {num_splits!r}")
     splits = num_splits
-    acc = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
-    m = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
+    # One split (the CPU's default, and a GPU's once sequences x KV heads fill it) writes the output itself.
+    one_split = splits == 1 and one_split_direct
+    acc = torch.empty(0 if one_split else B, H, splits, D, dtype=torch.float32, device=q.device)
+    m = torch.empty(0 if one_split else B, H, splits, dtype=torch.float32, device=q.device)
     l_sum = torch.empty_like(m)
+    out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     tables = tables.to(torch.int32).contiguous()  # the kernel steps rows by stride and lengths by one
     lengths = lengths.to(torch.int32).contiguous()
     group = H // Hkv
     _paged_decode_split[(B, Hkv, splits)](
-        q, k, v, tables, lengths, acc, m, l_sum,
+        q, k, v, tables, lengths, acc, m, l_sum, out,
         q.stride(0), q.stride(1),
         *k_strides,
         *v_strides,
         tables.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2),
         m.stride(0), m.stride(1),
+        out.stride(0), out.stride(1),
         float(scale), float(softcap or 1.0), int(window or 0), splits,
         BLOCK_SIZE=block_size, BLOCK_N=_pow2(block_size), HEAD_DIM=D, BLOCK_D=_pow2(D),
         GROUP=group, BLOCK_G=_pow2(group),
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
         # fp32 models get exact fp32 products (the engine's fp32 logits must equal the PyTorch path's); half
         # ones TF32, still finer than their own rounding.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ONE_SPLIT=one_split,
     )
-    return combine_splits_triton(acc, m, l_sum, q.dtype)
+    return out if one_split else combine_splits_triton(acc, m, l_sum, q.dtype)
 
 
 @triton.jit
