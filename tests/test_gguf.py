@@ -223,6 +223,59 @@ def test_gguf_tokenizer_is_the_checkpoints(arch: str, tiny_gguf: Callable[..., t
     assert ours.eos_token_ids == expected.eos_token_ids[:1]
 
 
+def _stock_values(file: Path) -> dict[str, Any]:
+    """Every metadata value as the `gguf` package's own reader gives it (an element at a time)."""
+    from gguf import GGUFReader
+
+    from infer.gguf import _field_value
+
+    return {key: _field_value(field) for key, field in GGUFReader(file).fields.items()}
+
+
+def test_metadata_arrays_read_whole_are_the_gguf_readers(tiny_gguf: Callable[..., tuple[Path, Path]],
+                                                          tmp_path: Path) -> None:
+    """Arrays of scalars and of strings read in one pass (`infer.gguf._array_parts`) give every key's value as the
+    package's reader does: each tiny checkpoint's file (vocabulary, scores, types, merges) and a file of edge cases
+    (empty arrays, bools, a nested array, multi-byte text); a string array cut short is a clear error."""
+    import struct
+
+    from gguf import GGUFValueType as T
+
+    def text(v: str) -> bytes:
+        return struct.pack("<Q", len(v.encode())) + v.encode()
+
+    def array(item: T, values: list[bytes]) -> bytes:
+        return struct.pack("<IIQ", T.ARRAY, item, len(values)) + b"".join(values)
+
+    kvs = {  # written by hand: the package's writer refuses empty arrays, which a reader must still read
+        "t.empty_strings": array(T.STRING, []),
+        "t.empty_ints": array(T.INT32, []),
+        "t.bools": array(T.BOOL, [b"\x01", b"\x00", b"\x01"]),
+        "t.floats": array(T.FLOAT32, [struct.pack("<f", v) for v in (0.5, -1.25, 3e38)]),
+        "t.text": array(T.STRING, [text(v) for v in ("", "é", "日本語", "🧪 ▁x", "a" * 300)]),
+        "t.nested": array(T.ARRAY, [struct.pack("<IQ", T.INT32, 2) + struct.pack("<ii", 1, 2),
+                                    struct.pack("<IQ", T.INT32, 1) + struct.pack("<i", 3)]),
+        "t.one": struct.pack("<I", T.STRING) + text("plain"),
+    }
+    (tmp_path / "edges.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(kvs))
+                                          + b"".join(text(k) + v for k, v in kvs.items()))
+    files = [tmp_path / "edges.gguf",
+             *(tiny_gguf(arch, "F32", **gguf_overrides(arch))[1] for arch in ("llama", "qwen3", "gemma3_text"))]
+    for file in files:
+        ours = {key: _field_value_of(file, key) for key in _stock_values(file)}
+        assert ours == _stock_values(file), file.name
+    assert _field_value_of(files[0], "t.text")[3] == "🧪 ▁x" and _field_value_of(files[0], "t.empty_ints") == []
+    raw = files[1].read_bytes()
+    cut = raw.index(b"tokenizer.ggml.tokens") + 200  # inside the vocabulary's strings
+    (tmp_path / "cut.gguf").write_bytes(raw[:cut])
+    with pytest.raises(CheckpointError, match="cut.gguf cannot be read as a GGUF file.*runs past the end"):
+        GGUFFile(tmp_path / "cut.gguf")
+
+
+def _field_value_of(file: Path, key: str) -> Any:
+    return GGUFFile(file).get(key)
+
+
 @pytest.fixture(scope="module")
 def gemma_sentencepiece(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
     """A Gemma 3 GGUF carrying the real Gemma 3 vocabulary as llama.cpp writes it (`tokenizer.ggml.model` "llama":
