@@ -220,10 +220,11 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Ten
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be an int >= 1 or None, got {num_splits!r}")
     splits = num_splits
-    # One split (the CPU's default, and a GPU's once sequences x KV heads fill it) writes the output itself.
+    # One split (the CPU's default, and a GPU's once sequences x KV heads fill it) writes the output itself; its
+    # split buffers are left unread (one row each, so no launcher ever sees a null pointer).
     one_split = splits == 1 and one_split_direct
-    acc = torch.empty(0 if one_split else B, H, splits, D, dtype=torch.float32, device=q.device)
-    m = torch.empty(0 if one_split else B, H, splits, dtype=torch.float32, device=q.device)
+    acc = torch.empty(1 if one_split else B, H, splits, D, dtype=torch.float32, device=q.device)
+    m = torch.empty(1 if one_split else B, H, splits, dtype=torch.float32, device=q.device)
     l_sum = torch.empty_like(m)
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     tables = tables.to(torch.int32).contiguous()  # the kernel steps rows by stride and lengths by one
