@@ -27,7 +27,7 @@ generate: setup
 	$(PY) -m infer generate "$(PROMPT)"
 
 test: setup
-	$(PY) -m pytest -n auto
+	$(PY) -m pytest -n auto --durations=30
 
 # On a CUDA machine, with its own Python (the one holding CUDA torch, Triton, transformers, pytest, hypothesis):
 # the GPU tests, the oracle suites on CUDA and the GPU benches, one report in bench_results/gpu/.
