@@ -407,9 +407,8 @@ def _array_parts(reader: Any, offs: int, raw_type: int) -> tuple[int, list[Any],
     if raw_type != GGUFValueType.ARRAY or reader.byte_order != "I":
         return None
     data = reader.data
-    item_type, count = int(data[offs: offs + 4].view(np.uint32)[0]), int(data[offs + 4: offs + 12].view(np.uint64)[0])
-    head = [data[offs: offs + 4].view(np.uint32), data[offs + 4: offs + 12].view(np.uint64)]
-    start = offs + 12
+    head = [data[offs: offs + 4].view(np.uint32), data[offs + 4: offs + 12].view(np.uint64)]  # item type, count
+    item_type, count, start = int(head[0][0]), int(head[1][0]), offs + 12
     scalar = reader.gguf_scalar_to_np.get(item_type)
     if scalar is not None:
         end = start + np.dtype(scalar).itemsize * count

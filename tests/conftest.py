@@ -16,7 +16,7 @@ from hypothesis import settings
 # imported: `triton.jit` reads it at decoration time).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-if os.environ.get("TRITON_INTERPRET") == "1":
+if os.environ.get("TRITON_INTERPRET") == "1" and not os.environ.get("INFER_TRITON_INTERPRETER_AS_IS"):
     from tests.triton_interpreter import skip_nested_language_patching
 
     skip_nested_language_patching()

@@ -6,7 +6,8 @@ never undoes those): ~3 ms of `inspect.getmembers` over the language modules a c
 helpers once per block a program reads, so that was half of an interpreted decode step (134 s of the engine's
 property test on a 2-core Zen 3 EPYC, 68 s of it re-patching). Inside a launch the language is already patched,
 so a helper's call skips it here; kernels compute the same, only the interpreter's bookkeeping is skipped.
-Applied only where the interpreter has the functions this replaces; otherwise nothing changes."""
+Applied only where the interpreter has the functions this replaces; otherwise nothing changes.
+`INFER_TRITON_INTERPRETER_AS_IS=1` leaves the interpreter as it is (tests/conftest.py)."""
 
 from __future__ import annotations
 
