@@ -69,7 +69,7 @@ def hf_contenders(
 ) -> list[Contender]:
     """HF with its dynamic cache and with its static cache, sharing one loaded model."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    model = model.to(device).eval()  # type: ignore[arg-type]
+    model = model.to(device).eval()
     contenders = [
         Contender(f"hf[{kind}]", lambda kind=kind: hf_greedy_trial(model, kind, prompt_ids, new_tokens))  # type: ignore[misc]
         for kind in ("dynamic", "static")
@@ -146,5 +146,5 @@ def hf_batched_contender(
 ) -> tuple[str, Callable[[list[BatchRequest]], BatchedRun]]:
     """`bench --batched --against hf`: HF static batching on the same checkpoint."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    model = model.to(device).eval()  # type: ignore[arg-type]
+    model = model.to(device).eval()
     return f"hf static batches[{batch_size}]", lambda work: hf_static_batches(model, work, batch_size)

@@ -35,8 +35,7 @@ class Oracle:
         # gguf_file: the name of a GGUF file in directory `path`, which transformers dequantizes at load.
         extra = {} if gguf_file is None else {"gguf_file": gguf_file}
         model = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype, attn_implementation=attention, **extra)
-        # functools.wraps on PreTrainedModel.to hides the bound self from mypy.
-        self.model = model.to(self.device).eval().requires_grad_(False)  # type: ignore[arg-type]
+        self.model = model.to(self.device).eval().requires_grad_(False)
 
     @property
     def vocab_size(self) -> int:
