@@ -56,8 +56,10 @@ def triton_gemv(weight: torch.Tensor, x: torch.Tensor, blocks: tuple[int, int] |
     if blocks is None:
         index = weight.device.index or 0
         if index not in _MULTIPROCESSORS:
+            # Under the CPU interpreter one "multiprocessor": 16 rows a program, as a 1B model's projections get
+            # on a GPU, since the interpreter's cost is per program (a row's sum is the same at any BLOCK_N).
             _MULTIPROCESSORS[index] = (torch.cuda.get_device_properties(index).multi_processor_count
-                                       if weight.is_cuda else 132)
+                                       if weight.is_cuda else 1)
         blocks = gemv_blocks(n, k, _MULTIPROCESSORS[index])
     y = torch.empty(n, dtype=weight.dtype, device=weight.device)
     _gemv_kernel[(triton.cdiv(n, blocks[0]),)](weight, x.contiguous(), y, n, k, weight.stride(0),
