@@ -1470,6 +1470,9 @@ MUTANTS = [
     Mutant("quality: perplexity ratio inverted", "infer/quality.py",
            "perplexity_ratio=math.exp(lossy_nll - exact_nll)", "perplexity_ratio=math.exp(exact_nll - lossy_nll)",
            ("tests/test_quality.py",)),
+    Mutant("quality: the one-pass reference's rows one position early", "infer/quality.py",
+           "all_logits=True)[0, prefill - 1:]", "all_logits=True)[0, prefill - 2 : -1]",
+           ("tests/test_quality.py",)),
     # GGUF files: dequantization, what llama.cpp's converter changed, the metadata, the rebuilt tokenizer.
     Mutant("gguf: Q4_1 blocks lose their minimum", "infer/gguf_quants.py",
            "return _f16(blocks, 0) * q + _f16(blocks, 2)", "return _f16(blocks, 0) * q",

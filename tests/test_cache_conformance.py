@@ -21,7 +21,7 @@ from infer.cache.snapshot import load_snapshot, save_snapshot
 from infer.families import ARCHITECTURES
 from infer.generation import generate
 from infer.model_store import default_model_path
-from infer.quality import compare, load_text, teacher_forced_logits, text_ids
+from infer.quality import compare, load_text, one_pass_logits, teacher_forced_logits, text_ids
 from infer.sampling import SamplingParams
 from reference import Oracle, build_checkpoint
 from tests.helpers import assert_close
@@ -113,19 +113,17 @@ def real_model() -> infer.Transformer:
 @pytest.mark.real_model
 @pytest.mark.parametrize("text", ["prose", "code"])
 def test_lossy_kinds_within_their_error_bounds_on_the_real_model(text: str) -> None:
-    """Teacher-forced over real text (infer.quality), each lossy kind against the full-sequence pass through the exact
-    cache on the real model: in fp32 the stepped exact cache's logits to rounding (8e-5 of logits up to 43 on these
-    texts), in one pass instead of 240 steps. The lossy kinds step as a model runs by default: every layer of a step in
-    one native call where the step fills no block (`infer.quality` steps layer by layer)."""
+    """Teacher-forced over real text (infer.quality), each lossy kind against the exact cache on the real model, read in
+    one pass (`one_pass_logits`: in fp32 the stepped exact cache's logits to rounding), not 240 steps. The lossy kinds
+    step as a model runs by default: every layer of a step in one native call where the step fills no block
+    (`infer.quality` steps layer by layer)."""
     model = real_model()
     ids = text_ids(infer.Tokenizer(default_model_path()), load_text(text), REAL_TEXT_TOKENS)
     prefill, targets = 16, torch.tensor(ids[16:])
-    exact_cache = infer.create_cache("contiguous", model.config, max_seq_len=len(ids))
-    with torch.inference_mode():
-        exact = model(torch.tensor([ids[:-1]]), exact_cache, all_logits=True)[0, prefill - 1:].float().cpu()
+    exact, exact_bytes = one_pass_logits(model, ids, prefill)
     for kind in LOSSY_KINDS:
         lossy, nbytes = teacher_forced_logits(model, kind, ids, prefill)
-        row = compare(kind, exact, lossy, targets, nbytes, exact_cache.memory_bytes)
+        row = compare(kind, exact, lossy, targets, nbytes, exact_bytes)
         bounds = CACHE_KINDS[row.kind].error_bounds
         assert bounds is not None
         measured = ErrorBounds(row.max_logit_error, row.top1_agreement, row.mean_kl, row.perplexity_ratio)

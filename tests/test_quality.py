@@ -14,8 +14,11 @@ import torch
 import infer
 from infer.__main__ import main
 from infer.cache import create_cache
+from infer.families import ARCHITECTURES
 from infer.model_store import default_model_path
-from infer.quality import TEXTS, compare, load_text, measure, text_ids
+from infer.quality import TEXTS, compare, load_text, measure, one_pass_logits, text_ids
+from reference import Oracle, build_checkpoint
+from tests.helpers import assert_close
 
 
 def test_compare_matches_the_definitions() -> None:
@@ -41,6 +44,22 @@ def test_compare_matches_the_definitions() -> None:
     assert got.perplexity == pytest.approx(ppl_q, rel=1e-5)
     assert got.perplexity_ratio == pytest.approx(ppl_q / ppl_e, rel=1e-5)
     assert got.bytes_ratio == 0.25 and got.steps == 50
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_one_pass_reads_the_text_as_the_oracle(arch: str) -> None:
+    """The fp32 reference of the weight comparisons and of the real model's lossy-kind bounds: the logits predicting
+    ids[prefill:] are transformers' over the whole text, row for row; the bytes are the exact cache's."""
+    path = build_checkpoint(arch)
+    model = infer.load_model(path)
+    ids = torch.randint(0, model.config.vocab_size, (24,), generator=torch.Generator().manual_seed(2)).tolist()
+    got, nbytes = one_pass_logits(model, ids, 5)
+    want = Oracle(path).logits(torch.tensor([ids]))[0, 4:-1].float().cpu()
+    assert got.shape == want.shape == (19, model.config.vocab_size)
+    assert_close(got, want, 1e-5 * max(1.0, want.abs().max().item()), f"{arch}: one pass vs the oracle")
+    assert nbytes == create_cache("contiguous", model.config, max_seq_len=24).memory_bytes
+    with pytest.raises(ValueError, match=r"prefill must lie in \[1, 23\]"):
+        one_pass_logits(model, ids, 24)
 
 
 def test_exact_kinds_measure_exact_and_lossy_ones_do_not() -> None:
