@@ -16,6 +16,7 @@ import torch
 import infer
 from infer import SamplingParams
 from infer.kernels import triton_available
+from infer.quality import one_pass_logits
 from tests.helpers import TEST_DEVICE, assert_close, solo_logits
 
 pytestmark = pytest.mark.real_model
@@ -205,9 +206,8 @@ def test_the_bf16_engine_stays_near_the_fp32_model(tokenizer: infer.Tokenizer, o
         assert result.logits is not None
         key = (tuple(prompt), tuple(result.token_ids))  # both forms mostly pick the same tokens: fed once
         if key not in _FP32_FED:
-            with torch.inference_mode():  # one pass: in fp32 the stepped cache's logits to rounding
-                fed = ours_fp32(torch.tensor([prompt + result.token_ids[:-1]]))[0, len(prompt) - 1:]
-            _FP32_FED[key] = fed.float().cpu().log_softmax(-1)
+            fed, _ = one_pass_logits(ours_fp32, prompt + result.token_ids, len(prompt))  # fp32: the steps' logits
+            _FP32_FED[key] = fed.log_softmax(-1)
         ref = _FP32_FED[key]
         got = result.logits.float().log_softmax(-1)
         kl += float((ref.exp() * (ref - got)).sum())
