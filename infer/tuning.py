@@ -295,14 +295,26 @@ class PackingChoice:
 
 
 _PACKING_SWEEP_BYTES = 64 * 2**20
+_PACKING_SWEEP_MIN_BYTES = 4 * 2**20
+
+
+def _first_bytes(sweep: list[torch.Tensor], limit: int) -> int:
+    """How many of the sweep's first weights hold `limit` bytes (at least one; all of them if fewer do)."""
+    total = 0
+    for i, w in enumerate(sweep):
+        total += w.nbytes
+        if total >= limit:
+            return i + 1
+    return len(sweep)
 
 
 def choose_packed_products(model: Transformer, batch_rows: int, forced: bool | str | None = None) -> PackingChoice:
     """Whether the batched engine runs its products on weights packed once (`Transformer.pack_products`) rather than
     F.linear, which packs them on every call, and in which layout: oneDNN's (its GEMM past the native few-row
     kernel's rows) or the native packed product's (every product of 2 rows or more). Timed over the products the
-    engine runs (`packable_products`, in model order, cut after max(64 MiB, 2 x last-level cache)) at 16 and 64 rows
-    and at `batch_rows` (a step's token budget), every layout and F.linear alternately; oneDNN's layout counted at
+    engine runs (`packable_products`, in model order, cut after max(64 MiB, 2 x last-level cache)) at 16 rows, and at
+    64 rows and `batch_rows` (a step's token budget) over the first of them that make as much arithmetic (at least 4
+    MiB), every layout and F.linear alternately; oneDNN's layout counted at
     each row count as what the engine would run (the few-row kernel where it is faster, within `gemm_rows`). The
     layout whose mean time relative to F.linear is least (the native one unless oneDNN's is 5% less: it also lets a
     step run every layer in one native call) is taken where that mean is 3% or more below F.linear's and
@@ -370,22 +382,29 @@ def _choose_packing(model: Transformer, batch_rows: int, forced: bool | str | No
     timed: list[str] = []
     ratios: dict[str, list[float]] = {layout: [] for layout in layouts}
     for m in (16, 64, max(batch_rows, 65)):
-        inputs = {w.shape[1]: _random(m, w.shape[1]).to(w.dtype) for w in sweep}
+        # Past 16 rows a product is bound by its arithmetic, not by the weights streaming in: each count's sweep is
+        # cut to the arithmetic of 16 rows over the whole sweep (at least 4 MiB): the 512-row sweep of every form
+        # over 64 MiB took 22 of an engine's 30 s of set-up on a 2-core Zen 3, its products upcast.
+        part = _first_bytes(sweep, max(limit * 16 // m, _PACKING_SWEEP_MIN_BYTES))
+        timed_weights, cut = sweep[:part], {layout: copies[:part] for layout, copies in packed.items()}
+        inputs = {w.shape[1]: _random(m, w.shape[1]).to(w.dtype) for w in timed_weights}
         forms: dict[str, Callable[[], object]] = {
-            "linear": functools.partial(_sweep_products, torch.nn.functional.linear, sweep, inputs, swap=True)
-            if upcast is None else functools.partial(_upcast_products, sweep, inputs, upcast)}
+            "linear": functools.partial(_sweep_products, torch.nn.functional.linear, timed_weights, inputs, swap=True)
+            if upcast is None else functools.partial(_upcast_products, timed_weights, inputs, upcast)}
         if "onednn" in layouts:
-            forms["onednn"] = functools.partial(_packed_products, sweep, packed["onednn"], inputs, upcast)
+            forms["onednn"] = functools.partial(_packed_products, timed_weights, cut["onednn"], inputs, upcast)
             if few_rows and kernels is not None and m <= gemm_rows:
-                forms["few-row"] = functools.partial(_sweep_products, kernels.gemm_bf16, sweep, inputs)
+                forms["few-row"] = functools.partial(_sweep_products, kernels.gemm_bf16, timed_weights, inputs)
         if "native" in layouts and kernels is not None:
-            forms["native"] = functools.partial(_native_packed_products, kernels, sweep, packed["native"], inputs)
+            forms["native"] = functools.partial(_native_packed_products, kernels, timed_weights, cut["native"],
+                                                inputs)
         times = _time_alternately(forms, torch.device("cpu"), repeats=3)
         if "few-row" in times:  # what the engine runs at these rows with oneDNN's layout
             times["onednn"] = min(times["onednn"], times.pop("few-row"))
         for layout in layouts:
             ratios[layout].append(times[layout] / times["linear"])
-        timed.append(f"{m} rows: " + " / ".join(f"{times[key] * 1e3:.1f}" for key in (*layouts, "linear")) + " ms")
+        timed.append(f"{m} rows over {sum(w.nbytes for w in timed_weights) / 2**20:.0f} MiB: "
+                     + " / ".join(f"{times[key] * 1e3:.1f}" for key in (*layouts, "linear")) + " ms")
     # The native layout also lets a step run every layer in one call (infer/models/native_batch_step.py: 1.13-1.24x
     # on decode steps of 64-16 rows of a 150M Llama on a 2-core EPYC), which the products' timings do not see: it is
     # kept unless oneDNN's products are 5% faster on the whole (a noisy host swung their 512-row ratio by 10%).
