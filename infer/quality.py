@@ -64,12 +64,16 @@ def text_ids(tokenizer: Tokenizer, text: str, num_tokens: int) -> list[int]:
     return ids[:num_tokens]
 
 
+def _check_prefill(ids: Sequence[int], prefill: int) -> None:
+    if not 1 <= prefill < len(ids):
+        raise ValueError(f"prefill must lie in [1, {len(ids) - 1}] for {len(ids)} tokens, got {prefill}")
+
+
 def teacher_forced_logits(model: Transformer, kind: str, ids: Sequence[int], prefill: int
                           ) -> tuple[torch.Tensor, int]:
     """fp32 logits `[len(ids) - prefill, vocab]` predicting `ids[prefill:]`: `prefill` tokens at once, then
     one per step through a fresh cache of `kind`; and the cache's bytes."""
-    if not 1 <= prefill < len(ids):
-        raise ValueError(f"prefill must lie in [1, {len(ids) - 1}] for {len(ids)} tokens, got {prefill}")
+    _check_prefill(ids, prefill)
     device, dtype = model.device, model.dtype
     cache = create_cache(kind, model.config, max_seq_len=len(ids), dtype=dtype, device=device)
     tokens = torch.tensor([list(ids)], device=device)
@@ -83,8 +87,7 @@ def one_pass_logits(model: Transformer, ids: Sequence[int], prefill: int) -> tup
     """`teacher_forced_logits` through the exact contiguous cache in one forward pass over the text, and the cache's
     bytes. In fp32 the same logits to rounding (8e-5 of logits up to 43 over 256 tokens of SmolLM2-135M) at the cost
     of a prefill, not one weight read a token; in half precision a pass rounds otherwise than one-token steps."""
-    if not 1 <= prefill < len(ids):
-        raise ValueError(f"prefill must lie in [1, {len(ids) - 1}] for {len(ids)} tokens, got {prefill}")
+    _check_prefill(ids, prefill)
     cache = create_cache(EXACT_REFERENCE, model.config, max_seq_len=len(ids), dtype=model.dtype, device=model.device)
     with torch.inference_mode():
         logits = model(torch.tensor([list(ids[:-1])], device=model.device), cache, all_logits=True)[0, prefill - 1:]
