@@ -298,16 +298,6 @@ _PACKING_SWEEP_BYTES = 64 * 2**20
 _PACKING_SWEEP_MIN_BYTES = 4 * 2**20
 
 
-def _first_bytes(sweep: list[torch.Tensor], limit: int) -> int:
-    """How many of the sweep's first weights hold `limit` bytes (at least one; all of them if fewer do)."""
-    total = 0
-    for i, w in enumerate(sweep):
-        total += w.nbytes
-        if total >= limit:
-            return i + 1
-    return len(sweep)
-
-
 def choose_packed_products(model: Transformer, batch_rows: int, forced: bool | str | None = None) -> PackingChoice:
     """Whether the batched engine runs its products on weights packed once (`Transformer.pack_products`) rather than
     F.linear, which packs them on every call, and in which layout: oneDNN's (its GEMM past the native few-row
@@ -385,7 +375,7 @@ def _choose_packing(model: Transformer, batch_rows: int, forced: bool | str | No
         # Past 16 rows a product is bound by its arithmetic, not by the weights streaming in: each count's sweep is
         # cut to the arithmetic of 16 rows over the whole sweep (at least 4 MiB): the 512-row sweep of every form
         # over 64 MiB took 22 of an engine's 30 s of set-up on a 2-core Zen 3, its products upcast.
-        part = _first_bytes(sweep, max(limit * 16 // m, _PACKING_SWEEP_MIN_BYTES))
+        part = len(_sweep_weights(sweep, max(limit * 16 // m, _PACKING_SWEEP_MIN_BYTES)))
         timed_weights, cut = sweep[:part], {layout: copies[:part] for layout, copies in packed.items()}
         inputs = {w.shape[1]: _random(m, w.shape[1]).to(w.dtype) for w in timed_weights}
         forms: dict[str, Callable[[], object]] = {

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from infer.families import ARCHITECTURES
-from infer.tuning import CHOICES, _first_bytes, choose_prefill_dtype, cpu_flags
+from infer.tuning import CHOICES, _sweep_weights, choose_prefill_dtype, cpu_flags
 
 CPU = torch.device("cpu")
 AMX_XEON = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8"})
@@ -701,8 +701,8 @@ def test_building_an_engine_leaves_the_global_random_state_alone() -> None:
 
 
 def test_the_packing_sweep_is_cut_to_the_first_weights_holding_the_bytes() -> None:
-    """Past 16 rows the packing choice times the first weights of its sweep that hold as much arithmetic: at least
-    the bytes asked, one weight at least, never past the first that reaches them."""
+    """Past 16 rows the packing choice times the first weights of its sweep that hold as much arithmetic (at least 4
+    MiB, cut by `_sweep_weights`): at least the bytes asked, never past the first weight that reaches them."""
     mib = 2**20
     sweep = [torch.empty(n * mib, dtype=torch.uint8) for n in (3, 3, 3)]
-    assert [_first_bytes(sweep, b * mib) for b in (0, 1, 3, 4, 6, 7, 9, 100)] == [1, 1, 1, 2, 2, 3, 3, 3]
+    assert [len(_sweep_weights(sweep, b * mib)) for b in (1, 3, 4, 6, 7, 9, 100)] == [1, 1, 2, 2, 3, 3, 3]
