@@ -3156,12 +3156,15 @@ typedef struct {
     int64_t fmt, group;         /* -1, Q8 or Q4; the codes' group */
 } batch_product;
 
+/* The step's code for a product that failed: -2 a product this build cannot run (packed codes without the pair
+ * instruction), -3 a shape it cannot take, -1 anything else (its buffer not allocated). */
 static int batch_product_run(const batch_product *p, const uint16_t *x, uint16_t *y, int64_t m, int64_t n, int64_t k,
                              int threads) {
-    if (p->fmt < 0)
-        return infer_gemm_bf16_packed((const uint16_t *)p->w, x, (const uint16_t *)p->bias, y, m, n, k, threads);
-    return infer_qgemm_packed((int)p->fmt, (const uint8_t *)p->w, p->scales, p->mins, x, (const uint16_t *)p->bias, y,
-                              m, n, k, p->group, threads);
+    int code = p->fmt < 0
+        ? infer_gemm_bf16_packed((const uint16_t *)p->w, x, (const uint16_t *)p->bias, y, m, n, k, threads)
+        : infer_qgemm_packed((int)p->fmt, (const uint8_t *)p->w, p->scales, p->mins, x, (const uint16_t *)p->bias, y,
+                             m, n, k, p->group, threads);
+    return code == 0 || code == -2 || code == -3 ? code : -1;
 }
 
 typedef struct {
@@ -3191,6 +3194,9 @@ static void add_bf16(const uint16_t *a, const uint16_t *b, uint16_t *out, int64_
 #if defined(HAVE_AVX512)
     for (; i + 16 <= n; i += 16)
         _mm256_storeu_si256((__m256i *)(out + i), bf16x16_round(_mm512_add_ps(bf16x16_load(a + i), bf16x16_load(b + i))));
+#elif defined(HAVE_AVX2_ROWS)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(out + i), bf16x8_round(_mm256_add_ps(bf16x8_load(a + i), bf16x8_load(b + i))));
 #endif
     for (; i < n; i++) out[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
 }
@@ -3198,7 +3204,7 @@ static void add_bf16(const uint16_t *a, const uint16_t *b, uint16_t *out, int64_
 int infer_batch_step(const batch_layer *layers, int64_t n_layers, uint16_t *x, int64_t rows, int64_t heads,
                      int64_t kv_heads, int64_t d, int64_t hidden, int64_t inter, float eps, int gemma, int gelu,
                      int64_t bs, int threads, int (*quantize_filled)(int64_t layer)) {
-#if defined(HAVE_DOT_BF16)
+#if defined(HAVE_PACKED_BF16) /* (AVX2 builds: bf16 products; packed codes need the pair instruction: -2) */
     int64_t qkv_n = (heads + 2 * kv_heads) * d, wide = qkv_n > 2 * inter ? qkv_n : 2 * inter;
     if (d % 2 || hidden % 2 || inter % 2 || (heads * d) % 2) return -3;
     /* scratch, taken before anything is written: h, the products' outputs, q and k rotated, attention, o, gated (the
@@ -3213,10 +3219,7 @@ int infer_batch_step(const batch_layer *layers, int64_t n_layers, uint16_t *x, i
         const batch_layer *L = layers + l;
         const batch_tables *B = L->batch;
         infer_rms_norm(BF16, x, L->attn_norm, h, rows, hidden, eps, gemma, threads);
-        if (batch_product_run(&L->qkv, h, big, rows, qkv_n, hidden, threads)) {
-            code = -1;
-            break;
-        }
+        if ((code = batch_product_run(&L->qkv, h, big, rows, qkv_n, hidden, threads)) != 0) break;
         if (L->q_norm) /* each row's heads normed in place, as the per-op path's rows norms do */
             for (int64_t r = 0; r < rows; r++) {
                 uint16_t *row = big + r * qkv_n;
@@ -3244,22 +3247,13 @@ int infer_batch_step(const batch_layer *layers, int64_t n_layers, uint16_t *x, i
             code = -1;
             break;
         }
-        if (batch_product_run(&L->o, attn, o, rows, hidden, heads * d, threads)) {
-            code = -1;
-            break;
-        }
+        if ((code = batch_product_run(&L->o, attn, o, rows, hidden, heads * d, threads)) != 0) break;
         if (L->attn_out) infer_rms_norm(BF16, o, L->attn_out, o, rows, hidden, eps, gemma, threads);
         add_bf16(x, o, x, rows * hidden);
         infer_rms_norm(BF16, x, L->mlp_norm, h, rows, hidden, eps, gemma, threads);
-        if (batch_product_run(&L->gate_up, h, big, rows, 2 * inter, hidden, threads)) {
-            code = -1;
-            break;
-        }
+        if ((code = batch_product_run(&L->gate_up, h, big, rows, 2 * inter, hidden, threads)) != 0) break;
         infer_gated_rows(BF16, big, 2 * inter, big + inter, 2 * inter, gated, rows, inter, gelu, threads);
-        if (batch_product_run(&L->down, gated, o, rows, hidden, inter, threads)) {
-            code = -1;
-            break;
-        }
+        if ((code = batch_product_run(&L->down, gated, o, rows, hidden, inter, threads)) != 0) break;
         if (L->mlp_out) infer_rms_norm(BF16, o, L->mlp_out, o, rows, hidden, eps, gemma, threads);
         add_bf16(x, o, x, rows * hidden);
     }

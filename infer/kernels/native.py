@@ -635,8 +635,12 @@ class NativeKernels:
             raise failed[0]
         if code == -1:
             raise MemoryError("the native batched step could not allocate its scratch buffers")
+        if code == -2:
+            raise ValueError(f"the native batched step runs packed codes with AVX512-BF16 only (this build: {self.isa})"
+                             " or was handed a product whose shape it cannot take")
         if code:
-            raise ValueError(f"the native batched step needs AVX512-BF16 (this build: {self.isa}) and even sizes")
+            raise ValueError(f"the native batched step needs a build with AVX512-BF16 or AVX2 (this build: {self.isa})"
+                             " and even sizes")
 
     def read(self, buffer: torch.Tensor) -> float:
         """Read every byte of the contiguous CPU tensor `buffer` once, as `gemv` reads weights (returns their
