@@ -1289,6 +1289,86 @@ static inline __attribute__((always_inline)) qv16 pair_tile_dots_n(const uint16_
 }
 #endif
 
+#if !defined(HAVE_AVX512) && defined(HAVE_AVX2_ROWS)
+/* AVX2 has 16 registers of 8 lanes: bf16_tile_dots_n's and bf16_value_heads' generic 16-lane sums (32 registers'
+ * worth, products and sums apart) spilled and ran at ~4 GFLOP/s a core on a Zen 3. These keep their sums in
+ * registers and fuse each product into its sum: a 32-byte piece of a row (16 bf16 values) is its 8 even values
+ * (the lanes shifted up 16) and its 8 odd ones (the low halves cleared), the split sums' order of bf16_halves. */
+static inline void bf16x16_halves(const char *src, __m256 *even, __m256 *odd) {
+    __m256i x = _mm256_loadu_si256((const __m256i *)src);
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int32_t)0xffff0000u)));
+}
+
+/* Lane j: the sum of a[j]'s 8 lanes (a fixed tree: pairs within 128-bit halves, then the halves). */
+static inline __m256 sum8x8(const __m256 *a) {
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* 8 consecutive bf16 rows of d values dotted with the split query `qs` (scaled; fp32 in bf16_halves' order). */
+static inline __m256 bf16_rows8_dots(const float *qs, const char *rows, int64_t d) {
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d / 16; c++) { /* 32 bytes of each row: split-order lanes 32 (c / 2) + 8 (c % 2) */
+        const float *qc = qs + 32 * (c / 2) + 8 * (c % 2);
+        __m256 qe = _mm256_loadu_ps(qc), qo = _mm256_loadu_ps(qc + 16);
+        for (int j = 0; j < 8; j++) {
+            __m256 e, o;
+            bf16x16_halves(rows + j * 2 * d + 32 * c, &e, &o);
+            a[j] = _mm256_fmadd_ps(qe, e, a[j]);
+            a[j] = _mm256_fmadd_ps(qo, o, a[j]);
+        }
+    }
+    return sum8x8(a);
+}
+
+/* Up to 16 bf16 value rows into `heads` (at most 4) query heads' split sums, 32 bytes of the rows at a time (the
+ * heads' 8 sums in registers); weights sc[(g0 + g) * n + t + r]. */
+static inline __attribute__((always_inline)) void bf16_value_rows8(const char *rows, const float *sc, float *sums,
+                                                                   int64_t g0, const int heads, int64_t n, int64_t t,
+                                                                   int64_t rt, int64_t d) {
+    int dense = 1; /* every weight non-zero (a zero one's row is skipped, as bf16_value_heads skips it) */
+    for (int g = 0; g < heads; g++)
+        for (int64_t r = 0; r < rt; r++) dense &= sc[(g0 + g) * n + t + r] != 0.f;
+    for (int64_t c = 0; c < d / 16; c++) {
+        int64_t lane = 32 * (c / 2) + 8 * (c % 2);
+        __m256 a[4][2];
+        for (int g = 0; g < heads; g++) {
+            a[g][0] = _mm256_loadu_ps(sums + (g0 + g) * d + lane);
+            a[g][1] = _mm256_loadu_ps(sums + (g0 + g) * d + lane + 16);
+        }
+        if (dense) /* (no weight to skip: no compare and branch per row and head) */
+            for (int64_t r = 0; r < rt; r++) {
+                __m256 e, o;
+                bf16x16_halves(rows + r * 2 * d + 32 * c, &e, &o);
+                for (int g = 0; g < heads; g++) {
+                    __m256 wv = _mm256_broadcast_ss(sc + (g0 + g) * n + t + r);
+                    a[g][0] = _mm256_fmadd_ps(wv, e, a[g][0]);
+                    a[g][1] = _mm256_fmadd_ps(wv, o, a[g][1]);
+                }
+            }
+        else
+            for (int64_t r = 0; r < rt; r++) {
+                __m256 e, o;
+                bf16x16_halves(rows + r * 2 * d + 32 * c, &e, &o);
+                for (int g = 0; g < heads; g++) {
+                    float w = sc[(g0 + g) * n + t + r];
+                    if (w == 0.f) continue;
+                    __m256 wv = _mm256_set1_ps(w);
+                    a[g][0] = _mm256_fmadd_ps(wv, e, a[g][0]);
+                    a[g][1] = _mm256_fmadd_ps(wv, o, a[g][1]);
+                }
+            }
+        for (int g = 0; g < heads; g++) {
+            _mm256_storeu_ps(sums + (g0 + g) * d + lane, a[g][0]);
+            _mm256_storeu_ps(sums + (g0 + g) * d + lane + 16, a[g][1]);
+        }
+    }
+}
+#endif
+
 /* Score 16 consecutive bf16 rows for every query head, head size 64 or 128. Where the CPU has the pair
  * instruction, `qsplit` holds the bf16 queries as they came (head g's d values at qsplit + g * d) and the sums are
  * scaled after; else the scaled queries in bf16_halves' order ([G, d] fp32) against the rows widened in registers. */
@@ -1298,6 +1378,14 @@ static inline void score_bf16_tile(const char *rows, const float *qsplit, float 
 #if defined(HAVE_DOT_BF16)
         const uint16_t *q = (const uint16_t *)(qsplit + g * d);
         qv16 scores = (d == 64 ? pair_tile_dots_n(q, rows, 2) : pair_tile_dots_n(q, rows, 4)) * scale;
+#elif defined(HAVE_AVX2_ROWS)
+        (void)scale;
+        __m256 scores[2] = {bf16_rows8_dots(qsplit + g * d, rows, d), bf16_rows8_dots(qsplit + g * d, rows + 16 * d, d)};
+        if (rt == 16) { /* (a memcpy of a variable length is a slow string move) */
+            _mm256_storeu_ps(sc + g * n + t, scores[0]);
+            _mm256_storeu_ps(sc + g * n + t + 8, scores[1]);
+            continue;
+        }
 #else
         (void)scale;
         const qv16 *qs = (const qv16 *)(qsplit + g * d);
@@ -1337,6 +1425,16 @@ static inline __attribute__((always_inline)) void bf16_value_heads(const char *r
  * that take this path): 4 or 2 heads at once, as add_value_tile. */
 static inline void add_bf16_value_tile(const char *rows, const float *sc, float *sums, int64_t groups, int64_t n,
                                        int64_t t, int64_t rt, int64_t d) {
+#if !defined(HAVE_AVX512) && defined(HAVE_AVX2_ROWS)
+    for (int64_t g = 0; g < groups; g += 4) {
+        int64_t left = groups - g;
+        if (left >= 4) bf16_value_rows8(rows, sc, sums, g, 4, n, t, rt, d);
+        else if (left == 3) bf16_value_rows8(rows, sc, sums, g, 3, n, t, rt, d);
+        else if (left == 2) bf16_value_rows8(rows, sc, sums, g, 2, n, t, rt, d);
+        else bf16_value_rows8(rows, sc, sums, g, 1, n, t, rt, d);
+    }
+    return;
+#endif
     qv16 *out = (qv16 *)sums;
     int64_t g = 0;
     if (d == 64)
@@ -1388,6 +1486,20 @@ static void softmax_heads(float *sc, int64_t groups, int64_t n, int64_t split, i
             sums = _mm512_add_ps(sums, e);
         }
         sum = _mm512_reduce_add_ps(sums);
+        for (; t < n; t++) {
+            s[t] = s[t] > -INFINITY ? exp_nonpositive(s[t] - top) : 0.f;
+            sum += s[t];
+        }
+#elif defined(HAVE_AVX2_ROWS)
+        __m256 sums = _mm256_setzero_ps(); /* exp16_fma's loop 8 lanes at a time */
+        for (; t + 8 <= n; t += 8) {
+            __m256 v = _mm256_loadu_ps(s + t);
+            __m256 e = _mm256_and_ps(_mm256_cmp_ps(v, _mm256_set1_ps(-INFINITY), _CMP_GT_OQ),
+                                     exp8_fma(_mm256_sub_ps(v, _mm256_set1_ps(top))));
+            _mm256_storeu_ps(s + t, e);
+            sums = _mm256_add_ps(sums, e);
+        }
+        sum = hsum8(sums);
         for (; t < n; t++) {
             s[t] = s[t] > -INFINITY ? exp_nonpositive(s[t] - top) : 0.f;
             sum += s[t];
