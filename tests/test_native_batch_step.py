@@ -21,9 +21,9 @@ if TYPE_CHECKING:
 # (the whole step runs where the packed product does: AVX512-BF16's pair instruction or AVX2 with FMA)
 WHY = native_packing_unavailable([torch.zeros(2, 2, dtype=torch.bfloat16)])
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no native whole batched step here: {WHY}")
-# (a quantized model's packed codes: the pair instruction only)
-needs_pairs = pytest.mark.skipif(native_kernels() is None or not native_kernels().gemm_bf16_available,
-                                 reason="packed codes need AVX512-BF16")
+# (a quantized model's packed codes)
+needs_codes = pytest.mark.skipif(native_kernels() is None or not native_kernels().packed_codes_available,
+                                 reason="no native packed product on codes in this build")
 
 
 def count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -163,7 +163,7 @@ def test_a_quantized_pool_in_the_whole_step_is_the_per_op_path_bit_for_bit(arch:
         assert tokens == want_tokens and torch.equal(logits, want_logits), "the whole step parted from the per-op path"
 
 
-@needs_pairs
+@needs_codes
 @pytest.mark.parametrize(("arch", "weights", "kv"), [("llama", "int8", None), ("qwen2", "int4", None),
                                                      ("qwen3", "int8", "fp4"), ("gemma3_text", "int4", None)])
 def test_quantized_weights_in_the_whole_step_are_the_per_op_path_bit_for_bit(arch: str, weights: str, kv: str | None,
@@ -183,7 +183,7 @@ def test_quantized_weights_in_the_whole_step_are_the_per_op_path_bit_for_bit(arc
         assert tokens == want_tokens and torch.equal(logits, want_logits), "the whole step parted from the per-op path"
 
 
-@needs_pairs
+@needs_codes
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_quantized_weights_in_the_engine_answer_to_the_solo_runs(weights: str) -> None:
     """A quantized model's requests through the engine on its packed codes (every product of 2 rows or more, in the

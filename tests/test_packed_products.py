@@ -78,9 +78,9 @@ def count_packed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 NATIVE_PACKING = native_packing_unavailable([torch.zeros(2, 2, dtype=torch.bfloat16)])
-# (quantized codes pack only for the pair instruction: dense bf16 weights also take AVX2's FMA path)
-CODES_PACKING = NATIVE_PACKING or (None if native_kernels() is not None and native_kernels().gemm_bf16_available
-                                   else "the native packed codes need AVX512-BF16")
+# (quantized codes pack wherever dense bf16 weights do: the pair instruction, or AVX2's FMA path on bf16 blocks)
+CODES_PACKING = NATIVE_PACKING or (None if native_kernels() is not None and native_kernels().packed_codes_available
+                                   else "no native packed product on codes in this build")
 LAYOUTS = [pytest.param("onednn", marks=pytest.mark.skipif(PACKING is not None,
                                                            reason=f"no oneDNN packing: {PACKING}")),
            pytest.param("native", marks=pytest.mark.skipif(NATIVE_PACKING is not None,

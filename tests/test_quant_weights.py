@@ -514,17 +514,21 @@ def assert_within_the_bf16_dequantized_gemm(got: torch.Tensor, x: torch.Tensor, 
     assert ((got.double() - exact).abs() <= bound).all(), f"{weight.scheme}: beyond rounding of the dequantized GEMM"
 
 
-@pytest.mark.skipif(native_kernels() is None or not native_kernels().gemm_bf16_available,
-                    reason="the quantized packed product needs AVX512-BF16 (and a native build)")
-@given(n=st.integers(1, 80), **BF16_PRODUCT_DRAWS)
+# (every flavour with the packed product on codes: the pair instruction's, and AVX2's on bf16-dequantized blocks)
+PACKED_CODES = [f for f in RUNNABLE if getattr(native_kernels(f), "packed_codes_available", False)]
+
+
+@pytest.mark.skipif(not PACKED_CODES, reason="the quantized packed product needs AVX512-BF16 or AVX2 (and a build)")
+@given(n=st.integers(1, 80), flavour=st.sampled_from(PACKED_CODES or ["native"]), **BF16_PRODUCT_DRAWS)
 @settings(max_examples=40, deadline=None)
 def test_the_quantized_packed_product_is_the_packed_product_on_the_bf16_dequantized_weight(
-        scheme: str, n: int, runs: int, group: int, m: int, with_bias: bool, threads: int, seed: int) -> None:
+        scheme: str, n: int, flavour: str, runs: int, group: int, m: int, with_bias: bool, threads: int,
+        seed: int) -> None:
     """`quantized_gemm_packed` on `pack_codes`' layout (each block of 16 weight rows dequantized once to bf16 in cache)
     is the bf16 packed product on the weight `dequantize(bf16)` gives, bit for bit (last blocks part-filled, threads
-    splitting the blocks unevenly), and so within fp32 summation and one bf16 rounding of `x @ dequantize(bf16).T`;
-    the weight and x are left as they were."""
-    kernels = native_kernels()
+    splitting the blocks unevenly; every flavour that has it), and so within fp32 summation and one bf16 rounding of
+    `x @ dequantize(bf16).T`; the weight and x are left as they were."""
+    kernels = native_kernels(flavour)
     assert kernels is not None
     weight, x, bias = bf16_product_case(scheme, n, runs, group, m, with_bias, seed)
     before, x_before = [t.clone() for t in weight.tensors()], x.clone()
@@ -534,3 +538,18 @@ def test_the_quantized_packed_product_is_the_packed_product_on_the_bf16_dequanti
     assert torch.equal(got, want), f"{scheme}: not the packed product on the bf16-dequantized weight"
     assert_within_the_bf16_dequantized_gemm(got, x, weight, bias)
     assert torch.equal(x, x_before) and all(torch.equal(a, b) for a, b in zip(weight.tensors(), before, strict=True))
+
+
+@pytest.mark.skipif(not PACKED_CODES, reason="the quantized packed product needs AVX512-BF16 or AVX2 (and a build)")
+@pytest.mark.parametrize("flavour", PACKED_CODES or ["native"])
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_the_quantized_packed_product_passes_many_rows_in_groups(flavour: str, scheme: str) -> None:
+    """Rows past what one pass keeps in cache (AVX2's widened rows, 192 KiB: 16 rows of k = 3072) go through the
+    blocks in groups, each block dequantized again for each: still the bf16 packed product on the dequantized weight,
+    bit for bit."""
+    kernels = native_kernels(flavour)
+    assert kernels is not None
+    weight, x, bias = bf16_product_case(scheme, 37, 96, 32, 70, True, 5)
+    got = kernels.quantized_gemm_packed(pack_codes(weight), x, bias)
+    want = kernels.gemm_bf16_packed(kernels.pack_bf16(weight.dequantize(torch.bfloat16)), x, 37, bias)
+    assert x.shape[1] == 3072 and torch.equal(got, want), f"{scheme}: rows past the first group parted"

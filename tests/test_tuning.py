@@ -646,7 +646,7 @@ def test_the_products_rate_is_one_layers_flops_over_the_faster_form(monkeypatch:
     if native_packing_unavailable([model.layers[0].mlp.down_proj.weight]) is None:
         assert calls[-1] == ["own", "native"], "bf16 weights are timed in the native packed product too"
     if native_packing_unavailable([model.layers[0].mlp.down_proj.weight]) is None and \
-            native_kernels().gemm_bf16_available:  # type: ignore[union-attr]  (packed codes: the pair instruction)
+            native_kernels().packed_codes_available:  # type: ignore[union-attr]
         coded = infer.load_model(build_checkpoint("qwen3"), dtype="bfloat16", weights="int8")
         infer.tuning.product_rates(coded, (256,))
         assert calls[-1] == ["own", "native"], "a quantized model's codes too, packed as the engine packs them"

@@ -2182,6 +2182,33 @@ static void packed_pass(const uint16_t *pb, int64_t pairs, const packed_x *x, in
 }
 #endif
 
+#if defined(HAVE_PACKED_BF16) && !defined(HAVE_DOT_BF16)
+/* x [m, k] bf16 widened to fp32 once per call, into this calling thread's buffer (kept: the steps call the products
+ * thousands of times, and a fresh allocation of a 512-row x would map and fault its pages every time); NULL without
+ * memory. The OpenMP threads each have their own buffer: they are handed the caller's. */
+static const float *widened_rows(const uint16_t *x, int64_t m, int64_t k, int threads) {
+    static _Thread_local float *wide = NULL;
+    static _Thread_local int64_t wide_len = 0;
+    if (m * k > wide_len) {
+        float *grown = (float *)realloc(wide, (size_t)(m * k) * sizeof(float));
+        if (!grown) return NULL;
+        wide = grown;
+        wide_len = m * k;
+    }
+    float *buf = wide;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && m * k >= 65536) schedule(static)
+    for (int64_t i = 0; i < m * k; i++) buf[i] = bf16_to_f32(x[i]);
+    return buf;
+}
+
+/* Many rows (a prefill chunk) pass the weights in groups whose widened rows stay in L2 (192 KiB), not all at once:
+ * 512 rows of k = 768 (1.5 MiB) streamed from L3 once per block ran at 0.7x oneDNN on a Zen 3 EPYC. */
+static int64_t rows_in_l2(int64_t k) {
+    int64_t rows = (192 * 1024 / (4 * k)) / PACK_ROWS * PACK_ROWS;
+    return rows < PACK_ROWS ? PACK_ROWS : rows;
+}
+#endif
+
 /* How far ahead of its pass infer_gemm_bf16_packed prefetches: the next pair of blocks (1) or the pair after next
  * (2). A process-wide setting, as prefetch_level; the same results either way. At 16 rows of a 150M Llama's decode
  * steps the pair after next ran 1.4x faster than no prefetch on a 2-core Zen 4 EPYC, the next pair 1.07x faster
@@ -2205,24 +2232,9 @@ int infer_gemm_bf16_packed(const uint16_t *p, const uint16_t *x_in, const uint16
     const packed_x *x = x_in;
     int64_t rows_at_once = m;
 #else
-    /* x widened to fp32 once per call, into this calling thread's buffer (kept: the steps call it thousands of
-     * times, and a fresh allocation of a 512-row x would map and fault its pages every time) */
-    static _Thread_local float *wide = NULL;
-    static _Thread_local int64_t wide_len = 0;
-    if (m * k > wide_len) {
-        float *grown = (float *)realloc(wide, (size_t)(m * k) * sizeof(float));
-        if (!grown) return -4;
-        wide = grown;
-        wide_len = m * k;
-    }
-    float *buf = wide; /* (the OpenMP threads each have their own `wide`: they are handed this one) */
-#pragma omp parallel for num_threads(threads) if (threads > 1 && m * k >= 65536) schedule(static)
-    for (int64_t i = 0; i < m * k; i++) buf[i] = bf16_to_f32(x_in[i]);
-    const packed_x *x = buf;
-    /* Many rows (a prefill chunk) pass the weights in groups whose widened rows stay in L2 (192 KiB), not all at
-     * once: 512 rows of k = 768 (1.5 MiB) streamed from L3 once per block ran at 0.7x oneDNN on a Zen 3 EPYC. */
-    int64_t rows_at_once = (192 * 1024 / (4 * k)) / PACK_ROWS * PACK_ROWS;
-    if (rows_at_once < PACK_ROWS) rows_at_once = PACK_ROWS;
+    const packed_x *x = widened_rows(x_in, m, k, threads);
+    if (!x) return -4;
+    int64_t rows_at_once = rows_in_l2(k);
 #endif
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
@@ -3020,6 +3032,40 @@ static void dequant_block_packed(int fmt, const uint8_t *codes, const float *sca
         }
     }
 }
+#elif defined(HAVE_PACKED_BF16)
+/* The same on AVX2 (its packed product widens the bf16 buffer as it widens a packed bf16 weight), 8 values a
+ * vector: a pair's 32 codes are rows 0-3, 4-7, 8-11 and 12-15, each row's two inputs side by side; the same
+ * products and sums in fp32, rounded to bf16 as f32_to_bf16 rounds. */
+static void dequant_block_packed(int fmt, const uint8_t *codes, const float *scales, const float *mins, uint16_t *out,
+                                 int64_t pairs, int64_t group) {
+    const __m256i twice[2] = {_mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7)};
+    int64_t per_group = group / 2; /* pairs a group (8 or more, even) */
+    for (int64_t g = 0; g < pairs / per_group; g++) {
+        __m256 s[4], z[4]; /* rows 4i .. 4i + 3's scales (mins), each twice */
+        for (int i = 0; i < 4; i++) {
+            s[i] = _mm256_permutevar8x32_ps(_mm256_loadu_ps(scales + 16 * g + 8 * (i / 2)), twice[i % 2]);
+            z[i] = mins ? _mm256_permutevar8x32_ps(_mm256_loadu_ps(mins + 16 * g + 8 * (i / 2)), twice[i % 2])
+                        : _mm256_setzero_ps();
+        }
+        for (int64_t q = g * per_group; q < (g + 1) * per_group; q += 2) { /* two pairs: 64 codes */
+            uint8_t c[64];
+            if (fmt == Q8) {
+                memcpy(c, codes + 32 * q, 64);
+            } else { /* byte j: pair q's code j in its low nibble, pair q + 1's in its high one */
+                __m256i a = _mm256_loadu_si256((const __m256i *)(codes + 16 * q)), low = _mm256_set1_epi8(0x0f);
+                _mm256_storeu_si256((__m256i *)c, _mm256_and_si256(a, low));
+                _mm256_storeu_si256((__m256i *)(c + 32), _mm256_and_si256(_mm256_srli_epi16(a, 4), low));
+            }
+            for (int v = 0; v < 8; v++) { /* pair q + v / 4, rows 4 (v % 4) .. 4 (v % 4) + 3 */
+                __m128i eight = _mm_loadl_epi64((const __m128i *)(c + 8 * v));
+                __m256 w = _mm256_cvtepi32_ps(fmt == Q8 ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight));
+                w = _mm256_mul_ps(s[v % 4], w);
+                if (mins) w = _mm256_add_ps(w, z[v % 4]);
+                _mm_storeu_si128((__m128i *)(out + 32 * q + 8 * v), bf16x8_round(w));
+            }
+        }
+    }
+}
 #endif
 
 /* y [m, n] = x [m, k] W^T (+ bias) for quantized W laid out as above (fmt Q8 or Q4; mins NULL for q8); every thread a
@@ -3055,6 +3101,40 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
             int64_t to = b + 2 * PACK_BLOCKS < b1 ? b + 2 * PACK_BLOCKS : b1;
             packed_pass(buf, pairs, x, m, k, bias, y, n, b, nb, (const char *)(codes + from * block_bytes),
                         (const char *)(codes + to * block_bytes), per_iter);
+        }
+        free(buf);
+    }
+    return failed ? -1 : 0;
+#elif defined(HAVE_PACKED_BF16) /* AVX2: a block at a time into the buffer, for each group of rows whose x is in L2 */
+    if (fmt == Q6) fmt = Q8;
+    if (!qshape_ok(fmt, k, group)) return -2;
+    if (m <= 0 || n <= 0) return 0;
+    const float *xw = widened_rows(x, m, k, threads);
+    if (!xw) return -1;
+    int64_t pairs = k / 2, groups = k / group, block_bytes = fmt == Q8 ? 16 * k : 8 * k, rows_at_once = rows_in_l2(k);
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t r0, r1;
+        thread_rows(n, &r0, &r1); /* (whole blocks of 16 rows) */
+        int64_t b0 = r0 / 16, b1 = (r1 + 15) / 16;
+        uint16_t *buf = (uint16_t *)malloc((size_t)(pairs * 32) * sizeof(uint16_t));
+        if (!buf) {
+            b1 = b0;
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t j0 = 0; j0 < m; j0 += rows_at_once) {
+            int64_t mc = m - j0 < rows_at_once ? m - j0 : rows_at_once, tiles = (mc + PACK_ROWS - 1) / PACK_ROWS;
+            int64_t per_iter = (block_bytes / 64 + tiles * pairs - 1) / (tiles * pairs);
+            for (int64_t b = b0; b < b1; b++) { /* the next block's codes prefetched while this one runs */
+                dequant_block_packed(fmt, codes + b * block_bytes, scales + b * groups * 16,
+                                     mins ? mins + b * groups * 16 : NULL, buf, pairs, group);
+                int64_t to = b + 2 < b1 ? b + 2 : b1;
+                packed_pass(buf, pairs, xw + j0 * k, mc, k, bias, y + j0 * n, n, b, 1,
+                            (const char *)(codes + (b + 1) * block_bytes), (const char *)(codes + to * block_bytes),
+                            per_iter);
+            }
         }
         free(buf);
     }

@@ -216,6 +216,10 @@ class NativeKernels:
         # The packed product runs on the pair instruction, or on AVX2's fp32 FMAs with the weights widened in
         # registers (CPUs without bf16 units).
         self.packed_bf16_available = lib.infer_gemm_bf16_packed(None, None, None, None, 0, 0, 0, 1) == 0
+        # The packed product on a quantized weight's packed codes: wherever the packed product runs (AVX2 dequantizes
+        # each block into bf16 for its fp32 FMAs); a call on no rows of a valid shape asks.
+        self.packed_codes_available = lib.infer_qgemm_packed(0, None, None, None, None, None, None, 0, 0, 32, 32,
+                                                             1) == 0
 
     def __repr__(self) -> str:
         return f"NativeKernels({self.isa}{'' if self.openmp else ', one thread'}, {self.path.name})"
@@ -323,7 +327,7 @@ class NativeKernels:
                               ) -> torch.Tensor:
         """`x @ W.T (+ bias)` for bf16 rows `x` `[..., k]` and a quantized weight laid out by `pack_codes`: each pair
         of blocks dequantized once to bf16 in cache, then `gemm_bf16_packed`'s tiles (its values bit for bit, on the
-        weight `dequantize(bf16)` gives). Needs `gemm_bf16_available`."""
+        weight `dequantize(bf16)` gives). Needs `packed_codes_available`."""
         n, k = packed.shape
         rows, bias, out = _bf16_operands(x, k, n, bias)
         code = self._qgemm_packed(QFORMATS[packed.fmt], packed.codes.data_ptr(), packed.scales.data_ptr(),

@@ -13,7 +13,7 @@ token of the step attending in the native paged kernel in one call (`DecodeGroup
 or a quantized pool (infer/cache/paged_quantized.py: the rows staged in C, the blocks they fill quantized by a call
 back into the pool's own Python, `QuantizedPoolLayer.quantize_filled`, so the codes are the per-op path's bit for
 bit; then the paged kernel over codes and staging), each layer reading its batch (`describe_batch`: the pool's, or
-Gemma 3's sliding layers' rings'; a quantized pool's layers one batch); a bf16 model (on AVX2 builds, without the bf16 pair instruction: dense weights) of pre-norm SiLU layers (Qwen 3's
+Gemma 3's sliding layers' rings'; a quantized pool's layers one batch); a bf16 model of pre-norm SiLU layers (Qwen 3's
 q/k norms included) or Gemma 3's (its norms, post-norms and GELU) whose products are packed for the native packed
 product (`Transformer.pack_products(layout="native")`: bf16 weights, or quantized ones' codes, `pack_codes`, which
 the call dequantizes a block at a time as the per-op path's `QuantizedLinear` does). Anything else runs the per-op
@@ -60,8 +60,8 @@ def batch_step_unavailable(model: BatchModel, kernels: NativeKernels | None) -> 
         products = (attn.__dict__["qkv"], attn.o_proj, mlp.__dict__["gate_up"], mlp.down_proj)
         if any(p is None or getattr(p, "packed", None) is None or p.packed_layout != "native" for p in products):
             return "products not packed for the native packed product"
-        if not kernels.gemm_bf16_available and any(isinstance(p.packed, PackedCodes) for p in products):
-            return "quantized weights' packed codes need AVX512-BF16"
+        if not kernels.packed_codes_available and any(isinstance(p.packed, PackedCodes) for p in products):
+            return "this build runs no packed product on quantized weights' packed codes"
     return None
 
 

@@ -177,7 +177,7 @@ def native_packing_unavailable(weights: list[torch.Tensor], coded: list[Quantize
                                ) -> str | None:
     """Why the native packed product cannot take these weights and quantized projections (`coded`; None: it can):
     bf16 CPU weights of even inputs, CPU codes whose scales the native kernels take (`NativeKernels.takes`), and a
-    native build with the bf16 pair instruction (AVX512-BF16), or for dense weights AVX2 with FMA."""
+    native build with the bf16 pair instruction (AVX512-BF16) or AVX2 with FMA."""
     coded = coded or []
     if (weights or not coded) and (why := _not_bf16_on_the_cpu(weights)) is not None:
         return why
@@ -188,10 +188,8 @@ def native_packing_unavailable(weights: list[torch.Tensor], coded: list[Quantize
     kernels = native_kernels()
     if kernels is None:
         return f"no native kernels: {unavailable_reason()}"
-    if weights and not kernels.packed_bf16_available:
+    if (weights and not kernels.packed_bf16_available) or (coded and not kernels.packed_codes_available):
         return f"this build ({kernels.isa}) has neither AVX512-BF16 nor AVX2 with FMA"
-    if coded and not kernels.gemm_bf16_available:
-        return f"this build ({kernels.isa}) has no AVX512-BF16"
     if not all(kernels.takes(m.qweight) for m in coded):
         return "a quantized projection's scales are not float16, float32 or factored over whole runs of 256"
     return None
@@ -276,8 +274,8 @@ class QuantizedLinear(ProjectionTraits, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if (self.packed is not None and rows > self.packed_from and x.dtype == torch.bfloat16 and self.upcast is None
-                and not x.requires_grad and _FEW_ROW_PRODUCTS.get()):
+        if (self.packed is not None and rows > self.packed_from and x.dtype == torch.bfloat16
+                and self.upcast in (None, torch.float32) and not x.requires_grad and _FEW_ROW_PRODUCTS.get()):
             return native_kernels_or_raise().quantized_gemm_packed(self.packed, x, self.bias)
         if self.gemv == "native" and rows <= self.native_rows and not x.requires_grad:
             return native_kernels_or_raise().quantized_gemv(self.qweight, x, self.bias)
