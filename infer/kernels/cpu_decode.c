@@ -388,6 +388,15 @@ static inline __m128i bf16x8_round(__m256 v) {
     return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(halves, halves), 0x08));
 }
 
+/* bf16x8_round for values an operation computed: such a NaN is quiet (its top mantissa bit set), so rounding to
+ * nearest even keeps it a NaN without bf16x8_round's check. */
+static inline __m128i bf16x8_round_computed(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i nearest = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(nearest, nearest), 0x08));
+}
+
 static inline __m256 negate8(__m256 v) { return _mm256_xor_ps(v, _mm256_set1_ps(-0.0f)); }
 
 static inline void rms_norm_row_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t d, float eps,
@@ -3061,7 +3070,7 @@ static void dequant_block_packed(int fmt, const uint8_t *codes, const float *sca
                 __m256 w = _mm256_cvtepi32_ps(fmt == Q8 ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight));
                 w = _mm256_mul_ps(s[v % 4], w);
                 if (mins) w = _mm256_add_ps(w, z[v % 4]);
-                _mm_storeu_si128((__m128i *)(out + 32 * q + 8 * v), bf16x8_round(w));
+                _mm_storeu_si128((__m128i *)(out + 32 * q + 8 * v), bf16x8_round_computed(w));
             }
         }
     }
