@@ -437,7 +437,7 @@ MUTANTS = [
            "_mm256_storeu_ps(sums + (g0 + g) * d + lane + 16, a[g][1]);",
            "_mm256_storeu_ps(sums + (g0 + g) * d + lane + 8, a[g][1]);", ("tests/test_native_quantized_attention.py",)),
     Mutant("native paged attention (AVX2): every bf16 value row weighted by its tile's first key", NATIVE_C,
-           "_mm256_broadcast_ss(sc + (g0 + g) * n + t + r)", "_mm256_broadcast_ss(sc + (g0 + g) * n + t)",
+           "const float *w = sc + (g0 + g) * n + t + r;", "const float *w = sc + (g0 + g) * n + t;",
            ("tests/test_native_quantized_attention.py",)),
     Mutant("native paged attention (AVX2): the last keys past a multiple of 8 left out of the softmax's sum", NATIVE_C,
            "        sum = hsum8(sums);\n        for (; t < n; t++) {\n"

@@ -1298,7 +1298,7 @@ static inline __attribute__((always_inline)) qv16 pair_tile_dots_n(const uint16_
 }
 #endif
 
-#if !defined(HAVE_AVX512) && defined(HAVE_AVX2_ROWS)
+#if defined(HAVE_AVX2_ROWS)
 /* AVX2 has 16 registers of 8 lanes: bf16_tile_dots_n's and bf16_value_heads' generic 16-lane sums (32 registers'
  * worth, products and sums apart) spilled and ran at ~4 GFLOP/s a core on a Zen 3. These keep their sums in
  * registers and fuse each product into its sum: a 32-byte piece of a row (16 bf16 values) is its 8 even values
@@ -1338,9 +1338,9 @@ static inline __m256 bf16_rows8_dots(const float *qs, const char *rows, int64_t 
 static inline __attribute__((always_inline)) void bf16_value_rows8(const char *rows, const float *sc, float *sums,
                                                                    int64_t g0, const int heads, int64_t n, int64_t t,
                                                                    int64_t rt, int64_t d) {
-    int dense = 1; /* every weight non-zero (a zero one's row is skipped, as bf16_value_heads skips it) */
+    int skips = 0; /* a zero weight's row is skipped, as bf16_value_heads skips it (where none is: no compare) */
     for (int g = 0; g < heads; g++)
-        for (int64_t r = 0; r < rt; r++) dense &= sc[(g0 + g) * n + t + r] != 0.f;
+        for (int64_t r = 0; r < rt; r++) skips |= sc[(g0 + g) * n + t + r] == 0.f;
     for (int64_t c = 0; c < d / 16; c++) {
         int64_t lane = 32 * (c / 2) + 8 * (c % 2);
         __m256 a[4][2];
@@ -1348,28 +1348,17 @@ static inline __attribute__((always_inline)) void bf16_value_rows8(const char *r
             a[g][0] = _mm256_loadu_ps(sums + (g0 + g) * d + lane);
             a[g][1] = _mm256_loadu_ps(sums + (g0 + g) * d + lane + 16);
         }
-        if (dense) /* (no weight to skip: no compare and branch per row and head) */
-            for (int64_t r = 0; r < rt; r++) {
-                __m256 e, o;
-                bf16x16_halves(rows + r * 2 * d + 32 * c, &e, &o);
-                for (int g = 0; g < heads; g++) {
-                    __m256 wv = _mm256_broadcast_ss(sc + (g0 + g) * n + t + r);
-                    a[g][0] = _mm256_fmadd_ps(wv, e, a[g][0]);
-                    a[g][1] = _mm256_fmadd_ps(wv, o, a[g][1]);
-                }
+        for (int64_t r = 0; r < rt; r++) {
+            __m256 e, o;
+            bf16x16_halves(rows + r * 2 * d + 32 * c, &e, &o);
+            for (int g = 0; g < heads; g++) {
+                const float *w = sc + (g0 + g) * n + t + r;
+                if (skips && *w == 0.f) continue;
+                __m256 wv = _mm256_broadcast_ss(w);
+                a[g][0] = _mm256_fmadd_ps(wv, e, a[g][0]);
+                a[g][1] = _mm256_fmadd_ps(wv, o, a[g][1]);
             }
-        else
-            for (int64_t r = 0; r < rt; r++) {
-                __m256 e, o;
-                bf16x16_halves(rows + r * 2 * d + 32 * c, &e, &o);
-                for (int g = 0; g < heads; g++) {
-                    float w = sc[(g0 + g) * n + t + r];
-                    if (w == 0.f) continue;
-                    __m256 wv = _mm256_set1_ps(w);
-                    a[g][0] = _mm256_fmadd_ps(wv, e, a[g][0]);
-                    a[g][1] = _mm256_fmadd_ps(wv, o, a[g][1]);
-                }
-            }
+        }
         for (int g = 0; g < heads; g++) {
             _mm256_storeu_ps(sums + (g0 + g) * d + lane, a[g][0]);
             _mm256_storeu_ps(sums + (g0 + g) * d + lane + 16, a[g][1]);
@@ -1434,7 +1423,7 @@ static inline __attribute__((always_inline)) void bf16_value_heads(const char *r
  * that take this path): 4 or 2 heads at once, as add_value_tile. */
 static inline void add_bf16_value_tile(const char *rows, const float *sc, float *sums, int64_t groups, int64_t n,
                                        int64_t t, int64_t rt, int64_t d) {
-#if !defined(HAVE_AVX512) && defined(HAVE_AVX2_ROWS)
+#if defined(HAVE_AVX2_ROWS)
     for (int64_t g = 0; g < groups; g += 4) {
         int64_t left = groups - g;
         if (left >= 4) bf16_value_rows8(rows, sc, sums, g, 4, n, t, rt, d);
