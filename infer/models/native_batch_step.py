@@ -60,8 +60,6 @@ def batch_step_unavailable(model: BatchModel, kernels: NativeKernels | None) -> 
         products = (attn.__dict__["qkv"], attn.o_proj, mlp.__dict__["gate_up"], mlp.down_proj)
         if any(p is None or getattr(p, "packed", None) is None or p.packed_layout != "native" for p in products):
             return "products not packed for the native packed product"
-        if not kernels.packed_codes_available and any(isinstance(p.packed, PackedCodes) for p in products):
-            return "this build runs no packed product on quantized weights' packed codes"
     return None
 
 
