@@ -25,6 +25,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from infer.bench_common import format_table, machine_info, measure_read_bandwidth, percentile, speed_ratio
 from infer.cache.paged_quantized import KV_CACHE_DTYPES
 from infer.models import Transformer
@@ -36,6 +38,7 @@ from infer.roofline import (
     limit_dtypes,
     measure_limits,
     median_step_ms,
+    native_product_kernels,
     profile_forward,
     profile_table,
     summarize_phases,
@@ -274,7 +277,8 @@ def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: d
     budget = int(run.stats["token_budget"])  # (the engine's: the caller's or its measured choice)
     bandwidth, _ = measure_read_bandwidth(device)
     dtypes = limit_dtypes(model)
-    limits = measure_limits(dtypes, device, config.hidden_size, config.intermediate_size, budget, bandwidth)
+    native = native_product_kernels(device) if model.dtype == torch.bfloat16 else None
+    limits = measure_limits(dtypes, device, config.hidden_size, config.intermediate_size, budget, bandwidth, native)
     phases = summarize_phases(run.trace, ModelShape.of(model, dtype.itemsize), limits)
     table: list[dict[str, float | str]] = [
         {"phase": p.phase, "steps": p.steps, "seconds": p.seconds, "gflop": p.flops / 1e9, "gb": p.bytes / 1e9,
@@ -283,9 +287,10 @@ def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: d
          "step_p50_ms": median_step_ms(run.trace, p.phase) if p.phase != "all" else 0.0}
         for p in phases]
     rates = ", ".join(f"{rows} rows {rate / 1e9:.0f}" for rows, rate in limits.flops_by_rows.items())
-    named = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+    named = " or ".join([*(str(d).removeprefix("torch.") for d in dtypes), *(["the native packed product"] if native
+                                                                              else [])])
     print(f"roofline: matmul [rows, {config.hidden_size}] @ [{config.hidden_size}, {config.intermediate_size}] in "
-          f"{named} (the faster): {rates} GFLOP/s; read {bandwidth / 1e9:.1f} GB/s. A step's bound is "
+          f"{named} (the fastest): {rates} GFLOP/s; read {bandwidth / 1e9:.1f} GB/s. A step's bound is "
           "max(FLOPs / peak matmul, bytes / read) (fraction; fraction_p50: the median step's own), or with the "
           "matmul rate at the step's own rows (fraction_at_shape)")
     print(format_table(table, ["phase", "steps", "seconds", "gflop", "gb", "gflop_s", "gb_s", "roofline_s", "fraction",
@@ -300,6 +305,7 @@ def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: d
           f"{profiled.wall_s:.1f} s):")
     print(format_table(parts, ["part", "seconds", "share"]))
     return {"matmul_flops_by_rows": limits.flops_by_rows, "matmul_dtypes": [str(d) for d in dtypes],
+            "matmul_native_packed": native is not None,
             "read_bandwidth": bandwidth, "phases": table,
             "profile": parts}
 

@@ -2,12 +2,13 @@
 allows for it, and where a step's time goes.
 
 A step's roofline time is `max(flops / peak FLOP/s, bytes / read bandwidth)`, both limits measured on the machine
-in the same run (`measure_limits`: matmul rates at the workload's projection shape; the read bandwidth as the
-single-request bench measures it). Its FLOPs are the projections' (2 x rows x weights, the LM head only for the
-rows that sample) and attention's (QK^T and PV over the keys each query sees); its bytes are every weight read
-once, each sequence's K/V read once per layer and the new K/V written. `engine_trace` records each step of an
-engine run (phase, chunks, time split into scheduling, batch building, forward, sampling); `profile_forward`
-splits the forward into projections, attention and the rest by timing hooks, in a run of its own.
+in the same run (`measure_limits`: matmul rates at the workload's projection shape, the library's or the native
+packed product's, whichever is faster; the read bandwidth as the single-request bench measures it). Its FLOPs are
+the projections' (2 x rows x weights, the LM head only for the rows that sample) and attention's (QK^T and PV over
+the keys each query sees); its bytes are every weight read once, each sequence's K/V read once per layer and the
+new K/V written. `engine_trace` records each step of an engine run (phase, chunks, time split into scheduling, batch
+building, forward, sampling); `profile_forward` splits the forward into projections, attention and the rest by
+timing hooks, in a run of its own.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from infer.config import ModelConfig
 from infer.memory import synchronize
+
+if TYPE_CHECKING:
+    from infer.kernels.native import NativeKernels
 
 PHASES = ("prefill", "mixed", "decode")
 
@@ -152,15 +156,46 @@ def limit_dtypes(model: nn.Module) -> tuple[torch.dtype, ...]:
 
 
 def measure_limits(dtypes: tuple[torch.dtype, ...], device: torch.device, inputs: int, outputs: int, max_rows: int,
-                   bandwidth: float) -> Limits:
+                   bandwidth: float, native: NativeKernels | None = None) -> Limits:
     """`Limits` with matmul rates of `[rows, inputs] @ [inputs, outputs]` for rows 1, 4, 16, 64, 256, 512 and
-    `max_rows` (the step's token budget), each the faster of `dtypes` (the weights' dtype and the one the products
+    `max_rows` (the step's token budget), each the fastest of `dtypes` (the weights' dtype and the one the products
     compute in: on a CPU without bf16 units a bf16 matmul is emulated 10-100x below an fp32 one, which is then the
-    machine's real limit for the same math): the peak is the machine's, not the budget's (a budget below 512 rows
-    would otherwise lower the bar)."""
+    machine's real limit for the same math) and, with `native` kernels, of their packed bf16 product (where it runs
+    faster than the library's matmul, as on a Zen 3 EPYC, that is the machine's limit, not the slower library's: a
+    limit the engine beats is none): the peak is the machine's, not the budget's (a budget below 512 rows would
+    otherwise lower the bar)."""
     rows = sorted({1, 4, 16, 64, 256, 512, max_rows})
-    return Limits({r: max(matmul_rate(dtype, device, r, inputs, outputs) for dtype in dtypes) for r in rows},
-                  bandwidth)
+    rates: dict[int, float] = {}
+    for r in rows:
+        contenders = [matmul_rate(dtype, device, r, inputs, outputs) for dtype in dtypes]
+        if native is not None:
+            contenders.append(native_product_rate(native, r, inputs, outputs))
+        rates[r] = max(contenders)
+    return Limits(rates, bandwidth)
+
+
+def native_product_kernels(device: torch.device) -> NativeKernels | None:
+    """The native kernels where their packed bf16 product runs on `device` (a CPU build that has it), else None."""
+    if device.type != "cpu":
+        return None
+    from infer.kernels.native import native_kernels
+
+    kernels = native_kernels()
+    return kernels if kernels is not None and kernels.packed_bf16_available else None
+
+
+def native_product_rate(kernels: NativeKernels, m: int, k: int, n: int, repeats: int = 5) -> float:
+    """FLOP/s of the native packed bf16 product (`NativeKernels.gemm_bf16_packed`, the engine's batched products)
+    on `[m, k] @ [k, n]`, the best of `repeats` after a warm-up."""
+    packed = kernels.pack_bf16(torch.randn(n, k).to(torch.bfloat16))
+    x = torch.randn(m, k).to(torch.bfloat16)
+    kernels.gemm_bf16_packed(packed, x, n)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        kernels.gemm_bf16_packed(packed, x, n)
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * m * k * n / best
 
 
 def matmul_rate(dtype: torch.dtype, device: torch.device, m: int, k: int, n: int, repeats: int = 5) -> float:

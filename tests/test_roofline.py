@@ -154,3 +154,40 @@ def test_the_limits_take_the_faster_of_the_weights_and_the_compute_dtype(monkeyp
     assert roofline.limit_dtypes(model) == (torch.bfloat16,)
     model.compute_dtype = torch.bfloat16  # (an upcast to its own dtype is no second dtype)
     assert roofline.limit_dtypes(model) == (torch.bfloat16,)
+
+
+def test_the_limits_take_the_native_product_where_it_beats_the_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the native packed product runs a shape faster than the library's matmul (oneDNN's fp32 GEMM on a Zen 3
+    EPYC), the limit is its rate: a limit the engine's own products beat would put the engine above 1.0 of it."""
+    import infer.roofline as roofline
+
+    monkeypatch.setattr(roofline, "matmul_rate", lambda dtype, device, m, k, n: 10.0 * m)
+    monkeypatch.setattr(roofline, "native_product_rate", lambda kernels, m, k, n: 50.0 * m if m >= 16 else 1.0)
+    native = object()
+    limits = roofline.measure_limits((torch.float32,), torch.device("cpu"), 8, 8, 24, 1e9, native)  # type: ignore[arg-type]
+    assert limits.flops_by_rows[1] == 10.0 and limits.flops_by_rows[4] == 40.0
+    assert limits.flops_by_rows[16] == 50.0 * 16 and limits.peak_flops == 50.0 * 512
+    without = roofline.measure_limits((torch.float32,), torch.device("cpu"), 8, 8, 24, 1e9)
+    assert without.peak_flops == 10.0 * 512
+    assert roofline.native_product_kernels(torch.device("meta")) is None
+
+
+def test_the_native_product_rate_times_the_product_it_names() -> None:
+    """The rate is the packed product's FLOPs over its time: a product of 4x the rows takes longer (the rate is not a
+    constant, nor the library's matmul timed under its name)."""
+    import infer.roofline as roofline
+
+    kernels = roofline.native_product_kernels(torch.device("cpu"))
+    if kernels is None:
+        pytest.skip("this build has no native packed bf16 product")
+    calls: list[int] = []
+    product = type(kernels).gemm_bf16_packed
+
+    def counted(self: object, packed: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return product(self, packed, x, n)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(kernels), "gemm_bf16_packed", counted)
+        rate = roofline.native_product_rate(kernels, 64, 256, 512, repeats=3)
+    assert calls == [64] * 4 and rate > 0.0
