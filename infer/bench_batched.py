@@ -33,6 +33,7 @@ from infer.models import Transformer
 from infer.ragged import DECODE_KERNELS
 from infer.roofline import (
     ForwardProfile,
+    Limits,
     ModelShape,
     StepRecord,
     limit_dtypes,
@@ -218,6 +219,8 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
             bar.set_postfix_str(f"warm-up {name}")
             run(warm)
             bar.update()
+        # the limits timed before the runs as well as after them (report_roofline): the higher of the two
+        before = None if args.no_roofline else machine_limits(model, 512)
         for _ in range(args.trials):
             for name, run in runners:
                 bar.set_postfix_str(name)
@@ -255,7 +258,7 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
     if pool["graph_shapes"]:
         print(f"decode graphs: {pool['graph_steps']:.0f} steps replayed from {pool['graph_shapes']:.0f} padded shapes, "
               f"captured in {pool['graph_capture_s']:.1f} s before the clock started")
-    roofline = None if args.no_roofline else report_roofline(model, work, engine_args, medians[0])
+    roofline = None if args.no_roofline else report_roofline(model, work, engine_args, medians[0], before)
     print("choices: " + "; ".join(f"{c.name}: {c.value}" for c in CHOICES.values()))
     if args.json:
         report = {"machine": machine_info(), "choices": [asdict(c) for c in CHOICES.values()],
@@ -269,16 +272,27 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
     return 0
 
 
-def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: dict[str, Any], run: BatchedRun
-                    ) -> dict[str, Any]:
-    """Print (and return for the JSON) the machine's limits measured now, the engine run's FLOPs and bytes and its
-    fraction of the roofline per phase, and where a step's time goes (a further run under timing hooks)."""
+def machine_limits(model: Transformer, max_rows: int) -> Limits:
+    """The machine's limits for `model`'s products (`measure_limits` at its projection shape, the native packed
+    product a contender for bf16 weights) and its read bandwidth, measured now."""
+    config, device = model.config, model.device
+    bandwidth, _ = measure_read_bandwidth(device)
+    native = native_product_kernels(device) if model.dtype == torch.bfloat16 else None
+    return measure_limits(limit_dtypes(model), device, config.hidden_size, config.intermediate_size, max_rows,
+                          bandwidth, native)
+
+
+def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: dict[str, Any], run: BatchedRun,
+                    before: Limits | None = None) -> dict[str, Any]:
+    """Print (and return for the JSON) the machine's limits measured now (the higher of these and `before`'s, taken
+    before the timed runs, at each row count), the engine run's FLOPs and bytes and its fraction of the roofline per
+    phase, and where a step's time goes (a further run under timing hooks)."""
     config, dtype, device = model.config, model.dtype, model.device
     budget = int(run.stats["token_budget"])  # (the engine's: the caller's or its measured choice)
-    bandwidth, _ = measure_read_bandwidth(device)
     dtypes = limit_dtypes(model)
     native = native_product_kernels(device) if model.dtype == torch.bfloat16 else None
-    limits = measure_limits(dtypes, device, config.hidden_size, config.intermediate_size, budget, bandwidth, native)
+    limits = machine_limits(model, budget).best_with(before)
+    bandwidth = limits.bandwidth
     phases = summarize_phases(run.trace, ModelShape.of(model, dtype.itemsize), limits)
     table: list[dict[str, float | str]] = [
         {"phase": p.phase, "steps": p.steps, "seconds": p.seconds, "gflop": p.flops / 1e9, "gb": p.bytes / 1e9,
@@ -290,7 +304,8 @@ def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: d
     named = " or ".join([*(str(d).removeprefix("torch.") for d in dtypes), *(["the native packed product"] if native
                                                                               else [])])
     print(f"roofline: matmul [rows, {config.hidden_size}] @ [{config.hidden_size}, {config.intermediate_size}] in "
-          f"{named} (the fastest): {rates} GFLOP/s; read {bandwidth / 1e9:.1f} GB/s. A step's bound is "
+          f"{named} (the fastest; the higher of a timing before the runs and one after): {rates} GFLOP/s; read "
+          f"{bandwidth / 1e9:.1f} GB/s. A step's bound is "
           "max(FLOPs / peak matmul, bytes / read) (fraction; fraction_p50: the median step's own), or with the "
           "matmul rate at the step's own rows (fraction_at_shape)")
     print(format_table(table, ["phase", "steps", "seconds", "gflop", "gb", "gflop_s", "gb_s", "roofline_s", "fraction",

@@ -136,6 +136,14 @@ class Limits:
         """The best matmul rate measured: the classic roofline's compute limit."""
         return max(self.flops_by_rows.values())
 
+    def best_with(self, other: Limits | None) -> Limits:
+        """The higher of two measurements at every row count (and bandwidth): on a shared host whose speed moves
+        between minutes, a limit timed in a slow moment would let the engine's runs read above 1.0 of it."""
+        if other is None:
+            return self
+        rates = {r: max(rate, other.flops_by_rows.get(r, 0.0)) for r, rate in self.flops_by_rows.items()}
+        return Limits(rates, max(self.bandwidth, other.bandwidth))
+
     def flops_at(self, rows: int) -> float:
         """The matmul rate measured at the row count nearest `rows` (on a log scale): the compute limit of a step
         of that many tokens (a 16-row product cannot reach a 512-row one's rate)."""

@@ -75,6 +75,41 @@ def test_batched_workload_report(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert stats["max_waste_slots_per_running_seq"] < stats["block_size"]
 
 
+def test_the_batched_bench_times_the_limits_before_and_after_its_runs(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The machine's limits are timed after the warm-ups and before the timed runs, and again after them, and the
+    report holds the higher of the two at every row count: a host that slows down between them (shared machines
+    do, for minutes) must not lower the bar the engine's runs are read against."""
+    import infer.bench_batched as bench_batched
+    from infer.roofline import Limits
+
+    events: list[str] = []
+    engine = bench_batched.run_engine
+    timings = iter([(7.0, 5e9), (2.0, 9e9)])
+
+    def logged_engine(*args: object, **kwargs: object) -> bench_batched.BatchedRun:
+        events.append("run")
+        return engine(*args, **kwargs)  # type: ignore[arg-type]
+
+    def fake_limits(model: object, max_rows: int) -> Limits:
+        events.append("limits")
+        rate, bandwidth = next(timings)
+        return Limits({r: rate * r for r in sorted({1, 16, 512, max_rows})}, bandwidth)
+
+    monkeypatch.setattr(bench_batched, "run_engine", logged_engine)
+    monkeypatch.setattr(bench_batched, "machine_limits", fake_limits)
+    out = tmp_path / "limits.json"
+    argv = ["bench", "--batched", "--model", str(build_checkpoint("llama")), "--requests", "3",
+            "--batched-prompt-lens", "3-8", "--batched-new-tokens", "2-4", "--max-num-batched-tokens", "24",
+            "--no-one-by-one", "--trials", "2", "--json", str(out)]
+    assert main(argv) == 0
+    assert events == ["run", "limits", "run", "run", "limits", "run"], "warm-up, limits, 2 trials, limits, profile"
+    roofline = json.loads(out.read_text())["roofline"]
+    assert {int(r): v for r, v in roofline["matmul_flops_by_rows"].items()} == {1: 7.0, 16: 112.0, 24: 48.0,
+                                                                                512: 3584.0}
+    assert roofline["read_bandwidth"] == 9e9
+
+
 def test_the_pool_kinds_report_requests_per_gib_and_the_latency_they_served_at() -> None:
     """`pool_row`: the requests of the workload's mean length a pool holds (whole blocks each), per GiB of pool, and
     the median request's time per output token after its first; requests of one token have no such time."""

@@ -191,3 +191,16 @@ def test_the_native_product_rate_times_the_product_it_names() -> None:
         patch.setattr(type(kernels), "gemm_bf16_packed", counted)
         rate = roofline.native_product_rate(kernels, 64, 256, 512, repeats=3)
     assert calls == [64] * 4 and rate > 0.0
+
+
+def test_two_measurements_of_the_limits_give_the_higher_at_every_row_count() -> None:
+    """`Limits.best_with`: each row count's rate and the bandwidth the higher of the two; rows only the first
+    measured keep its rate; none leaves the limits as they are."""
+    from infer.roofline import Limits
+
+    after = Limits({1: 5.0, 16: 80.0, 24: 30.0, 512: 100.0}, 10e9)
+    before = Limits({1: 7.0, 16: 60.0, 512: 140.0}, 8e9)
+    best = after.best_with(before)
+    assert best.flops_by_rows == {1: 7.0, 16: 80.0, 24: 30.0, 512: 140.0} and best.bandwidth == 10e9
+    assert best.peak_flops == 140.0
+    assert after.best_with(None) is after

@@ -3035,9 +3035,9 @@ static void dequant_block_packed(int fmt, const uint8_t *codes, const float *sca
 static inline __m256i bf16x16_round_computed(__m256 a, __m256 b) {
     const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
     __m256i u = _mm256_castps_si256(a), v = _mm256_castps_si256(b);
-    u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(u, 16), one))), 16);
-    v = _mm256_srli_epi32(_mm256_add_epi32(v, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(v, 16), one))), 16);
-    return _mm256_permute4x64_epi64(_mm256_packus_epi32(u, v), 0xd8);
+    u = _mm256_add_epi32(u, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
+    v = _mm256_add_epi32(v, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(v, 16), one)));
+    return _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_srli_epi32(u, 16), _mm256_srli_epi32(v, 16)), 0xd8);
 }
 
 /* The same on AVX2 (its packed product widens the bf16 buffer as it widens a packed bf16 weight), 8 values a
