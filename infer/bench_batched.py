@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +45,9 @@ from infer.roofline import (
     summarize_phases,
 )
 from infer.sampling import GREEDY_BELOW, SamplingParams
+
+if TYPE_CHECKING:
+    from infer.kernels.native import NativeKernels
 
 
 @dataclass(frozen=True)
@@ -277,9 +280,14 @@ def machine_limits(model: Transformer, max_rows: int) -> Limits:
     product a contender for bf16 weights) and its read bandwidth, measured now."""
     config, device = model.config, model.device
     bandwidth, _ = measure_read_bandwidth(device)
-    native = native_product_kernels(device) if model.dtype == torch.bfloat16 else None
     return measure_limits(limit_dtypes(model), device, config.hidden_size, config.intermediate_size, max_rows,
-                          bandwidth, native)
+                          bandwidth, native_contender(model))
+
+
+def native_contender(model: Transformer) -> NativeKernels | None:
+    """The kernels whose packed bf16 product contends for the limit of `model`'s products: bf16 weights, a CPU
+    build that has it."""
+    return native_product_kernels(model.device) if model.dtype == torch.bfloat16 else None
 
 
 def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: dict[str, Any], run: BatchedRun,
@@ -287,10 +295,10 @@ def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: d
     """Print (and return for the JSON) the machine's limits measured now (the higher of these and `before`'s, taken
     before the timed runs, at each row count), the engine run's FLOPs and bytes and its fraction of the roofline per
     phase, and where a step's time goes (a further run under timing hooks)."""
-    config, dtype, device = model.config, model.dtype, model.device
+    config, dtype = model.config, model.dtype
     budget = int(run.stats["token_budget"])  # (the engine's: the caller's or its measured choice)
     dtypes = limit_dtypes(model)
-    native = native_product_kernels(device) if model.dtype == torch.bfloat16 else None
+    native = native_contender(model)
     limits = machine_limits(model, budget).best_with(before)
     bandwidth = limits.bandwidth
     phases = summarize_phases(run.trace, ModelShape.of(model, dtype.itemsize), limits)
