@@ -218,12 +218,15 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
     runs: dict[str, list[BatchedRun]] = {name: [] for name, _ in runners}
     warm = work[: min(4, len(work))]
     with tqdm(total=len(runners) * (args.trials + 1), desc="bench --batched", unit="run", file=sys.stderr) as bar:
+        warmed = []
         for name, run in runners:  # a short warm-up: first-call costs out of the timings
             bar.set_postfix_str(f"warm-up {name}")
-            run(warm)
+            warmed.append(run(warm))
             bar.update()
-        # the limits timed before the runs as well as after them (report_roofline): the higher of the two
-        before = None if args.no_roofline else machine_limits(model, 512)
+        # the limits timed before the runs as well as after them (report_roofline), at the engine's token budget
+        # too: the higher of the two
+        budget = int(warmed[0].stats["token_budget"])
+        before = None if args.no_roofline else machine_limits(model, budget)
         for _ in range(args.trials):
             for name, run in runners:
                 bar.set_postfix_str(name)

@@ -1247,7 +1247,7 @@ MUTANTS = [
     Mutant("roofline: the slower dtype's matmul rate taken as the limit", "infer/roofline.py",
            "rates[r] = max(contenders)", "rates[r] = min(contenders)", (ROOFLINE_TESTS,)),
     Mutant("roofline: the limits timed after the runs only", "infer/bench_batched.py",
-           "before = None if args.no_roofline else machine_limits(model, 512)", "before = None",
+           "before = None if args.no_roofline else machine_limits(model, budget)", "before = None",
            ("tests/test_bench.py",)),
     Mutant("roofline: of two timings of the limits, the second taken whatever the first", "infer/roofline.py",
            "rates = {r: max(rate, other.flops_by_rows.get(r, 0.0)) for r, rate in self.flops_by_rows.items()}",
