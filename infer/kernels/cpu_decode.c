@@ -388,15 +388,6 @@ static inline __m128i bf16x8_round(__m256 v) {
     return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(halves, halves), 0x08));
 }
 
-/* bf16x8_round for values an operation computed: such a NaN is quiet (its top mantissa bit set), so rounding to
- * nearest even keeps it a NaN without bf16x8_round's check. */
-static inline __m128i bf16x8_round_computed(__m256 v) {
-    __m256i u = _mm256_castps_si256(v);
-    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i nearest = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
-    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(nearest, nearest), 0x08));
-}
-
 static inline __m256 negate8(__m256 v) { return _mm256_xor_ps(v, _mm256_set1_ps(-0.0f)); }
 
 static inline void rms_norm_row_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t d, float eps,
@@ -3031,7 +3022,9 @@ static void dequant_block_packed(int fmt, const uint8_t *codes, const float *sca
     }
 }
 #elif defined(HAVE_PACKED_BF16)
-/* 16 computed values (no NaN) rounded to bf16 as f32_to_bf16 rounds, a's 8 then b's: one pack for the two. */
+/* 16 values an operation computed rounded to bf16 as f32_to_bf16 rounds, a's 8 then b's, one pack for the two:
+ * such a NaN is quiet (its top mantissa bit set), so rounding to nearest even keeps it a NaN without bf16x8_round's
+ * check. */
 static inline __m256i bf16x16_round_computed(__m256 a, __m256 b) {
     const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
     __m256i u = _mm256_castps_si256(a), v = _mm256_castps_si256(b);
