@@ -1835,6 +1835,10 @@ MUTANTS = [
     Mutant("native prefetch: load_model times the level even where the caller forced it", "infer/loader.py",
            "choose_prefetch(dense_weights, native_prefetch)", "choose_prefetch(dense_weights)",
            ("tests/test_tuning.py",)),
+    Mutant("loading: the embedding's random init runs again (importing torch._dynamo, ~2 s a process)",
+           "infer/models/transformer.py",
+           "config.hidden_size,\n" + " " * 41 + "_weight=torch.empty(config.vocab_size, config.hidden_size))",
+           "config.hidden_size)", ("tests/test_loader.py",)),
 ]
 
 

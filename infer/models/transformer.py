@@ -547,7 +547,10 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         family = FAMILIES[config.model_type]
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given its weight, nn.Embedding skips its random init: the checkpoint's weights replace it, and the init
+        # (torch.nn.init.normal_) imports torch._dynamo on first use, ~2 s of every process that loads a model.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, gemma=family.norm_plus_one)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
