@@ -405,10 +405,10 @@ PACKED_FLAVOURS = [f for f in FLAVOURS_HERE if getattr(native_kernels(f), "packe
 def test_the_packed_bf16_product_is_the_formula(m: int, n: int, pairs: int, with_bias: bool, threads: int,
                                                 ahead: int, seed: int, flavour: str) -> None:
     """`gemm_bf16_packed` on a weight `pack_bf16` packed (blocks of 16 rows, the last one padded; tiles of 8 input
-    rows by 2 blocks for the pair instruction, 4 by 1 for AVX2's FMAs; row and block tails), prefetching either pair
-    of blocks ahead (`packed_ahead`): every output within the rounding of fp32 sums rounded once to bf16, bit for bit
-    what that input row alone gives and what the other prefetch distance gives, and packing leaves the weight as it
-    was."""
+    rows by 2 blocks for the pair instruction, 6 by 1 for AVX2's FMAs, rows shared evenly over the tiles; row and
+    block tails), prefetching either pair of blocks ahead (`packed_ahead`): every output within the rounding of fp32
+    sums rounded once to bf16, bit for bit what that input row alone gives and what the other prefetch distance
+    gives, and packing leaves the weight as it was."""
     kernels = native_kernels(flavour)
     assert kernels is not None
     gen = torch.Generator().manual_seed(seed)
@@ -437,7 +437,7 @@ def test_the_packed_bf16_product_is_the_formula(m: int, n: int, pairs: int, with
 @pytest.mark.parametrize(("m", "k"), [(70, 3000), (9, 6000)])
 @pytest.mark.parametrize("flavour", PACKED_FLAVOURS)
 def test_the_packed_bf16_product_passes_many_rows_in_groups(m: int, k: int, flavour: str) -> None:
-    """Rows past what one pass keeps in cache (AVX2's widened rows, 192 KiB: 16 rows of k = 3000, 8 of 6000) go
+    """Rows past what one pass keeps in cache (AVX2's widened rows, 192 KiB: 12 rows of k = 3000, 6 of 6000) go
     through the weights in groups: every row still the formula within rounding and what it gives alone."""
     kernels = native_kernels(flavour)
     assert kernels is not None
