@@ -274,7 +274,7 @@ def test_the_triton_kernel_reads_the_pool_as_the_quantized_cache(arch: str, sche
     prompts = [[(7 * i + 3) % 64] for i in range(3)]
     engine = Engine(model, None, num_blocks=3 * 5, block_size=4, max_num_seqs=3, max_num_batched_tokens=3,
                     keep_logits=True, kv_cache_dtype=scheme, bound_sliding_layers=False, decode_attention="triton")
-    ids = [engine.add_request(p, SamplingParams(max_new_tokens=14, temperature=0.0)) for p in prompts]
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=10, temperature=0.0)) for p in prompts]
     while engine.has_unfinished():
         engine.step()
     check_against_solo(engine, model, scheme, 4, prompts, ids)
