@@ -145,7 +145,7 @@ def test_the_finite_check_reaches_every_chunk() -> None:
         assert not _all_finite(flawed, chunk=1000), f"{bad} in the last, short chunk"
 
 
-def test_loading_and_generating_do_not_import_torch_compile(ckpt: Path) -> None:
+def test_loading_and_generating_do_not_import_torch_compile() -> None:
     """A process that loads a model and generates never imports torch._dynamo: its import is ~2 s, a third of a small
     `infer generate`'s wall time (nn.Embedding's random init, replaced by the checkpoint's weights anyway, was what
     pulled it in)."""
@@ -155,6 +155,7 @@ def test_loading_and_generating_do_not_import_torch_compile(ckpt: Path) -> None:
     script = ("import sys, infer; m = infer.load_model(sys.argv[1]); "
               "infer.generate(m, None, [1, 2, 3], infer.SamplingParams(max_new_tokens=2, temperature=0.0)); "
               "print(sorted(n for n in sys.modules if n.startswith('torch._dynamo')))")
-    run = subprocess.run([sys.executable, "-c", script, str(ckpt)], capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-c", script, str(build_checkpoint("llama"))], capture_output=True,
+                         text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == "[]", run.stdout

@@ -2162,8 +2162,8 @@ static void packed_pass(const uint16_t *pb, int64_t pairs, const packed_x *x, in
                         const char *pf_end, int64_t per_iter) {
     int64_t tiles = (m + PACK_ROWS - 1) / PACK_ROWS;
     int64_t chunk = ((pf_end - pf + tiles - 1) / tiles + 63) / 64 * 64;
-    /* the rows shared evenly over the tiles (16 rows: 6, 5, 5, not 6, 6, 4): a tile's sums are its FMA chains, and
-     * on AVX2 a 4-row tile's 8 chains just cover the FMA latency, so a short last tile ran below the others */
+    /* the rows shared evenly over the tiles (16 rows: 6, 5, 5, not 6, 6, 4): no tile short of FMA chains (AVX2's
+     * tile above) */
     for (int64_t t = 0, j = 0; t < tiles; t++) {
         int mr = (int)(m / tiles + (t < m % tiles));
         const char *end = pf + chunk < pf_end ? pf + chunk : pf_end;
