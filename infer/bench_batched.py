@@ -36,6 +36,7 @@ from infer.roofline import (
     Limits,
     ModelShape,
     StepRecord,
+    best_limits,
     limit_dtypes,
     measure_limits,
     median_step_ms,
@@ -43,6 +44,7 @@ from infer.roofline import (
     profile_forward,
     profile_table,
     summarize_phases,
+    typical_limits,
 )
 from infer.sampling import GREEDY_BELOW, SamplingParams
 
@@ -223,15 +225,17 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
             bar.set_postfix_str(f"warm-up {name}")
             warmed.append(run(warm))
             bar.update()
-        # the limits timed before the runs as well as after them (report_roofline), at the engine's token budget
-        # too: the higher of the two
+        # the limits timed before the runs, between their trials and after them (report_roofline), at the engine's
+        # token budget too: the report reads the runs against their median
         budget = int(warmed[0].stats["token_budget"])
-        before = None if args.no_roofline else machine_limits(model, budget)
-        for _ in range(args.trials):
+        limits: list[Limits] = [] if args.no_roofline else [machine_limits(model, budget)]
+        for trial in range(args.trials):
             for name, run in runners:
                 bar.set_postfix_str(name)
                 runs[name].append(run(work))
                 bar.update()
+            if limits and trial < args.trials - 1:
+                limits.append(machine_limits(model, budget))
     medians = [sorted(r, key=lambda x: x.wall_s)[len(r) // 2] for r in runs.values()]
     rows = [summarize_batched(r) for r in medians]
     print(f"\nmodel {path} ({config.model_type}), {dtype}, {device}, {len(work)} requests (prompts "
@@ -264,7 +268,7 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
     if pool["graph_shapes"]:
         print(f"decode graphs: {pool['graph_steps']:.0f} steps replayed from {pool['graph_shapes']:.0f} padded shapes, "
               f"captured in {pool['graph_capture_s']:.1f} s before the clock started")
-    roofline = None if args.no_roofline else report_roofline(model, work, engine_args, medians[0], before)
+    roofline = None if args.no_roofline else report_roofline(model, work, engine_args, medians[0], limits)
     print("choices: " + "; ".join(f"{c.name}: {c.value}" for c in CHOICES.values()))
     if args.json:
         report = {"machine": machine_info(), "choices": [asdict(c) for c in CHOICES.values()],
@@ -294,33 +298,40 @@ def native_contender(model: Transformer) -> NativeKernels | None:
 
 
 def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: dict[str, Any], run: BatchedRun,
-                    before: Limits | None = None) -> dict[str, Any]:
-    """Print (and return for the JSON) the machine's limits measured now (the higher of these and `before`'s, taken
-    before the timed runs, at each row count), the engine run's FLOPs and bytes and its fraction of the roofline per
-    phase, and where a step's time goes (a further run under timing hooks)."""
+                    samples: list[Limits] | None = None) -> dict[str, Any]:
+    """Print (and return for the JSON) the machine's limits, timed now and in `samples` (before the runs and between
+    their trials): their median at each row count (the machine while the runs ran), the engine run's FLOPs and bytes
+    and its fraction of the roofline per phase, the median step's against the best timing too, and where a step's
+    time goes (a further run under timing hooks)."""
     config, dtype = model.config, model.dtype
     budget = int(run.stats["token_budget"])  # (the engine's: the caller's or its measured choice)
     dtypes = limit_dtypes(model)
     native = native_contender(model)
-    limits = machine_limits(model, budget).best_with(before)
+    timings = [*(samples or []), machine_limits(model, budget)]
+    limits, best = typical_limits(timings), best_limits(timings)
     bandwidth = limits.bandwidth
-    phases = summarize_phases(run.trace, ModelShape.of(model, dtype.itemsize), limits)
+    shape = ModelShape.of(model, dtype.itemsize)
+    phases = summarize_phases(run.trace, shape, limits)
+    strict = {p.phase: p.fraction_p50 for p in summarize_phases(run.trace, shape, best)}
     table: list[dict[str, float | str]] = [
         {"phase": p.phase, "steps": p.steps, "seconds": p.seconds, "gflop": p.flops / 1e9, "gb": p.bytes / 1e9,
          "gflop_s": p.flops / p.seconds / 1e9, "gb_s": p.bytes / p.seconds / 1e9, "roofline_s": p.roofline_s,
          "fraction": p.fraction, "fraction_p50": p.fraction_p50, "fraction_at_shape": p.fraction_at_shape,
+         "p50_vs_best": strict[p.phase],
          "step_p50_ms": median_step_ms(run.trace, p.phase) if p.phase != "all" else 0.0}
         for p in phases]
     rates = ", ".join(f"{rows} rows {rate / 1e9:.0f}" for rows, rate in limits.flops_by_rows.items())
     named = " or ".join([*(str(d).removeprefix("torch.") for d in dtypes), *(["the native packed product"] if native
                                                                               else [])])
+    peaks = [t.peak_flops / 1e9 for t in timings]
     print(f"roofline: matmul [rows, {config.hidden_size}] @ [{config.hidden_size}, {config.intermediate_size}] in "
-          f"{named} (the fastest; the higher of a timing before the runs and one after): {rates} GFLOP/s; read "
-          f"{bandwidth / 1e9:.1f} GB/s. A step's bound is "
-          "max(FLOPs / peak matmul, bytes / read) (fraction; fraction_p50: the median step's own), or with the "
-          "matmul rate at the step's own rows (fraction_at_shape)")
+          f"{named} (the fastest), the median of {len(timings)} timings (before the runs, between the trials, after "
+          f"them): {rates} GFLOP/s; read {bandwidth / 1e9:.1f} GB/s; the peak timed {min(peaks):.0f}-{max(peaks):.0f} "
+          "GFLOP/s. A step's bound is max(FLOPs / peak matmul, bytes / read) (fraction; fraction_p50: the median "
+          "step's own; p50_vs_best: the same against the fastest timing), or with the matmul rate at the step's own "
+          "rows (fraction_at_shape)")
     print(format_table(table, ["phase", "steps", "seconds", "gflop", "gb", "gflop_s", "gb_s", "roofline_s", "fraction",
-                               "fraction_p50", "fraction_at_shape", "step_p50_ms"]))
+                               "fraction_p50", "p50_vs_best", "fraction_at_shape", "step_p50_ms"]))
     profile = ForwardProfile()
     # The hooks synchronise the device around every op, which a CUDA graph capture forbids (and a replayed graph
     # would bypass): the profiled run steps op by op.
@@ -331,8 +342,9 @@ def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: d
           f"{profiled.wall_s:.1f} s):")
     print(format_table(parts, ["part", "seconds", "share"]))
     return {"matmul_flops_by_rows": limits.flops_by_rows, "matmul_dtypes": [str(d) for d in dtypes],
-            "matmul_native_packed": native is not None,
-            "read_bandwidth": bandwidth, "phases": table,
+            "matmul_native_packed": native is not None, "read_bandwidth": bandwidth,
+            "timings": [{"matmul_flops_by_rows": t.flops_by_rows, "read_bandwidth": t.bandwidth} for t in timings],
+            "phases": table,
             "profile": parts}
 
 

@@ -136,14 +136,6 @@ class Limits:
         """The best matmul rate measured: the classic roofline's compute limit."""
         return max(self.flops_by_rows.values())
 
-    def best_with(self, other: Limits | None) -> Limits:
-        """The higher of two measurements at every row count (and bandwidth): on a shared host whose speed moves
-        between minutes, a limit timed in a slow moment would let the engine's runs read above 1.0 of it."""
-        if other is None:
-            return self
-        rates = {r: max(rate, other.flops_by_rows.get(r, 0.0)) for r, rate in self.flops_by_rows.items()}
-        return Limits(rates, max(self.bandwidth, other.bandwidth))
-
     def flops_at(self, rows: int) -> float:
         """The matmul rate measured at the row count nearest `rows` (on a log scale): the compute limit of a step
         of that many tokens (a 16-row product cannot reach a 512-row one's rate)."""
@@ -154,6 +146,23 @@ class Limits:
 def roofline_s(cost: StepCost, peak_flops: float, bandwidth: float) -> float:
     """The least time the machine's limits allow for a step of `cost`."""
     return max(cost.flops / peak_flops, cost.bytes / bandwidth)
+
+
+def typical_limits(samples: list[Limits]) -> Limits:
+    """The median of several timings of the limits (before the runs, between their trials, after them) at every row
+    count, and of the bandwidths: the machine's speed while the runs ran. A shared host's speed moves 1.5-2x between
+    minutes; a single timing, or the best of several, read against the runs' median steps measures that noise
+    (a 16-request decode run read 0.55 of the best of two timings and 0.95 of the native product timed beside it)."""
+    rows = samples[0].flops_by_rows
+    return Limits({r: statistics.median(s.flops_by_rows[r] for s in samples) for r in rows},
+                  statistics.median(s.bandwidth for s in samples))
+
+
+def best_limits(samples: list[Limits]) -> Limits:
+    """The highest of several timings of the limits at every row count, and of the bandwidths: the strict bar (the
+    machine at its fastest moment of the run)."""
+    rows = samples[0].flops_by_rows
+    return Limits({r: max(s.flops_by_rows[r] for s in samples) for r in rows}, max(s.bandwidth for s in samples))
 
 
 def limit_dtypes(model: nn.Module) -> tuple[torch.dtype, ...]:
@@ -174,11 +183,17 @@ def measure_limits(dtypes: tuple[torch.dtype, ...], device: torch.device, inputs
     otherwise lower the bar)."""
     rows = sorted({1, 4, 16, 64, 256, 512, max_rows})
     rates: dict[int, float] = {}
+    emulated: set[torch.dtype] = set()
     for r in rows:
-        contenders = [matmul_rate(dtype, device, r, inputs, outputs) for dtype in dtypes]
+        dtype_rates = {dtype: matmul_rate(dtype, device, r, inputs, outputs) for dtype in dtypes
+                       if dtype not in emulated}
+        contenders = list(dtype_rates.values())
         if native is not None:
             contenders.append(native_product_rate(native, r, inputs, outputs))
         rates[r] = max(contenders)
+        if r >= 16:  # a dtype 10x behind from 16 rows on is emulated (bf16 on a CPU without its units: ~1 GFLOP/s
+            # on a Zen 3, 25 of the 28 s the limits took there); the larger row counts skip it
+            emulated |= {dtype for dtype, rate in dtype_rates.items() if rate < rates[r] / 10}
     return Limits(rates, bandwidth)
 
 

@@ -193,14 +193,40 @@ def test_the_native_product_rate_times_the_product_it_names() -> None:
     assert calls == [64] * 4 and rate > 0.0
 
 
-def test_two_measurements_of_the_limits_give_the_higher_at_every_row_count() -> None:
-    """`Limits.best_with`: each row count's rate and the bandwidth the higher of the two; rows only the first
-    measured keep its rate; none leaves the limits as they are."""
-    from infer.roofline import Limits
+def test_several_timings_of_the_limits_give_their_median_and_their_best_at_every_row_count() -> None:
+    """`typical_limits`: each row count's rate and the bandwidth the median of the timings (one slow or fast moment of
+    a shared host does not set the bar); `best_limits`: the highest of them."""
+    from infer.roofline import Limits, best_limits, typical_limits
 
-    after = Limits({1: 5.0, 16: 80.0, 24: 30.0, 512: 100.0}, 10e9)
-    before = Limits({1: 7.0, 16: 60.0, 512: 140.0}, 8e9)
-    best = after.best_with(before)
-    assert best.flops_by_rows == {1: 7.0, 16: 80.0, 24: 30.0, 512: 140.0} and best.bandwidth == 10e9
-    assert best.peak_flops == 140.0
-    assert after.best_with(None) is after
+    timings = [Limits({1: 5.0, 16: 80.0, 512: 100.0}, 10e9), Limits({1: 7.0, 16: 60.0, 512: 140.0}, 8e9),
+               Limits({1: 6.0, 16: 90.0, 512: 90.0}, 12e9)]
+    typical = typical_limits(timings)
+    assert typical.flops_by_rows == {1: 6.0, 16: 80.0, 512: 100.0} and typical.bandwidth == 10e9
+    assert typical.peak_flops == 100.0
+    best = best_limits(timings)
+    assert best.flops_by_rows == {1: 7.0, 16: 90.0, 512: 140.0} and best.bandwidth == 12e9
+    two = typical_limits(timings[:2])  # (an even count: the mean of the middle two)
+    assert two.flops_by_rows == {1: 6.0, 16: 70.0, 512: 120.0} and two.bandwidth == 9e9
+    assert typical_limits(timings[:1]) == timings[0]
+
+
+def test_an_emulated_dtype_is_timed_no_further_once_it_runs_10x_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dtype 10x behind the fastest contender from 16 rows on (bf16 on a CPU without bf16 units: ~1 GFLOP/s, most
+    of the limits' time at 256 and 512 rows) is not timed at the larger row counts; one that keeps up, or lags
+    only below 16 rows, is timed at every row count."""
+    import infer.roofline as roofline
+
+    timed: list[tuple[torch.dtype, int]] = []
+    rates = {torch.bfloat16: 0.05, torch.float32: 1.0, torch.float16: 0.5}  # from 16 rows on
+    few_rows = {torch.bfloat16: 0.01, torch.float32: 0.01, torch.float16: 0.0005}  # float16 20x behind here
+
+    def rate(dtype: torch.dtype, device: torch.device, m: int, k: int, n: int) -> float:
+        timed.append((dtype, m))
+        return (few_rows if m < 16 else rates)[dtype] * m
+
+    monkeypatch.setattr(roofline, "matmul_rate", rate)
+    limits = roofline.measure_limits((torch.bfloat16, torch.float32, torch.float16), torch.device("cpu"), 8, 8, 24,
+                                     1e9)
+    assert [m for d, m in timed if d == torch.bfloat16] == [1, 4, 16]
+    assert [m for d, m in timed if d == torch.float16] == [1, 4, 16, 24, 64, 256, 512]
+    assert limits.flops_by_rows[512] == 512.0 and limits.flops_by_rows[4] == 0.04
