@@ -109,8 +109,8 @@ def build_ragged_batch(
     starts: list[int] = []  # each chunk's first row
     fresh: list[int] = []
     decoding = [i for i, c in enumerate(chunks) if c.num_tokens == 1] if batch_decode else []
-    if len(decoding) < 2:
-        decoding = []
+    if len(decoding) < (1 if decode_kernel == "native" else 2):  # (one token padded into a batch gains nothing; the
+        decoding = []  # native kernel reads it in place all the same, and the engine's whole step then takes it)
     if every_token:
         decoding = list(range(len(chunks)))
     grouped = set(decoding)

@@ -40,20 +40,23 @@ def count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return rows
 
 
-def serve(arch: str, prompts: list[list[int]], new: int, native_step: bool, packed: str | bool = "native",
-          weights: str | None = None, **engine_args: object) -> list[tuple[list[int], torch.Tensor]]:
+def serve(arch: str, prompts: list[list[int]], new: int | list[int], native_step: bool, packed: str | bool = "native",
+          weights: str | None = None, decode_gemv: str = "auto", **engine_args: object
+          ) -> list[tuple[list[int], torch.Tensor]]:
     """Each request's greedy tokens and logits through a bf16 engine on `arch`'s test checkpoint (its weights
-    quantized under `weights`)."""
+    quantized under `weights`; `new`: every request's new tokens, or each one's)."""
     import infer
     from infer.engine import Engine
     from infer.sampling import SamplingParams
     from reference import build_checkpoint
 
-    model = infer.load_model(build_checkpoint(arch), dtype="bfloat16", weights=weights)
+    model = infer.load_model(build_checkpoint(arch), dtype="bfloat16", weights=weights, decode_gemv=decode_gemv)
     model.native_step = native_step
     engine = Engine(model, None, num_blocks=64, keep_logits=True, packed_products=packed,  # type: ignore[arg-type]
                     decode_attention="native", **engine_args)  # type: ignore[arg-type]
-    ids = [engine.add_request(p, SamplingParams(max_new_tokens=new, temperature=0.0)) for p in prompts]
+    news = new if isinstance(new, list) else [new] * len(prompts)
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=n, temperature=0.0)) for p, n in zip(prompts, news,
+                                                                                                      strict=True)]
     while engine.has_unfinished():
         engine.step()
     out = []
@@ -84,6 +87,33 @@ def test_the_whole_step_is_the_per_op_path_bit_for_bit(arch: str, lengths: list[
         assert not rows, "native_step=False still took the whole-step call"
     for (tokens, logits), (want_tokens, want_logits) in zip(fast, slow, strict=True):
         assert tokens == want_tokens and torch.equal(logits, want_logits), "the whole step parted from the per-op path"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3_text"])
+def test_one_row_steps_take_the_whole_step_bit_for_bit(arch: str) -> None:
+    """Steps of one token (a request alone, or the last one left) take the call too, its products the GEMV the per-op
+    path's one-row products are: tokens and logits equal the per-op path's; a quantized model's one-row steps, whose
+    products are the codes' own GEMV, keep the per-op path."""
+    prompts = [[3, 14, 15, 9, 2, 6], [5, 3, 5]]
+    with pytest.MonkeyPatch.context() as patch:
+        rows = count_calls(patch)
+        fast = serve(arch, prompts, [9, 3], native_step=True, decode_gemv="native")
+        assert rows.count(1) >= 5, f"the one-row steps did not take the whole-step call: {rows}"
+        rows.clear()
+        slow = serve(arch, prompts, [9, 3], native_step=False, decode_gemv="native")
+        assert not rows
+    for (tokens, logits), (want_tokens, want_logits) in zip(fast, slow, strict=True):
+        assert tokens == want_tokens and torch.equal(logits, want_logits), "a one-row step parted from the per-op path"
+
+
+@pytest.mark.parametrize(("weights", "gemv"), [pytest.param("int8", "native", marks=needs_codes), (None, "linear")])
+def test_one_row_steps_whose_products_are_not_the_native_gemv_keep_the_per_op_path(
+        weights: str | None, gemv: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a one-row product is not the native GEMV on a bf16 weight (a quantized model's: the codes' own GEMV; or
+    another decode kernel chosen), one-row steps keep the per-op path; the multi-row steps still take the call."""
+    rows = count_calls(monkeypatch)
+    serve("llama", [[3, 14, 15, 9], [5, 3]], [6, 2], native_step=True, weights=weights, decode_gemv=gemv)
+    assert rows and 1 not in rows and 2 in rows, rows
 
 
 def after_the_prompts(prompts: list[list[int]], new: int, **engine_args: object) -> tuple[Engine, list[int]]:

@@ -3379,12 +3379,16 @@ typedef struct {
     const void *w, *bias; /* bf16 packed by infer_pack_bf16 (fmt -1) or codes packed for infer_qgemm_packed; bias */
     const float *scales, *mins; /* the codes' (mins NULL: none) */
     int64_t fmt, group;         /* -1, Q8 or Q4; the codes' group */
+    const void *rows_w;         /* the bf16 weight row-major, for one-row steps' GEMV (NULL: none) */
 } batch_product;
 
 /* The step's code for a product that failed: -2 a product this build cannot run (packed codes without the pair
  * instruction), -3 a shape it cannot take, -1 anything else (its buffer not allocated). */
 static int batch_product_run(const batch_product *p, const uint16_t *x, uint16_t *y, int64_t m, int64_t n, int64_t k,
                              int threads) {
+    if (m == 1 && p->rows_w) /* one row: the GEMV, as the per-op path's one-row products (a one-row tile of the packed
+                              * product keeps 2 sums: 2 chains of multiply-adds, each waiting on its last) */
+        return infer_gemv(BF16, p->rows_w, x, p->bias, y, n, k, threads) ? -1 : 0;
     int code = p->fmt < 0
         ? infer_gemm_bf16_packed((const uint16_t *)p->w, x, (const uint16_t *)p->bias, y, m, n, k, threads)
         : infer_qgemm_packed((int)p->fmt, (const uint8_t *)p->w, p->scales, p->mins, x, (const uint16_t *)p->bias, y,

@@ -92,6 +92,9 @@ class NativeBatchStep:
         config = model.config
         self.kernels = kernels
         self.keep: list[torch.Tensor] = []  # every tensor a descriptor points into
+        # Whether one-row steps can take the call: every product's one-row form is the native GEMV on a bf16 weight
+        # (not a quantized one's codes GEMV, nor another kernel), which the call then runs (`_describe_product`).
+        self.one_row = True
         layers = model._decoder_layers()
         self.layer_types = [layer.self_attn.layer_type for layer in layers]
         self.layers = (BatchLayer * len(layers))()
@@ -118,9 +121,17 @@ class NativeBatchStep:
         self.rotation: tuple[torch.Tensor | None, torch.Tensor | None] | None = None  # a pool's, and its fp32 copy
 
     def _describe_product(self, desc: BatchProduct, product: Any) -> None:
-        """Point `desc` at `product`'s packed copy: a bf16 weight (fmt -1) or a quantized weight's packed codes."""
+        """Point `desc` at `product`'s packed copy: a bf16 weight (fmt -1) or a quantized weight's packed codes; and
+        at its row-major bf16 weight where the per-op path's one-row product is the native GEMV on it (then a
+        one-row step runs the same GEMV: `one_row`)."""
         packed = product.packed
         desc.bias = None if product.bias is None else self._address(product.bias)
+        weight = getattr(product, "weight", None)
+        if (getattr(product, "gemv", None) == "native" and isinstance(weight, torch.Tensor)
+                and weight.dtype == torch.bfloat16 and weight.is_contiguous()):
+            desc.rows_w = self._address(weight)
+        else:
+            self.one_row = False
         if isinstance(packed, PackedCodes):
             self.keep += [t for t in (packed.codes, packed.scales, packed.mins) if t is not None]
             desc.w, desc.scales = packed.codes.data_ptr(), packed.scales.data_ptr()

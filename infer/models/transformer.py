@@ -851,7 +851,7 @@ class Transformer(nn.Module):
                 for lt in self.inv_freq}
         ctx = StepContext(rope, backend, kernels)
         whole = self._native_step_for(backend, kernels)  # (the step, positions read as codes) or None
-        batched = None if whole is not None else self._native_batch_step_for(backend, kernels)
+        batched = None if whole is not None else self._native_batch_step_for(backend, kernels, input_ids.numel())
         try:
             if whole is not None:
                 x = whole[0](x, rope, whole[1])
@@ -882,19 +882,23 @@ class Transformer(nn.Module):
 
     def step_kernels(self, input_ids: torch.Tensor, backend: AttentionBackend) -> StepKernels:
         """The kernels of one forward, chosen in one place: native small ops for a one-token step of one
-        sequence under the native GEMV (`native_ops`; never where autograd could need them: no backward),
+        sequence under the native GEMV (`native_ops`; never where autograd could need them: no backward; an engine
+        step of one token takes the engine steps' row kernels instead),
         the formula's attention when `use_reference_attention`, the prefill compute dtype, and a cache's own
         attention kernel for one-token steps (a quantized cache dequantizing in the kernel)."""
         native = None
-        if self.native_ops and self._decode_gemv == "native" and input_ids.numel() == 1 and not (
+        paged = isinstance(backend, PagedBackend)
+        if self.native_ops and self._decode_gemv == "native" and input_ids.numel() == 1 and not paged and not (
                 torch.is_grad_enabled() and self.norm.weight.requires_grad):
             native = native_kernels()
         reference = self.use_reference_attention
         in_kernel = backend.attends_in_kernel and input_ids.shape[1] == 1 and not reference
         # The engine's steps (held to their solo runs within rounding): bf16 norms and rotations of all rows in one
         # native call each, where the build does them 16 lanes at a time (PyTorch's RMSNorm is 8 ops, RoPE 5).
+        # (an engine step of one token too: its one-row products the GEMV either way, and so it can take the
+        # batched whole step, `_native_batch_step_for`)
         rows = None
-        if (native is None and self.native_ops and isinstance(backend, PagedBackend) and self.dtype == torch.bfloat16
+        if (native is None and self.native_ops and paged and self.dtype == torch.bfloat16
                 and input_ids.device.type == "cpu" and not torch.is_grad_enabled()):
             found = native_kernels()
             rows = found if found is not None and found.rows_vectorized else None
@@ -928,14 +932,15 @@ class Transformer(nn.Module):
             self.__dict__["_native_step"] = step
         return (step, quantized) if step and step.bind(cache) else None
 
-    def _native_batch_step_for(self, backend: AttentionBackend, kernels: StepKernels
+    def _native_batch_step_for(self, backend: AttentionBackend, kernels: StepKernels, tokens: int
                                ) -> Callable[[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]],
                                              torch.Tensor] | None:
         """The batched whole-step native call for this forward (`x`, rope tables -> hidden states), or None for the
         per-op path: an engine step (`StepKernels.rows`) without reference attention whose every token attends in
         the native paged kernel in one call (`DecodeGroup.all_rows`) in each layer's batch (the pool's; Gemma 3's
         sliding layers' rings have their own), over exact bf16 blocks or a quantized pool with bf16 staging, on a
-        model `batch_step_unavailable` takes."""
+        model `batch_step_unavailable` takes; a step of one token (`tokens`) where every one-row product is the
+        native GEMV on a bf16 weight, which the call then runs (`NativeBatchStep.one_row`)."""
         if (not self.native_step or self.tensor_parallel is not None or kernels.rows is None or kernels.reference
                 or not isinstance(backend, PagedBackend)):
             return None
@@ -965,7 +970,7 @@ class Transformer(nn.Module):
             native = kernels.rows
             step = NativeBatchStep(self, native) if batch_step_unavailable(self, native) is None else False
             self.__dict__["_native_batch_step"] = step
-        if not step:
+        if not step or (tokens == 1 and not step.one_row):
             return None
         described = {key: describe_batch(batch, plans[key]) for key, batch in batches.items()}
         layer_batches = [described[id(batch)] for batch, _, _ in backend.layers]
