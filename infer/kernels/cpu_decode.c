@@ -3386,8 +3386,8 @@ typedef struct {
  * instruction), -3 a shape it cannot take, -1 anything else (its buffer not allocated). */
 static int batch_product_run(const batch_product *p, const uint16_t *x, uint16_t *y, int64_t m, int64_t n, int64_t k,
                              int threads) {
-    if (m == 1 && p->rows_w) /* one row: the GEMV, as the per-op path's one-row products (a one-row tile of the packed
-                              * product keeps 2 sums: 2 chains of multiply-adds, each waiting on its last) */
+    if (m == 1 && p->rows_w) /* one row: the GEMV the per-op path's one-row products run, so the same values bit for
+                              * bit (the packed product's one-row tile streams as fast, but may round differently) */
         return infer_gemv(BF16, p->rows_w, x, p->bias, y, n, k, threads) ? -1 : 0;
     int code = p->fmt < 0
         ? infer_gemm_bf16_packed((const uint16_t *)p->w, x, (const uint16_t *)p->bias, y, m, n, k, threads)
