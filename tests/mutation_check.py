@@ -1352,7 +1352,7 @@ MUTANTS = [
            "float g = load_scalar(dtype, gate_up, n + i), up = load_scalar(dtype, gate_up, i), act;",
            ("tests/test_native_kernels.py",)),
     Mutant("native step ops taken for a batch of one-token rows", "infer/models/transformer.py",
-           "and input_ids.numel() == 1 and not (", "and input_ids.shape[1] == 1 and not (",
+           "and input_ids.numel() == 1 and not paged and not (", "and input_ids.shape[1] == 1 and not paged and not (",
            ("tests/test_native_kernels.py",)),
     Mutant("huge pages: the copy starts off a 2 MiB boundary", "infer/memory.py",
            "start = -_address(buffer) % HUGE_PAGE", "start = _address(buffer) % HUGE_PAGE",
