@@ -141,8 +141,9 @@ class PackedCodes:
     engine's steps), as `NativeKernels.pack_bf16` lays out a bf16 weight: blocks of 16 rows, each row's pairs of inputs
     interleaved, zero rows filling the last block. A copy; the weight is unchanged."""
 
-    fmt: str  # "q8" (Q6_K's codes too) | "q4"
-    codes: torch.Tensor  # q8: int8 [blocks, k // 2, 32]; q4: uint8 [blocks, k // 4, 32] (pairs 2j, 2j + 1: nibbles)
+    fmt: str  # "q8" (Q6_K's codes too) | "q4" | "q8c" (q8 of one scale a row in the channel form: `pack_codes`)
+    codes: torch.Tensor  # q8: int8 [blocks, k // 2, 32]; q4: uint8 [blocks, k // 4, 32] (pairs 2j, 2j + 1: nibbles);
+    #                      q8c: int8 [blocks, k, 16] (input i's 16 codes side by side)
     scales: torch.Tensor  # float32 [blocks, groups, 16]: each group's scale of the block's 16 rows
     mins: torch.Tensor | None  # q4: as scales; q8: None
     group: int
@@ -154,15 +155,22 @@ class PackedCodes:
         return sum(t.nbytes for t in (self.codes, self.scales, self.mins) if t is not None)
 
 
-def pack_codes(weight: QuantizedWeight) -> PackedCodes:
+def pack_codes(weight: QuantizedWeight, channels: bool = False) -> PackedCodes:
     """`weight` as `PackedCodes` (the scales widened to float32: factored ones as the kernels form them), so that
-    dequantizing a block gives `NativeKernels.pack_bf16(weight.dequantize(torch.bfloat16))`'s values."""
+    dequantizing a block gives `NativeKernels.pack_bf16(weight.dequantize(torch.bfloat16))`'s values. `channels`
+    (AVX2's packed product: `NativeKernels.pack_codes` decides): q8 codes of one scale a row (int8 per output channel)
+    in the channel form instead, each block's codes input-major, which that product multiplies without dequantizing,
+    each row's sum times its scale."""
     w = weight.unfactored()
     n, k = w.shape
     blocks, spare = -(-n // 16), -n % 16
     q = unpack_q4(w.codes) if w.fmt == "q4" else w.codes
-    q = torch.cat((q, q.new_zeros(spare, k))).reshape(blocks, 16, k // 2, 2).transpose(1, 2).reshape(blocks, k // 2,
-                                                                                                     32)
+    q = torch.cat((q, q.new_zeros(spare, k)))
+    channels = channels and w.fmt == "q8" and w.group == k
+    if channels:
+        q = q.reshape(blocks, 16, k).transpose(1, 2)
+    else:
+        q = q.reshape(blocks, 16, k // 2, 2).transpose(1, 2).reshape(blocks, k // 2, 32)
     if w.fmt == "q4":
         pairs = q.reshape(blocks, k // 4, 2, 32)
         q = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
@@ -172,7 +180,7 @@ def pack_codes(weight: QuantizedWeight) -> PackedCodes:
         return t.reshape(blocks, 16, -1).transpose(1, 2).contiguous()
 
     mins = None if w.mins is None else per_block(w.mins)
-    return PackedCodes(w.fmt, q.contiguous(), per_block(w.scales), mins, w.group, (n, k))
+    return PackedCodes("q8c" if channels else w.fmt, q.contiguous(), per_block(w.scales), mins, w.group, (n, k))
 
 
 def factor(multipliers: torch.Tensor, supers: torch.Tensor) -> torch.Tensor:

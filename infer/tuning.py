@@ -35,7 +35,7 @@ from infer.models.transformer import (
     packed_linear,
     packing_unavailable,
 )
-from infer.quant_weights import PackedCodes, QuantizedWeight, pack_codes
+from infer.quant_weights import PackedCodes, QuantizedWeight
 from infer.ragged import DECODE_KERNELS, IN_PLACE_KERNELS
 
 
@@ -501,7 +501,7 @@ def _choose_quantized_packing(model: Transformer, coded: list[QuantizedLinear], 
     kernels = native_kernels()
     if kernels is None:  # (native_packing_unavailable found it)
         return PackingChoice(Choice(name, "off", f"no native kernels: {unavailable_reason()}"), 1)
-    packed = [pack_codes(m.qweight) for m in sweep]
+    packed = [kernels.pack_codes(m.qweight) for m in sweep]
     own, timed, ratios = [m.packed for m in sweep], [], []
     try:
         for module in sweep:  # (the model may be packed already: its own kernels are timed unpacked)
@@ -929,7 +929,8 @@ def _time_product_rates(model: Transformer, rows: list[int]) -> dict[int, float]
         native = functools.partial(_native_packed_products, kernels, dense, [kernels.pack_bf16(w) for w in dense])
     elif (kernels is not None and len(coded) == len(sweep) and model.dtype == torch.bfloat16
           and native_packing_unavailable([], coded) is None):
-        native = functools.partial(_quantized_packed_products, kernels, [pack_codes(p.qweight) for p in coded])
+        native = functools.partial(_quantized_packed_products, kernels,
+                                   [kernels.pack_codes(p.qweight) for p in coded])
     flops = _row_flops(sweep)
     rates: dict[int, float] = {}
     for m in rows:

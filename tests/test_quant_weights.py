@@ -553,3 +553,81 @@ def test_the_quantized_packed_product_passes_many_rows_in_groups(flavour: str, s
     got = kernels.quantized_gemm_packed(pack_codes(weight), x, bias)
     want = kernels.gemm_bf16_packed(kernels.pack_bf16(weight.dequantize(torch.bfloat16)), x, 37, bias)
     assert x.shape[1] == 3072 and torch.equal(got, want), f"{scheme}: rows past the first group parted"
+
+
+def scaled_sums(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """The channel form's numbers for an int8 weight of one scale a row: each row's fp32 sum of code times x over k
+    in order (each product exact, a bf16 value times an int8 code having at most 15 significant bits, so each step
+    of the sum rounds once, as a fused multiply-add does), times the row's scale, plus the bias, each rounded once in
+    fp32, then rounded to bf16."""
+    q, xf = weight.codes.float(), x.float()
+    sums = torch.zeros(x.shape[0], q.shape[0])
+    for i in range(q.shape[1]):
+        sums = sums + xf[:, i, None] * q[None, :, i]
+    y = sums * weight.scales.float().reshape(1, -1)
+    return (y if bias is None else y + bias.float()).bfloat16()
+
+
+def assert_within_the_int8_model(got: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight,
+                                 bias: torch.Tensor | None) -> None:
+    """`got` is `x @ (scale * q).T (+ bias)`, the int8 model's product unrounded, within fp32 summation and one bf16
+    rounding."""
+    w = weight.codes.double() * weight.scales.double()
+    exact = x.double() @ w.T + (0 if bias is None else bias.double())
+    magnitude = x.double().abs() @ w.abs().T + (0 if bias is None else bias.double().abs())
+    bound = (x.shape[1] + 2) * 2.0**-24 * magnitude + 2.0**-8 * exact.abs() + 1e-30
+    assert got.dtype == torch.bfloat16 and got.shape == (x.shape[0], w.shape[0])
+    assert ((got.double() - exact).abs() <= bound).all(), "beyond rounding of the int8 model's product"
+
+
+# (AVX2 builds: int8 codes of one scale a row in the channel form, multiplied without dequantizing)
+CHANNEL_CODES = [f for f in PACKED_CODES if native_kernels(f).channel_codes_available]  # type: ignore[union-attr]
+
+
+@pytest.mark.skipif(not CHANNEL_CODES, reason="the channel form of int8 codes is AVX2's (and needs a build)")
+@given(n=st.integers(1, 80), runs=st.integers(1, 13), m=st.integers(1, 21), with_bias=st.booleans(),
+       threads=st.integers(1, 3), flavour=st.sampled_from(CHANNEL_CODES or ["native"]), seed=st.integers(0, 2**31))
+@settings(max_examples=40, deadline=None)
+def test_int8_codes_in_the_channel_form_give_each_rows_scaled_sum(n: int, runs: int, m: int, with_bias: bool,
+                                                                  threads: int, flavour: str, seed: int) -> None:
+    """`quantized_gemm_packed` on an int8 weight of one scale a row packed in the channel form (no dequantizing) is
+    each row's fp32 sum of code times x in order, times its scale (+ bias), rounded once, bit for bit (last blocks
+    part-filled, threads splitting the blocks unevenly), and so within fp32 summation and one bf16 rounding of the
+    int8 model's product; the weight and x are left as they were."""
+    kernels = native_kernels(flavour)
+    assert kernels is not None
+    weight, x, bias = bf16_product_case("int8", n, runs, 32, m, with_bias, seed)
+    packed = pack_codes(weight, channels=True)
+    assert weight.group == x.shape[1] and packed.fmt == "q8c" and packed.codes.shape == (-(-n // 16), x.shape[1], 16)
+    before, x_before = [t.clone() for t in weight.tensors()], x.clone()
+    with on_threads(threads):
+        got = kernels.quantized_gemm_packed(packed, x, bias)
+    assert torch.equal(got, scaled_sums(x, weight, bias)), "not each row's scaled fp32 sum"
+    assert_within_the_int8_model(got, x, weight, bias)
+    assert torch.equal(x, x_before) and all(torch.equal(a, b) for a, b in zip(weight.tensors(), before, strict=True))
+
+
+@pytest.mark.skipif(not CHANNEL_CODES, reason="the channel form of int8 codes is AVX2's (and needs a build)")
+def test_int8_codes_in_the_channel_form_pass_many_rows_in_groups() -> None:
+    """Rows past what one pass keeps in cache (70 rows of k = 3072) go through the blocks in groups: each row still
+    its scaled sum, bit for bit."""
+    kernels = native_kernels(CHANNEL_CODES[0])
+    assert kernels is not None
+    weight, x, bias = bf16_product_case("int8", 37, 96, 32, 70, True, 5)
+    got = kernels.quantized_gemm_packed(pack_codes(weight, channels=True), x, bias)
+    assert x.shape[1] == 3072 and torch.equal(got, scaled_sums(x, weight, bias)), "rows past the first group parted"
+
+
+@pytest.mark.parametrize("scheme", ["int4", "Q8_0", "Q6_K", "Q4_K-factored"])
+def test_the_channel_form_leaves_codes_of_many_scales_a_row_in_pairs(scheme: str) -> None:
+    """Only int8 codes of one scale a row take the channel form: grouped codes (int4, GGUF's) keep the pairs form
+    whatever is asked; and the kernels lay a weight out in their build's form."""
+    weight = weight_of(scheme, 40, 256, 32, 3)
+    pairs, asked = pack_codes(weight), pack_codes(weight, channels=True)
+    assert asked.fmt == pairs.fmt != "q8c" and torch.equal(asked.codes, pairs.codes)
+    assert torch.equal(asked.scales, pairs.scales)
+    kernels = native_kernels()
+    if kernels is not None:
+        int8 = weight_of("int8", 40, 256, 32, 3)
+        assert kernels.pack_codes(int8).fmt == ("q8c" if kernels.channel_codes else "q8")
+        assert kernels.pack_codes(weight).fmt == pairs.fmt

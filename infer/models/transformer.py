@@ -35,7 +35,7 @@ from infer.kernels.native import NativeKernels, native_gemv, native_kernels, una
 from infer.memory import empty_on_huge_pages, on_huge_pages
 from infer.models.native_batch_step import NativeBatchStep, batch_step_unavailable, describe_batch
 from infer.models.native_step import NativeStep, codes_cache, takes_model
-from infer.quant_weights import PackedCodes, QuantizedWeight, concat_rows, pack_codes
+from infer.quant_weights import PackedCodes, QuantizedWeight, concat_rows
 from infer.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from infer.tensor_parallel import Shards
 
@@ -761,7 +761,7 @@ class Transformer(nn.Module):
                     return pack_weight(weight if upcast is None else weight.to(upcast))
             for product in products:
                 if isinstance(product, QuantizedLinear):
-                    product.packed, product.packed_from = pack_codes(product.qweight), rows
+                    product.packed, product.packed_from = native_kernels_or_raise().pack_codes(product.qweight), rows
                 else:
                     product.packed, product.packed_from, product.packed_layout = pack(product.weight), rows, layout
 
