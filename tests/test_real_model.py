@@ -197,10 +197,18 @@ def test_the_bf16_engine_stays_near_the_fp32_model(tokenizer: infer.Tokenizer, o
     the fp32 model fed the same tokens. The bounds are this test's figures on the AMD EPYC on 2026-11-26 (mean KL
     1.24e-3, top-1 0.975, largest log-probability error 1.12) with a margin: a real model's near-ties flip in bf16."""
 
+    engine = infer.Engine(ours_bf16, tokenizer, num_blocks=256, keep_logits=True)
+    kl, agree, worst = against_the_fp32_model(engine, tokenizer, ours_fp32)
+    print(f"\nbf16 engine, packed={ours_bf16.packed_layout}: mean KL {kl:.2e}, top-1 {agree:.3f}, worst {worst:.2f}")
+    assert kl < 4e-3 and agree >= 0.9 and worst < 3.0
+
+
+def against_the_fp32_model(engine: infer.Engine, tokenizer: infer.Tokenizer, ours_fp32: infer.Transformer
+                           ) -> tuple[float, float, float]:
+    """`engine`'s five chat requests of 32 greedy tokens, each step's log-probabilities against the fp32 model fed
+    the same tokens: mean KL, top-1 agreement, largest log-probability error."""
     prompts = [chat(tokenizer, q) for q in QUESTIONS]
     params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
-    engine = infer.Engine(ours_bf16, tokenizer, num_blocks=256, keep_logits=True)
-    packed = ours_bf16.packed_layout
     kl, agree, worst, steps = 0.0, 0, 0.0, 0
     for prompt, result in zip(prompts, engine.generate(prompts, params), strict=True):
         assert result.logits is not None
@@ -214,8 +222,44 @@ def test_the_bf16_engine_stays_near_the_fp32_model(tokenizer: infer.Tokenizer, o
         agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
         worst = max(worst, float((ref - got).abs().max()))
         steps += ref.shape[0]
-    print(f"\nbf16 engine, packed={packed}: mean KL {kl / steps:.2e}, top-1 {agree / steps:.3f}, worst {worst:.2f}")
-    assert kl / steps < 4e-3 and agree / steps >= 0.9 and worst < 3.0
+    return kl / steps, agree / steps, worst
+
+
+def test_int8_weights_in_the_engine_stay_near_the_fp32_model(smollm2: Path, tokenizer: infer.Tokenizer,
+                                                             ours_fp32: infer.Transformer,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8 per channel, bf16 activations, through the engine on packed codes: in the channel form where the build
+    has it (AVX2: no dequantizing, each row's sum times its scale) and in the pairs form (each block dequantized to
+    bf16 first), each step's log-probabilities against the fp32 model fed the same tokens. The bounds are this test's
+    figures on a 2-core AMD EPYC (Zen 3) on 2026-11-29 with a margin (channel: mean KL 4.80e-3, top-1 0.969, worst
+    2.27; pairs: 5.07e-3, 0.975, 2.20); the channel form, which rounds no weight to bf16, is no further from the fp32
+    model than the pairs form by more than a near-tie's flip."""
+    from infer.kernels.native import native_kernels
+    from infer.models.transformer import QuantizedLinear, native_packing_unavailable
+    from infer.quant_weights import PackedCodes
+
+    if (why := native_packing_unavailable([torch.zeros(2, 2, dtype=torch.bfloat16)])) is not None:
+        pytest.skip(f"no native packed product here: {why}")
+    kernels = native_kernels()
+    assert kernels is not None
+    if not kernels.packed_codes_available:
+        pytest.skip("no native packed product on codes in this build")
+    forms = {"channel": True, "pairs": False} if kernels.channel_codes_available else {"pairs": False}
+    figures = {}
+    for form, channels in forms.items():
+        monkeypatch.setattr(kernels, "channel_codes", channels)
+        model = infer.load_model(smollm2, dtype="bfloat16", weights="int8", decode_gemv="linear")
+        engine = infer.Engine(model, tokenizer, num_blocks=256, keep_logits=True, packed_products="native")
+        coded = [p for p in model.packable_products()  # (not the LM head: int8 per 32 inputs)
+                 if isinstance(p, QuantizedLinear) and p.qweight.group == p.in_features]
+        assert coded and all(isinstance(p.packed, PackedCodes) and p.packed.fmt == ("q8c" if channels else "q8")
+                             for p in coded)
+        figures[form] = against_the_fp32_model(engine, tokenizer, ours_fp32)
+        kl, agree, worst = figures[form]
+        print(f"\nint8 engine, {form} form: mean KL {kl:.2e}, top-1 {agree:.3f}, worst {worst:.2f}")
+        assert kl < 1e-2 and agree >= 0.85 and worst < 4.0
+    if "channel" in figures:
+        assert figures["channel"][0] <= 1.5 * figures["pairs"][0]
 
 
 def test_quantized_weights_in_the_engine_are_the_dequantized_bf16_model(smollm2: Path, tokenizer: infer.Tokenizer,
