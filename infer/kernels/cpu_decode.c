@@ -3467,7 +3467,7 @@ typedef struct {
 typedef struct {
     const void *w, *bias; /* bf16 packed by infer_pack_bf16 (fmt -1) or codes packed for infer_qgemm_packed; bias */
     const float *scales, *mins; /* the codes' (mins NULL: none) */
-    int64_t fmt, group;         /* -1, Q8 or Q4; the codes' group */
+    int64_t fmt, group;         /* -1, Q8, Q4 or Q8C; the codes' group */
     const void *rows_w;         /* the bf16 weight row-major, for one-row steps' GEMV (NULL: none) */
 } batch_product;
 

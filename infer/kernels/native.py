@@ -75,7 +75,7 @@ class StepLayer(ctypes.Structure):
 
 class BatchProduct(ctypes.Structure):
     """cpu_decode.c's batch_product: a bf16 weight packed by `pack_bf16` (fmt -1) or codes packed by `pack_codes` (fmt
-    Q8 / Q4, float32 scales and mins), and its bias (or NULL); `rows_w`: the bf16 weight row-major, which one-row
+    Q8 / Q4 / Q8C, float32 scales and mins), and its bias (or NULL); `rows_w`: the bf16 weight row-major, which one-row
     steps' GEMV reads (or NULL)."""
 
     _fields_ = [*((name, ctypes.c_void_p) for name in ("w", "bias", "scales", "mins")), ("fmt", ctypes.c_int64),
