@@ -2166,8 +2166,8 @@ static inline __attribute__((always_inline)) void packed_tile_bf16(int mr, const
  * (a byte's sign extension and conversion: two operations for 8 weights, as a bf16 weight's shift or mask is one
  * for 8 weights and its wider load), and each row's fp32 sum over k in order times the row's scale (+ bias), rounded
  * once: scale * sum_i q_i x_i, the codes kernel's (infer_qgemv's) sum, where dequantizing into bf16 first (the
- * pairs form) rounds every weight. No buffer and no dequantizing pass: at 16 and 64 rows of a 150M Llama's products
- * on a 2-core Zen 3 EPYC, 1.0-1.1x the bf16 packed product and 1.2-1.5x the dequantizing path. */
+ * pairs form) rounds every weight. No buffer and no dequantizing pass: at 16 rows of a 150M Llama's products on a
+ * 2-core Zen 3 EPYC, 1.0-1.1x the bf16 packed product (0.9-1.0x at 64) and 1.2-1.5x the dequantizing path. */
 static inline __attribute__((always_inline)) void channel_tile_q8(int mr, const int8_t *pb, int64_t pairs,
                                                                   const float *x, int64_t k, const float *scales,
                                                                   const uint16_t *bias, uint16_t *y, int64_t n,
@@ -3208,7 +3208,7 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
     }
     return failed ? -1 : 0;
 #elif defined(HAVE_PACKED_BF16) /* AVX2: a block at a time into the buffer, for each group of rows whose x is in L2 */
-    int channels = fmt == Q8C; /* (no buffer: the channel tile reads the codes) */
+    int channels = fmt == Q8C; /* the channel form: q8 codes the tiles read as they are (no buffer) */
     if (fmt == Q6 || channels) fmt = Q8;
     if (!qshape_ok(fmt, k, group) || (channels && group != k)) return -2;
     if (m <= 0 || n <= 0) return 0;
@@ -3216,45 +3216,31 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
     if (!xw) return -1;
     int64_t pairs = k / 2, groups = k / group, block_bytes = fmt == Q8 ? 16 * k : 8 * k, rows_at_once = rows_in_l2(k);
     int failed = 0;
-    if (channels) {
-#pragma omp parallel num_threads(threads) if (threads > 1)
-        {
-            int64_t r0, r1;
-            thread_rows(n, &r0, &r1);
-            int64_t b0 = r0 / 16, b1 = (r1 + 15) / 16;
-            for (int64_t j0 = 0; j0 < m; j0 += rows_at_once) {
-                int64_t mc = m - j0 < rows_at_once ? m - j0 : rows_at_once, tiles = (mc + PACK_ROWS - 1) / PACK_ROWS;
-                int64_t per_iter = (block_bytes / 64 + tiles * pairs - 1) / (tiles * pairs);
-                for (int64_t b = b0; b < b1; b++) { /* the block after next prefetched while this one runs */
-                    int64_t from = b + 2 < b1 ? b + 2 : b1, to = b + 3 < b1 ? b + 3 : b1;
-                    packed_pass(codes + b * block_bytes, scales + 16 * b, pairs, xw + j0 * k, mc, k, bias, y + j0 * n,
-                                n, b, 1, (const char *)(codes + from * block_bytes),
-                                (const char *)(codes + to * block_bytes), per_iter);
-                }
-            }
-        }
-        return 0;
-    }
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int64_t r0, r1;
         thread_rows(n, &r0, &r1); /* (whole blocks of 16 rows) */
         int64_t b0 = r0 / 16, b1 = (r1 + 15) / 16;
-        uint16_t *buf = (uint16_t *)malloc((size_t)(pairs * 32) * sizeof(uint16_t));
-        if (!buf) {
+        uint16_t *buf = channels ? NULL : (uint16_t *)malloc((size_t)(pairs * 32) * sizeof(uint16_t));
+        if (!channels && !buf) {
             b1 = b0;
 #pragma omp atomic write
             failed = 1;
         }
+        /* the codes prefetched a block ahead of the one dequantizing; in the channel form, whose tiles read them
+         * as they run, a block ahead of that */
+        int64_t ahead = channels ? 2 : 1;
         for (int64_t j0 = 0; j0 < m; j0 += rows_at_once) {
             int64_t mc = m - j0 < rows_at_once ? m - j0 : rows_at_once, tiles = (mc + PACK_ROWS - 1) / PACK_ROWS;
             int64_t per_iter = (block_bytes / 64 + tiles * pairs - 1) / (tiles * pairs);
-            for (int64_t b = b0; b < b1; b++) { /* the next block's codes prefetched while this one runs */
-                dequant_block_packed(fmt, codes + b * block_bytes, scales + b * groups * 16,
-                                     mins ? mins + b * groups * 16 : NULL, buf, pairs, group);
-                int64_t to = b + 2 < b1 ? b + 2 : b1;
-                packed_pass(buf, NULL, pairs, xw + j0 * k, mc, k, bias, y + j0 * n, n, b, 1,
-                            (const char *)(codes + (b + 1) * block_bytes), (const char *)(codes + to * block_bytes),
+            for (int64_t b = b0; b < b1; b++) {
+                if (!channels)
+                    dequant_block_packed(fmt, codes + b * block_bytes, scales + b * groups * 16,
+                                         mins ? mins + b * groups * 16 : NULL, buf, pairs, group);
+                int64_t from = b + ahead < b1 ? b + ahead : b1, to = b + ahead + 1 < b1 ? b + ahead + 1 : b1;
+                packed_pass(channels ? (const void *)(codes + b * block_bytes) : buf, channels ? scales + 16 * b : NULL,
+                            pairs, xw + j0 * k, mc, k, bias, y + j0 * n, n, b, 1,
+                            (const char *)(codes + from * block_bytes), (const char *)(codes + to * block_bytes),
                             per_iter);
             }
         }
