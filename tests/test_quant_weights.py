@@ -503,15 +503,21 @@ def bf16_product_case(scheme: str, n: int, runs: int, group: int, m: int, with_b
     return weight_of(scheme, n, k, group, seed), x, torch.randn(n, generator=g).bfloat16() if with_bias else None
 
 
-def assert_within_the_bf16_dequantized_gemm(got: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight,
-                                            bias: torch.Tensor | None) -> None:
-    """`got` is `x @ dequantize(bf16).T (+ bias)` within fp32 summation and one bf16 rounding."""
-    w = weight.dequantize(torch.bfloat16).double()
+def assert_within_rounding_of(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                              what: str) -> None:
+    """`got` is `x @ w.T (+ bias)` (`w` float64) within fp32 summation and one bf16 rounding."""
     exact = x.double() @ w.T + (0 if bias is None else bias.double())
     magnitude = x.double().abs() @ w.abs().T + (0 if bias is None else bias.double().abs())
     bound = (x.shape[1] + 2) * 2.0**-24 * magnitude + 2.0**-8 * exact.abs() + 1e-30
     assert got.dtype == torch.bfloat16 and got.shape == (x.shape[0], w.shape[0])
-    assert ((got.double() - exact).abs() <= bound).all(), f"{weight.scheme}: beyond rounding of the dequantized GEMM"
+    assert ((got.double() - exact).abs() <= bound).all(), f"beyond rounding of {what}"
+
+
+def assert_within_the_bf16_dequantized_gemm(got: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight,
+                                            bias: torch.Tensor | None) -> None:
+    """`got` is `x @ dequantize(bf16).T (+ bias)` within fp32 summation and one bf16 rounding."""
+    assert_within_rounding_of(got, x, weight.dequantize(torch.bfloat16).double(), bias,
+                              f"{weight.scheme}'s dequantized GEMM")
 
 
 # (every flavour with the packed product on codes: the pair instruction's, and AVX2's on bf16-dequantized blocks)
@@ -568,18 +574,6 @@ def scaled_sums(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | N
     return (y if bias is None else y + bias.float()).bfloat16()
 
 
-def assert_within_the_int8_model(got: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight,
-                                 bias: torch.Tensor | None) -> None:
-    """`got` is `x @ (scale * q).T (+ bias)`, the int8 model's product unrounded, within fp32 summation and one bf16
-    rounding."""
-    w = weight.codes.double() * weight.scales.double()
-    exact = x.double() @ w.T + (0 if bias is None else bias.double())
-    magnitude = x.double().abs() @ w.abs().T + (0 if bias is None else bias.double().abs())
-    bound = (x.shape[1] + 2) * 2.0**-24 * magnitude + 2.0**-8 * exact.abs() + 1e-30
-    assert got.dtype == torch.bfloat16 and got.shape == (x.shape[0], w.shape[0])
-    assert ((got.double() - exact).abs() <= bound).all(), "beyond rounding of the int8 model's product"
-
-
 # (AVX2 builds: int8 codes of one scale a row in the channel form, multiplied without dequantizing)
 CHANNEL_CODES = [f for f in PACKED_CODES if native_kernels(f).channel_codes_available]  # type: ignore[union-attr]
 
@@ -603,7 +597,8 @@ def test_int8_codes_in_the_channel_form_give_each_rows_scaled_sum(n: int, runs: 
     with on_threads(threads):
         got = kernels.quantized_gemm_packed(packed, x, bias)
     assert torch.equal(got, scaled_sums(x, weight, bias)), "not each row's scaled fp32 sum"
-    assert_within_the_int8_model(got, x, weight, bias)
+    assert_within_rounding_of(got, x, weight.codes.double() * weight.scales.double(), bias,  # (unrounded weights)
+                              "the int8 model's product")
     assert torch.equal(x, x_before) and all(torch.equal(a, b) for a, b in zip(weight.tensors(), before, strict=True))
 
 

@@ -761,7 +761,7 @@ class Transformer(nn.Module):
                     return pack_weight(weight if upcast is None else weight.to(upcast))
             for product in products:
                 if isinstance(product, QuantizedLinear):
-                    product.packed, product.packed_from = native_kernels_or_raise().pack_codes(product.qweight), rows
+                    product.packed, product.packed_from = kernels.pack_codes(product.qweight), rows  # (layout native)
                 else:
                     product.packed, product.packed_from, product.packed_layout = pack(product.weight), rows, layout
 
