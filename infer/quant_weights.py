@@ -141,9 +141,10 @@ class PackedCodes:
     engine's steps), as `NativeKernels.pack_bf16` lays out a bf16 weight: blocks of 16 rows, each row's pairs of inputs
     interleaved, zero rows filling the last block. A copy; the weight is unchanged."""
 
-    fmt: str  # "q8" (Q6_K's codes too) | "q4" | "q8c" (q8 of one scale a row in the channel form: `pack_codes`)
+    fmt: str  # "q8" (Q6_K's codes too) | "q4" | "q8c" | "q4c" (the channel form: `pack_codes`)
     codes: torch.Tensor  # q8: int8 [blocks, k // 2, 32]; q4: uint8 [blocks, k // 4, 32] (pairs 2j, 2j + 1: nibbles);
-    #                      q8c: int8 [blocks, k, 16] (input i's 16 codes side by side)
+    #                      q8c: int8 [blocks, k, 16] (input i's 16 codes side by side); q4c: uint8 [blocks, k,
+    #                      8] (input i's rows 0-7 in low nibbles, 8-15 in high ones)
     scales: torch.Tensor  # float32 [blocks, groups, 16]: each group's scale of the block's 16 rows
     mins: torch.Tensor | None  # q4: as scales; q8: None
     group: int
@@ -158,29 +159,31 @@ class PackedCodes:
 def pack_codes(weight: QuantizedWeight, channels: bool = False) -> PackedCodes:
     """`weight` as `PackedCodes` (the scales widened to float32: factored ones as the kernels form them), so that
     dequantizing a block gives `NativeKernels.pack_bf16(weight.dequantize(torch.bfloat16))`'s values. `channels`
-    (AVX2's packed product: `NativeKernels.pack_codes` decides): q8 codes of one scale a row (int8 per output channel)
-    in the channel form instead, each block's codes input-major, which that product multiplies without dequantizing,
-    each row's sum times its scale."""
+    (AVX2's packed product: `NativeKernels.pack_codes` decides): the channel form instead, each block's codes
+    input-major, which that product multiplies without dequantizing, each group's sum times its scale (q4: plus its
+    min times x's sum over the group)."""
     w = weight.unfactored()
     n, k = w.shape
     blocks, spare = -(-n // 16), -n % 16
     q = unpack_q4(w.codes) if w.fmt == "q4" else w.codes
     q = torch.cat((q, q.new_zeros(spare, k)))
-    channels = channels and w.fmt == "q8" and w.group == k
-    if channels:
+    if channels:  # input i's 16 codes side by side; q4: rows 0-7's in 8 bytes' low nibbles, rows 8-15's in the high
         q = q.reshape(blocks, 16, k).transpose(1, 2)
-    else:
+        if w.fmt == "q4":
+            q = q[:, :, :8] | (q[:, :, 8:] << 4)
+    else:  # each row's inputs in pairs; q4: pairs 2j and 2j + 1 in one byte's low and high nibbles
         q = q.reshape(blocks, 16, k // 2, 2).transpose(1, 2).reshape(blocks, k // 2, 32)
-    if w.fmt == "q4":
-        pairs = q.reshape(blocks, k // 4, 2, 32)
-        q = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
+        if w.fmt == "q4":
+            pairs = q.reshape(blocks, k // 4, 2, 32)
+            q = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
 
     def per_block(t: torch.Tensor) -> torch.Tensor:
         t = torch.cat((t.float(), t.new_zeros(spare, t.shape[1], dtype=torch.float32)))
         return t.reshape(blocks, 16, -1).transpose(1, 2).contiguous()
 
     mins = None if w.mins is None else per_block(w.mins)
-    return PackedCodes("q8c" if channels else w.fmt, q.contiguous(), per_block(w.scales), mins, w.group, (n, k))
+    fmt = w.fmt + "c" if channels else w.fmt
+    return PackedCodes(fmt, q.contiguous(), per_block(w.scales), mins, w.group, (n, k))
 
 
 def factor(multipliers: torch.Tensor, supers: torch.Tensor) -> torch.Tensor:

@@ -519,8 +519,10 @@ def _choose_quantized_packing(model: Transformer, coded: list[QuantizedLinear], 
             module.packed = copy_before
     on = sum(ratios) / len(ratios) < 0.97 and max(ratios) < 1.1
     megabytes = sum(m.qweight.nbytes for m in sweep) / 2**20
-    reason = (f"native packed codes / the quantized kernels over {len(sweep)} quantized weights ({megabytes:.0f} "
-              f"MiB), {', '.join(timed)} (medians, alternately); packed copies up to {copy / 2**20:.0f} MiB")
+    form = "channel" if kernels.channel_codes else "pairs"  # (AVX2's codes multiplied without dequantizing)
+    reason = (f"native packed codes ({form} form) / the quantized kernels over {len(sweep)} quantized weights "
+              f"({megabytes:.0f} MiB), {', '.join(timed)} (medians, alternately); packed copies up to "
+              f"{copy / 2**20:.0f} MiB")
     return PackingChoice(Choice(name, "native" if on else "off", reason), 1)
 
 

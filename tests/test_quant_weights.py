@@ -504,10 +504,12 @@ def bf16_product_case(scheme: str, n: int, runs: int, group: int, m: int, with_b
 
 
 def assert_within_rounding_of(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-                              what: str) -> None:
-    """`got` is `x @ w.T (+ bias)` (`w` float64) within fp32 summation and one bf16 rounding."""
+                              what: str, magnitudes: torch.Tensor | None = None) -> None:
+    """`got` is `x @ w.T (+ bias)` (`w` float64) within fp32 summation and one bf16 rounding (the summation's error
+    scaled by `magnitudes`, `|w|` unless given)."""
     exact = x.double() @ w.T + (0 if bias is None else bias.double())
-    magnitude = x.double().abs() @ w.abs().T + (0 if bias is None else bias.double().abs())
+    magnitude = x.double().abs() @ (w.abs() if magnitudes is None else magnitudes).T
+    magnitude = magnitude + (0 if bias is None else bias.double().abs())
     bound = (x.shape[1] + 2) * 2.0**-24 * magnitude + 2.0**-8 * exact.abs() + 1e-30
     assert got.dtype == torch.bfloat16 and got.shape == (x.shape[0], w.shape[0])
     assert ((got.double() - exact).abs() <= bound).all(), f"beyond rounding of {what}"
@@ -562,67 +564,100 @@ def test_the_quantized_packed_product_passes_many_rows_in_groups(flavour: str, s
 
 
 def scaled_sums(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """The channel form's numbers for an int8 weight of one scale a row: each row's fp32 sum of code times x over k
-    in order (each product exact, a bf16 value times an int8 code having at most 15 significant bits, so each step
-    of the sum rounds once, as a fused multiply-add does), times the row's scale, plus the bias, each rounded once in
-    fp32, then rounded to bf16."""
-    q, xf = weight.codes.float(), x.float()
-    sums = torch.zeros(x.shape[0], q.shape[0])
-    for i in range(q.shape[1]):
-        sums = sums + xf[:, i, None] * q[None, :, i]
-    y = sums * weight.scales.float().reshape(1, -1)
-    return (y if bias is None else y + bias.float()).bfloat16()
+    """The channel form's numbers: each group's fp32 sum of code times x over its inputs in order (each product
+    exact, a bf16 value times a code of at most 8 bits having at most 16 significant bits, so each step of the sum
+    rounds once, as a fused multiply-add does), times the group's scale, summed over the groups in order (the first
+    group's product the total), with mins each group's min times x's fp32 sum over the group (in order) after it, then
+    the bias: each product and sum rounded once in fp32, then the whole rounded to bf16."""
+    w = weight.unfactored()
+    q, xf = (unpack_q4(w.codes) if w.fmt == "q4" else w.codes).float(), x.float()
+    total = torch.zeros(x.shape[0], q.shape[0])
+    for g in range(q.shape[1] // w.group):
+        sums, xsum = torch.zeros(x.shape[0], q.shape[0]), torch.zeros(x.shape[0], 1)
+        for i in range(g * w.group, (g + 1) * w.group):
+            sums = sums + xf[:, i, None] * q[None, :, i]
+            xsum = xsum + xf[:, i, None]
+        scaled = sums * w.scales.float()[None, :, g]
+        total = scaled if g == 0 else total + scaled
+        if w.mins is not None:
+            total = total + w.mins.float()[None, :, g] * xsum
+    return (total if bias is None else total + bias.float()).bfloat16()
 
 
-# (AVX2 builds: int8 codes of one scale a row in the channel form, multiplied without dequantizing)
+def unrounded_weight(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight`'s dense values in float64 (scale * q (+ min), no rounding to a dtype), and the magnitudes its
+    products' rounding scales with (|scale * q| + |min|: a group's min and codes may cancel in the weight, not in the
+    sums the channel form keeps)."""
+    w = weight.unfactored()
+    n, k = w.shape
+    q = (unpack_q4(w.codes) if w.fmt == "q4" else w.codes).double().reshape(n, k // w.group, w.group)
+    scaled = q * w.scales.double().unsqueeze(-1)
+    mins = torch.zeros_like(scaled) if w.mins is None else w.mins.double().unsqueeze(-1).expand_as(scaled)
+    return (scaled + mins).reshape(n, k), (scaled.abs() + mins.abs()).reshape(n, k)
+
+
+# (AVX2 builds: codes in the channel form, multiplied without dequantizing)
 CHANNEL_CODES = [f for f in PACKED_CODES if native_kernels(f).channel_codes_available]  # type: ignore[union-attr]
+CHANNEL_SCHEMES = ["int8", "int4", "Q8_0", "Q4_K", "Q6_K", "Q4_K-factored", "Q6_K-factored"]
 
 
-@pytest.mark.skipif(not CHANNEL_CODES, reason="the channel form of int8 codes is AVX2's (and needs a build)")
+@pytest.mark.skipif(not CHANNEL_CODES, reason="the channel form of codes is AVX2's (and needs a build)")
 @given(n=st.integers(1, 80), runs=st.integers(1, 13), m=st.integers(1, 21), with_bias=st.booleans(),
-       threads=st.integers(1, 3), flavour=st.sampled_from(CHANNEL_CODES or ["native"]), seed=st.integers(0, 2**31))
-@settings(max_examples=40, deadline=None)
-def test_int8_codes_in_the_channel_form_give_each_rows_scaled_sum(n: int, runs: int, m: int, with_bias: bool,
-                                                                  threads: int, flavour: str, seed: int) -> None:
-    """`quantized_gemm_packed` on an int8 weight of one scale a row packed in the channel form (no dequantizing) is
-    each row's fp32 sum of code times x in order, times its scale (+ bias), rounded once, bit for bit (last blocks
-    part-filled, threads splitting the blocks unevenly), and so within fp32 summation and one bf16 rounding of the
-    int8 model's product; the weight and x are left as they were."""
+       threads=st.integers(1, 3), flavour=st.sampled_from(CHANNEL_CODES or ["native"]), seed=st.integers(0, 2**31),
+       scheme=st.sampled_from(CHANNEL_SCHEMES), group=st.sampled_from([32, 64, 128]))
+@settings(max_examples=60, deadline=None)
+def test_codes_in_the_channel_form_give_each_groups_scaled_sums(scheme: str, n: int, runs: int, group: int, m: int,
+                                                                with_bias: bool, threads: int, flavour: str,
+                                                                seed: int) -> None:
+    """`quantized_gemm_packed` on a weight packed in the channel form (no dequantizing; int8 per channel, int4 in
+    groups with mins, GGUF's grouped q8 and q4 codes, factored scales) is `scaled_sums`' formula bit for bit (last
+    blocks part-filled, threads splitting the blocks unevenly), and so within fp32 summation and one bf16 rounding
+    of the quantized model's unrounded product; the weight and x are left as they were."""
     kernels = native_kernels(flavour)
     assert kernels is not None
-    weight, x, bias = bf16_product_case("int8", n, runs, 32, m, with_bias, seed)
+    weight, x, bias = bf16_product_case(scheme, n, runs, group, m, with_bias, seed)
     packed = pack_codes(weight, channels=True)
-    assert weight.group == x.shape[1] and packed.fmt == "q8c" and packed.codes.shape == (-(-n // 16), x.shape[1], 16)
+    k, fmt = x.shape[1], weight.unfactored().fmt
+    assert packed.fmt == fmt + "c"
+    assert packed.codes.shape == (-(-n // 16), k, 16 if fmt == "q8" else 8)
     before, x_before = [t.clone() for t in weight.tensors()], x.clone()
     with on_threads(threads):
         got = kernels.quantized_gemm_packed(packed, x, bias)
-    assert torch.equal(got, scaled_sums(x, weight, bias)), "not each row's scaled fp32 sum"
-    assert_within_rounding_of(got, x, weight.codes.double() * weight.scales.double(), bias,  # (unrounded weights)
-                              "the int8 model's product")
+    assert torch.equal(got, scaled_sums(x, weight, bias)), f"{scheme}: not each group's scaled fp32 sums"
+    dense, magnitudes = unrounded_weight(weight)
+    assert_within_rounding_of(got, x, dense, bias, f"{scheme}'s unrounded product", magnitudes)
     assert torch.equal(x, x_before) and all(torch.equal(a, b) for a, b in zip(weight.tensors(), before, strict=True))
 
 
-@pytest.mark.skipif(not CHANNEL_CODES, reason="the channel form of int8 codes is AVX2's (and needs a build)")
-def test_int8_codes_in_the_channel_form_pass_many_rows_in_groups() -> None:
+@pytest.mark.skipif(not CHANNEL_CODES, reason="the channel form of codes is AVX2's (and needs a build)")
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_codes_in_the_channel_form_pass_many_rows_in_groups(scheme: str) -> None:
     """Rows past what one pass keeps in cache (70 rows of k = 3072) go through the blocks in groups: each row still
-    its scaled sum, bit for bit."""
+    its scaled sums, bit for bit (int4: x's group sums of the later rows too)."""
     kernels = native_kernels(CHANNEL_CODES[0])
     assert kernels is not None
-    weight, x, bias = bf16_product_case("int8", 37, 96, 32, 70, True, 5)
+    weight, x, bias = bf16_product_case(scheme, 37, 96, 32, 70, True, 5)
     got = kernels.quantized_gemm_packed(pack_codes(weight, channels=True), x, bias)
     assert x.shape[1] == 3072 and torch.equal(got, scaled_sums(x, weight, bias)), "rows past the first group parted"
 
 
-@pytest.mark.parametrize("scheme", ["int4", "Q8_0", "Q6_K", "Q4_K-factored"])
-def test_the_channel_form_leaves_codes_of_many_scales_a_row_in_pairs(scheme: str) -> None:
-    """Only int8 codes of one scale a row take the channel form: grouped codes (int4, GGUF's) keep the pairs form
-    whatever is asked; and the kernels lay a weight out in their build's form."""
+@pytest.mark.parametrize("scheme", CHANNEL_SCHEMES)
+def test_the_channel_form_holds_the_pairs_forms_codes_and_scales(scheme: str) -> None:
+    """The channel form is a layout of the same codes, scales and mins as the pairs form (each block's codes
+    input-major: q8 input i's 16 side by side, q4 rows 0-7 in 8 bytes' low nibbles and 8-15 in their high ones);
+    the kernels lay a weight out in their build's form."""
     weight = weight_of(scheme, 40, 256, 32, 3)
-    pairs, asked = pack_codes(weight), pack_codes(weight, channels=True)
-    assert asked.fmt == pairs.fmt != "q8c" and torch.equal(asked.codes, pairs.codes)
-    assert torch.equal(asked.scales, pairs.scales)
+    pairs, channel = pack_codes(weight), pack_codes(weight, channels=True)
+    assert channel.fmt == pairs.fmt + "c" and torch.equal(channel.scales, pairs.scales)
+    assert (channel.mins is None) == (pairs.mins is None)
+    assert channel.mins is None or pairs.mins is None or torch.equal(channel.mins, pairs.mins)
+    w = weight.unfactored()
+    q = unpack_q4(w.codes) if w.fmt == "q4" else w.codes  # [40, 256]: blocks of 16 rows, the last part-filled
+    rows = torch.cat((q, q.new_zeros(8, 256))).reshape(3, 16, 256).transpose(1, 2)  # [block, input, row]
+    if w.fmt == "q4":
+        assert torch.equal(channel.codes & 0x0F, rows[:, :, :8]) and torch.equal(channel.codes >> 4, rows[:, :, 8:])
+    else:
+        assert torch.equal(channel.codes, rows)
     kernels = native_kernels()
     if kernels is not None:
-        int8 = weight_of("int8", 40, 256, 32, 3)
-        assert kernels.pack_codes(int8).fmt == ("q8c" if kernels.channel_codes else "q8")
-        assert kernels.pack_codes(weight).fmt == pairs.fmt
+        assert kernels.pack_codes(weight).fmt == (channel.fmt if kernels.channel_codes else pairs.fmt)

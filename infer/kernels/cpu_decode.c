@@ -2161,65 +2161,140 @@ static inline __attribute__((always_inline)) void packed_tile_bf16(int mr, const
     }
 }
 
-/* The same tile on int8 codes of one scale a row (int8 per output channel: infer_qgemm_packed's Q8C), the scale after
- * the sum: the block's codes input-major (input i's 16 codes side by side), each widened to fp32 in registers, exact
- * (a byte's sign extension and conversion: two operations for 8 weights, as a bf16 weight's shift or mask is one
- * for 8 weights and its wider load), and each row's fp32 sum over k in order times the row's scale (+ bias), rounded
- * once: scale * sum_i q_i x_i, the codes kernel's (infer_qgemv's) sum, where dequantizing into bf16 first (the
- * pairs form) rounds every weight. No buffer and no dequantizing pass: at 16 rows of a 150M Llama's products on a
- * 2-core Zen 3 EPYC, 1.0-1.1x the bf16 packed product (0.9-1.0x at 64) and 1.2-1.5x the dequantizing path. */
-static inline __attribute__((always_inline)) void channel_tile_q8(int mr, const int8_t *pb, int64_t pairs,
-                                                                  const float *x, int64_t k, const float *scales,
-                                                                  const uint16_t *bias, uint16_t *y, int64_t n,
-                                                                  int64_t c, const char *pf, const char *pf_end,
-                                                                  int64_t per_iter) {
-    __m256 acc[PACK_ROWS][2];
-    for (int j = 0; j < mr; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
-    for (int64_t q = 0; q < pairs; q++) { /* inputs 2q and 2q + 1: 32 codes */
-        for (int64_t t = 0; t < per_iter && pf < pf_end; t++, pf += 64) __builtin_prefetch(pf, 0, 2);
-        const int8_t *w = pb + q * 32;
-        for (int e = 0; e < 2; e++) {
-            __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + 16 * e))));
-            __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + 16 * e + 8))));
+/* The same tile on codes in the channel form (infer_qgemm_packed's Q8C and Q4C: pack_codes(channels=True)), the
+ * scales after the sums: each block's codes input-major (q8: input i's 16 codes side by side; q4: input i's in 8
+ * bytes, rows 0-7 in their low nibbles, 8-15 in their high ones), each widened to fp32 in registers,
+ * exact (q8: a byte's sign extension and a conversion, two operations for 8 weights, as a bf16 weight's shift or
+ * mask is one for 8 weights and its wider load; q4: a zero extension, a mask or shift and a conversion), never
+ * rounded to bf16 as dequantizing into the pairs form rounds every weight. Each group's fp32 sums over its inputs in
+ * order, times the group's scale, are added into the row's totals in group order (the first group's product is the
+ * total), and with mins each group's min times x's sum over the group (`xsums`, formed once per call in order) after
+ * it; each product and add rounded once (no fused multiply-add: the test's torch formula rounds the same), then the
+ * bias, rounded once to bf16. One group a row (int8 per output channel) keeps the totals in registers: scale *
+ * sum_i q_i x_i, the codes kernel's (infer_qgemv's) sum; at 16 rows of a 150M Llama's products on a 2-core Zen 3
+ * EPYC, 1.0-1.1x the bf16 packed product (0.9-1.0x at 64) and 1.2-1.5x the dequantizing path. Grouped codes keep
+ * them on the stack, in L1: a group's end costs a few operations a row against its 16 pairs of multiply-adds. */
+static inline __attribute__((always_inline)) void channel_tile(int q4, int with_mins, int one_group, int mr,
+                                                               const uint8_t *pb, int64_t pairs, const float *x,
+                                                               int64_t k, int64_t group, const float *scales,
+                                                               const float *mins, const float *xsums,
+                                                               const uint16_t *bias, uint16_t *y, int64_t n, int64_t c,
+                                                               const char *pf, const char *pf_end, int64_t per_iter) {
+    int64_t per_group = one_group ? pairs : group / 2, groups = pairs / per_group;
+    const __m256i nibble = _mm256_set1_epi32(0x0f);
+    __m256 tot[PACK_ROWS][2];
+    for (int64_t g = 0; g < groups; g++) {
+        __m256 acc[PACK_ROWS][2];
+        for (int j = 0; j < mr; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+        for (int64_t q = g * per_group; q < (g + 1) * per_group; q++) { /* inputs 2q and 2q + 1: 32 codes */
+            for (int64_t t = 0; t < per_iter && pf < pf_end; t++, pf += 64) __builtin_prefetch(pf, 0, 2);
+            for (int e = 0; e < 2; e++) {
+                __m256 w0, w1;
+                if (q4) { /* input 2q + e's 8 bytes: rows 0-7 in the low nibbles, 8-15 in the high ones */
+                    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(pb + (2 * q + e) * 8)));
+                    w0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, nibble));
+                    w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+                } else {
+                    const int8_t *w = (const int8_t *)pb + q * 32 + 16 * e;
+                    w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
+                    w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + 8))));
+                }
+#pragma GCC unroll 6
+                for (int j = 0; j < mr; j++) {
+                    __m256 xv = _mm256_broadcast_ss(x + j * k + 2 * q + e);
+                    acc[j][0] = _mm256_fmadd_ps(w0, xv, acc[j][0]);
+                    acc[j][1] = _mm256_fmadd_ps(w1, xv, acc[j][1]);
+                }
+            }
+        }
+        __m256 s0 = _mm256_loadu_ps(scales + 16 * g), s1 = _mm256_loadu_ps(scales + 16 * g + 8);
+#pragma GCC unroll 6 /* (every loop over the sums unrolled: one left rolled keeps them in memory, 0.7x) */
+        for (int j = 0; j < mr; j++) {
+            __m256 a0 = _mm256_mul_ps(acc[j][0], s0), a1 = _mm256_mul_ps(acc[j][1], s1);
+            tot[j][0] = g ? _mm256_add_ps(tot[j][0], a0) : a0;
+            tot[j][1] = g ? _mm256_add_ps(tot[j][1], a1) : a1;
+        }
+        if (with_mins) {
+            __m256 m0 = _mm256_loadu_ps(mins + 16 * g), m1 = _mm256_loadu_ps(mins + 16 * g + 8);
 #pragma GCC unroll 6
             for (int j = 0; j < mr; j++) {
-                __m256 xv = _mm256_broadcast_ss(x + j * k + 2 * q + e);
-                acc[j][0] = _mm256_fmadd_ps(w0, xv, acc[j][0]);
-                acc[j][1] = _mm256_fmadd_ps(w1, xv, acc[j][1]);
+                __m256 xs = _mm256_broadcast_ss(xsums + j * groups + g);
+                tot[j][0] = _mm256_add_ps(tot[j][0], _mm256_mul_ps(m0, xs));
+                tot[j][1] = _mm256_add_ps(tot[j][1], _mm256_mul_ps(m1, xs));
             }
         }
     }
-    __m256 s0 = _mm256_loadu_ps(scales), s1 = _mm256_loadu_ps(scales + 8);
-#pragma GCC unroll 6 /* (every loop over the sums unrolled: one left rolled keeps them in memory, 0.7x) */
+#pragma GCC unroll 6
     for (int j = 0; j < mr; j++) {
-        store_sums_bf16(_mm256_mul_ps(acc[j][0], s0), bias, y + j * n, c, n);
-        store_sums_bf16(_mm256_mul_ps(acc[j][1], s1), bias, y + j * n, c + 8, n);
+        store_sums_bf16(tot[j][0], bias, y + j * n, c, n);
+        store_sums_bf16(tot[j][1], bias, y + j * n, c + 8, n);
     }
 }
-#define HAVE_CHANNEL_Q8 1
+
+/* x's sums over each group of `group` inputs, in order in fp32, into this calling thread's buffer ([m][k / group]:
+ * the mins' term of codes in the channel form); NULL without memory. */
+static const float *group_sums(const float *x, int64_t m, int64_t k, int64_t group) {
+    static _Thread_local float *sums = NULL;
+    static _Thread_local int64_t sums_len = 0;
+    int64_t groups = k / group;
+    if (m * groups > sums_len) {
+        float *grown = (float *)realloc(sums, (size_t)(m * groups) * sizeof(float));
+        if (!grown) return NULL;
+        sums = grown;
+        sums_len = m * groups;
+    }
+    for (int64_t j = 0; j < m * groups; j++) {
+        float s = 0.f;
+        for (int64_t i = 0; i < group; i++) s += x[j * group + i];
+        sums[j] = s;
+    }
+    return sums;
+}
+#define HAVE_CHANNEL_CODES 1
 #endif
 
 #if defined(HAVE_PACKED_BF16)
-/* A tile of bf16 blocks, or of Q8C codes where `channel_scales` (AVX2's alone) are given. */
-static inline __attribute__((always_inline)) void pass_tile(int mr, const void *pb, const float *channel_scales,
+/* A block of codes in the channel form (AVX2's): q4 or q8 codes, their group, the block's scales (and mins)
+ * [groups][16], and x's group sums [m][groups] where there are mins. */
+typedef struct {
+    int q4;
+    int64_t group;
+    const float *scales, *mins, *xsums;
+} channel_block;
+
+/* A tile of bf16 blocks, or of codes in the channel form where `cb` (AVX2's alone) is given: each format its own
+ * inlined tile. */
+static inline __attribute__((always_inline)) void pass_tile(int mr, const void *pb, const channel_block *cb,
                                                             int64_t pairs, const packed_x *x, int64_t k,
                                                             const uint16_t *bias, uint16_t *y, int64_t n, int64_t c,
                                                             int nb, const char *pf, const char *pf_end,
                                                             int64_t per_iter) {
-#if defined(HAVE_CHANNEL_Q8)
-    if (channel_scales) {
-        channel_tile_q8(mr, (const int8_t *)pb, pairs, x, k, channel_scales, bias, y, n, c, pf, pf_end, per_iter);
+#if defined(HAVE_CHANNEL_CODES)
+    if (cb) {
+        const uint8_t *codes = (const uint8_t *)pb;
+        if (!cb->q4 && cb->group == k)
+            channel_tile(0, 0, 1, mr, codes, pairs, x, k, k, cb->scales, NULL, NULL, bias, y, n, c, pf, pf_end,
+                         per_iter);
+        else if (!cb->q4)
+            channel_tile(0, 0, 0, mr, codes, pairs, x, k, cb->group, cb->scales, NULL, NULL, bias, y, n, c, pf,
+                         pf_end, per_iter);
+        else if (cb->mins)
+            channel_tile(1, 1, 0, mr, codes, pairs, x, k, cb->group, cb->scales, cb->mins, cb->xsums, bias, y, n, c,
+                         pf, pf_end, per_iter);
+        else
+            channel_tile(1, 0, 0, mr, codes, pairs, x, k, cb->group, cb->scales, NULL, NULL, bias, y, n, c, pf,
+                         pf_end, per_iter);
         return;
     }
 #endif
-    (void)channel_scales;
+    (void)cb;
     packed_tile_bf16(mr, (const uint16_t *)pb, pairs, x, k, bias, y, n, c, nb, pf, pf_end, per_iter);
 }
 
 /* Blocks b, b + 1 (nb of them) packed at `pb` against every tile of x, the bytes `pf` .. `pf_end` prefetched into L2
- * meanwhile, each tile its share. `channel_scales`: `pb` is one block of Q8C codes (AVX2), these its 16 rows' scales;
+ * meanwhile, each tile its share. `cb`: `pb` is one block of codes in the channel form (AVX2), `cb` its scales;
  * NULL for bf16 blocks. */
-static void packed_pass(const void *pb, const float *channel_scales, int64_t pairs, const packed_x *x, int64_t m,
+static void packed_pass(const void *pb, const channel_block *cb, int64_t pairs, const packed_x *x, int64_t m,
                         int64_t k, const uint16_t *bias, uint16_t *y, int64_t n, int64_t b, int nb, const char *pf,
                         const char *pf_end, int64_t per_iter) {
     int64_t tiles = (m + PACK_ROWS - 1) / PACK_ROWS;
@@ -2232,7 +2307,12 @@ static void packed_pass(const void *pb, const float *channel_scales, int64_t pai
         switch (mr) { /* each row count its own unrolled tile */
 #define PACKED_TILE(M)                                                                                       \
     case M:                                                                                                  \
-        pass_tile(M, pb, channel_scales, pairs, x + j * k, k, bias, y + j * n, n, 16 * b, nb, pf, end, per_iter); \
+        if (cb) {                                                                                            \
+            channel_block tile_cb = *cb;                                                                     \
+            if (cb->xsums) tile_cb.xsums = cb->xsums + j * (k / cb->group);                                  \
+            pass_tile(M, pb, &tile_cb, pairs, x + j * k, k, bias, y + j * n, n, 16 * b, nb, pf, end, per_iter); \
+        } else                                                                                               \
+            pass_tile(M, pb, NULL, pairs, x + j * k, k, bias, y + j * n, n, 16 * b, nb, pf, end, per_iter);  \
         break;
             PACKED_TILE(1) PACKED_TILE(2) PACKED_TILE(3) PACKED_TILE(4)
 #if PACK_ROWS > 4
@@ -2336,8 +2416,9 @@ int infer_gemm_bf16_packed(const uint16_t *p, const uint16_t *x_in, const uint16
  * steps, short prefill chunks) reads each weight row once per four. The codes stream like infer_gemv's
  * weights: one contiguous range of rows per thread, prefetched ahead. */
 
-enum { Q8 = 0, Q4 = 1, Q6 = 2, Q8C = 3 }; /* Q6: q8 codes known to lie in -32..31 (Q6_K's), groups of 16; Q8C: q8
-                                            * codes of one group a row in the packed product's channel form */
+/* Q6: q8 codes known to lie in -32..31 (Q6_K's), groups of 16; Q8C / Q4C: q8 / q4 codes in the packed product's
+ * channel form */
+enum { Q8 = 0, Q4 = 1, Q6 = 2, Q8C = 3, Q4C = 4 };
 #define QCHUNK 32
 
 /* A scale or min (float16 or float32): by the F16C instruction where the CPU has it (once per 32 weights, the
@@ -3168,14 +3249,15 @@ static void dequant_block_packed(int fmt, const uint8_t *codes, const float *sca
 
 /* y [m, n] = x [m, k] W^T (+ bias) for quantized W laid out as above (fmt Q8 or Q4; mins NULL for q8); every thread a
  * contiguous range of blocks, as infer_gemm_bf16_packed, the next pair's codes prefetched into L2 while this pair runs.
- * fmt Q8C (AVX2 builds): q8 codes of one group a row (group == k), each block's codes input-major instead
- * (C[b][i][l] = q[16b + l][i]: pack_codes' channel form), multiplied by channel_tile_q8 with no dequantizing, scale *
- * sum_i q_i x_i rounded once; the scales float32 [blocks][16].
+ * fmt Q8C / Q4C (AVX2 builds): q8 / q4 codes, each block's codes input-major instead (q8: C[b][i][l] = q[16b + l][i];
+ * q4: byte C[b][i][l] = q[16b + l][i] | q[16b + 8 + l][i] << 4: pack_codes' channel form), multiplied by
+ * channel_tile with no dequantizing: each group's fp32 sum times its scale (+ its min times x's group sum), summed
+ * over the groups, rounded once; the scales (mins) float32 [blocks][groups][16].
  * Returns -2 on a bad shape or without the pair instruction, -1 without memory (nothing written). */
 int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const float *mins, const uint16_t *x,
                        const uint16_t *bias, uint16_t *y, int64_t m, int64_t n, int64_t k, int64_t group, int threads) {
 #if defined(HAVE_DOT_BF16)
-    if (fmt == Q8C) return -2; /* (AVX2's form) */
+    if (fmt == Q8C || fmt == Q4C) return -2; /* (AVX2's forms) */
     if (fmt == Q6) fmt = Q8;
     if (!qshape_ok(fmt, k, group)) return -2;
     if (m <= 0 || n <= 0) return 0;
@@ -3208,12 +3290,14 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
     }
     return failed ? -1 : 0;
 #elif defined(HAVE_PACKED_BF16) /* AVX2: a block at a time into the buffer, for each group of rows whose x is in L2 */
-    int channels = fmt == Q8C; /* the channel form: q8 codes the tiles read as they are (no buffer) */
-    if (fmt == Q6 || channels) fmt = Q8;
-    if (!qshape_ok(fmt, k, group) || (channels && group != k)) return -2;
+    int channels = fmt == Q8C || fmt == Q4C; /* the channel form: codes the tiles read as they are (no buffer) */
+    if (fmt == Q6 || fmt == Q8C) fmt = Q8;
+    if (fmt == Q4C) fmt = Q4;
+    if (!qshape_ok(fmt, k, group)) return -2;
     if (m <= 0 || n <= 0) return 0;
     const float *xw = widened_rows(x, m, k, threads);
-    if (!xw) return -1;
+    const float *xsums = channels && mins ? group_sums(xw, m, k, group) : NULL;
+    if (!xw || (channels && mins && !xsums)) return -1;
     int64_t pairs = k / 2, groups = k / group, block_bytes = fmt == Q8 ? 16 * k : 8 * k, rows_at_once = rows_in_l2(k);
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -3234,14 +3318,14 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
             int64_t mc = m - j0 < rows_at_once ? m - j0 : rows_at_once, tiles = (mc + PACK_ROWS - 1) / PACK_ROWS;
             int64_t per_iter = (block_bytes / 64 + tiles * pairs - 1) / (tiles * pairs);
             for (int64_t b = b0; b < b1; b++) {
+                channel_block cb = {fmt == Q4, group, scales + b * groups * 16, mins ? mins + b * groups * 16 : NULL,
+                                    xsums ? xsums + j0 * groups : NULL};
                 if (!channels)
-                    dequant_block_packed(fmt, codes + b * block_bytes, scales + b * groups * 16,
-                                         mins ? mins + b * groups * 16 : NULL, buf, pairs, group);
+                    dequant_block_packed(fmt, codes + b * block_bytes, cb.scales, cb.mins, buf, pairs, group);
                 int64_t from = b + ahead < b1 ? b + ahead : b1, to = b + ahead + 1 < b1 ? b + ahead + 1 : b1;
-                packed_pass(channels ? (const void *)(codes + b * block_bytes) : buf, channels ? scales + 16 * b : NULL,
-                            pairs, xw + j0 * k, mc, k, bias, y + j0 * n, n, b, 1,
-                            (const char *)(codes + from * block_bytes), (const char *)(codes + to * block_bytes),
-                            per_iter);
+                packed_pass(channels ? (const void *)(codes + b * block_bytes) : buf, channels ? &cb : NULL, pairs,
+                            xw + j0 * k, mc, k, bias, y + j0 * n, n, b, 1, (const char *)(codes + from * block_bytes),
+                            (const char *)(codes + to * block_bytes), per_iter);
             }
         }
         free(buf);
@@ -3453,7 +3537,7 @@ typedef struct {
 typedef struct {
     const void *w, *bias; /* bf16 packed by infer_pack_bf16 (fmt -1) or codes packed for infer_qgemm_packed; bias */
     const float *scales, *mins; /* the codes' (mins NULL: none) */
-    int64_t fmt, group;         /* -1, Q8, Q4 or Q8C; the codes' group */
+    int64_t fmt, group;         /* -1, Q8, Q4, Q8C or Q4C; the codes' group */
     const void *rows_w;         /* the bf16 weight row-major, for one-row steps' GEMV (NULL: none) */
 } batch_product;
 

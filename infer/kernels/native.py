@@ -33,7 +33,7 @@ SOURCE = Path(__file__).with_name("cpu_decode.c")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 SCALE_CODES = {torch.float32: 0, torch.float16: 2, torch.int8: 3}  # quantized scales: int8 is the factored form (FK)
 # QuantizedWeight.kernel_args' format (and PackedCodes' channel form) -> cpu_decode.c's Q8 / Q4 / Q6 / Q8C
-QFORMATS = {"q8": 0, "q4": 1, "q6": 2, "q8c": 3}
+QFORMATS = {"q8": 0, "q4": 1, "q6": 2, "q8c": 3, "q4c": 4}
 
 # Compiler flags per flavour: "native" is the widest path the CPU has; the others switch paths off (x86).
 FLAVOURS: dict[str, tuple[str, ...]] = {
@@ -222,8 +222,8 @@ class NativeKernels:
         # each block into bf16 for its fp32 FMAs); a call on no rows of a valid shape asks.
         self.packed_codes_available = lib.infer_qgemm_packed(0, None, None, None, None, None, None, 0, 0, 32, 32,
                                                              1) == 0
-        # AVX2's packed product also takes q8 codes of one scale a row in the channel form (no dequantizing), which
-        # `pack_codes` lays out unless INFER_PACKED_CHANNEL_CODES=0 (the check against dequantizing into bf16).
+        # AVX2's packed product also takes codes in the channel form (no dequantizing), which `pack_codes` lays out
+        # unless INFER_PACKED_CHANNEL_CODES=0 (the check against dequantizing into bf16).
         self.channel_codes_available = lib.infer_qgemm_packed(3, None, None, None, None, None, None, 0, 0, 32, 32,
                                                               1) == 0
         self.channel_codes = self.channel_codes_available and os.environ.get("INFER_PACKED_CHANNEL_CODES") != "0"
@@ -332,15 +332,16 @@ class NativeKernels:
 
     def pack_codes(self, weight: QuantizedWeight) -> PackedCodes:
         """`weight`'s codes laid out for `quantized_gemm_packed` in this build's form: the channel form where it
-        takes one (`channel_codes`: AVX2, q8 of one scale a row), the pairs form otherwise."""
+        takes one (`channel_codes`: AVX2), the pairs form otherwise."""
         return pack_codes(weight, channels=self.channel_codes)
 
     def quantized_gemm_packed(self, packed: PackedCodes, x: torch.Tensor, bias: torch.Tensor | None = None
                               ) -> torch.Tensor:
         """`x @ W.T (+ bias)` for bf16 rows `x` `[..., k]` and a quantized weight laid out by `pack_codes`: each pair
         of blocks dequantized once to bf16 in cache, then `gemm_bf16_packed`'s tiles (its values bit for bit, on the
-        weight `dequantize(bf16)` gives); codes in the channel form (`channel_codes`) without dequantizing, each
-        row's fp32 sum over k in order times its scale (+ bias), rounded once. Needs `packed_codes_available`."""
+        weight `dequantize(bf16)` gives); codes in the channel form (`channel_codes`) without dequantizing: each
+        group's fp32 sum in order times its scale (q4: plus its min times x's group sum), summed over the groups in
+        order (+ bias), rounded once. Needs `packed_codes_available`."""
         n, k = packed.shape
         rows, bias, out = _bf16_operands(x, k, n, bias)
         code = self._qgemm_packed(QFORMATS[packed.fmt], packed.codes.data_ptr(), packed.scales.data_ptr(),
