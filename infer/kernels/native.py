@@ -32,7 +32,7 @@ from infer.quant_weights import PackedCodes, QuantizedWeight, pack_codes
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 SCALE_CODES = {torch.float32: 0, torch.float16: 2, torch.int8: 3}  # quantized scales: int8 is the factored form (FK)
-# QuantizedWeight.kernel_args' format (and PackedCodes' channel form) -> cpu_decode.c's Q8 / Q4 / Q6 / Q8C
+# QuantizedWeight.kernel_args' format (and PackedCodes' channel form) -> cpu_decode.c's Q8 / Q4 / Q6 / Q8C / Q4C
 QFORMATS = {"q8": 0, "q4": 1, "q6": 2, "q8c": 3, "q4c": 4}
 
 # Compiler flags per flavour: "native" is the widest path the CPU has; the others switch paths off (x86).
@@ -75,8 +75,8 @@ class StepLayer(ctypes.Structure):
 
 class BatchProduct(ctypes.Structure):
     """cpu_decode.c's batch_product: a bf16 weight packed by `pack_bf16` (fmt -1) or codes packed by `pack_codes` (fmt
-    Q8 / Q4 / Q8C, float32 scales and mins), and its bias (or NULL); `rows_w`: the bf16 weight row-major, which one-row
-    steps' GEMV reads (or NULL)."""
+    Q8 / Q4 / Q8C / Q4C, float32 scales and mins), and its bias (or NULL); `rows_w`: the bf16 weight row-major, which
+    one-row steps' GEMV reads (or NULL)."""
 
     _fields_ = [*((name, ctypes.c_void_p) for name in ("w", "bias", "scales", "mins")), ("fmt", ctypes.c_int64),
                 ("group", ctypes.c_int64), ("rows_w", ctypes.c_void_p)]
