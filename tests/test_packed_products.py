@@ -371,6 +371,40 @@ def test_a_quantized_model_packs_where_the_packed_codes_are_faster(ratios: tuple
     assert all(p.packed is c for p, c in zip(model.packable_products(), before, strict=True))
 
 
+def test_the_quantized_choice_times_more_rows_over_fewer_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past 16 rows the quantized choice times each count over a prefix of its sweep holding 16 rows' arithmetic over
+    the whole sweep (as the dense choice does): the budget's rows over every weight had been most of a quantized
+    engine's set-up."""
+    import infer
+    import infer.tuning as tuning
+    from reference import build_checkpoint
+
+    if CODES_PACKING is not None:
+        pytest.skip(f"no native packed codes here: {CODES_PACKING}")
+    model = infer.load_model(build_checkpoint("qwen2"), dtype="bfloat16", weights="int8")
+    coded = [p for p in model.packable_products() if p.__class__.__name__ == "QuantizedLinear"]
+    whole = sum(2 * p.in_features * p.out_features for p in coded)
+    monkeypatch.setattr(tuning, "_AHEAD_SWEEP_BYTES", whole)  # the sweep: every weight, as on a model past the cache
+    monkeypatch.setattr(tuning, "last_level_cache_bytes", lambda: 0)
+    monkeypatch.setattr(tuning, "_PACKING_SWEEP_MIN_BYTES", 0)
+    counted: list[int] = []
+
+    def scripted(forms: dict[str, Callable[[], object]], device: torch.device, repeats: int) -> dict[str, float]:
+        weights = forms["native"].args[1]  # type: ignore[attr-defined]
+        assert len(forms["own"].args[0]) == len(weights)  # type: ignore[attr-defined]
+        counted.append(len(weights))
+        return {"own": 1.0, "native": 0.5}
+
+    monkeypatch.setattr(tuning, "_time_alternately", scripted)
+    choice = tuning._choose_packing(model, 128, None)
+    assert choice.choice.value == "native" and len(counted) == 3
+    rows, cuts = (16, 64, 128), [sum(2 * p.in_features * p.out_features for p in coded[:n]) for n in counted]
+    assert counted[0] == len(coded) and counted[2] < counted[0]
+    for m, n, cut in zip(rows, counted, cuts, strict=True):  # the shortest prefix reaching 16 rows' arithmetic
+        previous = sum(2 * p.in_features * p.out_features for p in coded[:n - 1])
+        assert cut >= min(whole, whole * 16 // m) > previous, (m, n)
+
+
 @pytest.mark.skipif(UPCAST_PACKING is not None, reason=f"no oneDNN packing: {UPCAST_PACKING}")
 def test_products_that_upcast_pack_their_copies_in_the_compute_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 weights whose products upcast to fp32 (a CPU without bf16 units: forced here) pack oneDNN's copies in fp32
