@@ -493,11 +493,8 @@ def _choose_quantized_packing(model: Transformer, coded: list[QuantizedLinear], 
         return PackingChoice(Choice(name, "native", f"forced by the caller; packed copies up to {copy / 2**20:.0f} "
                                                     "MiB"), 1)
     # (cut as the dense sweep is, by the products' bf16 bytes: the same work to time, not 2-4x as much)
-    limit, total, sweep = max(_AHEAD_SWEEP_BYTES, 4 * last_level_cache_bytes()), 0, []
-    for module in coded:
-        if total < limit:
-            sweep.append(module)
-            total += 2 * module.in_features * module.out_features
+    limit = max(_AHEAD_SWEEP_BYTES, 4 * last_level_cache_bytes())
+    sweep = _first_within(coded, limit)
     kernels = native_kernels()
     if kernels is None:  # (native_packing_unavailable found it)
         return PackingChoice(Choice(name, "off", f"no native kernels: {unavailable_reason()}"), 1)
@@ -510,10 +507,7 @@ def _choose_quantized_packing(model: Transformer, coded: list[QuantizedLinear], 
             # each count's sweep cut to the arithmetic of 16 rows over the whole sweep, as the dense choice cuts its
             # own (the token budget's rows over every weight took 11 of an int4 engine's 19 s of set-up on a 2-core
             # Zen 3)
-            part, cut_bytes = 0, 0
-            while part < len(sweep) and cut_bytes < max(limit * 16 // m, _PACKING_SWEEP_MIN_BYTES):
-                cut_bytes += 2 * sweep[part].in_features * sweep[part].out_features
-                part += 1
+            part = len(_first_within(sweep, max(limit * 16 // m, _PACKING_SWEEP_MIN_BYTES)))
             inputs = {k: _random(m, k).to(torch.bfloat16) for k in {p.shape[1] for p in packed[:part]}}
             times = _time_alternately({
                 "native": functools.partial(_quantized_packed_products, kernels, packed[:part], inputs),
@@ -531,6 +525,17 @@ def _choose_quantized_packing(model: Transformer, coded: list[QuantizedLinear], 
               f"({megabytes:.0f} MiB), {', '.join(timed)} (medians, alternately); packed copies up to "
               f"{copy / 2**20:.0f} MiB")
     return PackingChoice(Choice(name, "native" if on else "off", reason), 1)
+
+
+def _first_within(modules: list[QuantizedLinear], limit: int) -> list[QuantizedLinear]:
+    """The first of `modules` up to `limit` bytes of their weights in bf16 (the one that reaches it included)."""
+    kept, total = [], 0
+    for module in modules:
+        if total >= limit:
+            break
+        kept.append(module)
+        total += 2 * module.in_features * module.out_features
+    return kept
 
 
 def _quantized_packed_products(kernels: NativeKernels, packed: list[PackedCodes], inputs: dict[int, torch.Tensor]

@@ -377,12 +377,13 @@ def test_the_quantized_choice_times_more_rows_over_fewer_weights(monkeypatch: py
     engine's set-up."""
     import infer
     import infer.tuning as tuning
+    from infer.models.transformer import QuantizedLinear
     from reference import build_checkpoint
 
     if CODES_PACKING is not None:
         pytest.skip(f"no native packed codes here: {CODES_PACKING}")
     model = infer.load_model(build_checkpoint("qwen2"), dtype="bfloat16", weights="int8")
-    coded = [p for p in model.packable_products() if p.__class__.__name__ == "QuantizedLinear"]
+    coded = [p for p in model.packable_products() if isinstance(p, QuantizedLinear)]
     whole = sum(2 * p.in_features * p.out_features for p in coded)
     monkeypatch.setattr(tuning, "_AHEAD_SWEEP_BYTES", whole)  # the sweep: every weight, as on a model past the cache
     monkeypatch.setattr(tuning, "last_level_cache_bytes", lambda: 0)
