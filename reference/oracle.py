@@ -49,6 +49,16 @@ class Oracle:
         out = self.model(input_ids=input_ids.to(self.device), use_cache=False)
         return out.logits.float().cpu()
 
+    def argmax_after_each(self, input_ids: list[int], continuation: list[int]) -> list[int]:
+        """The argmax token after `input_ids + continuation[:i]`, for each i, from one cache-free forward pass
+        over the text: equal to `continuation` exactly when it is the greedy continuation (`greedy_uncached`'s
+        tokens, at the cost of one pass, not one step a token)."""
+        _check_prompt(input_ids, len(continuation))
+        if not continuation:
+            return []
+        text = torch.tensor([list(input_ids) + list(continuation[:-1])])
+        return self.logits(text)[0, len(input_ids) - 1 :].argmax(-1).tolist()
+
     @torch.no_grad()
     def greedy(
         self, input_ids: list[int], max_new_tokens: int, eos_token_ids: Iterable[int] | None = None

@@ -64,36 +64,24 @@ def ours_fp32(smollm2: Path) -> infer.Transformer:
     return infer.load_model(smollm2, dtype="float32", decode_gemv="linear")
 
 
-@pytest.fixture(scope="module")
-def hf_greedy(tokenizer: infer.Tokenizer, hf_fp32: Any) -> Any:
-    """transformers' greedy tokens, memoized per (prompt, length): several tests share them."""
-    memo: dict[tuple[int, ...], list[int]] = {}
-
-    def greedy(prompt: list[int], n: int) -> list[int]:
-        key = tuple(prompt)
-        if len(memo.get(key, ())) < n:
-            memo[key] = hf_fp32.greedy(prompt, n)
-        return memo[key][:n]  # a greedy path's prefix is the shorter greedy path
-
-    return greedy
-
-
 def test_the_exact_kinds_are_the_expected_ones() -> None:
     assert {"contiguous", "sliding", "paged"} <= set(EXACT_KINDS)
 
 
 @pytest.mark.parametrize("kind", EXACT_KINDS)
 def test_every_exact_cache_kind_is_transformers_greedy(kind: str, tokenizer: infer.Tokenizer,
-                                                       ours_fp32: infer.Transformer, hf_greedy: Any) -> None:
+                                                       ours_fp32: infer.Transformer, hf_fp32: Any) -> None:
+    """Each token transformers' argmax after the ones before it (`Oracle.argmax_after_each`: one cache-free pass
+    over the text, the greedy path exactly when each token is that argmax)."""
     params = SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)
-    for question in QUESTIONS[1:3]:  # two the engine's test reuses transformers' tokens of
+    for question in QUESTIONS[1:3]:
         prompt = chat(tokenizer, question)
         tokens = infer.generate(ours_fp32, tokenizer, prompt, params, cache=kind).token_ids
-        assert tokens == hf_greedy(prompt, 48), (kind, question)
+        assert len(tokens) == 48 and tokens == hf_fp32.argmax_after_each(prompt, tokens), (kind, question)
 
 
 def test_the_engine_batches_chunks_and_matches_solo_runs_and_transformers(
-        tokenizer: infer.Tokenizer, ours_fp32: infer.Transformer, hf_greedy: Any) -> None:
+        tokenizer: infer.Tokenizer, ours_fp32: infer.Transformer, hf_fp32: Any) -> None:
     # Four greedy requests and a seeded sampled one; the longest prompt (over the 64-token budget) is prefilled
     # in chunks that share steps with the others' decodes.
     greedy = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
@@ -110,7 +98,7 @@ def test_the_engine_batches_chunks_and_matches_solo_runs_and_transformers(
         solo = infer.generate(ours_fp32, tokenizer, prompt, p).token_ids
         assert result.token_ids == solo, (tokenizer.decode(prompt), p)
         if p.temperature == 0.0:
-            assert result.token_ids == hf_greedy(prompt, 24)
+            assert result.token_ids == hf_fp32.argmax_after_each(prompt, result.token_ids)
 
 
 # ---------------------------------------------------------------------------------------------------------------

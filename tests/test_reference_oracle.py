@@ -24,6 +24,12 @@ def test_cached_greedy_equals_uncached_argmax_loop(arch: str) -> None:
     cached = oracle.greedy(prompt, 24)
     assert cached == oracle.greedy_uncached(prompt, 24)
     assert len(cached) == 24 and len(set(cached)) > 4, f"degenerate greedy run: {cached}"
+    # One pass over the text gives the argmax after each prefix: the greedy path where it is given one, and where
+    # a token is not the argmax, the argmax there (and, after it, the argmax of the path as given).
+    assert oracle.argmax_after_each(prompt, cached) == cached
+    swapped = [*cached[:9], (cached[9] + 1) % oracle.vocab_size, *cached[10:]]
+    picks = oracle.argmax_after_each(prompt, swapped)
+    assert picks[:10] == cached[:10] and picks[10] == oracle.greedy_uncached(prompt + swapped[:10], 1)[0]
 
 
 def test_greedy_ignores_the_checkpoints_sampling_defaults() -> None:

@@ -335,11 +335,12 @@ def test_quantized_caches_decode_through_the_kernel_as_through_pytorch(arch: str
     the exact ring both read). A residual ring keeps each step's own token exact: quantized at once, a
     rounding-level difference in an earlier layer's output can flip one of its codes in a later layer, the
     lossy kinds' own error, not the kernel's (the cache-level test below covers rings of none). Interpreted on a
-    CPU, 5 steps rather than 10 (24 cases of Python-run kernels: ~5 minutes of a 2-core CI run)."""
+    CPU, 4 steps rather than 10 (24 cases of Python-run kernels: ~5 minutes of a 2-core CI run at 10): positions
+    30-33, among which a block of 4 leaves the residual ring and is quantized, for either ring."""
     import infer
     from reference import build_checkpoint
 
-    last = 40 if DEVICE == "cuda" else 35
+    last = 40 if DEVICE == "cuda" else 34
     model = infer.load_model(build_checkpoint(arch), decode_gemv="linear").to(DEVICE)
     ids = torch.randint(0, 400, (2, 40), generator=torch.Generator().manual_seed(11)).to(DEVICE)
     caches = {attention: infer.create_cache(kind, model.config, max_seq_len=40, batch_size=2, device=DEVICE,
