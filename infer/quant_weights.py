@@ -160,8 +160,8 @@ def pack_codes(weight: QuantizedWeight, channels: bool = False) -> PackedCodes:
     """`weight` as `PackedCodes` (the scales widened to float32: factored ones as the kernels form them), so that
     dequantizing a block gives `NativeKernels.pack_bf16(weight.dequantize(torch.bfloat16))`'s values. `channels`
     (AVX2's packed product: `NativeKernels.pack_codes` decides): the channel form instead, each block's codes
-    input-major, which that product multiplies without dequantizing, each group's sum times its scale (q4: plus its
-    min times x's sum over the group)."""
+    input-major, which that product multiplies without rounding a weight to bf16 (q8: each group's sum times its
+    scale; q4: each weight's fp32 scale * code, plus each group's min times x's sum over the group)."""
     w = weight.unfactored()
     n, k = w.shape
     blocks, spare = -(-n // 16), -n % 16

@@ -225,6 +225,23 @@ def weight_of(scheme: str, n: int, k: int, group: int, seed: int) -> QuantizedWe
                            32)
 
 
+def fma32(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """float32 `a * b + c` rounded once, as a fused multiply-add rounds it (elementwise, broadcasting; finite float32
+    operands). In float64 the product is exact (48 significant bits at most) but the sum rounds once before the
+    rounding to float32, which changes the result only where it lands exactly on a float32 tie: there the sum's own
+    rounding error (Knuth's TwoSum, exact) says on which side of the tie the exact value lies."""
+    p, cd = a.double() * b.double(), c.double()
+    s = cd + p
+    v = s - cd
+    err = (cd - (s - v)) + (p - v)  # s + err == cd + p exactly
+    r = s.float()
+    rd = r.double()
+    neighbour = torch.nextafter(r, torch.where(s > rd, torch.inf, -torch.inf).float()).double()
+    tie = (s != rd) & (2 * s == rd + neighbour)  # (the sum of two adjacent floats is exact in float64)
+    nudged = torch.nextafter(s, torch.where(err > 0, torch.inf, -torch.inf).double())  # a float64 step toward exact
+    return torch.where(tie & (err != 0), nudged.float(), r)
+
+
 def reference_product(weight: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`x @ W.T (+ bias)` in fp64 for the dequantized weight: the formula the quantized kernels are held to."""
     ref = x.double() @ weight.dequantize().double().T

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,15 @@ from infer.quant_weights import (
 )
 from reference.checkpoints import build_checkpoint
 from reference.oracle import Oracle
-from tests.helpers import assert_close, dequantized_twin, fp32_bound, on_threads, reference_product, weight_of
+from tests.helpers import (
+    assert_close,
+    dequantized_twin,
+    fma32,
+    fp32_bound,
+    on_threads,
+    reference_product,
+    weight_of,
+)
 from tests.test_gguf import random_blocks
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text"]
@@ -564,24 +573,70 @@ def test_the_quantized_packed_product_passes_many_rows_in_groups(flavour: str, s
 
 
 def scaled_sums(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """The channel form's numbers: each group's fp32 sum of code times x over its inputs in order (each product
-    exact, a bf16 value times a code of at most 8 bits having at most 16 significant bits, so each step of the sum
-    rounds once, as a fused multiply-add does), times the group's scale, summed over the groups in order (the first
-    group's product the total), with mins each group's min times x's fp32 sum over the group (in order) after it, then
-    the bias: each product and sum rounded once in fp32, then the whole rounded to bf16."""
+    """The channel form's numbers. q8 codes: each group's fp32 sum of code times x over its inputs in order (each
+    product exact, a bf16 value times a code of at most 8 bits having at most 16 significant bits, so each step of the
+    sum rounds once, as a fused multiply-add does), times the group's scale, summed over the groups in order (the
+    first group's product the total). q4 codes: each weight scale * code in fp32, multiplied by x over the whole row
+    in order by fused multiply-adds (`fma32`: the products need not be exact in fp32), then, with mins, each group's
+    min times x's fp32 sum over the group (in order) added in group order. Then the bias: each product and sum rounded
+    once in fp32, then the whole rounded to bf16."""
     w = weight.unfactored()
     q, xf = (unpack_q4(w.codes) if w.fmt == "q4" else w.codes).float(), x.float()
+    groups = q.shape[1] // w.group
     total = torch.zeros(x.shape[0], q.shape[0])
-    for g in range(q.shape[1] // w.group):
-        sums, xsum = torch.zeros(x.shape[0], q.shape[0]), torch.zeros(x.shape[0], 1)
+    if w.fmt == "q4":
+        scaled = q * w.scales.float().repeat_interleave(w.group, dim=1)
+        for i in range(q.shape[1]):
+            total = fma32(total, xf[:, i, None], scaled[None, :, i])
+        for g in range(groups if w.mins is not None else 0):
+            xsum = torch.zeros(x.shape[0], 1)
+            for i in range(g * w.group, (g + 1) * w.group):
+                xsum = xsum + xf[:, i, None]
+            total = total + w.mins.float()[None, :, g] * xsum  # type: ignore[union-attr]
+        return (total if bias is None else total + bias.float()).bfloat16()
+    for g in range(groups):
+        sums = torch.zeros(x.shape[0], q.shape[0])
         for i in range(g * w.group, (g + 1) * w.group):
             sums = sums + xf[:, i, None] * q[None, :, i]
-            xsum = xsum + xf[:, i, None]
         scaled = sums * w.scales.float()[None, :, g]
         total = scaled if g == 0 else total + scaled
-        if w.mins is not None:
-            total = total + w.mins.float()[None, :, g] * xsum
     return (total if bias is None else total + bias.float()).bfloat16()
+
+
+def rounded_once(exact: Fraction) -> float:
+    """The float32 nearest `exact` (ties to the even significand), found among float64's rounding and its float32
+    neighbours by exact comparison: no floating-point sum involved."""
+    near = np.float32(float(exact))
+    candidates = [np.nextafter(near, np.float32(-np.inf)), near, np.nextafter(near, np.float32(np.inf))]
+    return float(min(candidates, key=lambda f: (abs(Fraction(float(f)) - exact),
+                                                int(np.array(f, dtype=np.float32).view(np.int32)) & 1)))
+
+
+# Products a * b (a 24-bit, b a bf16's 8-bit significand) a hair off half a float32 step of numbers in [1, 2):
+# 13944699 * 77 = 2^30 - 1 and 16519105 * 65 = 2^30 + 1, so a * b = 2^-24 -+ 2^-54, whose sum with such a number
+# float64 rounds onto the tie between two float32 neighbours.
+NEAR_TIES = [(13944699 * 2.0**-30, 77 * 2.0**-24), (16519105 * 2.0**-30, 65 * 2.0**-24)]
+
+
+@given(c=st.floats(-1e6, 1e6, width=32), a=st.floats(-1e3, 1e3, width=32), b=st.floats(-1e3, 1e3, width=32),
+       mantissa=st.integers(0, 2**23 - 1), exponent=st.integers(-20, 20), near=st.sampled_from([0, 1]),
+       signs=st.sampled_from([1.0, -1.0]))
+@settings(max_examples=300, deadline=None)
+def test_fma32_rounds_once_as_a_fused_multiply_add(c: float, a: float, b: float, mantissa: int, exponent: int,
+                                                   near: int, signs: float) -> None:
+    """`fma32` (the channel form's formula) is a * b + c rounded once to float32, against exact rational arithmetic:
+    on drawn operands, and on sums a hair off a float32 tie, where rounding the float64 sum to float32 (double
+    rounding) picks the wrong neighbour."""
+    ta, tb = NEAR_TIES[near]
+    tc = (1 + (2 * (mantissa // 2) + 1 - near) * 2.0**-23) * 2.0**exponent  # an odd significand below 2^30 - 1's tie
+    cases = [(c, a, b), (signs * tc, signs * ta * 2.0**exponent, tb)]
+    for cc, aa, bb in cases:
+        want = rounded_once(Fraction(cc) + Fraction(aa) * Fraction(bb))
+        got = fma32(torch.tensor([cc]), torch.tensor([aa]), torch.tensor([bb]))
+        assert got.dtype == torch.float32 and got.item() == want, f"fma32({aa!r}, {bb!r}, {cc!r})"
+    cc, aa, bb = cases[1]
+    double_rounded = float(np.float32(cc + aa * bb))
+    assert double_rounded != rounded_once(Fraction(cc) + Fraction(aa) * Fraction(bb)), "not a hard case"
 
 
 def unrounded_weight(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -611,8 +666,9 @@ def test_codes_in_the_channel_form_give_each_groups_scaled_sums(scheme: str, n: 
                                                                 seed: int) -> None:
     """`quantized_gemm_packed` on a weight packed in the channel form (no dequantizing; int8 per channel, int4 in
     groups with mins, GGUF's grouped q8 and q4 codes, factored scales) is `scaled_sums`' formula bit for bit (last
-    blocks part-filled, threads splitting the blocks unevenly), and so within fp32 summation and one bf16 rounding
-    of the quantized model's unrounded product; the weight and x are left as they were."""
+    blocks part-filled, threads splitting the blocks unevenly, q4's one tile of rows scaled in registers and more
+    through the buffer, k past its 256-input stretches), and so within fp32 summation and one bf16 rounding of the
+    quantized model's unrounded product; the weight and x are left as they were."""
     kernels = native_kernels(flavour)
     assert kernels is not None
     weight, x, bias = bf16_product_case(scheme, n, runs, group, m, with_bias, seed)
@@ -630,15 +686,17 @@ def test_codes_in_the_channel_form_give_each_groups_scaled_sums(scheme: str, n: 
 
 
 @pytest.mark.skipif(not CHANNEL_CODES, reason="the channel form of codes is AVX2's (and needs a build)")
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_codes_in_the_channel_form_pass_many_rows_in_groups(scheme: str) -> None:
-    """Rows past what one pass keeps in cache (70 rows of k = 3072) go through the blocks in groups: each row still
-    its scaled sums, bit for bit (int4: x's group sums of the later rows too)."""
+@pytest.mark.parametrize(("scheme", "rows", "runs"), [("int8", 70, 96), ("int4", 200, 16)])
+def test_codes_in_the_channel_form_pass_many_rows_in_groups(scheme: str, rows: int, runs: int) -> None:
+    """Rows past what one pass keeps in cache go through the blocks in groups (int8: 70 rows of k = 3072, 16 a pass;
+    int4's scaled form: 200 rows, 192 a pass, each reading 256 inputs at a time): each row still its scaled sums,
+    bit for bit (int4: x's group sums of the later rows too)."""
     kernels = native_kernels(CHANNEL_CODES[0])
     assert kernels is not None
-    weight, x, bias = bf16_product_case(scheme, 37, 96, 32, 70, True, 5)
+    weight, x, bias = bf16_product_case(scheme, 37, runs, 32, rows, True, 5)
     got = kernels.quantized_gemm_packed(pack_codes(weight, channels=True), x, bias)
-    assert x.shape[1] == 3072 and torch.equal(got, scaled_sums(x, weight, bias)), "rows past the first group parted"
+    assert x.shape[1] == 32 * runs, "not the k asked for"
+    assert torch.equal(got, scaled_sums(x, weight, bias)), "rows past the first group parted"
 
 
 @pytest.mark.parametrize("scheme", CHANNEL_SCHEMES)

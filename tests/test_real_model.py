@@ -223,16 +223,17 @@ def test_quantized_weights_in_the_engine_stay_near_the_fp32_model(weights: str, 
                                                                   ours_fp32: infer.Transformer,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """int8 per channel, or the file's codes as stored (Q4_1 in groups of 32 with mins, its Q8_0 table), bf16
-    activations, through the engine on packed codes: in the channel form where the build has it (AVX2: no
-    dequantizing, each group's sum times its scale, plus its min times x's group sum) and, for int8, in the pairs
-    form (each block dequantized to bf16 first; the stored codes' pairs form is the dense bf16 model bit for bit,
-    above, and that model is held to the fp32 one above), each step's log-probabilities against the fp32 model fed
-    the same tokens. The bounds are this test's figures on a 2-core AMD EPYC (Zen 3) on 2026-11-29 with a margin
-    (int8 channel, its LM head's codes per 32 inputs too: mean KL 4.76e-3, top-1 0.981, worst 2.23; int8 pairs:
-    5.23e-3, 0.975, 2.08; stored channel: 1.23e-3, 0.975, 0.82, where the dense bf16 model gave 1.24e-3, 0.975,
-    1.12); int8's channel form, which rounds no
-    weight to bf16, is no further from the fp32 model than its pairs form by more than a near-tie's flip. The
-    engine's kernels and token budget are given, not timed (CI's minutes)."""
+    activations, through the engine on packed codes: in the channel form where the build has it (AVX2: no weight
+    rounded to bf16; q8 each group's sum times its scale, q4 each weight's fp32 scale * code by fused multiply-adds,
+    plus its group's min times x's group sum) and, for int8, in the pairs form (each block dequantized to bf16
+    first; the stored codes' pairs form is the dense bf16 model bit for bit, above, and that model is held to the
+    fp32 one above), each step's log-probabilities against the fp32 model fed the same tokens. The bounds are this
+    test's figures on a 2-core AMD EPYC (Zen 3) on 2026-11-29 with a margin (int8 channel, its LM head's codes per
+    32 inputs too: mean KL 4.76e-3, top-1 0.981, worst 2.23; int8 pairs: 5.23e-3, 0.975, 2.08; stored channel:
+    1.03e-3, 0.969, 0.69, where the dense bf16 model gave 1.24e-3, 0.975, 1.12; with q4's group sums scaled after
+    them, before, 1.23e-3, 0.975, 0.82); int8's channel form, which rounds no weight to bf16, is no further from
+    the fp32 model than its pairs form by more than a near-tie's flip. The engine's kernels and token budget are
+    given, not timed (CI's minutes)."""
     from infer.kernels.native import native_kernels
     from infer.models.transformer import QuantizedLinear, native_packing_unavailable
     from infer.quant_weights import PackedCodes

@@ -2161,28 +2161,23 @@ static inline __attribute__((always_inline)) void packed_tile_bf16(int mr, const
     }
 }
 
-/* The same tile on codes in the channel form (infer_qgemm_packed's Q8C and Q4C: pack_codes(channels=True)), the
- * scales after the sums: each block's codes input-major (q8: input i's 16 codes side by side; q4: input i's in 8
- * bytes, rows 0-7 in their low nibbles, 8-15 in their high ones), each widened to fp32 in registers,
- * exact (q8: a byte's sign extension and a conversion, two operations for 8 weights, as a bf16 weight's shift or
- * mask is one for 8 weights and its wider load; q4: a zero extension, a mask or shift and a conversion), never
- * rounded to bf16 as dequantizing into the pairs form rounds every weight. Each group's fp32 sums over its inputs in
- * order, times the group's scale, are added into the row's totals in group order (the first group's product is the
- * total), and with mins each group's min times x's sum over the group (`xsums`, formed once per call in order) after
- * it; each product and add rounded once (no fused multiply-add: the test's torch formula rounds the same), then the
- * bias, rounded once to bf16. One group a row (int8 per output channel) keeps the totals in registers: scale *
- * sum_i q_i x_i, the codes kernel's (infer_qgemv's) sum; at 16 rows of a 150M Llama's products on a 2-core Zen 3
- * EPYC, 1.0-1.1x the bf16 packed product (0.9-1.0x at 64) and 1.2-1.5x the dequantizing path. Grouped codes keep
- * them on the stack, in L1: a group's end costs a few operations a row against its 16 pairs of multiply-adds (int4
- * in groups of 32 there: 0.83-0.91x the bf16 product at 16 and 64 rows, 1.07-1.72x the dequantizing path). */
-static inline __attribute__((always_inline)) void channel_tile(int q4, int with_mins, int one_group, int mr,
-                                                               const uint8_t *pb, int64_t pairs, const float *x,
-                                                               int64_t k, int64_t group, const float *scales,
-                                                               const float *mins, const float *xsums,
-                                                               const uint16_t *bias, uint16_t *y, int64_t n, int64_t c,
-                                                               const char *pf, const char *pf_end, int64_t per_iter) {
+/* The same tile on q8 codes in the channel form (infer_qgemm_packed's Q8C: pack_codes(channels=True)), the scales
+ * after the sums: each block's codes input-major (input i's 16 codes side by side), each widened to fp32 in
+ * registers, exact (a byte's sign extension and a conversion, two operations for 8 weights, as a bf16 weight's shift
+ * or mask is one for 8 weights and its wider load), never rounded to bf16 as dequantizing into the pairs form rounds
+ * every weight. Each group's fp32 sums over its inputs in order, times the group's scale, are added into the row's
+ * totals in group order (the first group's product is the total), each product and add rounded once (no fused
+ * multiply-add: the test's torch formula rounds the same), then the bias, rounded once to bf16. One group a row (int8
+ * per output channel) keeps the totals in registers: scale * sum_i q_i x_i, the codes kernel's (infer_qgemv's) sum;
+ * at 16 rows of a 150M Llama's products on a 2-core Zen 3 EPYC, 1.0-1.1x the bf16 packed product (0.9-1.0x at 64)
+ * and 1.2-1.5x the dequantizing path. Grouped codes keep them on the stack, in L1: a group's end costs a few
+ * operations a row against its 16 pairs of multiply-adds. (q4 codes take scaled_tile below.) */
+static inline __attribute__((always_inline)) void channel_tile(int one_group, int mr, const int8_t *pb, int64_t pairs,
+                                                               const float *x, int64_t k, int64_t group,
+                                                               const float *scales, const uint16_t *bias, uint16_t *y,
+                                                               int64_t n, int64_t c, const char *pf,
+                                                               const char *pf_end, int64_t per_iter) {
     int64_t per_group = one_group ? pairs : group / 2, groups = pairs / per_group;
-    const __m256i nibble = _mm256_set1_epi32(0x0f);
     __m256 tot[PACK_ROWS][2];
     for (int64_t g = 0; g < groups; g++) {
         __m256 acc[PACK_ROWS][2];
@@ -2190,16 +2185,9 @@ static inline __attribute__((always_inline)) void channel_tile(int q4, int with_
         for (int64_t q = g * per_group; q < (g + 1) * per_group; q++) { /* inputs 2q and 2q + 1: 32 codes */
             for (int64_t t = 0; t < per_iter && pf < pf_end; t++, pf += 64) __builtin_prefetch(pf, 0, 2);
             for (int e = 0; e < 2; e++) {
-                __m256 w0, w1;
-                if (q4) { /* input 2q + e's 8 bytes: rows 0-7 in the low nibbles, 8-15 in the high ones */
-                    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(pb + (2 * q + e) * 8)));
-                    w0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, nibble));
-                    w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-                } else {
-                    const int8_t *w = (const int8_t *)pb + q * 32 + 16 * e;
-                    w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
-                    w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + 8))));
-                }
+                const int8_t *w = pb + q * 32 + 16 * e;
+                __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
+                __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + 8))));
 #pragma GCC unroll 6
                 for (int j = 0; j < mr; j++) {
                     __m256 xv = _mm256_broadcast_ss(x + j * k + 2 * q + e);
@@ -2214,15 +2202,6 @@ static inline __attribute__((always_inline)) void channel_tile(int q4, int with_
             __m256 a0 = _mm256_mul_ps(acc[j][0], s0), a1 = _mm256_mul_ps(acc[j][1], s1);
             tot[j][0] = g ? _mm256_add_ps(tot[j][0], a0) : a0;
             tot[j][1] = g ? _mm256_add_ps(tot[j][1], a1) : a1;
-        }
-        if (with_mins) {
-            __m256 m0 = _mm256_loadu_ps(mins + 16 * g), m1 = _mm256_loadu_ps(mins + 16 * g + 8);
-#pragma GCC unroll 6
-            for (int j = 0; j < mr; j++) {
-                __m256 xs = _mm256_broadcast_ss(xsums + j * groups + g);
-                tot[j][0] = _mm256_add_ps(tot[j][0], _mm256_mul_ps(m0, xs));
-                tot[j][1] = _mm256_add_ps(tot[j][1], _mm256_mul_ps(m1, xs));
-            }
         }
     }
 #pragma GCC unroll 6
@@ -2252,18 +2231,180 @@ static const float *group_sums(const float *x, int64_t m, int64_t k, int64_t gro
     return sums;
 }
 #define HAVE_CHANNEL_CODES 1
+
+/* q4 codes in the channel form (Q4C: input i's 16 codes in 8 bytes, rows 0-7 in the low nibbles, 8-15 in the high
+ * ones), scaled before the sums: each weight's fp32 value scale * code (exact for scales from float16: a 4-bit code
+ * times an 11-bit significand, or Q4_K's 17-bit factored ones), multiplied by x's inputs in order over the whole row
+ * by fused multiply-adds (each step rounded once), then with mins each group's min times x's sum over the group
+ * (`xsums`) added in group order, each product and add rounded once, then the bias, rounded once to bf16. No group
+ * ends: a block's weights are scaled SCALED_INPUTS inputs at a time into a buffer in L1 (16 KiB; the 6 rows of x a
+ * tile reads beside it) that every tile of rows then reads with two loads an input, so a tile's inner loop is the
+ * bf16 tile's without its shift or mask, and the scaling (a zero extension, a mask or a shift, a conversion and a
+ * multiply for 8 weights) runs once per block whatever the rows. The group sums' form (each group's sums times its
+ * scale added into totals on the stack, the q8 tile's) ran 0.80-0.96x the bf16 packed product at 16 and 64 rows of
+ * int4 in groups of 32 on a 2-core Zen 3 EPYC: the widening in every tile and the groups' ends. */
+#define SCALED_INPUTS 256
+
+/* Inputs i0 .. i1 - 1 of a q4 block's codes times their groups' scales: out[16 (i - i0) + l] = scale[l] * q[l][i]. */
+static void scale_codes_q4c(const uint8_t *codes, const float *scales, float *out, int64_t i0, int64_t i1,
+                            int64_t group) {
+    const __m256i nibble = _mm256_set1_epi32(0x0f);
+    for (int64_t i = i0; i < i1;) {
+        int64_t g = i / group, end = (g + 1) * group < i1 ? (g + 1) * group : i1;
+        __m256 s0 = _mm256_loadu_ps(scales + 16 * g), s1 = _mm256_loadu_ps(scales + 16 * g + 8);
+        for (; i < end; i++) {
+            __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + i * 8)));
+            _mm256_storeu_ps(out + 16 * (i - i0), _mm256_mul_ps(s0, _mm256_cvtepi32_ps(_mm256_and_si256(v, nibble))));
+            _mm256_storeu_ps(out + 16 * (i - i0) + 8, _mm256_mul_ps(s1, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4))));
+        }
+    }
+}
+
+/* A tile's 16 sums of each row x[0 .. mr-1] finished: the mins' term (each group's min times the row's group sum of
+ * x, `xsums` [mr][groups], added in group order) where there are mins, then the bias, rounded into y's columns
+ * c .. c + 15. */
+static inline __attribute__((always_inline)) void finish_scaled(int mr, __m256 sum[PACK_ROWS][2], int64_t groups,
+                                                                const float *mins, const float *xsums,
+                                                                const uint16_t *bias, uint16_t *y, int64_t n,
+                                                                int64_t c) {
+    if (mins)
+        for (int64_t g = 0; g < groups; g++) {
+            __m256 m0 = _mm256_loadu_ps(mins + 16 * g), m1 = _mm256_loadu_ps(mins + 16 * g + 8);
+#pragma GCC unroll 6
+            for (int j = 0; j < mr; j++) {
+                __m256 xs = _mm256_broadcast_ss(xsums + j * groups + g);
+                sum[j][0] = _mm256_add_ps(sum[j][0], _mm256_mul_ps(m0, xs));
+                sum[j][1] = _mm256_add_ps(sum[j][1], _mm256_mul_ps(m1, xs));
+            }
+        }
+#pragma GCC unroll 6
+    for (int j = 0; j < mr; j++) {
+        store_sums_bf16(sum[j][0], bias, y + j * n, c, n);
+        store_sums_bf16(sum[j][1], bias, y + j * n, c + 8, n);
+    }
+}
+
+/* One tile alone (the call's rows fit one): the codes scaled in registers as it runs, the whole row at once (the
+ * same weights and sums as the buffer's; a mask or shift, a conversion and a multiply for 8 weights in the tile). */
+static inline __attribute__((always_inline)) void scaled_tile_codes(int mr, const uint8_t *codes, const float *scales,
+                                                                    int64_t group, const float *x, int64_t k,
+                                                                    const float *mins, const float *xsums,
+                                                                    const uint16_t *bias, uint16_t *y, int64_t n,
+                                                                    int64_t c, const char *pf, const char *pf_end,
+                                                                    int64_t per_iter) {
+    const __m256i nibble = _mm256_set1_epi32(0x0f);
+    __m256 acc[PACK_ROWS][2];
+    for (int j = 0; j < mr; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < k / group; g++) {
+        __m256 s0 = _mm256_loadu_ps(scales + 16 * g), s1 = _mm256_loadu_ps(scales + 16 * g + 8);
+        for (int64_t i = g * group; i < (g + 1) * group; i += 2) { /* (a pair a prefetch, as the other tiles) */
+            for (int64_t t = 0; t < per_iter && pf < pf_end; t++, pf += 64) __builtin_prefetch(pf, 0, 2);
+            for (int h = 0; h < 2; h++) {
+                __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + (i + h) * 8)));
+                __m256 w0 = _mm256_mul_ps(s0, _mm256_cvtepi32_ps(_mm256_and_si256(v, nibble)));
+                __m256 w1 = _mm256_mul_ps(s1, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)));
+#pragma GCC unroll 6
+                for (int j = 0; j < mr; j++) {
+                    __m256 xv = _mm256_broadcast_ss(x + j * k + i + h);
+                    acc[j][0] = _mm256_fmadd_ps(w0, xv, acc[j][0]);
+                    acc[j][1] = _mm256_fmadd_ps(w1, xv, acc[j][1]);
+                }
+            }
+        }
+    }
+    finish_scaled(mr, acc, k / group, mins, xsums, bias, y, n, c);
+}
+
+/* `len` scaled inputs `w` (scale_codes_q4c's) against rows x[0 .. mr-1] (x at the first of them, rows k apart): the
+ * 16 sums of each row start at zero (`first`) or from `sums` (16 a row), and go back there unless this is the
+ * row's `last` stretch, which finishes them (finish_scaled). */
+static inline __attribute__((always_inline)) void scaled_tile(int mr, const float *w, int64_t len, const float *x,
+                                                              int64_t k, float *sums, int first, int last,
+                                                              int64_t groups, const float *mins, const float *xsums,
+                                                              const uint16_t *bias, uint16_t *y, int64_t n, int64_t c,
+                                                              const char *pf, const char *pf_end, int64_t per_iter) {
+    __m256 acc[PACK_ROWS][2];
+    for (int j = 0; j < mr; j++) {
+        acc[j][0] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + 16 * j);
+        acc[j][1] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + 16 * j + 8);
+    }
+    for (int64_t i = 0; i < len; i += 2) {
+        for (int64_t t = 0; t < per_iter && pf < pf_end; t++, pf += 64) __builtin_prefetch(pf, 0, 2);
+        for (int e = 0; e < 2; e++) {
+            __m256 w0 = _mm256_loadu_ps(w + 16 * (i + e)), w1 = _mm256_loadu_ps(w + 16 * (i + e) + 8);
+            __asm__("" : "+x"(w0), "+x"(w1)); /* held in registers: gcc folds them into each FMA as a load, 0.5x */
+#pragma GCC unroll 6
+            for (int j = 0; j < mr; j++) {
+                __m256 xv = _mm256_broadcast_ss(x + j * k + i + e);
+                acc[j][0] = _mm256_fmadd_ps(w0, xv, acc[j][0]);
+                acc[j][1] = _mm256_fmadd_ps(w1, xv, acc[j][1]);
+            }
+        }
+    }
+    if (last) {
+        finish_scaled(mr, acc, groups, mins, xsums, bias, y, n, c);
+        return;
+    }
+#pragma GCC unroll 6
+    for (int j = 0; j < mr; j++) {
+        _mm256_storeu_ps(sums + 16 * j, acc[j][0]);
+        _mm256_storeu_ps(sums + 16 * j + 8, acc[j][1]);
+    }
+}
+
+/* Block b's q4 codes (scales, mins: its [groups][16]) against rows x [m, k] (their group sums `xsums` [m][groups]
+ * where there are mins), SCALED_INPUTS inputs at a time: scaled into `w`, then every tile of rows over them, each
+ * tile's sums kept in `sums` (16 a row) between stretches; `pf` .. `pf_end` prefetched into L2 meanwhile. */
+static void scaled_block(const uint8_t *codes, const float *scales, const float *mins, int64_t group,
+                         const float *xsums, const float *x, int64_t m, int64_t k, const uint16_t *bias, uint16_t *y,
+                         int64_t n, int64_t b, float *w, float *sums, const char *pf, const char *pf_end,
+                         int64_t per_iter) {
+    int64_t groups = k / group, tiles = (m + PACK_ROWS - 1) / PACK_ROWS;
+    if (tiles == 1) { /* no buffer to share, so none to fill (at 6 rows, filling it cost 0.85x) */
+        switch (m) {
+#define CODES_TILE(M)                                                                                          \
+    case M:                                                                                                    \
+        scaled_tile_codes(M, codes, scales, group, x, k, mins, xsums, bias, y, n, 16 * b, pf, pf_end, per_iter); \
+        break;
+            CODES_TILE(1) CODES_TILE(2) CODES_TILE(3) CODES_TILE(4) CODES_TILE(5) CODES_TILE(6)
+#undef CODES_TILE
+        }
+        return;
+    }
+    int64_t stretches = (k + SCALED_INPUTS - 1) / SCALED_INPUTS;
+    int64_t chunk = ((pf_end - pf + tiles * stretches - 1) / (tiles * stretches) + 63) / 64 * 64;
+    for (int64_t i0 = 0; i0 < k; i0 += SCALED_INPUTS) {
+        int64_t i1 = i0 + SCALED_INPUTS < k ? i0 + SCALED_INPUTS : k;
+        int first = i0 == 0, last = i1 == k;
+        scale_codes_q4c(codes, scales, w, i0, i1, group);
+        for (int64_t t = 0, j = 0; t < tiles; t++) { /* the rows shared evenly over the tiles, as packed_pass */
+            int mr = (int)(m / tiles + (t < m % tiles));
+            const char *end = pf + chunk < pf_end ? pf + chunk : pf_end;
+            const float *xs = xsums ? xsums + j * groups : NULL;
+            switch (mr) {
+#define SCALED_TILE(M)                                                                                             \
+    case M:                                                                                                        \
+        scaled_tile(M, w, i1 - i0, x + j * k + i0, k, sums + 16 * j, first, last, groups, mins, xs, bias, y + j * n, \
+                    n, 16 * b, pf, end, per_iter);                                                                 \
+        break;
+                SCALED_TILE(1) SCALED_TILE(2) SCALED_TILE(3) SCALED_TILE(4) SCALED_TILE(5) SCALED_TILE(6)
+#undef SCALED_TILE
+            }
+            pf = end;
+            j += mr;
+        }
+    }
+}
 #endif
 
 #if defined(HAVE_PACKED_BF16)
-/* A block of codes in the channel form (AVX2's): q4 or q8 codes, their group, the block's scales (and mins)
- * [groups][16], and x's group sums [m][groups] where there are mins. */
+/* A block of q8 codes in the channel form (AVX2's): their group and the block's scales [groups][16]. */
 typedef struct {
-    int q4;
     int64_t group;
-    const float *scales, *mins, *xsums;
+    const float *scales;
 } channel_block;
 
-/* A tile of bf16 blocks, or of codes in the channel form where `cb` (AVX2's alone) is given: each format its own
+/* A tile of bf16 blocks, or of q8 codes in the channel form where `cb` (AVX2's alone) is given: each form its own
  * inlined tile. */
 static inline __attribute__((always_inline)) void pass_tile(int mr, const void *pb, const channel_block *cb,
                                                             int64_t pairs, const packed_x *x, int64_t k,
@@ -2272,19 +2413,11 @@ static inline __attribute__((always_inline)) void pass_tile(int mr, const void *
                                                             int64_t per_iter) {
 #if defined(HAVE_CHANNEL_CODES)
     if (cb) {
-        const uint8_t *codes = (const uint8_t *)pb;
-        if (!cb->q4 && cb->group == k)
-            channel_tile(0, 0, 1, mr, codes, pairs, x, k, k, cb->scales, NULL, NULL, bias, y, n, c, pf, pf_end,
-                         per_iter);
-        else if (!cb->q4)
-            channel_tile(0, 0, 0, mr, codes, pairs, x, k, cb->group, cb->scales, NULL, NULL, bias, y, n, c, pf,
-                         pf_end, per_iter);
-        else if (cb->mins)
-            channel_tile(1, 1, 0, mr, codes, pairs, x, k, cb->group, cb->scales, cb->mins, cb->xsums, bias, y, n, c,
-                         pf, pf_end, per_iter);
+        const int8_t *codes = (const int8_t *)pb;
+        if (cb->group == k)
+            channel_tile(1, mr, codes, pairs, x, k, k, cb->scales, bias, y, n, c, pf, pf_end, per_iter);
         else
-            channel_tile(1, 0, 0, mr, codes, pairs, x, k, cb->group, cb->scales, NULL, NULL, bias, y, n, c, pf,
-                         pf_end, per_iter);
+            channel_tile(0, mr, codes, pairs, x, k, cb->group, cb->scales, bias, y, n, c, pf, pf_end, per_iter);
         return;
     }
 #endif
@@ -2293,8 +2426,8 @@ static inline __attribute__((always_inline)) void pass_tile(int mr, const void *
 }
 
 /* Blocks b, b + 1 (nb of them) packed at `pb` against every tile of x, the bytes `pf` .. `pf_end` prefetched into L2
- * meanwhile, each tile its share. `cb`: `pb` is one block of codes in the channel form (AVX2), `cb` its scales;
- * NULL for bf16 blocks. */
+ * meanwhile, each tile its share. `cb`: `pb` is one block of q8 codes in the channel form (AVX2), `cb` its
+ * scales; NULL for bf16 blocks. */
 static void packed_pass(const void *pb, const channel_block *cb, int64_t pairs, const packed_x *x, int64_t m,
                         int64_t k, const uint16_t *bias, uint16_t *y, int64_t n, int64_t b, int nb, const char *pf,
                         const char *pf_end, int64_t per_iter) {
@@ -2306,14 +2439,9 @@ static void packed_pass(const void *pb, const channel_block *cb, int64_t pairs, 
         int mr = (int)(m / tiles + (t < m % tiles));
         const char *end = pf + chunk < pf_end ? pf + chunk : pf_end;
         switch (mr) { /* each row count its own unrolled tile */
-#define PACKED_TILE(M)                                                                                       \
-    case M:                                                                                                  \
-        if (cb) {                                                                                            \
-            channel_block tile_cb = *cb;                                                                     \
-            if (cb->xsums) tile_cb.xsums = cb->xsums + j * (k / cb->group);                                  \
-            pass_tile(M, pb, &tile_cb, pairs, x + j * k, k, bias, y + j * n, n, 16 * b, nb, pf, end, per_iter); \
-        } else                                                                                               \
-            pass_tile(M, pb, NULL, pairs, x + j * k, k, bias, y + j * n, n, 16 * b, nb, pf, end, per_iter);  \
+#define PACKED_TILE(M)                                                                                  \
+    case M:                                                                                             \
+        pass_tile(M, pb, cb, pairs, x + j * k, k, bias, y + j * n, n, 16 * b, nb, pf, end, per_iter); \
         break;
             PACKED_TILE(1) PACKED_TILE(2) PACKED_TILE(3) PACKED_TILE(4)
 #if PACK_ROWS > 4
@@ -3251,9 +3379,10 @@ static void dequant_block_packed(int fmt, const uint8_t *codes, const float *sca
 /* y [m, n] = x [m, k] W^T (+ bias) for quantized W laid out as above (fmt Q8 or Q4; mins NULL for q8); every thread a
  * contiguous range of blocks, as infer_gemm_bf16_packed, the next pair's codes prefetched into L2 while this pair runs.
  * fmt Q8C / Q4C (AVX2 builds): q8 / q4 codes, each block's codes input-major instead (q8: C[b][i][l] = q[16b + l][i];
- * q4: byte C[b][i][l] = q[16b + l][i] | q[16b + 8 + l][i] << 4: pack_codes' channel form), multiplied by
- * channel_tile with no dequantizing: each group's fp32 sum times its scale (+ its min times x's group sum), summed
- * over the groups, rounded once; the scales (mins) float32 [blocks][groups][16].
+ * q4: byte C[b][i][l] = q[16b + l][i] | q[16b + 8 + l][i] << 4: pack_codes' channel form), multiplied with no
+ * dequantizing to bf16: q8 by channel_tile (each group's fp32 sum times its scale, summed over the groups), q4 by
+ * scaled_block (each weight scale * code in fp32, fused multiply-adds over the row, then each group's min times x's
+ * group sum), rounded once; the scales (mins) float32 [blocks][groups][16].
  * Returns -2 on a bad shape or without the pair instruction, -1 without memory (nothing written). */
 int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const float *mins, const uint16_t *x,
                        const uint16_t *bias, uint16_t *y, int64_t m, int64_t n, int64_t k, int64_t group, int threads) {
@@ -3291,23 +3420,29 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
     }
     return failed ? -1 : 0;
 #elif defined(HAVE_PACKED_BF16) /* AVX2: a block at a time into the buffer, for each group of rows whose x is in L2 */
-    int channels = fmt == Q8C || fmt == Q4C; /* the channel form: codes the tiles read as they are (no buffer) */
+    /* the channel form: q8 codes the tiles read as they are, q4 codes scaled a stretch at a time (scaled_block) */
+    int channels = fmt == Q8C || fmt == Q4C, scaled = fmt == Q4C;
     if (fmt == Q6 || fmt == Q8C) fmt = Q8;
     if (fmt == Q4C) fmt = Q4;
     if (!qshape_ok(fmt, k, group)) return -2;
     if (m <= 0 || n <= 0) return 0;
     const float *xw = widened_rows(x, m, k, threads);
-    const float *xsums = channels && mins ? group_sums(xw, m, k, group) : NULL;
-    if (!xw || (channels && mins && !xsums)) return -1;
-    int64_t pairs = k / 2, groups = k / group, block_bytes = fmt == Q8 ? 16 * k : 8 * k, rows_at_once = rows_in_l2(k);
+    const float *xsums = scaled && mins ? group_sums(xw, m, k, group) : NULL;
+    if (!xw || (scaled && mins && !xsums)) return -1;
+    /* (the scaled form reads x a stretch of SCALED_INPUTS inputs at a time: its rows' stretches in L2) */
+    int64_t pairs = k / 2, groups = k / group, block_bytes = fmt == Q8 ? 16 * k : 8 * k;
+    int64_t rows_at_once = scaled ? rows_in_l2(SCALED_INPUTS) : rows_in_l2(k);
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int64_t r0, r1;
         thread_rows(n, &r0, &r1); /* (whole blocks of 16 rows) */
         int64_t b0 = r0 / 16, b1 = (r1 + 15) / 16;
-        uint16_t *buf = channels ? NULL : (uint16_t *)malloc((size_t)(pairs * 32) * sizeof(uint16_t));
-        if (!channels && !buf) {
+        /* the dequantized block (pairs form), or the scaled stretch and each row's 16 sums (scaled form) */
+        size_t scratch = channels ? (scaled ? (size_t)(16 * SCALED_INPUTS + 16 * rows_at_once) * sizeof(float) : 0)
+                                  : (size_t)(pairs * 32) * sizeof(uint16_t);
+        void *buf = scratch ? malloc(scratch) : NULL;
+        if (scratch && !buf) {
             b1 = b0;
 #pragma omp atomic write
             failed = 1;
@@ -3319,14 +3454,21 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
             int64_t mc = m - j0 < rows_at_once ? m - j0 : rows_at_once, tiles = (mc + PACK_ROWS - 1) / PACK_ROWS;
             int64_t per_iter = (block_bytes / 64 + tiles * pairs - 1) / (tiles * pairs);
             for (int64_t b = b0; b < b1; b++) {
-                channel_block cb = {fmt == Q4, group, scales + b * groups * 16, mins ? mins + b * groups * 16 : NULL,
-                                    xsums ? xsums + j0 * groups : NULL};
-                if (!channels)
-                    dequant_block_packed(fmt, codes + b * block_bytes, cb.scales, cb.mins, buf, pairs, group);
+                const uint8_t *bc = codes + b * block_bytes;
+                const float *bs = scales + b * groups * 16, *bm = mins ? mins + b * groups * 16 : NULL;
                 int64_t from = b + ahead < b1 ? b + ahead : b1, to = b + ahead + 1 < b1 ? b + ahead + 1 : b1;
-                packed_pass(channels ? (const void *)(codes + b * block_bytes) : buf, channels ? &cb : NULL, pairs,
-                            xw + j0 * k, mc, k, bias, y + j0 * n, n, b, 1, (const char *)(codes + from * block_bytes),
-                            (const char *)(codes + to * block_bytes), per_iter);
+                const char *pf = (const char *)(codes + from * block_bytes);
+                const char *pf_end = (const char *)(codes + to * block_bytes);
+                if (scaled) {
+                    scaled_block(bc, bs, bm, group, xsums ? xsums + j0 * groups : NULL, xw + j0 * k, mc, k, bias,
+                                 y + j0 * n, n, b, (float *)buf, (float *)buf + 16 * SCALED_INPUTS, pf, pf_end,
+                                 per_iter);
+                    continue;
+                }
+                channel_block cb = {group, bs};
+                if (!channels) dequant_block_packed(fmt, bc, bs, bm, (uint16_t *)buf, pairs, group);
+                packed_pass(channels ? (const void *)bc : buf, channels ? &cb : NULL, pairs, xw + j0 * k, mc, k, bias,
+                            y + j0 * n, n, b, 1, pf, pf_end, per_iter);
             }
         }
         free(buf);

@@ -339,9 +339,10 @@ class NativeKernels:
                               ) -> torch.Tensor:
         """`x @ W.T (+ bias)` for bf16 rows `x` `[..., k]` and a quantized weight laid out by `pack_codes`: each pair
         of blocks dequantized once to bf16 in cache, then `gemm_bf16_packed`'s tiles (its values bit for bit, on the
-        weight `dequantize(bf16)` gives); codes in the channel form (`channel_codes`) without dequantizing: each
-        group's fp32 sum in order times its scale (q4: plus its min times x's group sum), summed over the groups in
-        order (+ bias), rounded once. Needs `packed_codes_available`."""
+        weight `dequantize(bf16)` gives); codes in the channel form (`channel_codes`) without rounding any weight
+        to bf16: q8 each group's fp32 sum in order times its scale, summed over the groups in order; q4 each
+        weight's fp32 scale * code times x by fused multiply-adds over the row in order, plus each group's min
+        times x's group sum (+ bias), rounded once. Needs `packed_codes_available`."""
         n, k = packed.shape
         rows, bias, out = _bf16_operands(x, k, n, bias)
         code = self._qgemm_packed(QFORMATS[packed.fmt], packed.codes.data_ptr(), packed.scales.data_ptr(),
