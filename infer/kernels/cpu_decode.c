@@ -2245,17 +2245,26 @@ static const float *group_sums(const float *x, int64_t m, int64_t k, int64_t gro
  * int4 in groups of 32 on a 2-core Zen 3 EPYC: the widening in every tile and the groups' ends. */
 #define SCALED_INPUTS 256
 
+/* One input's 16 q4 codes (8 bytes: rows 0-7 in the low nibbles, 8-15 in the high ones) times their scales s0
+ * (rows 0-7) and s1 (rows 8-15), in fp32: w[0] rows 0-7, w[1] rows 8-15. */
+static inline __attribute__((always_inline)) void scale_input_q4c(const uint8_t *c, __m256 s0, __m256 s1,
+                                                                  __m256 w[2]) {
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
+    w[0] = _mm256_mul_ps(s0, _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0f))));
+    w[1] = _mm256_mul_ps(s1, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)));
+}
+
 /* Inputs i0 .. i1 - 1 of a q4 block's codes times their groups' scales: out[16 (i - i0) + l] = scale[l] * q[l][i]. */
 static void scale_codes_q4c(const uint8_t *codes, const float *scales, float *out, int64_t i0, int64_t i1,
                             int64_t group) {
-    const __m256i nibble = _mm256_set1_epi32(0x0f);
     for (int64_t i = i0; i < i1;) {
         int64_t g = i / group, end = (g + 1) * group < i1 ? (g + 1) * group : i1;
         __m256 s0 = _mm256_loadu_ps(scales + 16 * g), s1 = _mm256_loadu_ps(scales + 16 * g + 8);
         for (; i < end; i++) {
-            __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + i * 8)));
-            _mm256_storeu_ps(out + 16 * (i - i0), _mm256_mul_ps(s0, _mm256_cvtepi32_ps(_mm256_and_si256(v, nibble))));
-            _mm256_storeu_ps(out + 16 * (i - i0) + 8, _mm256_mul_ps(s1, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4))));
+            __m256 w[2];
+            scale_input_q4c(codes + i * 8, s0, s1, w);
+            _mm256_storeu_ps(out + 16 * (i - i0), w[0]);
+            _mm256_storeu_ps(out + 16 * (i - i0) + 8, w[1]);
         }
     }
 }
@@ -2292,7 +2301,6 @@ static inline __attribute__((always_inline)) void scaled_tile_codes(int mr, cons
                                                                     const uint16_t *bias, uint16_t *y, int64_t n,
                                                                     int64_t c, const char *pf, const char *pf_end,
                                                                     int64_t per_iter) {
-    const __m256i nibble = _mm256_set1_epi32(0x0f);
     __m256 acc[PACK_ROWS][2];
     for (int j = 0; j < mr; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < k / group; g++) {
@@ -2300,14 +2308,13 @@ static inline __attribute__((always_inline)) void scaled_tile_codes(int mr, cons
         for (int64_t i = g * group; i < (g + 1) * group; i += 2) { /* (a pair a prefetch, as the other tiles) */
             for (int64_t t = 0; t < per_iter && pf < pf_end; t++, pf += 64) __builtin_prefetch(pf, 0, 2);
             for (int h = 0; h < 2; h++) {
-                __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + (i + h) * 8)));
-                __m256 w0 = _mm256_mul_ps(s0, _mm256_cvtepi32_ps(_mm256_and_si256(v, nibble)));
-                __m256 w1 = _mm256_mul_ps(s1, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)));
+                __m256 w[2];
+                scale_input_q4c(codes + (i + h) * 8, s0, s1, w);
 #pragma GCC unroll 6
                 for (int j = 0; j < mr; j++) {
                     __m256 xv = _mm256_broadcast_ss(x + j * k + i + h);
-                    acc[j][0] = _mm256_fmadd_ps(w0, xv, acc[j][0]);
-                    acc[j][1] = _mm256_fmadd_ps(w1, xv, acc[j][1]);
+                    acc[j][0] = _mm256_fmadd_ps(w[0], xv, acc[j][0]);
+                    acc[j][1] = _mm256_fmadd_ps(w[1], xv, acc[j][1]);
                 }
             }
         }
