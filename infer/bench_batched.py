@@ -142,7 +142,8 @@ def run_engine(model: Transformer, work: list[BatchRequest], name: str = "infer 
     stats = {"steps": s.steps, "preemptions": s.preemptions, "prefix_hit_rate": s.prefix_hit_rate,
              "pool_blocks": pool.num_blocks, "block_size": pool.block_size, "peak_blocks_used": s.peak_blocks_used,
              "peak_blocks_shared": s.peak_blocks_shared, "max_waste_slots_per_running_seq": s.max_waste_per_running_seq,
-             "graph_steps": s.graph_steps, "graph_shapes": shapes, "graph_capture_s": capture_s,
+             "graph_steps": s.graph_steps, "graph_prompt_steps": s.graph_prompt_steps, "graph_shapes": shapes,
+             "graph_capture_s": capture_s,
              "kv_memory_bytes": engine.memory_bytes, "max_num_seqs": engine.scheduler.max_num_seqs,
              "token_budget": engine.scheduler.max_num_batched_tokens}
     return BatchedRun(name, wall, [r.time_to_first_token_s for r in results],
@@ -203,6 +204,8 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
                    if getattr(args, name) is not None}  # unset: the Engine's own defaults
     if args.no_decode_graphs:
         engine_args["decode_graphs"] = False
+    if args.mixed_graphs:
+        engine_args["mixed_graphs"] = True
     packed = "off" if args.no_packed_products else args.packed_products
     if packed != "auto":
         engine_args["packed_products"] = False if packed == "off" else packed
@@ -210,7 +213,9 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
         ("infer engine", lambda w: run_engine(model, w, **engine_args))]
     for kv in args.kv_cache_dtype:  # the same engine with its pool quantized, in the same memory
         # (the Triton paged kernel reads exact blocks only: a quantized pool takes the engine's other choice)
-        quantized = {k: v for k, v in engine_args.items() if (k, v) != ("decode_attention", "triton")}
+        # (and its staging pads one write a row of a pure-decode step: no steps with prompt tokens from graphs)
+        quantized = {k: v for k, v in engine_args.items()
+                     if (k, v) != ("decode_attention", "triton") and k != "mixed_graphs"}
         quantized["kv_cache_dtype"] = kv
         runners.append((f"infer engine[{kv}]", partial(run_quantized, model, f"infer engine[{kv}]", quantized)))
     if not args.no_one_by_one:
@@ -266,8 +271,9 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
           f"{pool['max_waste_slots_per_running_seq'] < pool['block_size']}); {pool['steps']:.0f} steps, "
           f"{pool['preemptions']:.0f} preemptions, prefix hit rate {pool['prefix_hit_rate']:.1%}")
     if pool["graph_shapes"]:
-        print(f"decode graphs: {pool['graph_steps']:.0f} steps replayed from {pool['graph_shapes']:.0f} padded shapes, "
-              f"captured in {pool['graph_capture_s']:.1f} s before the clock started")
+        print(f"decode graphs: {pool['graph_steps']:.0f} steps replayed ({pool['graph_prompt_steps']:.0f} of them "
+              f"with prompt tokens) from {pool['graph_shapes']:.0f} padded shapes, captured in "
+              f"{pool['graph_capture_s']:.1f} s before the clock started")
     roofline = None if args.no_roofline else report_roofline(model, work, engine_args, medians[0], limits)
     print("choices: " + "; ".join(f"{c.name}: {c.value}" for c in CHOICES.values()))
     if args.json:
@@ -336,7 +342,7 @@ def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: d
     # The hooks synchronise the device around every op, which a CUDA graph capture forbids (and a replayed graph
     # would bypass): the profiled run steps op by op.
     with profile_forward(model, profile):
-        profiled = run_engine(model, work, **(engine_args | {"decode_graphs": False}))
+        profiled = run_engine(model, work, **(engine_args | {"decode_graphs": False, "mixed_graphs": False}))
     parts = profile_table(profiled.trace, profile)
     print(f"where a step's time goes (a further run under timing hooks, without decode graphs, "
           f"{profiled.wall_s:.1f} s):")
@@ -459,6 +465,9 @@ def add_batched_args(p: argparse.ArgumentParser) -> None:
                         "kernel, their tokens as its rows where measured faster than SDPA over each chunk)")
     g.add_argument("--no-decode-graphs", action="store_true",
                    help="step the engine eagerly on CUDA (default: pure-decode steps replayed from CUDA graphs)")
+    g.add_argument("--mixed-graphs", action="store_true",
+                   help="steps carrying prompt chunks replayed from CUDA graphs too, every token a row of the "
+                        "in-place kernel (Engine(mixed_graphs=True); default off)")
     g.add_argument("--no-packed-products", action="store_true",
                    help="keep F.linear for the engine's products past the few-row kernel's rows (default: weights "
                         "packed once, where measured faster; a second copy of the projections)")

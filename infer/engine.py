@@ -35,7 +35,7 @@ from infer.generation import (
     budgeted,
     encode_prompt,
 )
-from infer.graphs import BatchedDecodeGraphs
+from infer.graphs import MIXED_GRAPH_ROWS, BatchedDecodeGraphs
 from infer.kernels.native import native_kernels
 from infer.models import Transformer
 from infer.models.transformer import PACKED_LAYOUTS, few_row_products
@@ -93,6 +93,7 @@ class EngineStats:
     peak_blocks_shared: int = 0
     max_waste_per_running_seq: float = 0.0  # unfilled slots in used blocks / running requests, at worst
     graph_steps: int = 0  # steps run at a padded static shape (BatchedDecodeGraphs), replayed on CUDA
+    graph_prompt_steps: int = 0  # those of them carrying prompt tokens (`mixed_graphs`)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -121,6 +122,7 @@ class Engine:
         kv_cache_dtype: str | None = None,
         packed_products: bool | str | None = None,
         chunk_attention: str = "auto",
+        mixed_graphs: bool = False,
     ) -> None:
         _check_model(model, tokenizer)
         if packed_products is not None and not isinstance(packed_products, bool) and packed_products not in \
@@ -136,6 +138,8 @@ class Engine:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         if decode_graphs is not None and not isinstance(decode_graphs, bool):
             raise TypeError(f"decode_graphs must be True, False or None (auto), got {decode_graphs!r}")
+        if not isinstance(mixed_graphs, bool):
+            raise TypeError(f"mixed_graphs must be True or False, got {mixed_graphs!r}")
         self.model = model
         self.tokenizer = tokenizer
         self.device = model.device
@@ -201,14 +205,25 @@ class Engine:
             model.pack_products(packing.on, packing.native_rows, packing.layout)
         if packing.on and packing.layout == "native":
             choose_packed_ahead(model)
-        # Pure-decode steps at padded static shapes, replayed from CUDA graphs on CUDA (infer/graphs.py).
+        # Pure-decode steps at padded static shapes, replayed from CUDA graphs on CUDA (infer/graphs.py); with
+        # `mixed_graphs`, steps carrying prompt chunks too, up to MIXED_GRAPH_ROWS tokens, every token a kernel row.
+        # (Off by default: written for the GPU's host-bound mixed steps, not yet timed on one.)
+        missing = [what for what, ok in (
+            (f"decode graphs (decode_graphs={decode_graphs!r}: pass True off CUDA)", graphs),
+            (f"chunk_attention 'native' or 'triton' (chosen: {self.chunk_attention!r})",
+             self.chunk_attention in IN_PLACE_KERNELS),
+            (f"an unquantized pool (kv_cache_dtype={kv_cache_dtype!r})", kv_cache_dtype is None)) if not ok]
+        if mixed_graphs and missing:
+            raise ValueError("mixed_graphs=True replays steps whose every token is a row of the in-place kernel: it "
+                             f"needs {' and '.join(missing)}")
         self.graphs: BatchedDecodeGraphs | None = None
         if graphs:
             self.graphs = BatchedDecodeGraphs(
                 model, self.storage.layer_blocks(),
                 [cast(int, ts.spare) for ts in self.storage.table_sets],
                 block_size=block_size, kernel=self.decode_attention, max_batch=max_num_seqs,
-                max_blocks=-(-config.max_position_embeddings // block_size))
+                max_blocks=-(-config.max_position_embeddings // block_size),
+                max_rows=min(MIXED_GRAPH_ROWS, max_num_batched_tokens) if mixed_graphs else 0)
         self.stats = EngineStats()
         # A list to record each step into (infer/roofline.py: its chunks and where its time went); None: off.
         self.trace: list[StepRecord] | None = None
@@ -395,6 +410,7 @@ class Engine:
             with torch.inference_mode():
                 logits = None if self.graphs is None else self.graphs.step(token_ids, chunk_sets, sample)
                 self.stats.graph_steps += logits is not None
+                self.stats.graph_prompt_steps += logits is not None and len(token_ids) > len(plan.chunks)
                 if logits is None:  # not a pure-decode step (or beyond the largest shape)
                     logits = self._forward_ragged(token_ids, chunk_sets, sample)
         except BaseException:

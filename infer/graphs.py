@@ -15,11 +15,15 @@ get the same treatment in `BatchedDecodeGraphs`: the ragged batch is padded to a
 block-table widths, its metadata lives in static buffers the graph reads, and the paged kernel reads the pool
 in place. A quantized pool's step plan (where each token is staged, which blocks the step fills and quantizes) is
 planned on the host as in an eager step and padded into the same buffers (`QuantizedPagedPool.padded_plan`).
-Steps with prompt chunks run eagerly, as prefill does.
+Steps with prompt chunks run eagerly, as prefill does, unless `max_rows` lets them in: where every token of a step is
+a row of the in-place kernel (the engine's `chunk_attention` "triton" or "native"), a prompt chunk's tokens are
+just more rows, each with its own position, slot, length and its chunk's table, so a mixed step (the running
+requests' decode rows and an arriving prompt) pads to a row bucket like a decode step does.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -31,7 +35,7 @@ from infer.cache.contiguous import ContiguousCache
 from infer.cache.paged_quantized import QuantizedPagedPool, QuantizedPoolLayer
 from infer.errors import CacheFullError
 from infer.models import Transformer
-from infer.ragged import DecodeGroup, RaggedBatch, SeqChunk, padded_table
+from infer.ragged import IN_PLACE_KERNELS, DecodeGroup, RaggedBatch, SeqChunk, padded_table
 
 
 class GraphedDecoder:
@@ -112,6 +116,9 @@ def graphed_decoder(model: Transformer, cache: object) -> GraphedDecoder | None:
 # Batch sizes a pure-decode step of the batched engine is padded to (vLLM pads to 1, 2, 4 and multiples of 8):
 # few shapes to capture, at most 1.5x the rows past 8. `max_num_seqs` is a bucket too.
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# The most tokens a step carrying prompt chunks may hold to replay from a graph (`max_rows`): beyond, its products
+# are large enough that launches no longer set its time (and the largest bucket sets the memory graphs share).
+MIXED_GRAPH_ROWS = 512
 # Block-table widths are padded to powers of two from this, not to the model's context: every column is copied
 # to the device each step (and read by the PyTorch gather path), so widths follow the sequences.
 MIN_TABLE_WIDTH = 4
@@ -166,12 +173,16 @@ class BatchedDecodeGraphs:
     have tables in (the engine's pool, and its sliding layers' rings); `spare[s]` is a block of set s that no
     sequence owns: padding rows write and read only there, so they touch no sequence's K/V. A quantized pool's
     layers (its plan padded into the buffer too) take its spare code block and staging slot. Each step's metadata is
-    copied into the shape's input buffer in one host-to-device copy."""
+    copied into the shape's input buffer in one host-to-device copy.
+
+    `max_rows` (0: off): steps carrying prompt chunks take the padded path too, up to this many tokens, every
+    token a row (only where the engine's ordinary step makes every token a row of `kernel`, an in-place one; not
+    for a quantized pool, whose staging plan pads one write a row of a pure-decode step)."""
 
     def __init__(self, model: Transformer,
                  layers: Sequence[tuple[int, torch.Tensor | QuantizedPoolLayer, torch.Tensor | QuantizedPoolLayer]],
                  spare: Sequence[int], *, block_size: int, kernel: str, max_batch: int, max_blocks: int,
-                 capture: bool | None = None) -> None:
+                 capture: bool | None = None, max_rows: int = 0) -> None:
         first = layers[0][1]
         device = first.pool.device if isinstance(first, QuantizedPoolLayer) else first.device
         if capture and device.type != "cuda":
@@ -182,18 +193,28 @@ class BatchedDecodeGraphs:
             (k.pool for _, k, _ in layers if isinstance(k, QuantizedPoolLayer)), None)
         self.block_size, self.kernel, self.device = block_size, kernel, device
         self.max_batch, self.max_blocks = max_batch, max_blocks
+        if max_rows and (kernel not in IN_PLACE_KERNELS or self.staging is not None):
+            raise ValueError(f"max_rows={max_rows}: prompt tokens as graph rows need an in-place kernel "
+                             f"{IN_PLACE_KERNELS} and an unquantized pool, got kernel {kernel!r}"
+                             + (" and a quantized pool" if self.staging is not None else ""))
+        self.max_rows = max_rows
         self.capture = device.type == "cuda" if capture is None else capture
         self.shapes: dict[tuple[int, int], _Shape] = {}
         self._mempool: object = None  # one memory pool for every captured graph
 
     def shape_for(self, chunk_sets: Sequence[Sequence[SeqChunk]]) -> tuple[int, int] | None:
-        """The padded (batch, table width) of a step over `chunk_sets` (per table set, one chunk per sequence),
-        or None when the step is not pure decode or exceeds the largest shape."""
+        """The padded (rows, table width) of a step over `chunk_sets` (per table set, one chunk per sequence),
+        or None when it is not pure decode (nor within `max_rows` tokens) or exceeds the largest shape."""
         chunks = chunk_sets[0]
-        if not chunks or any(c.num_tokens != 1 for c in chunks):
+        if not chunks:
             return None
-        batch = batch_bucket(len(chunks), self.max_batch)
-        width = table_width(max(c.start // self.block_size + 1 for c in chunks), self.max_blocks)
+        rows = sum(c.num_tokens for c in chunks)
+        if rows == len(chunks):  # pure decode
+            batch = batch_bucket(rows, self.max_batch)
+        else:
+            # (a decode step's bucket up to max_batch, so that the shapes captured up front hold it)
+            batch = batch_bucket(rows, max(self.max_batch, self.max_rows)) if rows <= self.max_rows else None
+        width = table_width(max(-(-(c.start + c.num_tokens) // self.block_size) for c in chunks), self.max_blocks)
         return None if batch is None or width is None else (batch, width)
 
     def capture_up_to(self, num_blocks: int) -> int:
@@ -201,7 +222,9 @@ class BatchedDecodeGraphs:
         start-up, as vLLM does, instead of on first use in the middle of serving); returns how many shapes
         there are. The captures run on padding rows only, which touch nothing but the spare blocks."""
         widths = sorted({w for n in range(1, num_blocks + 1) if (w := table_width(n, self.max_blocks)) is not None})
-        batches = sorted({b for n in range(1, self.max_batch + 1) if (b := batch_bucket(n, self.max_batch))})
+        batches = sorted({b for n in range(1, self.max_batch + 1) if (b := batch_bucket(n, self.max_batch))}
+                         | {b for n in range(self.max_batch + 1, self.max_rows + 1)
+                            if (b := batch_bucket(n, self.max_rows))})  # (max_rows > max_batch there)
         for key in ((b, w) for b in batches for w in widths):
             shape = self._shape(key)
             if self.capture and shape.graph is None:
@@ -212,7 +235,7 @@ class BatchedDecodeGraphs:
 
     def step(self, token_ids: Sequence[int], chunk_sets: Sequence[Sequence[SeqChunk]], sample: Sequence[bool]
              ) -> torch.Tensor | None:
-        """Logits `[S, vocab]` of the rows that sample, for one new token per sequence, writing each token's K/V
+        """Logits `[S, vocab]` of the chunks that sample (each at its last token), writing each token's K/V
         into its slot as the ordinary step does; None (nothing done) when `shape_for` gives no shape: the
         caller runs the ordinary step."""
         key = self.shape_for(chunk_sets)
@@ -228,25 +251,28 @@ class BatchedDecodeGraphs:
             logits = cast(torch.Tensor, shape.logits)
         else:
             logits = self._forward(shape)
-        rows = [i for i, wants in enumerate(sample) if wants]
+        ends = itertools.accumulate(c.num_tokens for c in chunk_sets[0])
+        rows = [end - 1 for end, wants in zip(ends, sample, strict=True) if wants]
         return logits[rows]  # a copy: the static output is overwritten by the next replay
 
     def _input_values(self, key: tuple[int, int], token_ids: Sequence[int],
                       chunk_sets: Sequence[Sequence[SeqChunk]]) -> list[int]:
-        """The flat input buffer's values, in _layout's order. Padding rows: token 0 at position 0, writing and
+        """The flat input buffer's values, in _layout's order: a row per token (a prompt chunk's tokens each
+        its own, at its position, with its chunk's table). Padding rows: token 0 at position 0, writing and
         reading slot 0 of the spare block."""
         batch, width = key
         bs, pad = self.block_size, batch - len(token_ids)
-        values = [*token_ids, *[0] * pad, *[c.start for c in chunk_sets[0]], *[0] * pad]
+        positions = [p for c in chunk_sets[0] for p in range(c.start, c.start + c.num_tokens)]
+        values = [*token_ids, *[0] * pad, *positions, *[0] * pad]
         for chunks, spare in zip(chunk_sets, self.spare, strict=True):
-            blocks = [c.block_table[c.start // bs] for c in chunks]
-            offsets = [c.start % bs for c in chunks]
+            blocks = [c.block_table[p // bs] for c in chunks for p in range(c.start, c.start + c.num_tokens)]
+            offsets = [p % bs for p in positions]
             values += [*blocks, *[spare] * pad]
             values += [*offsets, *[0] * pad]
             values += [*[b if o == 0 else spare for b, o in zip(blocks, offsets, strict=True)], *[spare] * pad]
-            values += [*[c.start + 1 for c in chunks], *[1] * pad]
+            values += [*[p + 1 for p in positions], *[1] * pad]
             for c in chunks:
-                values += padded_table(c.block_table[: c.start // bs + 1], width)
+                values += padded_table(c.block_table[: -(-(c.start + c.num_tokens) // bs)], width) * c.num_tokens
             values += [spare] * (pad * width)
         if self.staging is not None:
             values += self.staging.padded_plan(batch)

@@ -146,9 +146,11 @@ def test_generate_with_graphs_gives_the_eager_tokens(arch: str, dtype: str) -> N
                                  f"fp32's top-2 margin {margin:.4f} exceeds twice bf16's error {error:.4f}")
 
 
-def _engine_runs(arch: str, dtype: str, modes: dict[str, bool | None]) -> dict[str, tuple]:
+def _engine_runs(arch: str, dtype: str, modes: dict[str, bool | None], mixed: bool = False) -> dict[str, tuple]:
     """Six requests of different lengths through the engine on CUDA, once per mode: decode_graphs=True with
-    capture ("replay"), the same padded steps run eagerly ("static"), or decode_graphs=False ("eager")."""
+    capture ("replay"), the same padded steps run eagerly ("static"), or decode_graphs=False ("eager"). `mixed`:
+    a budget of 16 tokens a step, the prompts' tokens rows of the Triton kernel, and with graphs every step padded
+    (`mixed_graphs`)."""
     from infer.engine import Engine
 
     model = infer.load_model(build_checkpoint(arch), device="cuda", dtype=dtype)
@@ -157,7 +159,9 @@ def _engine_runs(arch: str, dtype: str, modes: dict[str, bool | None]) -> dict[s
     params = [SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True) for new in (20, 6, 14, 9, 3, 11)]
     runs = {}
     for name, capture in modes.items():
-        engine = Engine(model, None, num_blocks=128, block_size=4, keep_logits=True, decode_graphs=capture is not None)
+        rows = {"max_num_batched_tokens": 16, "chunk_attention": "triton"} if mixed else {}
+        engine = Engine(model, None, num_blocks=128, block_size=4, keep_logits=True, decode_graphs=capture is not None,
+                        mixed_graphs=mixed and capture is not None, **rows)
         if engine.graphs is not None:
             engine.graphs.capture = bool(capture)
         prepared = engine.capture_decode_graphs(48) if capture else 0  # the longest request ends at 41 tokens
@@ -165,7 +169,8 @@ def _engine_runs(arch: str, dtype: str, modes: dict[str, bool | None]) -> dict[s
         if capture:
             assert engine.graphs is not None and len(engine.graphs.shapes) == prepared > 3
             assert all(s.graph is not None for s in engine.graphs.shapes.values())
-            assert engine.stats.graph_steps == engine.stats.steps - 1
+            assert engine.stats.graph_steps == engine.stats.steps - (not mixed)
+            assert (engine.stats.graph_prompt_steps > 0) == mixed
         runs[name] = (results, model, prompts, params)
     return runs
 
@@ -188,6 +193,29 @@ def test_engine_graph_replay_equals_its_eager_static_steps_in_bf16(arch: str) ->
     """In bf16 a padded batch may round otherwise than the unpadded one, but the replayed graph runs the very
     kernels of the same static step run eagerly: identical tokens and logits."""
     runs = _engine_runs(arch, "bfloat16", {"replay": True, "static": False})
+    for r, s in zip(runs["replay"][0], runs["static"][0], strict=True):
+        assert r.token_ids == s.token_ids
+        assert torch.equal(r.logits, s.logits)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_engine_mixed_graphs_give_the_eager_engine_and_solo_tokens(arch: str) -> None:
+    """`mixed_graphs` on CUDA: steps carrying prompt chunks (16 tokens a step beside the decode rows, every token a
+    row of the Triton kernel) replayed from graphs too, every step of the run; against the engine stepping eagerly
+    and each request's solo run, in fp32: the same greedy tokens, logits within 1e-5 of the eager engine's."""
+    runs = _engine_runs(arch, "float32", {"replay": True, "eager": None}, mixed=True)
+    (replayed, model, prompts, params), (eager, *_) = runs["replay"], runs["eager"]
+    for prompt, p, r, e in zip(prompts, params, replayed, eager, strict=True):
+        assert r.token_ids == e.token_ids == generate(model, None, prompt, p).token_ids
+        assert r.logits is not None and e.logits is not None
+        assert_close(r.logits, e.logits, 1e-5 * max(1.0, e.logits.abs().max().item()), "logits")
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_mixed_graph_replay_equals_its_eager_static_steps_in_bf16(arch: str) -> None:
+    """With prompt tokens among a replayed step's rows, the graph still runs the very kernels of the same static
+    step run eagerly: identical tokens and logits in bf16."""
+    runs = _engine_runs(arch, "bfloat16", {"replay": True, "static": False}, mixed=True)
     for r, s in zip(runs["replay"][0], runs["static"][0], strict=True):
         assert r.token_ids == s.token_ids
         assert torch.equal(r.logits, s.logits)

@@ -21,6 +21,7 @@ from infer.errors import CacheFullError
 from infer.families import ARCHITECTURES
 from infer.graphs import BATCH_BUCKETS, MIN_TABLE_WIDTH, GraphedDecoder, batch_bucket, graphed_decoder, table_width
 from infer.kernels import triton_available
+from infer.kernels.native import native_kernels
 from infer.ragged import SeqChunk
 from infer.sampling import SamplingParams
 from reference import build_checkpoint
@@ -177,12 +178,88 @@ def test_only_pure_decode_steps_take_the_padded_path() -> None:
     assert steps == 10 and graphed == 5
 
 
-def test_padding_rows_write_only_the_spare_block() -> None:
+needs_native = pytest.mark.skipif(native_kernels() is None, reason="the native kernels are not built here (no C "
+                                  "compiler): prompt tokens as kernel rows need an in-place kernel")
+
+
+@needs_native
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_steps_with_prompt_tokens_pad_too_and_give_each_request_its_solo_run(arch: str) -> None:
+    """`mixed_graphs`: a token budget that splits prompts into chunks beside other requests' decode rows, every
+    token a row of the in-place kernel; every step takes the padded path (row buckets past max_num_seqs among
+    them), and each request, greedy or seeded, equals its solo run: tokens and fp32 logits."""
+    model = infer.load_model(build_checkpoint(arch))
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 400, (n,), generator=gen).tolist() for n in (3, 29, 17, 5, 2)]
+    params = [SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True) for new in (9, 4, 8, 6)]
+    params.append(SamplingParams(max_new_tokens=7, temperature=1.0, top_k=20, seed=5, ignore_eos=True))
+    engine = Engine(model, None, num_blocks=64, block_size=4, max_num_seqs=3, max_num_batched_tokens=13,
+                    keep_logits=True, decode_graphs=True, decode_attention="native", chunk_attention="native",
+                    mixed_graphs=True)
+    results = engine.generate(prompts, params)
+    assert engine.graphs is not None and engine.graphs.max_rows == 13
+    assert engine.stats.graph_steps == engine.stats.steps and engine.stats.graph_prompt_steps > 0
+    assert {rows for rows, _ in engine.graphs.shapes} > {13}, "a step of 13 tokens pads to the budget, past 3 rows"
+    for prompt, p, result in zip(prompts, params, results, strict=True):
+        solo = infer.generate(model, None, prompt, p)
+        assert result.token_ids == solo.token_ids
+        forced = solo_logits(model, prompt, result.token_ids)
+        assert result.logits is not None
+        assert_close(result.logits, forced, 1e-5 * max(1.0, forced.abs().max().item()), "logits")
+
+
+@needs_native
+def test_prompt_steps_pad_within_max_rows_only() -> None:
+    """The padded shape of a step: pure decode within max_num_seqs' buckets; with prompt tokens (`max_rows`), the
+    same buckets up to max_num_seqs and max_rows' past it, the table wide enough for each chunk's last token, and
+    none past max_rows (the ordinary step runs it). Capturing up front lays out both kinds of bucket."""
+    model = infer.load_model(build_checkpoint("llama"))
+    engine = Engine(model, None, num_blocks=64, block_size=4, max_num_seqs=6, max_num_batched_tokens=20,
+                    decode_graphs=True, decode_attention="native", chunk_attention="native", mixed_graphs=True)
+    graphs = engine.graphs
+    assert graphs is not None
+    decode = [[SeqChunk(5, 1, [0, 1]), SeqChunk(2, 1, [2])]]
+    assert graphs.shape_for(decode) == (2, 4)
+    assert graphs.shape_for([[SeqChunk(0, 3, [3]), SeqChunk(9, 1, [4, 5, 6])]]) == (4, 4)
+    assert graphs.shape_for([[SeqChunk(0, 17, list(range(5))), SeqChunk(9, 1, [5, 6, 7])]]) == (20, 8)
+    assert graphs.shape_for([[SeqChunk(0, 20, list(range(5))), SeqChunk(9, 1, [5, 6, 7])]]) is None
+    # Batches 1, 2, 4, 6 up to max_num_seqs, then 8, 12, 16, 20 up to max_rows; widths 4 and 8 for 8 blocks.
+    assert engine.capture_decode_graphs(32) == len(graphs.shapes) == 16
+    plain = Engine(model, None, num_blocks=64, block_size=4, max_num_seqs=6, max_num_batched_tokens=20,
+                   decode_graphs=True, decode_attention="native", chunk_attention="native")
+    assert plain.graphs is not None and plain.graphs.shape_for([[SeqChunk(0, 3, [3])]]) is None
+    assert plain.capture_decode_graphs(32) == 8
+
+
+def test_mixed_graphs_is_validated() -> None:
+    """`mixed_graphs=True` needs the padded path, prompt tokens as kernel rows and an unquantized pool: each
+    missing one is named, and only those."""
+    model = infer.load_model(build_checkpoint("llama"))
+    with pytest.raises(TypeError, match="mixed_graphs must be True or False"):
+        Engine(model, None, num_blocks=8, mixed_graphs="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="chunk_attention 'native' or 'triton' \\(chosen: 'sdpa'\\)$") as refused:
+        Engine(model, None, num_blocks=8, decode_graphs=True, chunk_attention="sdpa", mixed_graphs=True)
+    assert "decode graphs" not in str(refused.value) and "unquantized" not in str(refused.value)
+    if native_kernels() is None:
+        return
+    rows = {"decode_attention": "native", "chunk_attention": "native"}
+    with pytest.raises(ValueError, match="it needs decode graphs \\(decode_graphs=False: pass True off CUDA\\)$"):
+        Engine(model, None, num_blocks=8, decode_graphs=False, mixed_graphs=True, **rows)
+    with pytest.raises(ValueError, match="it needs an unquantized pool \\(kv_cache_dtype='int8'\\)$"):
+        Engine(model, None, num_blocks=8, decode_graphs=True, kv_cache_dtype="int8", mixed_graphs=True, **rows)
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["decode", "with-prompt-tokens"])
+def test_padding_rows_write_only_the_spare_block(mixed: bool) -> None:
     """A pool full of NaN, with blocks another holder keeps: three requests pad to a bucket of four, and the
     padding row's writes land in the spare block only: the held blocks and every block never handed out stay
-    NaN, and each request equals its solo run."""
+    NaN, and each request equals its solo run. With `mixed_graphs` the prompts arrive in chunks of 8 tokens
+    beside the decode rows, those steps padded too."""
+    if mixed and native_kernels() is None:
+        pytest.skip("the native kernels are not built here: prompt tokens as kernel rows need an in-place kernel")
     model = infer.load_model(build_checkpoint("llama"))
-    engine = Engine(model, None, num_blocks=64, block_size=4, decode_graphs=True)
+    rows = {"max_num_batched_tokens": 7, "decode_attention": "native", "chunk_attention": "native"} if mixed else {}
+    engine = Engine(model, None, num_blocks=64, block_size=4, decode_graphs=True, mixed_graphs=mixed, **rows)
     pool = engine.pool
     pool.k_blocks.fill_(float("nan"))
     pool.v_blocks.fill_(float("nan"))
@@ -204,6 +281,8 @@ def test_padding_rows_write_only_the_spare_block() -> None:
     while engine.has_unfinished():
         engine.step()
     assert engine.graphs is not None and any(batch == 4 for batch, _ in engine.graphs.shapes)
+    if mixed:  # every step padded, those with a prompt chunk among them
+        assert engine.stats.graph_steps == engine.stats.steps and engine.stats.graph_prompt_steps > 0
     untouched = [b for b in range(pool.num_blocks) if b not in used] + list(held)
     assert torch.isnan(pool.k_blocks[:, untouched]).all() and torch.isnan(pool.v_blocks[:, untouched]).all()
     for prompt, rid in zip(prompts, ids, strict=True):

@@ -62,7 +62,7 @@ def workloads(draw: st.DrawFn, config: ModelConfig) -> dict:
     kernel = draw(st.sampled_from(KERNELS))
     longest = max(len(r["prompt"]) + r["params"].max_new_tokens for r in requests)
     min_blocks = -(-longest // block_size) + 1
-    return {
+    w = {
         "requests": requests,
         "block_size": block_size,
         "num_blocks": draw(st.integers(min_blocks, min_blocks + 3)),
@@ -74,7 +74,11 @@ def workloads(draw: st.DrawFn, config: ModelConfig) -> dict:
         "chunk_attention": draw(st.sampled_from([kernel, "sdpa"])) if kernel in ("native", "triton") else "sdpa",
         # Pure-decode steps at padded static shapes (what CUDA graphs replay), run eagerly here.
         "decode_graphs": kernel != "per-sequence" and draw(st.booleans()),
-    }
+    } | {"mixed_graphs": False}
+    # With the padded path and every token a kernel row, steps carrying prompt chunks padded too (`mixed_graphs`).
+    if w["decode_graphs"] and w["chunk_attention"] in ("native", "triton"):
+        w["mixed_graphs"] = draw(st.booleans())
+    return w
 
 
 @given(data=st.data(), config=model_configs(), seed=st.integers(0, 999))
@@ -85,7 +89,7 @@ def test_each_request_equals_its_solo_run(data: st.DataObject, config: ModelConf
                     max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
                     enable_prefix_caching=w["prefix_caching"], keep_logits=True,
                     decode_attention=w["decode_attention"], decode_graphs=w["decode_graphs"],
-                    chunk_attention=w["chunk_attention"])
+                    chunk_attention=w["chunk_attention"], mixed_graphs=w["mixed_graphs"])
     ids: dict[int, int] = {}  # request index -> engine id
     step = 0
     while step < 500 and (step <= 4 or engine.has_unfinished()):
@@ -105,6 +109,7 @@ def test_each_request_equals_its_solo_run(data: st.DataObject, config: ModelConf
     assert manager.num_free == manager.num_blocks, "blocks still held after every request ended"
     event(f"preempted: {engine.stats.preemptions > 0}")
     event(f"padded decode steps: {engine.stats.graph_steps > 0}")
+    event(f"padded steps with prompt tokens: {engine.stats.graph_prompt_steps > 0}")
     if engine.ring is not None:  # sliding layers in rings: did a ring wrap (a sequence outgrow its ring)?
         ring_slots = engine.ring.blocks_per_ring * w["block_size"]
         longest = max(len(r["prompt"]) + r["params"].max_new_tokens for r in w["requests"])
