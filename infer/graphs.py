@@ -148,7 +148,10 @@ class _SetInputs:
     slot_offsets: torch.Tensor  # [B] slot in it
     fresh: torch.Tensor  # [B] block zeroed before the writes: the row's block when it starts one, else the spare
     lengths: torch.Tensor  # [B] keys of each row
-    tables: torch.Tensor  # [B, W] block tables
+    tables: torch.Tensor  # [T, W] block tables: a row's own (T = B), or past max_batch rows a chunk's
+    # [B] past max_batch rows, which table each row reads (its chunk's; padding rows the spare's, the last): a
+    # table per chunk, not per row, so a step's host-to-device copy stays max_batch tables however many rows
+    row_tables: torch.Tensor | None = None
 
 
 @dataclass
@@ -158,6 +161,7 @@ class _Shape:
     inputs: torch.Tensor  # every input, flat: ids, positions, then each set's fields (see _layout)
     ids: torch.Tensor
     batches: list[RaggedBatch]  # per table set, reading views of `inputs`
+    sets: list[_SetInputs]
     plan: torch.Tensor | None  # [4, B] a quantized pool's padded plan (`QuantizedPagedPool.padded_plan`), last
     logits: torch.Tensor | None = None
     graph: torch.cuda.CUDAGraph | None = None
@@ -211,6 +215,8 @@ class BatchedDecodeGraphs:
         rows = sum(c.num_tokens for c in chunks)
         if rows == len(chunks):  # pure decode
             batch = batch_bucket(rows, self.max_batch)
+        elif len(chunks) > self.max_batch:  # (the scheduler runs at most max_batch sequences: never taken)
+            batch = None
         else:
             # (a decode step's bucket up to max_batch, so that the shapes captured up front hold it)
             batch = batch_bucket(rows, max(self.max_batch, self.max_rows)) if rows <= self.max_rows else None
@@ -261,7 +267,7 @@ class BatchedDecodeGraphs:
         its own, at its position, with its chunk's table). Padding rows: token 0 at position 0, writing and
         reading slot 0 of the spare block."""
         batch, width = key
-        bs, pad = self.block_size, batch - len(token_ids)
+        bs, pad, table_rows = self.block_size, batch - len(token_ids), self._table_rows(batch)
         positions = [p for c in chunk_sets[0] for p in range(c.start, c.start + c.num_tokens)]
         values = [*token_ids, *[0] * pad, *positions, *[0] * pad]
         for chunks, spare in zip(chunk_sets, self.spare, strict=True):
@@ -271,9 +277,14 @@ class BatchedDecodeGraphs:
             values += [*offsets, *[0] * pad]
             values += [*[b if o == 0 else spare for b, o in zip(blocks, offsets, strict=True)], *[spare] * pad]
             values += [*[p + 1 for p in positions], *[1] * pad]
-            for c in chunks:
-                values += padded_table(c.block_table[: -(-(c.start + c.num_tokens) // bs)], width) * c.num_tokens
-            values += [spare] * (pad * width)
+            tables = [padded_table(c.block_table[: -(-(c.start + c.num_tokens) // bs)], width) for c in chunks]
+            if table_rows < batch:  # a table per chunk; each row names its chunk's, padding rows the last (spare)
+                values += [i for i, c in enumerate(chunks) for _ in range(c.num_tokens)] + [table_rows - 1] * pad
+                values += [b for table in tables for b in table] + [spare] * ((table_rows - len(chunks)) * width)
+            else:
+                for c, table in zip(chunks, tables, strict=True):
+                    values += table * c.num_tokens
+                values += [spare] * (pad * width)
         if self.staging is not None:
             values += self.staging.padded_plan(batch)
         return values
@@ -285,21 +296,29 @@ class BatchedDecodeGraphs:
             shape = self.shapes[key] = self._new_shape(*key)
         return shape
 
+    def _table_rows(self, batch: int) -> int:
+        """Tables a shape's buffer holds: one a row up to max_batch rows, else one a chunk and a spare one."""
+        return batch if batch <= self.max_batch else self.max_batch + 1
+
     def _new_shape(self, batch: int, width: int) -> _Shape:
         num_sets, planned = len(self.spare), 4 * batch if self.staging is not None else 0
-        inputs = torch.zeros(2 * batch + num_sets * (4 * batch + batch * width) + planned, dtype=torch.long,
-                             device=self.device)
-        ids, positions, sets = _layout(inputs, batch, width, num_sets)
+        table_rows = self._table_rows(batch)
+        per_set = (4 + (table_rows < batch)) * batch + table_rows * width
+        inputs = torch.zeros(2 * batch + num_sets * per_set + planned, dtype=torch.long, device=self.device)
+        ids, positions, sets = _layout(inputs, batch, width, num_sets, table_rows)
         rows = torch.arange(batch, device=self.device)
         batches = [RaggedBatch(positions, s.slot_blocks, s.slot_offsets, [], rows, self.block_size, s.fresh,
                                DecodeGroup(self.kernel, rows, s.tables, s.lengths, {}, torch.zeros_like(rows)))
                    for s in sets]
         plan = inputs[inputs.numel() - planned :].view(4, batch) if planned else None
-        return _Shape(inputs, ids, batches, plan)
+        return _Shape(inputs, ids, batches, sets, plan)
 
     def _forward(self, shape: _Shape) -> torch.Tensor:
         if self.staging is not None:
             self.staging.use_padded_plan(cast(torch.Tensor, shape.plan))
+        for batch, s in zip(shape.batches, shape.sets, strict=True):
+            if s.row_tables is not None:  # each row's table from its chunk's, on the device (inside the graph)
+                cast(DecodeGroup, batch.decode).tables = s.tables.index_select(0, s.row_tables)
         layers = [(shape.batches[s], k, v) for s, k, v in self.layers]
         return self.model(shape.ids[None], PagedBackend(layers))
 
@@ -310,16 +329,18 @@ class BatchedDecodeGraphs:
         shape.graph, shape.logits = capture_graph(lambda: self._forward(shape), self._mempool)
 
 
-def _layout(inputs: torch.Tensor, batch: int, width: int, num_sets: int
+def _layout(inputs: torch.Tensor, batch: int, width: int, num_sets: int, table_rows: int
             ) -> tuple[torch.Tensor, torch.Tensor, list[_SetInputs]]:
     """Views of a flat input buffer: ids [B], positions [B], then per table set slot blocks, slot offsets,
-    fresh blocks and lengths [B] each, and tables [B, W]."""
+    fresh blocks and lengths [B] each, each row's table [B] where `table_rows` < B, and tables [table_rows, W]."""
     ids, positions = inputs[:batch], inputs[batch : 2 * batch]
     sets, start = [], 2 * batch
+    fields = 4 + (table_rows < batch)
     for _ in range(num_sets):
-        slot_blocks, slot_offsets, fresh, lengths = inputs[start : start + 4 * batch].view(4, batch)
-        start += 4 * batch
-        tables = inputs[start : start + batch * width].view(batch, width)
-        start += batch * width
-        sets.append(_SetInputs(slot_blocks, slot_offsets, fresh, lengths, tables))
+        per_row = inputs[start : start + fields * batch].view(fields, batch)
+        start += fields * batch
+        tables = inputs[start : start + table_rows * width].view(table_rows, width)
+        start += table_rows * width
+        sets.append(_SetInputs(per_row[0], per_row[1], per_row[2], per_row[3], tables,
+                               per_row[4] if fields == 5 else None))
     return ids, positions, sets

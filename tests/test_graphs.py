@@ -230,6 +230,10 @@ def test_prompt_steps_pad_within_max_rows_only() -> None:
     assert graphs.shape_for([[SeqChunk(0, 20, list(range(5))), SeqChunk(9, 1, [5, 6, 7])]]) is None
     # Batches 1, 2, 4, 6 up to max_num_seqs, then 8, 12, 16, 20 up to max_rows; widths 4 and 8 for 8 blocks.
     assert engine.capture_decode_graphs(32) == len(graphs.shapes) == 16
+    # A step's inputs: ids and positions, then per row its slot, offset, fresh block, length, and up to max_num_seqs
+    # rows a table each; past them each row's table index and a table per sequence and a spare one (7 of 8 blocks).
+    assert graphs.shapes[(4, 8)].inputs.numel() == 2 * 4 + 4 * 4 + 4 * 8
+    assert graphs.shapes[(20, 8)].inputs.numel() == 2 * 20 + 5 * 20 + 7 * 8
     plain = Engine(model, None, num_blocks=64, block_size=4, max_num_seqs=6, max_num_batched_tokens=20,
                    decode_graphs=True, decode_attention="native", chunk_attention="native")
     assert plain.graphs is not None and plain.graphs.shape_for([[SeqChunk(0, 3, [3])]]) is None
@@ -258,12 +262,14 @@ def test_mixed_graphs_is_validated() -> None:
 def test_padding_rows_write_only_the_spare_block(mixed: bool) -> None:
     """A pool full of NaN, with blocks another holder keeps: three requests pad to a bucket of four, and the
     padding row's writes land in the spare block only: the held blocks and every block never handed out stay
-    NaN, and each request equals its solo run. With `mixed_graphs` the prompts arrive in chunks of 8 tokens
-    beside the decode rows, those steps padded too."""
+    NaN, and each request equals its solo run. With `mixed_graphs` the prompts arrive in chunks of up to 7 tokens
+    beside the decode rows, those steps padded too, past max_num_seqs=3 rows (a table per chunk, the padding
+    rows' the spare's)."""
     if mixed and native_kernels() is None:
         pytest.skip("the native kernels are not built here: prompt tokens as kernel rows need an in-place kernel")
     model = infer.load_model(build_checkpoint("llama"))
-    rows = {"max_num_batched_tokens": 7, "decode_attention": "native", "chunk_attention": "native"} if mixed else {}
+    rows = {"max_num_batched_tokens": 7, "max_num_seqs": 3, "decode_attention": "native",
+            "chunk_attention": "native"} if mixed else {}
     engine = Engine(model, None, num_blocks=64, block_size=4, decode_graphs=True, mixed_graphs=mixed, **rows)
     pool = engine.pool
     pool.k_blocks.fill_(float("nan"))
@@ -282,12 +288,26 @@ def test_padding_rows_write_only_the_spare_block(mixed: bool) -> None:
         return table
 
     pool.manager.block_table = recorded  # type: ignore[method-assign]
+    graphs = engine.graphs
+    assert graphs is not None
+    padded: list[tuple[int, int]] = []  # (bucket, rows) of every padded step
+    shape_for = graphs.shape_for
+
+    def recorded_shape(chunk_sets: list[list[SeqChunk]]) -> tuple[int, int] | None:
+        key = shape_for(chunk_sets)
+        if key is not None:
+            padded.append((key[0], sum(c.num_tokens for c in chunk_sets[0])))
+        return key
+
+    graphs.shape_for = recorded_shape  # type: ignore[method-assign]
     ids = [engine.add_request(p, params) for p in prompts]
     while engine.has_unfinished():
         engine.step()
-    assert engine.graphs is not None and any(batch == 4 for batch, _ in engine.graphs.shapes)
-    if mixed:  # every step padded, those with a prompt chunk among them
+    if mixed:  # every step padded, some with a prompt chunk past max_num_seqs rows and padding rows beside it
         assert engine.stats.graph_steps == engine.stats.steps and engine.stats.graph_prompt_steps > 0
+        assert any(rows < bucket and bucket > 3 for bucket, rows in padded), padded
+    else:
+        assert (4, 3) in padded
     untouched = [b for b in range(pool.num_blocks) if b not in used] + list(held)
     assert torch.isnan(pool.k_blocks[:, untouched]).all() and torch.isnan(pool.v_blocks[:, untouched]).all()
     for prompt, rid in zip(prompts, ids, strict=True):
