@@ -19,7 +19,15 @@ from infer.cache.paged_quantized import QuantizedPagedPool
 from infer.engine import Engine
 from infer.errors import CacheFullError
 from infer.families import ARCHITECTURES
-from infer.graphs import BATCH_BUCKETS, MIN_TABLE_WIDTH, GraphedDecoder, batch_bucket, graphed_decoder, table_width
+from infer.graphs import (
+    BATCH_BUCKETS,
+    MIN_TABLE_WIDTH,
+    GraphedDecoder,
+    _long_tensor,
+    batch_bucket,
+    graphed_decoder,
+    table_width,
+)
 from infer.kernels import triton_available
 from infer.kernels.native import native_kernels
 from infer.ragged import SeqChunk
@@ -122,6 +130,12 @@ def test_a_step_pads_to_the_smallest_bucket_that_holds_it(n: int, max_batch: int
     buckets = sorted({min(b, max_batch) for b in BATCH_BUCKETS})
     assert bucket == min(b for b in buckets if b >= n)
     assert bucket <= max(n + 1, int(1.5 * n)) or bucket <= 8, "padding past 8 rows stays under 1.5x"
+
+
+@given(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=300))
+def test_step_inputs_reach_a_tensor_unchanged(values: list[int]) -> None:
+    """The graph step's fast list-to-tensor conversion (through an array's buffer) gives `torch.tensor`'s tensor."""
+    assert torch.equal(_long_tensor(values), torch.tensor(values, dtype=torch.long))
 
 
 @given(blocks=st.integers(1, 5000), max_blocks=st.integers(1, 5000))
