@@ -1,7 +1,7 @@
 """Why the batched engine's quantized pools lag the bf16 pool on CUDA (5x on the H200 of 2026-11-27): the same
 mixed workload (64 requests, the bench's) with each pool kind, its step time by phase, the timing hooks' split
-of a step, and torch.profiler's top device kernels and host ops for the int8 pool. A lease is short: one table
-per question, nothing else.
+of a step, and torch.profiler's top device kernels and host ops for the first quantized kind. A lease is short:
+one table per question, nothing else.
 
     python tests/gpu_pool_profile.py [--kinds bf16,int8] [--requests 64] [--json PATH]
 """
@@ -63,7 +63,10 @@ def main() -> int:
               "step p50 ms by phase " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
         print("  hooked run: " + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items()), flush=True)
         out[kind] = {"wall_s": run.wall_s, "steps": len(run.trace), "phase_ms": phases, "parts": parts}
-        if kind == "bf16":
+        if args.json:  # after every kind: a stage cut by its time limit keeps what it measured
+            Path(args.json).write_text(json.dumps(out, indent=1))
+        # torch.profiler for the first quantized kind only (on the H200 of 2026-11-29 int4's cost the stage its limit)
+        if kind == "bf16" or any("device_ms_per_step" in v for v in out.values()):
             continue
         acts = [torch.profiler.ProfilerActivity.CPU] + (
             [torch.profiler.ProfilerActivity.CUDA] if args.device == "cuda" else [])
