@@ -176,6 +176,15 @@ class Engine:
         if self.shards is not None:
             max_num_batched_tokens = min_over_ranks(max_num_batched_tokens, self.shards)
         graphs = _use_decode_graphs(decode_graphs, model, self.device, self.decode_attention)
+        if mixed_graphs:  # (refused before the pool is allocated and the model's products packed)
+            missing = [what for what, ok in (
+                (f"decode graphs (decode_graphs={decode_graphs!r}: pass True off CUDA)", graphs),
+                (f"chunk_attention 'native' or 'triton' (chosen: {self.chunk_attention!r})",
+                 self.chunk_attention in IN_PLACE_KERNELS),
+                (f"an unquantized pool (kv_cache_dtype={kv_cache_dtype!r})", kv_cache_dtype is None)) if not ok]
+            if missing:
+                raise ValueError("mixed_graphs=True replays steps whose every token is a row of the in-place kernel: "
+                                 f"it needs {' and '.join(missing)}")
         spare = 1 if graphs else 0  # the block the padded rows of a graph's steps write (BatchedDecodeGraphs)
         windows = [layer.self_attn.window for layer in model._decoder_layers()]
         # Sliding-window layers (Gemma 3's local ones) need only their window's keys: with
@@ -208,14 +217,6 @@ class Engine:
         # Pure-decode steps at padded static shapes, replayed from CUDA graphs on CUDA (infer/graphs.py); with
         # `mixed_graphs`, steps carrying prompt chunks too, up to MIXED_GRAPH_ROWS tokens, every token a kernel row.
         # (Off by default: written for the GPU's host-bound mixed steps, not yet timed on one.)
-        missing = [what for what, ok in (
-            (f"decode graphs (decode_graphs={decode_graphs!r}: pass True off CUDA)", graphs),
-            (f"chunk_attention 'native' or 'triton' (chosen: {self.chunk_attention!r})",
-             self.chunk_attention in IN_PLACE_KERNELS),
-            (f"an unquantized pool (kv_cache_dtype={kv_cache_dtype!r})", kv_cache_dtype is None)) if not ok]
-        if mixed_graphs and missing:
-            raise ValueError("mixed_graphs=True replays steps whose every token is a row of the in-place kernel: it "
-                             f"needs {' and '.join(missing)}")
         self.graphs: BatchedDecodeGraphs | None = None
         if graphs:
             self.graphs = BatchedDecodeGraphs(

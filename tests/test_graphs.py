@@ -261,8 +261,10 @@ def test_mixed_graphs_is_validated() -> None:
     with pytest.raises(TypeError, match="mixed_graphs must be True or False"):
         Engine(model, None, num_blocks=8, mixed_graphs="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="chunk_attention 'native' or 'triton' \\(chosen: 'sdpa'\\)$") as refused:
-        Engine(model, None, num_blocks=8, decode_graphs=True, chunk_attention="sdpa", mixed_graphs=True)
+        Engine(model, None, num_blocks=8, decode_graphs=True, chunk_attention="sdpa", mixed_graphs=True,
+               packed_products=True)
     assert "decode graphs" not in str(refused.value) and "unquantized" not in str(refused.value)
+    assert not model.packed_products, "refused before the model's products were packed"
     if native_kernels() is None:
         return
     rows = {"decode_attention": "native", "chunk_attention": "native"}
