@@ -175,12 +175,14 @@ def _engine_runs(arch: str, dtype: str, modes: dict[str, bool | None], mixed: bo
     return runs
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["decode", "mixed"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_engine_decode_graphs_give_the_eager_engine_and_solo_tokens(arch: str) -> None:
+def test_engine_decode_graphs_give_the_eager_engine_and_solo_tokens(arch: str, mixed: bool) -> None:
     """The batched engine on CUDA (the Triton paged kernel, pure-decode steps replayed from graphs at padded batch
-    and table-width buckets) against the engine stepping eagerly and each request's solo run, in fp32: the same
-    greedy tokens, logits within 1e-5 of the eager engine's."""
-    runs = _engine_runs(arch, "float32", {"replay": True, "eager": None})
+    and table-width buckets; `mixed`: with `mixed_graphs`, steps carrying prompt chunks too, 16 tokens a step beside
+    the decode rows, every token a row of the Triton kernel) against the engine stepping eagerly and each request's
+    solo run, in fp32: the same greedy tokens, logits within 1e-5 of the eager engine's."""
+    runs = _engine_runs(arch, "float32", {"replay": True, "eager": None}, mixed)
     (replayed, model, prompts, params), (eager, *_) = runs["replay"], runs["eager"]
     for prompt, p, r, e in zip(prompts, params, replayed, eager, strict=True):
         assert r.token_ids == e.token_ids == generate(model, None, prompt, p).token_ids
@@ -188,34 +190,13 @@ def test_engine_decode_graphs_give_the_eager_engine_and_solo_tokens(arch: str) -
         assert_close(r.logits, e.logits, 1e-5 * max(1.0, e.logits.abs().max().item()), "logits")
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["decode", "mixed"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_engine_graph_replay_equals_its_eager_static_steps_in_bf16(arch: str) -> None:
+def test_engine_graph_replay_equals_its_eager_static_steps_in_bf16(arch: str, mixed: bool) -> None:
     """In bf16 a padded batch may round otherwise than the unpadded one, but the replayed graph runs the very
-    kernels of the same static step run eagerly: identical tokens and logits."""
-    runs = _engine_runs(arch, "bfloat16", {"replay": True, "static": False})
-    for r, s in zip(runs["replay"][0], runs["static"][0], strict=True):
-        assert r.token_ids == s.token_ids
-        assert torch.equal(r.logits, s.logits)
-
-
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_engine_mixed_graphs_give_the_eager_engine_and_solo_tokens(arch: str) -> None:
-    """`mixed_graphs` on CUDA: steps carrying prompt chunks (16 tokens a step beside the decode rows, every token a
-    row of the Triton kernel) replayed from graphs too, every step of the run; against the engine stepping eagerly
-    and each request's solo run, in fp32: the same greedy tokens, logits within 1e-5 of the eager engine's."""
-    runs = _engine_runs(arch, "float32", {"replay": True, "eager": None}, mixed=True)
-    (replayed, model, prompts, params), (eager, *_) = runs["replay"], runs["eager"]
-    for prompt, p, r, e in zip(prompts, params, replayed, eager, strict=True):
-        assert r.token_ids == e.token_ids == generate(model, None, prompt, p).token_ids
-        assert r.logits is not None and e.logits is not None
-        assert_close(r.logits, e.logits, 1e-5 * max(1.0, e.logits.abs().max().item()), "logits")
-
-
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_mixed_graph_replay_equals_its_eager_static_steps_in_bf16(arch: str) -> None:
-    """With prompt tokens among a replayed step's rows, the graph still runs the very kernels of the same static
-    step run eagerly: identical tokens and logits in bf16."""
-    runs = _engine_runs(arch, "bfloat16", {"replay": True, "static": False}, mixed=True)
+    kernels of the same static step run eagerly (prompt tokens among its rows too, `mixed`): identical tokens and
+    logits."""
+    runs = _engine_runs(arch, "bfloat16", {"replay": True, "static": False}, mixed)
     for r, s in zip(runs["replay"][0], runs["static"][0], strict=True):
         assert r.token_ids == s.token_ids
         assert torch.equal(r.logits, s.logits)

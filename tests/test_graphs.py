@@ -149,6 +149,17 @@ def test_block_tables_pad_to_a_power_of_two_width(blocks: int, max_blocks: int) 
     assert width in (max_blocks, MIN_TABLE_WIDTH) or width < 2 * blocks
 
 
+def assert_each_is_its_solo_run(model: infer.Transformer, prompts: list[list[int]], params: list[SamplingParams],
+                                results: list) -> None:
+    """Each request's tokens are its solo run's, its fp32 logits within 1e-5 of the model's on those tokens."""
+    for prompt, p, result in zip(prompts, params, results, strict=True):
+        solo = infer.generate(model, None, prompt, p)
+        assert result.token_ids == solo.token_ids
+        forced = solo_logits(model, prompt, result.token_ids)
+        assert result.logits is not None
+        assert_close(result.logits, forced, 1e-5 * max(1.0, forced.abs().max().item()), "logits")
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_padded_decode_steps_give_each_request_its_solo_run(arch: str) -> None:
     """Five requests of different lengths (block tables of different widths, padded batches), greedy and
@@ -166,12 +177,7 @@ def test_padded_decode_steps_give_each_request_its_solo_run(arch: str) -> None:
     # the 17-token prompt's table needs 8 columns until it finishes, the others 4.
     assert {batch for batch, _ in engine.graphs.shapes} == {8, 4, 2, 1}
     assert {width for _, width in engine.graphs.shapes} == {4, 8}
-    for prompt, p, result in zip(prompts, params, results, strict=True):
-        solo = infer.generate(model, None, prompt, p)
-        assert result.token_ids == solo.token_ids
-        forced = solo_logits(model, prompt, result.token_ids)
-        assert result.logits is not None
-        assert_close(result.logits, forced, 1e-5 * max(1.0, forced.abs().max().item()), "logits")
+    assert_each_is_its_solo_run(model, prompts, params, results)
 
 
 def test_only_pure_decode_steps_take_the_padded_path() -> None:
@@ -219,12 +225,7 @@ def test_steps_with_prompt_tokens_pad_too_and_give_each_request_its_solo_run(arc
     assert engine.graphs is not None and engine.graphs.max_rows == 13
     assert engine.stats.graph_steps == engine.stats.steps and engine.stats.graph_prompt_steps > 0
     assert {rows for rows, _ in engine.graphs.shapes} > {13}, "a step of 13 tokens pads to the budget, past 3 rows"
-    for prompt, p, result in zip(prompts, params, results, strict=True):
-        solo = infer.generate(model, None, prompt, p)
-        assert result.token_ids == solo.token_ids
-        forced = solo_logits(model, prompt, result.token_ids)
-        assert result.logits is not None
-        assert_close(result.logits, forced, 1e-5 * max(1.0, forced.abs().max().item()), "logits")
+    assert_each_is_its_solo_run(model, prompts, params, results)
 
 
 @needs_native
