@@ -16,6 +16,7 @@ import torch
 import infer
 from infer import SamplingParams
 from infer.kernels import triton_available
+from infer.kernels.native import native_kernels
 from infer.quality import one_pass_logits
 from tests.helpers import TEST_DEVICE, assert_close, solo_logits
 
@@ -93,10 +94,20 @@ def test_the_engine_batches_chunks_and_matches_solo_runs_and_transformers(
     params = [greedy] * (len(prompts) - 1) + [sampled]
     engine = infer.Engine(ours_fp32, tokenizer, num_blocks=64, block_size=16, max_num_batched_tokens=64)
     batched = engine.generate(prompts, params)
-    for prompt, p, result in zip(prompts, params, batched, strict=True):
+    # The same requests with every step at a padded shape, those carrying prompt chunks too (`mixed_graphs`: on
+    # CUDA replayed from graphs, here the same padded steps run eagerly), every token a row of the in-place kernel.
+    kernel = "native" if ours_fp32.device.type == "cpu" else "triton"
+    padded = None
+    if kernel == "triton" or native_kernels() is not None:
+        padding = infer.Engine(ours_fp32, tokenizer, num_blocks=64, block_size=16, max_num_batched_tokens=64,
+                               decode_graphs=True, decode_attention=kernel, chunk_attention=kernel, mixed_graphs=True)
+        padded = padding.generate(prompts, params)
+        assert padding.stats.graph_steps == padding.stats.steps and padding.stats.graph_prompt_steps > 0
+    for i, (prompt, p, result) in enumerate(zip(prompts, params, batched, strict=True)):
         assert result.finish_reason == "length", result.error
         solo = infer.generate(ours_fp32, tokenizer, prompt, p).token_ids
         assert result.token_ids == solo, (tokenizer.decode(prompt), p)
+        assert padded is None or padded[i].token_ids == solo, ("padded steps", tokenizer.decode(prompt), p)
         if p.temperature == 0.0:
             assert result.token_ids == hf_fp32.argmax_after_each(prompt, result.token_ids)
 
