@@ -18,7 +18,7 @@ import infer
 from infer.config import ModelConfig
 from infer.engine import Engine
 from infer.kernels import triton_available
-from infer.ragged import DECODE_KERNELS
+from infer.ragged import DECODE_KERNELS, IN_PLACE_KERNELS
 from infer.sampling import SamplingParams
 from tests.helpers import TEST_DEVICE, assert_close, check_pool_invariants, random_model, solo_logits
 from tests.property.strategies import model_configs
@@ -74,9 +74,10 @@ def workloads(draw: st.DrawFn, config: ModelConfig) -> dict:
         "chunk_attention": draw(st.sampled_from([kernel, "sdpa"])) if kernel in ("native", "triton") else "sdpa",
         # Pure-decode steps at padded static shapes (what CUDA graphs replay), run eagerly here.
         "decode_graphs": kernel != "per-sequence" and draw(st.booleans()),
-    } | {"mixed_graphs": False}
+        "mixed_graphs": False,
+    }
     # With the padded path and every token a kernel row, steps carrying prompt chunks padded too (`mixed_graphs`).
-    if w["decode_graphs"] and w["chunk_attention"] in ("native", "triton"):
+    if w["decode_graphs"] and w["chunk_attention"] in IN_PLACE_KERNELS:
         w["mixed_graphs"] = draw(st.booleans())
     return w
 
