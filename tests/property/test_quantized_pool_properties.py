@@ -76,7 +76,7 @@ def check_against_solo(engine: Engine, model: Transformer, scheme: str, block_si
                        prompts: list[list[int]], ids: list[int], chunks: Sequence[int] | None = None) -> None:
     """Each request's logits are its solo quantized run's. Quantization is a step function: where the batch's
     fp32 rounding moves a key across a rounding boundary one code differs by one step, so the tolerance is fp32
-    rounding plus 5% of what quantizing did to the logits (a wrong scale, a stale or unquantized block, moves
+    rounding plus 10% of what quantizing did to the logits (a wrong scale, a stale or unquantized block, moves
     them by about all of it)."""
     for i, (prompt, rid) in enumerate(zip(prompts, ids, strict=True)):
         result = engine.result(rid)
@@ -84,9 +84,10 @@ def check_against_solo(engine: Engine, model: Transformer, scheme: str, block_si
         expected = quantized_solo_logits(model, scheme, block_size, prompt, result.token_ids, chunks)
         exact = solo_logits(model, prompt, result.token_ids)
         lossy = (expected - exact).abs().max().item()
-        # 5%: at head_dim 4 one int8 code a step off (a key on a rounding boundary) moved a logit by 4.4% of what
-        # quantizing did (Hypothesis found it); a missing scale or a stale block moves it by about all of it.
-        assert_close(result.logits, expected, 1e-5 * max(1.0, expected.abs().max().item()) + 0.05 * lossy,
+        # 10%: one int8 code a step off (a key on a rounding boundary) moved a logit by 4.4% of what quantizing did
+        # at head_dim 4, and by 5.7% at Gemma's head_dim 6 with a window of 3 (Hypothesis found both); a missing
+        # scale or a stale block moves it by about all of it.
+        assert_close(result.logits, expected, 1e-5 * max(1.0, expected.abs().max().item()) + 0.10 * lossy,
                      f"request {i} ({scheme}, block {block_size})")
 
 
