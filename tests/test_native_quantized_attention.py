@@ -278,6 +278,10 @@ def check_pool_kernel(p: dict[str, Any], kernel: str, fp32_ulp: float, half_ulp:
             with mock.patch.dict("os.environ", {"INFER_QATTN_HEADS_AT_ONCE": "0"}):
                 one_head = pool.layers[0].decode_attention(group, q, 0.3, p["softcap"], p["window"])
             assert torch.equal(one_head, out), f"{p}: the work items' order changed the sums"
+            for several in ("0", "1"):  # value rows into one query head at a time or several (the default: either)
+                with mock.patch.dict("os.environ", {"INFER_QATTN_VALUE_HEADS": several}):
+                    passes = pool.layers[0].decode_attention(group, q, 0.3, p["softcap"], p["window"])
+                assert torch.equal(passes, out), f"{p}: INFER_QATTN_VALUE_HEADS={several} changed the sums"
     pool.dtype = torch.float32  # the gather dequantizes into fp32: the kernel sums the codes in fp32
     k_all, v_all = pool.layers[0].gather(table)
     for b in range(len(tables)):
@@ -322,6 +326,11 @@ def test_an_exact_pool_read_in_place_is_the_formula_for_every_pass_of_heads(flav
         assert torch.equal(attend(), out), "two threads changed the sums"
     with mock.patch.dict("os.environ", {"INFER_QATTN_HEADS_AT_ONCE": "0"}):  # one KV head per work item
         assert torch.equal(attend(), out), "one KV head per work item changed the sums"
+    # A tile's value rows into one query head at a time or several at once (each build's default is one of them;
+    # AVX2's is one): the same sums.
+    for several in ("0", "1"):
+        with mock.patch.dict("os.environ", {"INFER_QATTN_VALUE_HEADS": several}):
+            assert torch.equal(attend(), out), f"INFER_QATTN_VALUE_HEADS={several} changed the sums"
     for b, n in enumerate(lengths):
         keys, values = (blocks[tables[b]].transpose(0, 1).reshape(kv_heads, nb * bs, head_dim)[:, :n].float()
                         for blocks in (k_blocks, v_blocks))

@@ -1551,13 +1551,13 @@ static inline __attribute__((always_inline)) void value_tile_heads(const qv16 *t
 }
 
 static inline void add_value_tile(const float *tile, const float *sc, const float *rs, float *sums, int64_t groups,
-                                  int64_t n, int64_t t, int64_t rows, int64_t d) {
+                                  int64_t n, int64_t t, int64_t rows, int64_t d, int several) {
     const qv16 *tv = (const qv16 *)tile;
     qv16 *out = (qv16 *)sums;
     int64_t nv = d / 16, g = 0;
     /* Several heads' sums at once where they fit 16 registers (head sizes 64 and 128): each row's vectors are
-     * loaded once for all of them, and their chains of adds overlap. */
-    if (nv == 4)
+     * loaded once for all of them, and their chains of adds overlap (`several`: qattn_value_heads). */
+    if (several && nv == 4)
         for (; g < groups; g += 4) {
             int64_t left = groups - g;
             if (left >= 4) value_tile_heads(tv, sc, rs, out, g, 4, n, t, rows, 4);
@@ -1565,7 +1565,7 @@ static inline void add_value_tile(const float *tile, const float *sc, const floa
             else if (left == 2) value_tile_heads(tv, sc, rs, out, g, 2, n, t, rows, 4);
             else value_tile_heads(tv, sc, rs, out, g, 1, n, t, rows, 4);
         }
-    else if (nv == 8)
+    else if (several && nv == 8)
         for (; g < groups; g += 2) {
             if (groups - g >= 2) value_tile_heads(tv, sc, rs, out, g, 2, n, t, rows, 8);
             else value_tile_heads(tv, sc, rs, out, g, 1, n, t, rows, 8);
@@ -1605,6 +1605,19 @@ static int qattn_tiles(void) { return switched_on("INFER_QATTN_TILES"); }
  * (the plain order, kept as the check of a sequence's heads taken block by block). */
 static int qattn_heads_at_once(void) { return switched_on("INFER_QATTN_HEADS_AT_ONCE"); }
 
+/* INFER_QATTN_VALUE_HEADS=1 / 0: a tile's value rows summed into several query heads at once, or one head at a time
+ * (the same arithmetic for each head: the tests hold one to the other bit for bit). By default several where the
+ * build has AVX512's 32 registers; one on AVX2, whose 16 half-width registers spilled several heads' sums to the
+ * stack (an int8 pool's attention over 560-token sequences 1.15x slower at head size 64 on a Zen 3). */
+static int qattn_value_heads(void) {
+    const char *v = getenv("INFER_QATTN_VALUE_HEADS");
+#if defined(HAVE_AVX512)
+    return !(v && v[0] == '0');
+#else
+    return v && v[0] == '1';
+#endif
+}
+
 /* One thread's scratch for a (sequence, KV head) of the attention kernels, for up to n keys: scores sc [G, n];
  * queries natural qf, scaled qs, permuted qp, split qsplit [G, d]; sums acc (natural), accp (code rows: permuted on
  * the fast path, rotated with v_rot), accsplit (bf16 rows widened in registers: split) [G, d]; one decoded row; a
@@ -1643,7 +1656,7 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
     int64_t esize = dtype == F32 ? 4 : 2, groups = heads / kv_heads, n = ns + nq + nr;
     int64_t dp = scheme == Q_INT8 ? d : d / 2, qpos = ns_cap + nq + nr - 1;
     int fast = d % 32 == 0; /* whole 32-element chunks: the vector path */
-    int tiles = qattn_tiles();
+    int tiles = qattn_tiles(), several = qattn_value_heads();
     if (ns < ns_cap) qpos = ns - 1; /* everything so far is a sink */
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -1717,7 +1730,7 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
                         load_row(dtype, vr + ((t + k - ns) % vring) * d * esize, dst, d);
                     }
                 }
-                add_value_tile(tile, sc, rs, coded ? accp : acc, groups, n, t, rt, d);
+                add_value_tile(tile, sc, rs, coded ? accp : acc, groups, n, t, rt, d, several);
                 t += rt;
             }
             for (int64_t t = 0; !(fast && tiles && d <= 256) && t < n; t++) {
@@ -1791,7 +1804,7 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
                        float softcap, int64_t window, int threads, float *const *scratch) {
     int64_t esize = dtype == F32 ? 4 : 2, groups = heads / kv_heads;
     int64_t dp = scheme == Q_INT8 ? d : d / 2, nmax = 1;
-    int fast = d % 32 == 0, tiles = qattn_tiles();
+    int fast = d % 32 == 0, tiles = qattn_tiles(), several = qattn_value_heads();
     /* bf16 exact rows widened in registers as they are read (bf16_halves), where the plain tiles copy them */
     int split = tiles && dtype == BF16 && (d == 64 || d == 128);
     /* KV heads per work item: a sequence's every head, block by block, where there are sequences enough for the
@@ -1907,7 +1920,7 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
                                     load_row(dtype, vs + (r + k) * d * esize, tile + k * d, d);
                                 }
                             }
-                            add_value_tile(tile, sch, rs, coded ? accph : acch, groups, n, t0 + r, rt, d);
+                            add_value_tile(tile, sch, rs, coded ? accph : acch, groups, n, t0 + r, rt, d, several);
                         }
                     for (; r < rows; r++) {
                         float rs = 1.f;
