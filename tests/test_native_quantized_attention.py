@@ -29,6 +29,12 @@ from tests.helpers import assert_close, on_threads, tiny_config
 from tests.test_native_kernels import FLAVOURS_HERE
 
 needs_build = pytest.mark.skipif(native_kernels() is None, reason=f"no native build here: {unavailable_reason()}")
+# The attention kernels' forms of a 16-key tile, which must give the same bits: AVX2's 8-lane register tiles (an AVX2
+# build's default; other builds ignore the switch), the generic 16-lane ones with value rows summed into one query
+# head at a time or into several at once.
+TILE_FORMS = [{"INFER_QATTN_AVX2_TILES": "1"},
+              {"INFER_QATTN_AVX2_TILES": "0", "INFER_QATTN_VALUE_HEADS": "0"},
+              {"INFER_QATTN_AVX2_TILES": "0", "INFER_QATTN_VALUE_HEADS": "1"}]
 
 
 @st.composite
@@ -278,10 +284,10 @@ def check_pool_kernel(p: dict[str, Any], kernel: str, fp32_ulp: float, half_ulp:
             with mock.patch.dict("os.environ", {"INFER_QATTN_HEADS_AT_ONCE": "0"}):
                 one_head = pool.layers[0].decode_attention(group, q, 0.3, p["softcap"], p["window"])
             assert torch.equal(one_head, out), f"{p}: the work items' order changed the sums"
-            for several in ("0", "1"):  # value rows into one query head at a time or several (the default: either)
-                with mock.patch.dict("os.environ", {"INFER_QATTN_VALUE_HEADS": several}):
+            for form in TILE_FORMS:  # AVX2's register tiles or the generic ones, value rows a head at a time or not
+                with mock.patch.dict("os.environ", form):
                     passes = pool.layers[0].decode_attention(group, q, 0.3, p["softcap"], p["window"])
-                assert torch.equal(passes, out), f"{p}: INFER_QATTN_VALUE_HEADS={several} changed the sums"
+                assert torch.equal(passes, out), f"{p}: {form} changed the sums"
     pool.dtype = torch.float32  # the gather dequantizes into fp32: the kernel sums the codes in fp32
     k_all, v_all = pool.layers[0].gather(table)
     for b in range(len(tables)):
@@ -326,11 +332,11 @@ def test_an_exact_pool_read_in_place_is_the_formula_for_every_pass_of_heads(flav
         assert torch.equal(attend(), out), "two threads changed the sums"
     with mock.patch.dict("os.environ", {"INFER_QATTN_HEADS_AT_ONCE": "0"}):  # one KV head per work item
         assert torch.equal(attend(), out), "one KV head per work item changed the sums"
-    # A tile's value rows into one query head at a time or several at once (each build's default is one of them;
-    # AVX2's is one): the same sums.
-    for several in ("0", "1"):
-        with mock.patch.dict("os.environ", {"INFER_QATTN_VALUE_HEADS": several}):
-            assert torch.equal(attend(), out), f"INFER_QATTN_VALUE_HEADS={several} changed the sums"
+    # A tile scored and its value rows summed by AVX2's 8-lane registers (an AVX2 build's default) or by the generic
+    # 16-lane forms, value rows into one query head at a time or several at once: the same sums.
+    for form in TILE_FORMS:
+        with mock.patch.dict("os.environ", form):
+            assert torch.equal(attend(), out), f"{form} changed the sums"
     for b, n in enumerate(lengths):
         keys, values = (blocks[tables[b]].transpose(0, 1).reshape(kv_heads, nb * bs, head_dim)[:, :n].float()
                         for blocks in (k_blocks, v_blocks))

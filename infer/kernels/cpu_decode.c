@@ -1135,11 +1135,50 @@ static inline void fold_key_scales(int scheme, int fast, const float *qf, const 
     }
 }
 
+#if defined(HAVE_AVX2_ROWS)
+/* widen for AVX2: 8 codes at a time to 8 fp32 lanes stored straight into the row. widen's 16-lane values went
+ * through the stack there, piece by piece (with the value sums' broadcasts, most of an int8 pool's attention on a
+ * Zen 3). Exact conversions, so the same floats. Two 4-bit codes a byte: bytes 16c + 8h .. + 8 are lanes 8h .. 8h + 7
+ * of chunk c's A (low nibbles, signed by a shift up and back) and B (high); FP4's magnitude is its table's first 8
+ * entries indexed by the code's low 3 bits (vpermps reads only those), its sign the code's bit 3. */
+static inline void decode_row_avx2(int scheme, const uint8_t *codes, float *row, int64_t d) {
+    if (scheme == Q_INT8) {
+        for (int64_t i = 0; i < d; i += 8)
+            _mm256_storeu_ps(row + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                          _mm_loadl_epi64((const __m128i *)(codes + i)))));
+        return;
+    }
+    const __m256 mags = _mm256_loadu_ps(FP4_VALUES);
+    const __m256i sign = _mm256_set1_epi32(8);
+    for (int64_t c = 0; c < d / 32; c++)
+        for (int h = 0; h < 2; h++) {
+            __m256i x = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 16 * c + 8 * h)));
+            __m256 a, b;
+            if (scheme == Q_INT4) {
+                a = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(x, 28), 28));
+                b = _mm256_cvtepi32_ps(_mm256_srai_epi32(x, 4));
+            } else {
+                __m256i y = _mm256_srli_epi32(x, 4);
+                a = _mm256_xor_ps(_mm256_permutevar8x32_ps(mags, x),
+                                  _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(x, sign), 28)));
+                b = _mm256_xor_ps(_mm256_permutevar8x32_ps(mags, y),
+                                  _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(y, sign), 28)));
+            }
+            _mm256_storeu_ps(row + 32 * c + 8 * h, a);
+            _mm256_storeu_ps(row + 32 * c + 16 + 8 * h, b);
+        }
+}
+#endif
+
 /* A code row decoded into `row`: in the permuted order on the fast path, else natural. */
 static inline void decode_row(int scheme, int fast, const uint8_t *codes, float *row, int64_t d) {
     if (fast) {
+#if defined(HAVE_AVX2_ROWS)
+        decode_row_avx2(scheme, codes, row, d);
+#else
         qv16 *rv = (qv16 *)row;
         for (int64_t c = 0; c < d / 32; c++) widen(scheme, codes, c, rv + 2 * c, rv + 2 * c + 1);
+#endif
     } else {
         decode_codes(scheme, codes, row, d);
     }
@@ -1180,19 +1219,83 @@ static inline qv16 tile_dots(const qv16 *qv, const qv16 *tv, int64_t nv) {
     return tile_dots_n(qv, tv, nv);
 }
 
+#if defined(HAVE_AVX2_ROWS)
+/* tile_dots_n for AVX2, bit for bit: its 16 accumulators of 16 lanes are 32 ymm registers' worth, and they spilled
+ * to the stack (the larger part of why an int8 pool's attention took 5x its exact pool's on a Zen 3). Here 4 rows
+ * at a time, each row's 16 lanes as two 8-lane halves (8 registers), each product then its add (no fused
+ * multiply-add), in c order; then sum16x16's tree for each row: lanes l + (l + 8), then (l, l + 4), (l, l + 2),
+ * (l, l + 1). `z` gets the 4 rows' pair sums: low half [r0 r0 r2 r2], high half [r1 r1 r3 r3]. */
+static inline __attribute__((always_inline)) __m256 rows4_pair_sums(const float *q, const float *rows,
+                                                                    const int64_t d) {
+    __m256 lo[4], hi[4];
+    __m256 q0 = _mm256_loadu_ps(q), q1 = _mm256_loadu_ps(q + 8);
+    for (int j = 0; j < 4; j++) {
+        lo[j] = _mm256_mul_ps(q0, _mm256_loadu_ps(rows + j * d));
+        hi[j] = _mm256_mul_ps(q1, _mm256_loadu_ps(rows + j * d + 8));
+    }
+    for (int64_t c = 1; c < d / 16; c++) {
+        q0 = _mm256_loadu_ps(q + 16 * c);
+        q1 = _mm256_loadu_ps(q + 16 * c + 8);
+        for (int j = 0; j < 4; j++) {
+            lo[j] = _mm256_add_ps(lo[j], _mm256_mul_ps(q0, _mm256_loadu_ps(rows + j * d + 16 * c)));
+            hi[j] = _mm256_add_ps(hi[j], _mm256_mul_ps(q1, _mm256_loadu_ps(rows + j * d + 16 * c + 8)));
+        }
+    }
+    __m256 h[4];
+    for (int j = 0; j < 4; j++) h[j] = _mm256_add_ps(lo[j], hi[j]);
+    __m256 ab = _mm256_add_ps(_mm256_permute2f128_ps(h[0], h[1], 0x20), _mm256_permute2f128_ps(h[0], h[1], 0x31));
+    __m256 cd = _mm256_add_ps(_mm256_permute2f128_ps(h[2], h[3], 0x20), _mm256_permute2f128_ps(h[2], h[3], 0x31));
+    return _mm256_add_ps(_mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+/* 8 consecutive fp32 rows of d values (a multiple of 16) dotted with q: lane j row j's sum, tile_dots_n's bits. */
+static inline __attribute__((always_inline)) __m256 rows8_dots(const float *q, const float *rows, const int64_t d) {
+    __m256 s = _mm256_hadd_ps(rows4_pair_sums(q, rows, d), rows4_pair_sums(q, rows + 4 * d, d));
+    return _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)); /* s: rows 0 2 4 6 1 3 5 7 */
+}
+
+/* tile_dots for the 16 rows of a tile on AVX2 (rows8_dots twice), the common head sizes' lengths as constants. */
+static inline qv16 tile_dots_avx2(const float *q, const float *tile, int64_t d) {
+    __m256 s[2];
+    if (d == 64) {
+        s[0] = rows8_dots(q, tile, 64);
+        s[1] = rows8_dots(q, tile + 8 * 64, 64);
+    } else if (d == 128) {
+        s[0] = rows8_dots(q, tile, 128);
+        s[1] = rows8_dots(q, tile + 8 * 128, 128);
+    } else {
+        s[0] = rows8_dots(q, tile, d);
+        s[1] = rows8_dots(q, tile + 8 * d, d);
+    }
+    qv16 out;
+    memcpy(&out, s, 64);
+    return out;
+}
+#endif
+
+/* A tile's 16 rows (d values each, fp32) dotted with q: by tile_dots, or where `avx2` (qattn_avx2_tiles) by
+ * tile_dots_avx2, the same bits. */
+static inline qv16 tile_scores(const float *q, const float *tile, int64_t d, int avx2) {
+#if defined(HAVE_AVX2_ROWS)
+    if (avx2) return tile_dots_avx2(q, tile, d);
+#endif
+    (void)avx2;
+    return tile_dots((const qv16 *)q, (const qv16 *)tile, d / 16);
+}
+
 /* Score 16 consecutive code rows at once (fast path; `rscale` their 16 row scales, or NULL for channel-scaled
- * keys): decoded into `tile`, summed by sum16x16. */
+ * keys): decoded into `tile`, summed by tile_scores. */
 static inline void score_code_tile(int scheme, int64_t dp, const uint8_t *codes, const float *qp, const float *qo,
                                    const uint16_t *rscale, float *tile, float *sc, int64_t groups, int64_t n,
-                                   int64_t t, int64_t d) {
-    qv16 *tv = (qv16 *)tile, rsv;
+                                   int64_t t, int64_t d, int avx2) {
+    qv16 rsv;
     for (int j = 0; j < 16; j++) {
-        for (int64_t c = 0; c < d / 32; c++)
-            widen(scheme, codes + j * dp, c, tv + j * (d / 16) + 2 * c, tv + j * (d / 16) + 2 * c + 1);
+        decode_row(scheme, 1, codes + j * dp, tile + j * d, d);
         rsv[j] = rscale ? bf16_to_f32(rscale[j]) : 1.f;
     }
     for (int64_t g = 0; g < groups; g++) {
-        qv16 scores = tile_dots((const qv16 *)(qp + g * d), tv, d / 16) * rsv + qo[g];
+        qv16 scores = tile_scores(qp + g * d, tile, d, avx2) * rsv + qo[g];
         memcpy(sc + g * n + t, &scores, 64);
     }
 }
@@ -1229,11 +1332,10 @@ static inline void store_row(int dtype, const float *x, void *dst, int64_t d) {
 
 /* Score 16 consecutive exact rows at once (d a multiple of 16): loaded into `tile`, summed by sum16x16. */
 static inline void score_exact_tile(int dtype, const char *rows, int64_t esize, const float *qf, float *tile,
-                                    float *sc, int64_t groups, int64_t n, int64_t t, int64_t d) {
-    const qv16 *tv = (const qv16 *)tile;
+                                    float *sc, int64_t groups, int64_t n, int64_t t, int64_t d, int avx2) {
     for (int j = 0; j < 16; j++) load_row(dtype, rows + j * d * esize, tile + j * d, d);
     for (int64_t g = 0; g < groups; g++) {
-        qv16 scores = tile_dots((const qv16 *)(qf + g * d), tv, d / 16);
+        qv16 scores = tile_scores(qf + g * d, tile, d, avx2);
         memcpy(sc + g * n + t, &scores, 64);
     }
 }
@@ -1550,8 +1652,54 @@ static inline __attribute__((always_inline)) void value_tile_heads(const qv16 *t
         for (int64_t c = 0; c < nv; c++) sums[(g0 + g) * nv + c] = a[g * nv + c];
 }
 
+#if defined(HAVE_AVX2_ROWS)
+/* Lanes c0 .. c0 + 8 nv8 of one head's sums over the m rows `live` of a tile with weights w: the sums in registers
+ * across the rows, each weight broadcast once. */
+static inline __attribute__((always_inline)) void value_lanes_avx2(const float *tile, const float *w,
+                                                                   const int64_t *live, int64_t m, float *sums,
+                                                                   int64_t c0, int64_t d, const int nv8) {
+    __m256 a[8];
+    for (int v = 0; v < nv8; v++) a[v] = _mm256_loadu_ps(sums + c0 + 8 * v);
+    for (int64_t i = 0; i < m; i++) {
+        __m256 wv = _mm256_set1_ps(w[i]);
+        const float *row = tile + live[i] * d + c0;
+        for (int v = 0; v < nv8; v++) a[v] = _mm256_add_ps(a[v], _mm256_mul_ps(wv, _mm256_loadu_ps(row + 8 * v)));
+    }
+    for (int v = 0; v < nv8; v++) _mm256_storeu_ps(sums + c0 + 8 * v, a[v]);
+}
+
+/* value_tile_heads for AVX2, one head at a time, 64 lanes of its sums (8 registers) at a time: the same products
+ * and adds in the same order for every lane, zero weights skipped as there. The generic 16-lane form built each
+ * broadcast weight through the stack and kept the sums there (30% of an int8 pool's attention on a Zen 3). */
+static inline void value_tile_avx2(const float *tile, const float *sc, const float *rs, float *sums, int64_t groups,
+                                   int64_t n, int64_t t, int64_t rows, int64_t d) {
+    for (int64_t g = 0; g < groups; g++) {
+        float w[16];
+        int64_t live[16], m = 0;
+        for (int64_t r = 0; r < rows; r++) {
+            w[m] = sc[g * n + t + r] * rs[r];
+            if (w[m] != 0.f) live[m++] = r;
+        }
+        int64_t c0 = 0;
+        for (; c0 + 64 <= d; c0 += 64) value_lanes_avx2(tile, w, live, m, sums + g * d, c0, d, 8);
+        if (d - c0 == 48) value_lanes_avx2(tile, w, live, m, sums + g * d, c0, d, 6);
+        else if (d - c0 == 32) value_lanes_avx2(tile, w, live, m, sums + g * d, c0, d, 4);
+        else if (d - c0 == 16) value_lanes_avx2(tile, w, live, m, sums + g * d, c0, d, 2);
+    }
+}
+#endif
+
+/* Up to 16 rows of a tile into every query head's sums: by value_tile_avx2 where `avx2` (qattn_avx2_tiles), else
+ * value_tile_heads, several heads at once or one (`several`: qattn_value_heads). The same bits every way. */
 static inline void add_value_tile(const float *tile, const float *sc, const float *rs, float *sums, int64_t groups,
-                                  int64_t n, int64_t t, int64_t rows, int64_t d, int several) {
+                                  int64_t n, int64_t t, int64_t rows, int64_t d, int several, int avx2) {
+#if defined(HAVE_AVX2_ROWS)
+    if (avx2) {
+        value_tile_avx2(tile, sc, rs, sums, groups, n, t, rows, d);
+        return;
+    }
+#endif
+    (void)avx2;
     const qv16 *tv = (const qv16 *)tile;
     qv16 *out = (qv16 *)sums;
     int64_t nv = d / 16, g = 0;
@@ -1618,6 +1766,11 @@ static int qattn_value_heads(void) {
 #endif
 }
 
+/* INFER_QATTN_AVX2_TILES=0: an AVX2 build scores a tile and sums its value rows in the generic 16-lane forms (as
+ * the other builds do: tile_dots, value_tile_heads), where by default it takes tile_dots_avx2 and value_tile_avx2:
+ * the same bits, the sums kept in 8-lane registers (the tests hold one form to the other). */
+static int qattn_avx2_tiles(void) { return switched_on("INFER_QATTN_AVX2_TILES"); }
+
 /* One thread's scratch for a (sequence, KV head) of the attention kernels, for up to n keys: scores sc [G, n];
  * queries natural qf, scaled qs, permuted qp, split qsplit [G, d]; sums acc (natural), accp (code rows: permuted on
  * the fast path, rotated with v_rot), accsplit (bf16 rows widened in registers: split) [G, d]; one decoded row; a
@@ -1656,7 +1809,7 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
     int64_t esize = dtype == F32 ? 4 : 2, groups = heads / kv_heads, n = ns + nq + nr;
     int64_t dp = scheme == Q_INT8 ? d : d / 2, qpos = ns_cap + nq + nr - 1;
     int fast = d % 32 == 0; /* whole 32-element chunks: the vector path */
-    int tiles = qattn_tiles(), several = qattn_value_heads();
+    int tiles = qattn_tiles(), several = qattn_value_heads(), avx2 = qattn_avx2_tiles();
     if (ns < ns_cap) qpos = ns - 1; /* everything so far is a sink */
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -1694,7 +1847,7 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
                 const uint16_t *rscale = channel_keys ? 0 : k_scale + bh * nq_cap + t;
                 /* 16 keys of one block at once where they fit */
                 if (fast && tiles && t + 16 <= nq && (!channel_keys || t % block + 16 <= block)) {
-                    score_code_tile(scheme, dp, codes, qp, qo, rscale, tile, sc, groups, n, ns + t, d);
+                    score_code_tile(scheme, dp, codes, qp, qo, rscale, tile, sc, groups, n, ns + t, d, avx2);
                     t += 15;
                 } else {
                     score_code_row(scheme, fast, codes, qp, qs, qo, rscale ? bf16_to_f32(*rscale) : 1.f, row, sc,
@@ -1730,7 +1883,7 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
                         load_row(dtype, vr + ((t + k - ns) % vring) * d * esize, dst, d);
                     }
                 }
-                add_value_tile(tile, sc, rs, coded ? accp : acc, groups, n, t, rt, d, several);
+                add_value_tile(tile, sc, rs, coded ? accp : acc, groups, n, t, rt, d, several, avx2);
                 t += rt;
             }
             for (int64_t t = 0; !(fast && tiles && d <= 256) && t < n; t++) {
@@ -1804,7 +1957,7 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
                        float softcap, int64_t window, int threads, float *const *scratch) {
     int64_t esize = dtype == F32 ? 4 : 2, groups = heads / kv_heads;
     int64_t dp = scheme == Q_INT8 ? d : d / 2, nmax = 1;
-    int fast = d % 32 == 0, tiles = qattn_tiles(), several = qattn_value_heads();
+    int fast = d % 32 == 0, tiles = qattn_tiles(), several = qattn_value_heads(), avx2 = qattn_avx2_tiles();
     /* bf16 exact rows widened in registers as they are read (bf16_halves), where the plain tiles copy them */
     int split = tiles && dtype == BF16 && (d == 64 || d == 128);
     /* KV heads per work item: a sequence's every head, block by block, where there are sequences enough for the
@@ -1869,7 +2022,7 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
                         if (fast && tiles)
                             for (; r + 16 <= rows; r += 16)
                                 score_exact_tile(dtype, ks + r * d * esize, esize, qfh, tile, sch, groups, n, t0 + r,
-                                                 d);
+                                                 d, avx2);
                         for (; r < rows; r++) {
                             load_row(dtype, ks + r * d * esize, row, d);
                             for (int64_t g = 0; g < groups; g++) sch[g * n + t0 + r] = dot_f32(qfh + g * d, row, d);
@@ -1882,7 +2035,7 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
                     int64_t r = 0;
                     if (fast && tiles)
                         for (; r + 16 <= rows; r += 16)
-                            score_code_tile(scheme, dp, codes + r * dp, qp, qo, 0, tile, sch, groups, n, t0 + r, d);
+                            score_code_tile(scheme, dp, codes + r * dp, qp, qo, 0, tile, sch, groups, n, t0 + r, d, avx2);
                     for (; r < rows; r++)
                         score_code_row(scheme, fast, codes + r * dp, qp, qs, qo, 1.f, row, sch, groups, n, t0 + r, d);
                 }
@@ -1920,7 +2073,7 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
                                     load_row(dtype, vs + (r + k) * d * esize, tile + k * d, d);
                                 }
                             }
-                            add_value_tile(tile, sch, rs, coded ? accph : acch, groups, n, t0 + r, rt, d, several);
+                            add_value_tile(tile, sch, rs, coded ? accph : acch, groups, n, t0 + r, rt, d, several, avx2);
                         }
                     for (; r < rows; r++) {
                         float rs = 1.f;
