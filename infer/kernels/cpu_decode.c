@@ -1668,8 +1668,8 @@ static inline __attribute__((always_inline)) void value_lanes_avx2(const float *
     for (int v = 0; v < nv8; v++) _mm256_storeu_ps(sums + c0 + 8 * v, a[v]);
 }
 
-/* value_tile_heads for AVX2, one head at a time, 64 lanes of its sums (8 registers) at a time: the same products
- * and adds in the same order for every lane, zero weights skipped as there. The generic 16-lane form built each
+/* value_tile_heads for AVX2 (d a multiple of 32), one head at a time, 64 lanes of its sums (8 registers) at a time:
+ * the same products and adds in the same order for every lane, zero weights skipped as there. The generic 16-lane form built each
  * broadcast weight through the stack and kept the sums there (30% of an int8 pool's attention on a Zen 3). */
 static inline void value_tile_avx2(const float *tile, const float *sc, const float *rs, float *sums, int64_t groups,
                                    int64_t n, int64_t t, int64_t rows, int64_t d) {
@@ -1680,11 +1680,9 @@ static inline void value_tile_avx2(const float *tile, const float *sc, const flo
             w[m] = sc[g * n + t + r] * rs[r];
             if (w[m] != 0.f) live[m++] = r;
         }
-        int64_t c0 = 0;
+        int64_t c0 = 0; /* d is a multiple of 32 (the fast path's): 64 lanes at a time, then 32 or none */
         for (; c0 + 64 <= d; c0 += 64) value_lanes_avx2(tile, w, live, m, sums + g * d, c0, d, 8);
-        if (d - c0 == 48) value_lanes_avx2(tile, w, live, m, sums + g * d, c0, d, 6);
-        else if (d - c0 == 32) value_lanes_avx2(tile, w, live, m, sums + g * d, c0, d, 4);
-        else if (d - c0 == 16) value_lanes_avx2(tile, w, live, m, sums + g * d, c0, d, 2);
+        if (d - c0 == 32) value_lanes_avx2(tile, w, live, m, sums + g * d, c0, d, 4);
     }
 }
 #endif
