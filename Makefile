@@ -32,8 +32,11 @@ $(VENV)/.installed: pyproject.toml
 	        "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null || true
 	touch $@
 
+# The native kernels built for this CPU, every flavour at once (a test worker would otherwise compile each one as it
+# collects, both workers the same files side by side: ~80 s of two cores on a fresh 2-core machine).
 setup: $(VENV)/.installed
 	$(PY) -m infer fetch
+	$(PY) -c 'from infer.kernels.native import build_all; print("native kernels:", build_all())'
 
 generate: setup
 	$(PY) -m infer generate "$(PROMPT)"

@@ -14,15 +14,13 @@ from hypothesis import strategies as st
 
 from infer.families import ARCHITECTURES
 from infer.kernels import native
-from infer.kernels.native import DTYPE_CODES, FLAVOUR_NEEDS, FLAVOURS, native_kernels, unavailable_reason
-from infer.tuning import cpu_flags
+from infer.kernels.native import DTYPE_CODES, flavours_for_this_cpu, native_kernels, unavailable_reason
 from tests.helpers import on_threads
 
 
 def runnable_flavours() -> list[str]:
-    """The flavours this CPU can execute (the narrower x86 paths run on any CPU that has their units)."""
-    flags = cpu_flags() or frozenset()
-    return [f for f in FLAVOURS if set(FLAVOUR_NEEDS[f]) <= flags and native_kernels(f) is not None]
+    """The flavours this CPU can execute and this machine built."""
+    return [f for f in flavours_for_this_cpu() if native_kernels(f) is not None]
 
 
 FLAVOURS_HERE = runnable_flavours()
@@ -183,6 +181,18 @@ def test_builds_are_cached_per_source_and_flags(monkeypatch: pytest.MonkeyPatch,
     assert native._build(compiler, ("-O0", "-shared", "-fPIC", "-DINFER_OTHER")) != first, "other flags, another build"
     assert [p.name for p in Path(str(tmp_path)).iterdir() if not p.name.startswith("gemv-")] == [], "no temp left"
     ctypes.CDLL(str(first))  # loadable
+
+
+@needs_build
+def test_build_all_builds_every_flavour_this_cpu_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make setup`'s builds: one report per flavour the CPU's flags allow, "built" exactly where it loads (found in
+    the cache the test workers read); a CPU without AVX2 or AVX512 is asked for neither."""
+    report = native.build_all()
+    assert list(report) == native.flavours_for_this_cpu() and report["native"] == "built"
+    for flavour, how in report.items():
+        assert (how == "built") == (native_kernels(flavour) is not None), (flavour, how)
+    monkeypatch.setattr("infer.tuning.cpu_flags", lambda cpuinfo="/proc/cpuinfo": frozenset({"sse2"}))
+    assert native.flavours_for_this_cpu() == ["native", "generic"]
 
 
 # ---- the small ops of a one-token step, against the PyTorch formulas they replace ----

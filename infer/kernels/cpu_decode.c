@@ -1221,10 +1221,9 @@ static inline qv16 tile_dots(const qv16 *qv, const qv16 *tv, int64_t nv) {
 
 #if defined(HAVE_AVX2_ROWS)
 /* tile_dots_n for AVX2, bit for bit: its 16 accumulators of 16 lanes are 32 ymm registers' worth, and they spilled
- * to the stack (the larger part of why an int8 pool's attention took 5x its exact pool's on a Zen 3). Here 4 rows
- * at a time, each row's 16 lanes as two 8-lane halves (8 registers), each product then its add (no fused
- * multiply-add), in c order; then sum16x16's tree for each row: lanes l + (l + 8), then (l, l + 4), (l, l + 2),
- * (l, l + 1). `z` gets the 4 rows' pair sums: low half [r0 r0 r2 r2], high half [r1 r1 r3 r3]. */
+ * to the stack. Here 4 rows at a time, each row's 16 lanes as two 8-lane halves (8 registers), each product then its
+ * add (no fused multiply-add), in c order; then sum16x16's tree for each row: lanes l + (l + 8), then (l, l + 4),
+ * (l, l + 2), (l, l + 1). Returns the 4 rows' pair sums: low half [r0 r0 r2 r2], high half [r1 r1 r3 r3]. */
 static inline __attribute__((always_inline)) __m256 rows4_pair_sums(const float *q, const float *rows,
                                                                     const int64_t d) {
     __m256 lo[4], hi[4];
@@ -1330,7 +1329,7 @@ static inline void store_row(int dtype, const float *x, void *dst, int64_t d) {
     for (; c < d; c++) store_scalar(dtype, dst, c, x[c]);
 }
 
-/* Score 16 consecutive exact rows at once (d a multiple of 16): loaded into `tile`, summed by sum16x16. */
+/* Score 16 consecutive exact rows at once (d a multiple of 16): loaded into `tile`, summed by tile_scores. */
 static inline void score_exact_tile(int dtype, const char *rows, int64_t esize, const float *qf, float *tile,
                                     float *sc, int64_t groups, int64_t n, int64_t t, int64_t d, int avx2) {
     for (int j = 0; j < 16; j++) load_row(dtype, rows + j * d * esize, tile + j * d, d);
@@ -1669,8 +1668,9 @@ static inline __attribute__((always_inline)) void value_lanes_avx2(const float *
 }
 
 /* value_tile_heads for AVX2 (d a multiple of 32), one head at a time, 64 lanes of its sums (8 registers) at a time:
- * the same products and adds in the same order for every lane, zero weights skipped as there. The generic 16-lane form built each
- * broadcast weight through the stack and kept the sums there (30% of an int8 pool's attention on a Zen 3). */
+ * the same products and adds in the same order for every lane, zero weights skipped as there. The generic 16-lane
+ * form built each broadcast weight through the stack and kept the sums there (30% of an int8 pool's attention on a
+ * Zen 3). */
 static inline void value_tile_avx2(const float *tile, const float *sc, const float *rs, float *sums, int64_t groups,
                                    int64_t n, int64_t t, int64_t rows, int64_t d) {
     for (int64_t g = 0; g < groups; g++) {
