@@ -36,7 +36,7 @@ $(VENV)/.installed: pyproject.toml
 # collects, both workers the same files side by side: ~80 s of two cores on a fresh 2-core machine).
 setup: $(VENV)/.installed
 	$(PY) -m infer fetch
-	$(PY) -c 'from infer.kernels.native import build_all; print("native kernels:", build_all())'
+	$(PY) -c 'from infer.tuning import build_native_kernels; print("native kernels:", build_native_kernels())'
 
 generate: setup
 	$(PY) -m infer generate "$(PROMPT)"

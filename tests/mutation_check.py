@@ -334,7 +334,7 @@ MUTANTS = [
            "infer/kernels/cpu_decode.c", "if (groups - g >= 2) value_tile_heads(tv, sc, rs, out, g, 2, n, t, rows, 8);",
            "if (groups - g >= 2) value_tile_heads(tv, sc, rs, out, g, 1, n, t, rows, 8);",
            ("tests/test_native_quantized_attention.py", "tests/property/test_engine_properties.py")),
-    Mutant("native builds: every flavour asked for whatever the CPU's flags", "infer/kernels/native.py",
+    Mutant("native builds: every flavour asked for whatever the CPU's flags", "infer/tuning.py",
            "return [f for f in FLAVOURS if set(FLAVOUR_NEEDS[f]) <= flags]", "return list(FLAVOURS)",
            ("tests/test_native_kernels.py",)),
     Mutant("native attention, AVX2 tiles: two keys' scores swapped in the last fold", NATIVE_C,

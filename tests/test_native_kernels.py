@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from infer.families import ARCHITECTURES
 from infer.kernels import native
-from infer.kernels.native import DTYPE_CODES, flavours_for_this_cpu, native_kernels, unavailable_reason
+from infer.kernels.native import DTYPE_CODES, native_kernels, unavailable_reason
+from infer.tuning import build_native_kernels, flavours_for_this_cpu
 from tests.helpers import on_threads
 
 
@@ -184,15 +185,15 @@ def test_builds_are_cached_per_source_and_flags(monkeypatch: pytest.MonkeyPatch,
 
 
 @needs_build
-def test_build_all_builds_every_flavour_this_cpu_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_make_setup_builds_every_flavour_this_cpu_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """`make setup`'s builds: one report per flavour the CPU's flags allow, "built" exactly where it loads (found in
     the cache the test workers read); a CPU without AVX2 or AVX512 is asked for neither."""
-    report = native.build_all()
-    assert list(report) == native.flavours_for_this_cpu() and report["native"] == "built"
+    report = build_native_kernels()
+    assert list(report) == flavours_for_this_cpu() and report["native"] == "built"
     for flavour, how in report.items():
         assert (how == "built") == (native_kernels(flavour) is not None), (flavour, how)
     monkeypatch.setattr("infer.tuning.cpu_flags", lambda cpuinfo="/proc/cpuinfo": frozenset({"sse2"}))
-    assert native.flavours_for_this_cpu() == ["native", "generic"]
+    assert flavours_for_this_cpu() == ["native", "generic"]
 
 
 # ---- the small ops of a one-token step, against the PyTorch formulas they replace ----

@@ -22,7 +22,6 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -734,24 +733,6 @@ def native_kernels(flavour: str = "native") -> NativeKernels | None:
             errors.append(f"built but could not load: {exc}")
     _reasons[flavour] = f"{compiler} could not build {SOURCE.name}: {errors[-1] if errors else 'unknown error'}"
     return None
-
-
-def flavours_for_this_cpu() -> list[str]:
-    """The flavours whose instructions this CPU has (the narrower x86 paths run on any CPU with their units)."""
-    from infer.tuning import cpu_flags  # (infer.tuning imports this module)
-
-    flags = cpu_flags() or frozenset()
-    return [f for f in FLAVOURS if set(FLAVOUR_NEEDS[f]) <= flags]
-
-
-def build_all() -> dict[str, str]:
-    """Build every flavour this CPU runs at once, one compiler process each (30-35 s apiece on a 2-core EPYC), and
-    say how each went: "built" (or found built) or why not. `make setup` calls it, so that the test workers, which
-    each ask for every flavour as they collect, find them built instead of compiling the same files side by side."""
-    wanted = flavours_for_this_cpu()
-    with ThreadPoolExecutor(max_workers=max(1, len(wanted))) as pool:
-        built = dict(zip(wanted, pool.map(native_kernels, wanted), strict=True))
-    return {f: "built" if kernels is not None else unavailable_reason(f) or "unknown" for f, kernels in built.items()}
 
 
 def unavailable_reason(flavour: str = "native") -> str | None:
