@@ -367,7 +367,7 @@ def test_a_quantized_model_packs_where_the_packed_codes_are_faster(ratios: tuple
     monkeypatch.setattr(tuning, "_time_alternately", scripted)
     choice = tuning._choose_packing(model, 128, None)
     assert choice.choice.value == want and choice.on == (want != "off")
-    assert "16 rows over " in choice.choice.reason and "128 rows over " in choice.choice.reason
+    assert "16 rows: " in choice.choice.reason and "128 rows: " in choice.choice.reason
     assert all(p.packed is c for p, c in zip(model.packable_products(), before, strict=True))
 
 
