@@ -5,7 +5,10 @@ written past the output; a build that cannot happen reported, not raised."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -461,6 +464,75 @@ def test_the_packed_bf16_product_passes_many_rows_in_groups(m: int, k: int, flav
     y = kernels.gemm_bf16_packed(packed, x, 37, bias)
     assert_rows_are_the_formula(y, [kernels.gemm_bf16_packed(packed, x[j : j + 1], 37, bias)[0] for j in range(m)],
                                 w, x, bias)
+
+
+# AMX tiles: the native build on an Intel Xeon with AMX-BF16 whose kernel grants them (and INFER_AMX not 0)
+AMX_HERE = native_kernels() is not None and native_kernels().amx_takes(32)
+needs_amx = pytest.mark.skipif(not AMX_HERE, reason="AMX tiles need an Intel Xeon with AMX-BF16 and a native build")
+
+
+@contextlib.contextmanager
+def amx_switched(on: bool) -> Iterator[None]:
+    """INFER_AMX for the block (the kernels read it at each call), put back after."""
+    before = os.environ.get("INFER_AMX")
+    os.environ["INFER_AMX"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["INFER_AMX"]
+        else:
+            os.environ["INFER_AMX"] = before
+
+
+@needs_amx
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 75), n=st.integers(1, 70), steps=st.integers(1, 10), with_bias=st.booleans(),
+       threads=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_amx_tiles_give_the_formula_and_each_row_alone(m: int, n: int, steps: int, with_bias: bool, threads: int,
+                                                      seed: int) -> None:
+    """k a multiple of 32 on AMX tiles (32 input rows by 2 blocks a pass; a last tile of fewer than 16 rows, a lone
+    last block, threads splitting the blocks): every output within the rounding of fp32 sums rounded once to bf16 and
+    bit for bit what its row gives alone; the pair instruction's tiles (INFER_AMX=0) take the same k and give the same
+    rounding's numbers. The caller's tensors unchanged."""
+    kernels = native_kernels()
+    assert kernels is not None
+    k = 32 * steps
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16() if with_bias else None
+    x_before = x.clone()
+    with on_threads(threads):
+        packed = kernels.pack_bf16(w)
+        with amx_switched(False):
+            assert not kernels.amx_takes(k)
+            pairs = kernels.gemm_bf16_packed(packed, x, n, bias)
+        with amx_switched(True):
+            assert kernels.amx_takes(k) and not kernels.amx_takes(k + 2)
+            y = kernels.gemm_bf16_packed(packed, x, n, bias)
+            alone = [kernels.gemm_bf16_packed(packed, x[j : j + 1], n, bias)[0] for j in range(m)]
+    assert torch.equal(x, x_before), "the caller's tensors changed"
+    assert_rows_are_the_formula(y, alone, w, x, bias)
+    assert_rows_are_the_formula(pairs, [pairs[j] for j in range(m)], w, x, bias)
+
+
+@needs_amx
+@pytest.mark.parametrize(("m", "k"), [(150, 3072), (600, 768)])
+def test_amx_tiles_pass_many_rows_in_groups(m: int, k: int) -> None:
+    """Rows past what one AMX pass keeps in L2 (512 KiB of x: 64 rows of k = 3072, 320 of 768) go through the weights
+    in groups, the last ending in a part tile: every row still the formula within rounding and what it gives alone."""
+    kernels = native_kernels()
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(m)
+    w = torch.randn(37, k, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    bias = torch.randn(37, generator=gen).bfloat16()
+    packed = kernels.pack_bf16(w)
+    with amx_switched(True):
+        y = kernels.gemm_bf16_packed(packed, x, 37, bias)
+        alone = [kernels.gemm_bf16_packed(packed, x[j : j + 1], 37, bias)[0] for j in range(m)]
+    assert_rows_are_the_formula(y, alone, w, x, bias)
 
 
 @needs_packed_bf16

@@ -2656,6 +2656,131 @@ static int64_t rows_in_l2(int64_t k) {
 }
 #endif
 
+#if defined(HAVE_DOT_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+/* ---- the packed product on AMX tiles (Intel Xeons with AMX-BF16) ----
+ * The packed layout is AMX's own B operand: pair p of a block's 16 rows is one 64-byte row of a tile, so 16 pairs
+ * (32 inputs) of a block are one 1 KiB tile of weights, loaded as they lie. x's rows are the A operand as they lie
+ * (16 rows by 32 inputs, a row stride of k). A pass is 32 input rows by 2 blocks: four 16 x 16 tiles of fp32 sums
+ * (tmm0-3), two of x (tmm4-5), two of weights (tmm6-7), and each pair instruction multiplies 16 rows by 16 outputs
+ * by 32 inputs (vdpbf16ps: 16 outputs by 2 inputs of one row). Every output is still its own row's fp32 sum over k
+ * in order (the tile instruction's rounding and order, not vdpbf16ps's: within the same rounding of the formula),
+ * rounded once with the bias as the pair instruction's tile does, and never depends on the other rows of the call:
+ * a last tile of fewer than 16 rows reads them from a zero-padded copy, so every row takes the same instructions.
+ * k a multiple of 32 (whole tiles of inputs; every real model's): other k keep the pair instruction's tiles.
+ * INFER_AMX=0 turns it off (the check). Linux hands a process the tiles' state only when asked (arch_prctl). */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+
+static int amx_permitted(void) {
+    static int state = 0; /* 0: not asked yet, 1: granted, -1: refused (an old kernel, a hypervisor hiding it) */
+    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+static int amx_takes(int64_t k) { return k % 32 == 0 && switched_on("INFER_AMX") && amx_permitted(); }
+
+/* Every tile 16 rows of 64 bytes (palette 1): sums 16 x 16 fp32, x 16 x 32 bf16, weights 16 pairs x 16 outputs. */
+static void amx_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) config.colsb[t] = 64, config.rows[t] = 16;
+    _tile_loadconfig(&config);
+}
+
+/* x [m, k] laid out as the tiles read it: tile (g, s), rows 16g .. 16g + 15 by inputs 32s .. 32s + 31, 1 KiB at
+ * (g * k / 32 + s) * 512, rows past m zero (so a last tile of fewer rows takes the same instructions). A tile's rows
+ * as x holds them lie 2k bytes apart (k = 3072: 6 KiB, two L1 sets for all 16 lines); as tiles, in one 1 KiB run.
+ * This calling thread's buffer, kept as widened_rows keeps its own; NULL without memory. */
+static const uint16_t *amx_rows_as_tiles(const uint16_t *x, int64_t m, int64_t k, int threads) {
+    static _Thread_local uint16_t *tiles = NULL;
+    static _Thread_local int64_t tiles_len = 0;
+    int64_t groups = (m + 15) / 16, steps = k / 32, len = groups * 16 * k;
+    if (len > tiles_len) {
+        uint16_t *grown = (uint16_t *)realloc(tiles, (size_t)len * sizeof(uint16_t));
+        if (!grown) return NULL;
+        tiles = grown;
+        tiles_len = len;
+    }
+    uint16_t *out = tiles;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && m * k >= 65536) schedule(static)
+    for (int64_t g = 0; g < groups; g++)
+        for (int r = 0; r < 16; r++)
+            for (int64_t st = 0; st < steps; st++) {
+                uint16_t *dst = out + ((g * steps + st) * 16 + r) * 32;
+                if (16 * g + r < m) memcpy(dst, x + (16 * g + r) * k + 32 * st, 64);
+                else memset(dst, 0, 64);
+            }
+    return out;
+}
+
+/* One 16 x 16 tile of sums (this row tile's `rows`, this block's columns c ..) with the bias, rounded into y. */
+static inline void amx_store(const float *sums, int rows, const uint16_t *bias, uint16_t *y, int64_t n, int64_t c) {
+    int64_t left = n - c;
+    __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+    __m512 bv = bias ? bf16x16_widen(_mm256_maskz_loadu_epi16(mask, bias + c)) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++)
+        _mm256_mask_storeu_epi16(y + r * n + c, mask, bf16x16_round(_mm512_add_ps(_mm512_loadu_ps(sums + 16 * r), bv)));
+}
+
+/* Blocks b, b + 1 (nb of them) packed at `pb` against every row of x laid out as tiles (`xt`, amx_rows_as_tiles),
+ * the bytes `pf` .. `pf_end` prefetched into L2 meanwhile, spread over the pass's steps. The tiles configured. */
+static void amx_pass(const uint16_t *pb, int64_t pairs, const uint16_t *xt, int64_t m, int64_t k,
+                     const uint16_t *bias, uint16_t *y, int64_t n, int64_t b, int nb, const char *pf,
+                     const char *pf_end) {
+    const uint16_t *w0 = pb, *w1 = pb + (nb > 1 ? pairs * 32 : 0); /* (a lone block twice, the spare never stored) */
+    int64_t steps = pairs / 16, groups = (m + 31) / 32;
+    int64_t per_step = ((pf_end - pf) / 64 + groups * steps - 1) / (groups * steps);
+    float sums[4][256];
+    for (int64_t j = 0; j < m; j += 32) {
+        int two = j + 16 < m; /* a second row tile */
+        const uint16_t *a0 = xt + (j / 16) * steps * 512, *a1 = a0 + steps * 512;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t s = 0; s < steps; s++) {
+            for (int64_t t = 0; t < per_step && pf < pf_end; t++, pf += 64) __builtin_prefetch(pf, 0, 2);
+            _tile_loadd(6, w0 + s * 512, 64);
+            _tile_loadd(7, w1 + s * 512, 64);
+            _tile_loadd(4, a0 + s * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if (two) {
+                _tile_loadd(5, a1 + s * 512, 64);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        _tile_stored(0, sums[0], 64);
+        _tile_stored(1, sums[1], 64);
+        _tile_stored(2, sums[2], 64);
+        _tile_stored(3, sums[3], 64);
+        int rows0 = m - j < 16 ? (int)(m - j) : 16, rows1 = two ? (m - j - 16 < 16 ? (int)(m - j - 16) : 16) : 0;
+        for (int a = 0; a < nb; a++) {
+            amx_store(sums[a], rows0, bias, y + j * n, n, 16 * (b + a));
+            if (two) amx_store(sums[2 + a], rows1, bias, y + (j + 16) * n, n, 16 * (b + a));
+        }
+    }
+}
+#endif
+
+/* Whether the packed products of inner size k run on AMX tiles here (built for them, the process granted them,
+ * INFER_AMX not 0, k a multiple of 32). */
+int infer_amx_takes(int64_t k) {
+#if defined(HAVE_AMX)
+    return amx_takes(k);
+#else
+    (void)k;
+    return 0;
+#endif
+}
+
 /* How far ahead of its pass infer_gemm_bf16_packed prefetches: the next pair of blocks (1) or the pair after next
  * (2). A process-wide setting, as prefetch_level; the same results either way. At 16 rows of a 150M Llama's decode
  * steps the pair after next ran 1.4x faster than no prefetch on a 2-core Zen 4 EPYC, the next pair 1.07x faster
@@ -2678,6 +2803,13 @@ int infer_gemm_bf16_packed(const uint16_t *p, const uint16_t *x_in, const uint16
 #if defined(HAVE_DOT_BF16)
     const packed_x *x = x_in;
     int64_t rows_at_once = m;
+#if defined(HAVE_AMX)
+    int amx = amx_takes(k);
+    const uint16_t *xt = amx ? amx_rows_as_tiles(x_in, m, k, threads) : NULL;
+    if (amx && !xt) return -4;
+    /* (AMX: the rows in groups of 512 KiB, which stay in L2 while the weights pass) */
+    if (amx) rows_at_once = (512 * 1024 / (2 * k)) / 32 * 32 > 32 ? (512 * 1024 / (2 * k)) / 32 * 32 : 32;
+#endif
 #else
     const packed_x *x = widened_rows(x_in, m, k, threads);
     if (!x) return -4;
@@ -2688,6 +2820,9 @@ int infer_gemm_bf16_packed(const uint16_t *p, const uint16_t *x_in, const uint16
         int64_t r0, r1;
         thread_rows(n, &r0, &r1); /* (whole blocks of 16 rows) */
         int64_t b0 = r0 / 16, b1 = (r1 + 15) / 16;
+#if defined(HAVE_AMX)
+        if (amx) amx_configure();
+#endif
         for (int64_t j0 = 0; j0 < m; j0 += rows_at_once) {
             int64_t mc = m - j0 < rows_at_once ? m - j0 : rows_at_once, tiles = (mc + PACK_ROWS - 1) / PACK_ROWS;
             int64_t per_iter = (PACK_BLOCKS + tiles - 1) / tiles, ahead = packed_ahead; /* a block: a line a pair */
@@ -2695,10 +2830,21 @@ int infer_gemm_bf16_packed(const uint16_t *p, const uint16_t *x_in, const uint16
                 int nb = b1 - b < PACK_BLOCKS ? (int)(b1 - b) : PACK_BLOCKS;
                 int64_t from = b + ahead * PACK_BLOCKS < b1 ? b + ahead * PACK_BLOCKS : b1;
                 int64_t to = b + (ahead + 1) * PACK_BLOCKS < b1 ? b + (ahead + 1) * PACK_BLOCKS : b1;
-                packed_pass(p + b * pairs * 32, NULL, pairs, x + j0 * k, mc, k, bias, y + j0 * n, n, b, nb,
-                            (const char *)(p + from * pairs * 32), (const char *)(p + to * pairs * 32), per_iter);
+                const char *pf = (const char *)(p + from * pairs * 32), *pf_end = (const char *)(p + to * pairs * 32);
+#if defined(HAVE_AMX)
+                if (amx) {
+                    amx_pass(p + b * pairs * 32, pairs, xt + j0 * k, mc, k, bias, y + j0 * n, n, b, nb, pf,
+                             pf_end);
+                    continue;
+                }
+#endif
+                packed_pass(p + b * pairs * 32, NULL, pairs, x + j0 * k, mc, k, bias, y + j0 * n, n, b, nb, pf,
+                            pf_end, per_iter);
             }
         }
+#if defined(HAVE_AMX)
+        if (amx) _tile_release();
+#endif
     }
     return 0;
 #else
@@ -3564,11 +3710,19 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
     if (m <= 0 || n <= 0) return 0;
     int64_t pairs = k / 2, groups = k / group, block_bytes = fmt == Q8 ? 16 * k : 8 * k;
     int failed = 0;
+#if defined(HAVE_AMX) /* the dequantized pair of blocks on AMX tiles, as infer_gemm_bf16_packed's */
+    int amx = amx_takes(k);
+    const uint16_t *xt = amx ? amx_rows_as_tiles(x, m, k, threads) : NULL;
+    if (amx && !xt) return -1;
+#endif
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int64_t r0, r1;
         thread_rows(n, &r0, &r1); /* (whole blocks of 16 rows) */
         int64_t b0 = r0 / 16, b1 = (r1 + 15) / 16, tiles = (m + PACK_ROWS - 1) / PACK_ROWS;
+#if defined(HAVE_AMX)
+        if (amx) amx_configure();
+#endif
         uint16_t *buf = (uint16_t *)malloc((size_t)(PACK_BLOCKS * pairs * 32) * sizeof(uint16_t));
         if (!buf) {
             b1 = b0;
@@ -3584,9 +3738,18 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
                                      mins ? mins + (b + a) * groups * 16 : NULL, buf + a * pairs * 32, pairs, group);
             int64_t from = b + PACK_BLOCKS < b1 ? b + PACK_BLOCKS : b1;
             int64_t to = b + 2 * PACK_BLOCKS < b1 ? b + 2 * PACK_BLOCKS : b1;
-            packed_pass(buf, NULL, pairs, x, m, k, bias, y, n, b, nb, (const char *)(codes + from * block_bytes),
-                        (const char *)(codes + to * block_bytes), per_iter);
+            const char *pf = (const char *)(codes + from * block_bytes), *pf_end = (const char *)(codes + to * block_bytes);
+#if defined(HAVE_AMX)
+            if (amx) {
+                amx_pass(buf, pairs, xt, m, k, bias, y, n, b, nb, pf, pf_end);
+                continue;
+            }
+#endif
+            packed_pass(buf, NULL, pairs, x, m, k, bias, y, n, b, nb, pf, pf_end, per_iter);
         }
+#if defined(HAVE_AMX)
+        if (amx) _tile_release();
+#endif
         free(buf);
     }
     return failed ? -1 : 0;

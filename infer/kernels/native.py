@@ -204,6 +204,9 @@ class NativeKernels:
         lib.infer_set_prefetch.argtypes = [ctypes.c_int]
         lib.infer_set_prefetch.restype = None
         self._set_prefetch, self._prefetch_level = lib.infer_set_prefetch, lib.infer_prefetch_level
+        lib.infer_amx_takes.argtypes = [ctypes.c_int64]
+        lib.infer_amx_takes.restype = ctypes.c_int
+        self._amx_takes = lib.infer_amx_takes
         lib.infer_set_packed_ahead.argtypes = [ctypes.c_int]
         lib.infer_set_packed_ahead.restype = None
         self._set_packed_ahead, self._packed_ahead = lib.infer_set_packed_ahead, lib.infer_packed_ahead
@@ -298,6 +301,11 @@ class NativeKernels:
         packed = torch.empty(-(-n // 16) * 16 * k, dtype=torch.bfloat16)
         self._pack_bf16(weight.data_ptr(), packed.data_ptr(), n, k, torch.get_num_threads())
         return packed
+
+    def amx_takes(self, k: int) -> bool:
+        """Whether packed products of inner size `k` run on AMX tiles (an Intel Xeon's AMX-BF16, granted by the
+        kernel, k a multiple of 32, INFER_AMX not 0); else the pair instruction's tiles."""
+        return bool(self._amx_takes(k))
 
     def gemm_bf16_packed(self, packed: torch.Tensor, x: torch.Tensor, n: int, bias: torch.Tensor | None = None
                          ) -> torch.Tensor:
