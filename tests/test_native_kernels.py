@@ -517,6 +517,25 @@ def test_amx_tiles_give_the_formula_and_each_row_alone(m: int, n: int, steps: in
     assert_rows_are_the_formula(pairs, [pairs[j] for j in range(m)], w, x, bias)
 
 
+@pytest.mark.skipif(not PACKED_FLAVOURS, reason="the packed bf16 product needs AVX512-BF16 or AVX2 with FMA")
+@pytest.mark.parametrize(("flavour", "amx"),
+                         [(f, False) for f in PACKED_FLAVOURS or ["native"]] + ([("native", True)] if AMX_HERE else []))
+def test_the_packed_product_keeps_subnormal_outputs(flavour: str, amx: bool) -> None:
+    """Outputs in bf16's subnormal range (zero sums plus a subnormal bias) come out as the formula rounds them, not
+    flushed to zero (AMX's conversion instruction flushes them; those rows take the formula)."""
+    kernels = native_kernels(flavour)
+    assert kernels is not None
+    n, k = 40, 64
+    bias = (torch.arange(1, n + 1, dtype=torch.float32) * 2.0**-133 * torch.tensor([1.0, -1.0]).repeat(n // 2))
+    bias = bias.bfloat16()
+    assert (bias.float().abs() < torch.finfo(torch.float32).tiny).all() and (bias != 0).all()
+    w, x = torch.zeros(n, k, dtype=torch.bfloat16), torch.ones(3, k, dtype=torch.bfloat16)
+    with amx_switched(amx):
+        assert kernels.amx_takes(k) == amx
+        y = kernels.gemm_bf16_packed(kernels.pack_bf16(w), x, n, bias)
+    assert torch.equal(y, bias.expand(3, n)), "subnormal outputs changed"
+
+
 @needs_amx
 @pytest.mark.parametrize(("m", "k"), [(150, 3072), (600, 768)])
 def test_amx_tiles_pass_many_rows_in_groups(m: int, k: int) -> None:
