@@ -294,11 +294,13 @@ def choose_gemm_rows(weights: list[torch.Tensor], forced: int | None = None) -> 
 
 @dataclass(frozen=True)
 class PackingChoice:
-    """`choose_packed_products`'s answer: whether (and in which layout) the engine packs the weights, and the rows up
-    to which the native few-row kernel stays ahead of oneDNN's packed product (at most the model's `gemm_rows`)."""
+    """`choose_packed_products`'s answer: whether (and in which layout) the engine packs the weights, the rows up
+    to which the native few-row kernel stays ahead of oneDNN's packed product (at most the model's `gemm_rows`), and
+    the rows up to which the packed copies are taken (None: every count)."""
 
     choice: Choice
     native_rows: int
+    upto: int | None = None
 
     @property
     def on(self) -> bool:
@@ -336,6 +338,18 @@ def choose_packed_products(model: Transformer, batch_rows: int, forced: bool | s
         cached[key] = _choose_packing(model, batch_rows, forced)
     record(cached[key].choice)
     return cached[key]
+
+
+def _packed_range(counts: tuple[int, ...], ratios: list[float]) -> tuple[int | None, list[float]]:
+    """The rows up to which packed copies timed at `counts` (ratios of their time to the unpacked products') are
+    taken: up to the count before the first at which they are 10% slower (None: at every count), and the ratios the
+    steps then see (1, the unpacked products', past that count). On an Intel Xeon with AMX the native packed product
+    ran 16 rows 1.4x faster than F.linear and 2048 rows 1.2-1.4x slower: the 2048-row guard turned the layout off,
+    halving decode, where the rows past 64 can take F.linear instead."""
+    for i, ratio in enumerate(ratios):
+        if ratio >= 1.1:
+            return (counts[i - 1] if i else 1), ratios[:i] + [1.0] * (len(ratios) - i)
+    return None, list(ratios)
 
 
 def _crowding(copy: int) -> str | None:
@@ -388,7 +402,8 @@ def _choose_packing(model: Transformer, batch_rows: int, forced: bool | str | No
     megabytes = sum(w.nbytes for w in sweep) / 2**20
     timed: list[str] = []
     ratios: dict[str, list[float]] = {layout: [] for layout in layouts}
-    for m in (16, 64, max(batch_rows, 65)):
+    counts = (16, 64, max(batch_rows, 65))
+    for m in counts:
         # Past 16 rows a product is bound by its arithmetic, not by the weights streaming in: each count's sweep is
         # cut to the arithmetic of 16 rows over the whole sweep (at least 4 MiB): the 512-row sweep of every form
         # over 64 MiB took 22 of an engine's 30 s of set-up on a 2-core Zen 3, its products upcast.
@@ -415,9 +430,11 @@ def _choose_packing(model: Transformer, batch_rows: int, forced: bool | str | No
     # The native layout also lets a step run every layer in one call (infer/models/native_batch_step.py: 1.13-1.24x
     # on decode steps of 64-16 rows of a 150M Llama on a 2-core EPYC), which the products' timings do not see: it is
     # kept unless oneDNN's products are 5% faster on the whole (a noisy host swung their 512-row ratio by 10%).
-    scores = {layout: sum(ratios[layout]) * (1.0 if layout == "onednn" else 0.95) for layout in layouts}
+    ranges = {layout: _packed_range(counts, ratios[layout]) for layout in layouts}
+    scores = {layout: sum(ranges[layout][1]) * (1.0 if layout == "onednn" else 0.95) for layout in layouts}
     best = min(layouts, key=scores.__getitem__)
-    on = bool(wanted) or (sum(ratios[best]) / len(ratios[best]) < 0.97 and max(ratios[best]) < 1.1)
+    upto, seen = (None, ratios[best]) if wanted else ranges[best]
+    on = bool(wanted) or (sum(seen) / len(seen) < 0.97 and (upto is None or upto > 1))
     # (where the products upcast, oneDNN's copy is in the compute dtype, the native one bf16 summed in float32)
     named = [f"{layout} ({str(upcast).removeprefix('torch.')})" if upcast is not None and layout == "onednn"
              else layout for layout in layouts]
@@ -425,12 +442,15 @@ def _choose_packing(model: Transformer, batch_rows: int, forced: bool | str | No
     reason = (f"{' / '.join(named)} packed / {unpacked} over {len(sweep)} weights ({megabytes:.0f} MiB), "
               f"{', '.join(timed)} (medians, alternately); {'forced by the caller; ' if wanted else ''}packed copies "
               f"{copies[best] / 2**20:.0f} MiB")
+    if on and upto is not None:
+        reason += f"; taken up to {upto} rows ({unpacked} past them, where the packed copies ran 10% slower)"
     rows = 1
     if on and best == "onednn" and few_rows and kernels is not None:
         packed_form = functools.partial(_packed_products, sweep, packed["onednn"], upcast=upcast)
-        rows, kept = _rows_the_kernel_wins(kernels, sweep, packed_form, gemm_rows)
+        rows, kept = _rows_the_kernel_wins(kernels, sweep, packed_form, gemm_rows if upto is None
+                                           else min(gemm_rows, upto - 1))
         reason += f"; native few-row kernel / packed by rows: {', '.join(kept)} -> {rows} rows (largest summed gain)"
-    return PackingChoice(Choice(name, best if on else "off", reason), rows)
+    return PackingChoice(Choice(name, best if on else "off", reason), rows, upto if on else None)
 
 
 _AHEAD_SWEEP_BYTES = 256 * 2**20
@@ -517,10 +537,11 @@ def _choose_quantized_packing(model: Transformer, coded: list[QuantizedLinear], 
         return PackingChoice(Choice(name, "off", f"no native kernels: {unavailable_reason()}"), 1)
     packed = [kernels.pack_codes(m.qweight) for m in sweep]
     own, timed, ratios = [m.packed for m in sweep], [], []
+    counts = (16, 64, max(batch_rows, 65))
     try:
         for module in sweep:  # (the model may be packed already: its own kernels are timed unpacked)
             module.packed = None
-        for m in (16, 64, max(batch_rows, 65)):
+        for m in counts:
             # each count's sweep cut to the arithmetic of 16 rows over the whole sweep, as the dense choice cuts its
             # own (the token budget's rows over every weight took 11 of an int4 engine's 19 s of set-up on a 2-core
             # Zen 3)
@@ -535,13 +556,16 @@ def _choose_quantized_packing(model: Transformer, coded: list[QuantizedLinear], 
     finally:
         for module, copy_before in zip(sweep, own, strict=True):
             module.packed = copy_before
-    on = sum(ratios) / len(ratios) < 0.97 and max(ratios) < 1.1
+    upto, seen = _packed_range(counts, ratios)
+    on = sum(seen) / len(seen) < 0.97 and (upto is None or upto > 1)
     megabytes = sum(m.qweight.nbytes for m in sweep) / 2**20
     form = "channel" if kernels.channel_codes else "pairs"  # (AVX2's codes multiplied without dequantizing)
     reason = (f"native packed codes ({form} form) / the quantized kernels over {len(sweep)} quantized weights "
               f"({megabytes:.0f} MiB), {', '.join(timed)} (medians, alternately); packed copies up to "
               f"{copy / 2**20:.0f} MiB")
-    return PackingChoice(Choice(name, "native" if on else "off", reason), 1)
+    if on and upto is not None:
+        reason += f"; taken up to {upto} rows (the quantized kernels past them, where the packed codes ran 10% slower)"
+    return PackingChoice(Choice(name, "native" if on else "off", reason), 1, upto if on else None)
 
 
 def _first_within(modules: list[QuantizedLinear], limit: int) -> list[QuantizedLinear]:

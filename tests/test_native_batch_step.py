@@ -278,6 +278,31 @@ def test_steps_it_cannot_take_run_the_per_op_path(arch: str, packed: str | bool,
         assert tokens == want_tokens and torch.equal(logits, want_logits)
 
 
+@pytest.mark.parametrize("weights", [None, pytest.param("int8", marks=needs_codes)])
+def test_steps_past_the_packed_rows_run_the_per_op_path(weights: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Products packed up to 4 rows (the packing choice's answer where the copies ran 10% slower at more): steps of
+    at most 4 tokens take the whole-step call, steps of more the per-op path (their products of more rows unpacked),
+    and every request's tokens and logits are a per-op engine's with the same range, bit for bit."""
+    import infer.engine as engine_module
+    from infer.tuning import Choice, PackingChoice
+
+    choice = PackingChoice(Choice("packed products", "native", "scripted: up to 4 rows"), 1, 4)
+    monkeypatch.setattr(engine_module, "choose_packed_products", lambda *args: choice)
+    rows = count_calls(monkeypatch)
+    prompts = [[3, 1, 4, 1, 5, 9, 2], [9, 2, 6], [5, 3]]  # a first step of 12 tokens, then decode steps of 3
+    # (decode_gemv "linear": the unpacked products the same form in both engines, not a few-row kernel chosen by
+    # timing at each load)
+    got = serve("llama", prompts, 4, native_step=True, packed=None, weights=weights, chunk_attention="native",
+                decode_gemv="linear")
+    assert rows and max(rows) <= 4, f"the whole-step call ran steps of {max(rows, default=0)} tokens"
+    rows.clear()
+    want = serve("llama", prompts, 4, native_step=False, packed=None, weights=weights, chunk_attention="native",
+                 decode_gemv="linear")
+    assert not rows
+    for (tokens, logits), (want_tokens, want_logits) in zip(got, want, strict=True):
+        assert tokens == want_tokens and torch.equal(logits, want_logits)
+
+
 def test_a_failed_call_leaves_the_engine_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
     """The call's error (its scratch not allocated) reaches the caller as one MemoryError and the step is undone:
     the next step serves the same tokens as an engine that never failed."""

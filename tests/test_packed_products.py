@@ -266,19 +266,25 @@ def test_packing_names_why_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> Non
     assert packing_unavailable([bf16]) == "this PyTorch has no oneDNN"
 
 
-@pytest.mark.parametrize(("ratios", "want"), [
-    ({"onednn": (0.9, 0.9, 1.0), "native": (0.6, 0.8, 1.0)}, "native"),  # the native products faster
-    ({"onednn": (0.6, 0.8, 0.9), "native": (0.7, 0.85, 0.9)}, "onednn"),  # oneDNN's more than 5% faster on the whole
-    ({"onednn": (0.6, 0.8, 0.9), "native": (0.62, 0.82, 0.92)}, "native"),  # within 5%: the native one (its one call)
-    ({"onednn": (0.99, 1.0, 1.0), "native": (0.99, 0.99, 1.0)}, "off"),  # neither 3% faster than F.linear on the whole
-    ({"onednn": (0.5, 0.6, 1.3), "native": (0.5, 0.6, 1.2)}, "off"),  # one count 10% slower than F.linear
-    ({"onednn": (1.0, 1.0, 1.0), "native": (0.9, 1.0, 1.05)}, "off"),  # 10% faster at one count, not on the whole
+@pytest.mark.parametrize(("ratios", "want", "upto"), [
+    ({"onednn": (0.9, 0.9, 1.0), "native": (0.6, 0.8, 1.0)}, "native", None),  # the native products faster
+    # oneDNN's more than 5% faster on the whole
+    ({"onednn": (0.6, 0.8, 0.9), "native": (0.7, 0.85, 0.9)}, "onednn", None),
+    # within 5%: the native one (its one call)
+    ({"onednn": (0.6, 0.8, 0.9), "native": (0.62, 0.82, 0.92)}, "native", None),
+    # neither 3% faster than F.linear on the whole
+    ({"onednn": (0.99, 1.0, 1.0), "native": (0.99, 0.99, 1.0)}, "off", None),
+    # 10% slower at the budget's rows: taken up to 64 rows, F.linear past them
+    ({"onednn": (0.5, 0.6, 1.3), "native": (0.5, 0.6, 1.2)}, "native", 64),
+    ({"onednn": (1.0, 1.0, 1.0), "native": (0.9, 1.0, 1.05)}, "off", None),  # 10% faster at one count, not on the whole
+    ({"onednn": (1.2, 1.0, 0.5), "native": (1.3, 0.5, 0.5)}, "off", None),  # slower at 16 rows: never taken
 ])
 def test_the_layout_is_the_best_mean_time_against_f_linear(ratios: dict[str, tuple[float, ...]], want: str,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """The choice's rule on scripted timings (each layout's time over F.linear's at 16 rows, 64 and the budget): the
-    least mean time, the native layout kept unless oneDNN's is 5% less, off unless 3% faster than F.linear on the
-    whole and never 10% slower at one count; the choice names the timings."""
+                                                          upto: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The choice's rule on scripted timings (each layout's time over F.linear's at 16 rows, 64 and the budget): each
+    layout taken up to the count before the first at which it is 10% slower (F.linear's time past it), the least mean
+    time then, the native layout kept unless oneDNN's is 5% less, off unless 3% faster than F.linear on the whole;
+    the choice names the timings and the rows it is taken to."""
     import infer
     import infer.tuning as tuning
     from reference import build_checkpoint
@@ -295,8 +301,55 @@ def test_the_layout_is_the_best_mean_time_against_f_linear(ratios: dict[str, tup
 
     monkeypatch.setattr(tuning, "_time_alternately", scripted)
     choice = tuning._choose_packing(model, 128, None)
-    assert choice.choice.value == want and choice.on == (want != "off")
+    assert choice.choice.value == want and choice.on == (want != "off") and choice.upto == upto
     assert "16 rows over " in choice.choice.reason and "128 rows over " in choice.choice.reason
+    assert (f"taken up to {upto} rows" in choice.choice.reason) == (upto is not None)
+
+
+@pytest.mark.parametrize(("ratios", "upto", "seen"), [
+    ((0.5, 0.6, 0.9), None, (0.5, 0.6, 0.9)),
+    ((0.5, 0.6, 1.3), 64, (0.5, 0.6, 1.0)),
+    ((0.5, 1.15, 0.9), 16, (0.5, 1.0, 1.0)),  # (a count past the first 10% slower one is not taken either)
+    ((1.1, 0.6, 0.9), 1, (1.0, 1.0, 1.0)),
+    ((0.9, 1.0, 1.09), None, (0.9, 1.0, 1.09)),  # (within 10%: a shared host's noise)
+])
+def test_packed_copies_are_taken_up_to_the_first_count_they_lose_by_10_percent(
+        ratios: tuple[float, ...], upto: int | None, seen: tuple[float, ...]) -> None:
+    """`_packed_range`: the rows taken, and the ratios the steps then see (F.linear's, 1, past them)."""
+    import infer.tuning as tuning
+
+    assert tuning._packed_range((16, 64, 2048), list(ratios)) == (upto, list(seen))
+
+
+@pytest.mark.skipif(NATIVE_PACKING is not None, reason=f"no native packed product here: {NATIVE_PACKING}")
+def test_products_past_the_packed_rows_take_the_unpacked_form() -> None:
+    """A model packed with `upto=4`: inside the engine's steps, products of 2-4 rows are the native packed product's
+    and of 5 or more F.linear's on the weight, bit for bit (and counted: on AMX both may give the same bits); `upto`
+    at or below the few-row kernel's rows refused."""
+    import infer
+    from infer.models.transformer import Linear, few_row_products
+    from reference import build_checkpoint
+
+    kernels = native_kernels()
+    assert kernels is not None
+    # (decode_gemv "linear": the unpacked form F.linear at every count, not the few-row kernel the load may choose)
+    model = infer.load_model(build_checkpoint("llama"), dtype="bfloat16", decode_gemv="linear")
+    model.pack_products(True, 1, "native", upto=4)
+    product = next(p for p in model.packable_products() if isinstance(p, Linear))
+    assert product.packed_upto == 4 and product.packed is not None
+    for rows in (2, 4, 5, 9):
+        x = torch.randn(rows, product.in_features).bfloat16()
+        with pytest.MonkeyPatch.context() as patch, few_row_products():
+            counted = count_packed(patch)
+            got = product(x)
+        assert counted == ([rows] if rows <= 4 else []), f"{rows} rows: packed products {counted}"
+        want = (kernels.gemm_bf16_packed(product.packed, x, product.out_features, product.bias) if rows <= 4
+                else torch.nn.functional.linear(x, product.weight, product.bias))
+        assert torch.equal(got, want), f"{rows} rows: not the {'packed' if rows <= 4 else 'unpacked'} product"
+    with pytest.raises(ValueError, match="upto must be None or an int above native_rows"):
+        model.pack_products(True, 1, "native", upto=1)
+    model.pack_products(False)
+    assert all(p.packed is None and p.packed_upto is None for p in model.packable_products())
 
 
 def test_a_quantized_model_packs_its_codes_or_names_why() -> None:
@@ -337,16 +390,18 @@ def test_a_quantized_model_packs_its_codes_or_names_why() -> None:
     assert not model.packed_products and model.packed_bytes == 0
 
 
-@pytest.mark.parametrize(("ratios", "want"), [
-    ((0.7, 0.9, 0.99), "native"),  # faster on the whole
-    ((0.99, 0.98, 0.99), "off"),  # not 3% faster on the whole
-    ((0.5, 0.6, 1.15), "off"),  # one count 10% slower than the quantized kernels
+@pytest.mark.parametrize(("ratios", "want", "upto"), [
+    ((0.7, 0.9, 0.99), "native", None),  # faster on the whole
+    ((0.99, 0.98, 0.99), "off", None),  # not 3% faster on the whole
+    ((0.5, 0.6, 1.15), "native", 64),  # 10% slower at the budget's rows: the quantized kernels past 64
+    ((1.15, 0.6, 0.5), "off", None),  # 10% slower at 16 rows: never taken
 ])
 def test_a_quantized_model_packs_where_the_packed_codes_are_faster(ratios: tuple[float, ...], want: str,
+                                                                   upto: int | None,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The quantized choice's rule on scripted timings (the packed codes' time over the quantized kernels' at 16 rows,
-    64 and the budget): on where 3% faster on the whole and never 10% slower; the model's own products are timed
-    unpacked and left as they were."""
+    64 and the budget): taken up to the count before the first at which they are 10% slower, on where 3% faster on
+    the whole then; the model's own products are timed unpacked and left as they were."""
     import infer
     import infer.tuning as tuning
     from infer.models.transformer import QuantizedLinear
@@ -366,7 +421,7 @@ def test_a_quantized_model_packs_where_the_packed_codes_are_faster(ratios: tuple
 
     monkeypatch.setattr(tuning, "_time_alternately", scripted)
     choice = tuning._choose_packing(model, 128, None)
-    assert choice.choice.value == want and choice.on == (want != "off")
+    assert choice.choice.value == want and choice.on == (want != "off") and choice.upto == upto
     assert "16 rows: " in choice.choice.reason and "128 rows: " in choice.choice.reason
     assert all(p.packed is c for p, c in zip(model.packable_products(), before, strict=True))
 

@@ -68,11 +68,18 @@ class ProjectionTraits:
     all_rows: bool = True
     # A copy of the weight packed for the engine's steps (Transformer.pack_products), or None: in oneDNN's blocked
     # layout (`pack_weight`) or in the native packed product's (`packed_layout` "native", NativeKernels.pack_bf16;
-    # a quantized weight's codes: `pack_codes`); and the rows of input past which the engine's steps take it (up to
-    # them, the native few-row kernel).
+    # a quantized weight's codes: `pack_codes`); the rows of input past which the engine's steps take it (up to
+    # them, the native few-row kernel), and up to which (None: every count; past them the unpacked form, where the
+    # choice measured the packed product slower: infer.tuning.choose_packed_products).
     packed: torch.Tensor | PackedCodes | None = None
     packed_layout = "onednn"
     packed_from = 1
+    packed_upto: int | None = None
+
+    def takes_packed(self, rows: int) -> bool:
+        """Whether a product of `rows` rows of input is in the packed copy's range (`packed_from`, `packed_upto`)."""
+        return self.packed is not None and rows > self.packed_from and (self.packed_upto is None
+                                                                         or rows <= self.packed_upto)
 
     def one_row(self, x: torch.Tensor) -> bool:
         """Whether `x` is one row for the decode kernel (an inference input of `in_features` values)."""
@@ -108,7 +115,7 @@ class Linear(ProjectionTraits, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.packed is not None and x.dtype == self.weight.dtype and not x.requires_grad
-                and x.numel() > self.packed_from * self.in_features and _FEW_ROW_PRODUCTS.get()):
+                and self.takes_packed(x.numel() // self.in_features) and _FEW_ROW_PRODUCTS.get()):
             # The engine's products past the native kernel's rows: oneDNN's GEMM on the weight it packed once, where
             # F.linear packs it again on every call (as long as the product itself at a few dozen rows); or the
             # native packed product (16 outputs a register), which takes every row count from 2.
@@ -274,7 +281,7 @@ class QuantizedLinear(ProjectionTraits, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if (self.packed is not None and rows > self.packed_from and x.dtype == torch.bfloat16
+        if (self.packed is not None and self.takes_packed(rows) and x.dtype == torch.bfloat16
                 and self.upcast in (None, torch.float32) and not x.requires_grad and _FEW_ROW_PRODUCTS.get()):
             return native_kernels_or_raise().quantized_gemm_packed(self.packed, x, self.bias)
         if self.gemv == "native" and rows <= self.native_rows and not x.requires_grad:
@@ -707,15 +714,19 @@ class Transformer(nn.Module):
         packed = [m for m in self._linears() if m.packed is not None]
         return packed[0].packed_layout if packed else None
 
-    def pack_products(self, on: bool, native_rows: int = 1, layout: str = "onednn") -> None:
+    def pack_products(self, on: bool, native_rows: int = 1, layout: str = "onednn", upto: int | None = None) -> None:
         """Pack the engine's products (`packed_products`) in `layout` ("onednn": oneDNN's blocked layout for its GEMM;
         "native": 16 rows a block, pairs of inputs interleaved, for the native packed product, which then takes every
         product of 2 rows or more), or drop the packed copies. `native_rows`: with "onednn", the rows of input up to
-        which the native few-row kernel keeps them (it must be within `gemm_rows` to run)."""
+        which the native few-row kernel keeps them (it must be within `gemm_rows` to run). `upto`: the rows of input
+        up to which the steps take the copies (None: all; past them the unpacked products, and the per-op path for
+        a step of more tokens, whose one native call would run every product packed)."""
         if not isinstance(on, bool):
             raise TypeError(f"on must be True or False, got {on!r}")
         if isinstance(native_rows, bool) or not isinstance(native_rows, int) or native_rows < 1:
             raise ValueError(f"native_rows must be an int >= 1, got {native_rows!r}")
+        if upto is not None and (isinstance(upto, bool) or not isinstance(upto, int) or upto <= native_rows):
+            raise ValueError(f"upto must be None or an int above native_rows ({native_rows}), got {upto!r}")
         if layout not in PACKED_LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(PACKED_LAYOUTS)}, got {layout!r}")
         products = self.packable_products()
@@ -742,11 +753,11 @@ class Transformer(nn.Module):
         if on and all(p.packed is not None and p.packed_layout == layout
                       and (layout != "onednn" or isinstance(p.packed, torch.Tensor)
                            and p.packed.dtype == (upcast or p.weight.dtype)) for p in products):
-            for product in products:  # packed already: only the rows the native kernel keeps
-                product.packed_from = rows
+            for product in products:  # packed already: only the rows the native kernel keeps, and the rows taken
+                product.packed_from, product.packed_upto = rows, upto
             return
         for module in self._linears():
-            module.packed, module.packed_from = None, 1
+            module.packed, module.packed_from, module.packed_upto = None, 1, None
             if isinstance(module, Linear):
                 module.packed_layout = "onednn"
         if on:
@@ -764,6 +775,7 @@ class Transformer(nn.Module):
                     product.packed, product.packed_from = kernels.pack_codes(product.qweight), rows  # (layout native)
                 else:
                     product.packed, product.packed_from, product.packed_layout = pack(product.weight), rows, layout
+                product.packed_upto = upto
 
     @property
     def packed_bytes(self) -> int:
@@ -970,12 +982,16 @@ class Transformer(nn.Module):
             native = kernels.rows
             step = NativeBatchStep(self, native) if batch_step_unavailable(self, native) is None else False
             self.__dict__["_native_batch_step"] = step
-        if not step or (tokens == 1 and not step.one_row):
+        if not step or (tokens == 1 and not step.one_row) or not self._packed_take(tokens):
             return None
         described = {key: describe_batch(batch, plans[key]) for key, batch in batches.items()}
         layer_batches = [described[id(batch)] for batch, _, _ in backend.layers]
         block_size = backend.layers[0][0].block_size
         return lambda x, rope: step(x, rope, pools, layer_batches, block_size)
+
+    def _packed_take(self, rows: int) -> bool:
+        """Whether products of `rows` rows are within the packed copies' range (`pack_products`' `upto`)."""
+        return all(m.packed_upto is None or rows <= m.packed_upto for m in self._linears() if m.packed is not None)
 
     def forget_native_step(self) -> None:
         """Drop the whole-step descriptions (they hold the weights' addresses): rebuilt at the next step. Called
