@@ -326,9 +326,10 @@ def choose_packed_products(model: Transformer, batch_rows: int, forced: bool | s
     MiB), every layout and F.linear alternately; oneDNN's layout counted at
     each row count as what the engine would run (the few-row kernel where it is faster, within `gemm_rows`). The
     layout whose mean time relative to F.linear is least (the native one unless oneDNN's is 5% less: it also lets a
-    step run every layer in one native call) is taken where that mean is 3% or more below F.linear's and
-    no count is 10% slower (at the budget's rows both run oneDNN's GEMM: a shared host's noise there once turned
-    the choice off). Where oneDNN's layout is taken and the few-row kernel runs, the rows it keeps are measured
+    step run every layer in one native call) is taken where that mean is 3% or more below F.linear's, each layout
+    counted up to the count before the first at which it is 10% slower (`_packed_range`; F.linear's time past it,
+    where the engine then runs it: `PackingChoice.upto`; within 10%, a shared host's noise). Where oneDNN's layout
+    is taken and the few-row kernel runs, the rows it keeps are measured
     against the packed product (`_rows_the_kernel_wins`). Off without timing where the copies would take more than
     half the memory left. `forced` (True or "onednn": oneDNN's; "native"; False: off) skips the choice of layout and
     that check (a layout that cannot run raises). Cached per model and `batch_rows`."""
