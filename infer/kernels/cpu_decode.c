@@ -2659,13 +2659,13 @@ static int64_t rows_in_l2(int64_t k) {
 #if defined(HAVE_DOT_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 /* ---- the packed product on AMX tiles (Intel Xeons with AMX-BF16) ----
  * The packed layout is AMX's own B operand: pair p of a block's 16 rows is one 64-byte row of a tile, so 16 pairs
- * (32 inputs) of a block are one 1 KiB tile of weights, loaded as they lie. x's rows are the A operand as they lie
- * (16 rows by 32 inputs, a row stride of k). A pass is 32 input rows by 2 blocks: four 16 x 16 tiles of fp32 sums
+ * (32 inputs) of a block are one 1 KiB tile of weights, loaded as they lie. x is laid out once per call as tiles of
+ * 16 rows by 32 inputs (amx_rows_as_tiles). A pass is 32 input rows by 2 blocks: four 16 x 16 tiles of fp32 sums
  * (tmm0-3), two of x (tmm4-5), two of weights (tmm6-7), and each pair instruction multiplies 16 rows by 16 outputs
  * by 32 inputs (vdpbf16ps: 16 outputs by 2 inputs of one row). Every output is still its own row's fp32 sum over k
  * in order (the tile instruction's rounding and order, not vdpbf16ps's: within the same rounding of the formula),
  * rounded once with the bias as the pair instruction's tile does, and never depends on the other rows of the call:
- * a last tile of fewer than 16 rows reads them from a zero-padded copy, so every row takes the same instructions.
+ * a last tile of fewer than 16 rows is zero-padded, so every row takes the same instructions.
  * k a multiple of 32 (whole tiles of inputs; every real model's): other k keep the pair instruction's tiles.
  * INFER_AMX=0 turns it off (the check). Linux hands a process the tiles' state only when asked (arch_prctl). */
 #include <sys/syscall.h>
@@ -2727,7 +2727,8 @@ static inline void amx_store(const float *sums, int rows, const uint16_t *bias, 
     for (int r = 0; r < rows; r++) {
         __m512 v = _mm512_add_ps(_mm512_loadu_ps(sums + 16 * r), bv);
         /* the conversion instruction rounds as bf16x16_round does (to nearest even, a NaN quieted the same way)
-         * except that it flushes subnormals: a row holding one takes the formula (25% of a pass at k = 768) */
+         * except that it flushes subnormals: a row holding one takes the formula (the formula's rounding was up to 25% of a pass at
+         * k = 768) */
         __m512i u = _mm512_castps_si512(v);
         __mmask16 tiny = _mm512_testn_epi32_mask(u, _mm512_set1_epi32(0x7f800000)) &
                          _mm512_test_epi32_mask(u, _mm512_set1_epi32(0x007fffff));

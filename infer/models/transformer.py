@@ -584,6 +584,7 @@ class Transformer(nn.Module):
         # packed for the native packed product (infer/models/native_batch_step.py: the per-op path's values bit for
         # bit); False keeps the per-op path, their check.
         self.native_step = True
+        self.packed_upto: int | None = None  # the rows up to which the packed copies are taken (pack_products)
         self.__dict__["_native_step"] = None  # the model described to that call (built at first use)
         self.__dict__["_native_batch_step"] = None  # and to the batched one (False: it cannot take this model)
         # On CUDA, generate replays one-token steps into a contiguous cache from a CUDA graph (infer/graphs.py).
@@ -748,6 +749,7 @@ class Transformer(nn.Module):
         if on and self._decoder_layers()[0].self_attn.__dict__["qkv"] is None:
             self._lay_out_fused(self.fused_projections, fuse=True)  # one packed product each for q/k/v, gate/up
         self.forget_native_step()  # (the batched whole step reads the packed copies)
+        self.packed_upto = upto if on else None  # (every product's; the steps read it without walking them)
         products = self.packable_products()
         rows = native_rows if layout == "onednn" else 1
         if on and all(p.packed is not None and p.packed_layout == layout
@@ -982,16 +984,13 @@ class Transformer(nn.Module):
             native = kernels.rows
             step = NativeBatchStep(self, native) if batch_step_unavailable(self, native) is None else False
             self.__dict__["_native_batch_step"] = step
-        if not step or (tokens == 1 and not step.one_row) or not self._packed_take(tokens):
+        if not step or (tokens == 1 and not step.one_row) or (self.packed_upto is not None
+                                                               and tokens > self.packed_upto):
             return None
         described = {key: describe_batch(batch, plans[key]) for key, batch in batches.items()}
         layer_batches = [described[id(batch)] for batch, _, _ in backend.layers]
         block_size = backend.layers[0][0].block_size
         return lambda x, rope: step(x, rope, pools, layer_batches, block_size)
-
-    def _packed_take(self, rows: int) -> bool:
-        """Whether products of `rows` rows are within the packed copies' range (`pack_products`' `upto`)."""
-        return all(m.packed_upto is None or rows <= m.packed_upto for m in self._linears() if m.packed is not None)
 
     def forget_native_step(self) -> None:
         """Drop the whole-step descriptions (they hold the weights' addresses): rebuilt at the next step. Called
