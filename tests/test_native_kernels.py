@@ -416,12 +416,13 @@ PACKED_FLAVOURS = [f for f in FLAVOURS_HERE if getattr(native_kernels(f), "packe
 @settings(max_examples=60, deadline=None)
 @given(m=st.integers(1, 21), n=st.integers(1, 70), pairs=st.integers(1, 150), with_bias=st.booleans(),
        threads=st.integers(1, 3), ahead=st.sampled_from([1, 2]), seed=st.integers(0, 2**16),
-       flavour=st.sampled_from(PACKED_FLAVOURS or ["native"]))
+       flavour=st.sampled_from(PACKED_FLAVOURS or ["native"]), amx=st.booleans())
 def test_the_packed_bf16_product_is_the_formula(m: int, n: int, pairs: int, with_bias: bool, threads: int,
-                                                ahead: int, seed: int, flavour: str) -> None:
+                                                ahead: int, seed: int, flavour: str, amx: bool) -> None:
     """`gemm_bf16_packed` on a weight `pack_bf16` packed (blocks of 16 rows, the last one padded; tiles of 8 input
     rows by 2 blocks for the pair instruction, 6 by 1 for AVX2's FMAs, rows shared evenly over the tiles; row and
-    block tails), prefetching either pair of blocks ahead (`packed_ahead`): every output within the rounding of fp32
+    block tails; on an AMX host its tiles for k a multiple of 32 or, INFER_AMX=0, the pair instruction's for every
+    k), prefetching either pair of blocks ahead (`packed_ahead`): every output within the rounding of fp32
     sums rounded once to bf16, bit for bit what that input row alone gives and what the other prefetch distance
     gives, and packing leaves the weight as it was."""
     kernels = native_kernels(flavour)
@@ -433,7 +434,7 @@ def test_the_packed_bf16_product_is_the_formula(m: int, n: int, pairs: int, with
     bias = torch.randn(n, generator=gen).bfloat16() if with_bias else None
     w_before, x_before, before = w.clone(), x.clone(), kernels.packed_ahead
     try:
-        with on_threads(threads):
+        with on_threads(threads), amx_switched(amx):
             packed = kernels.pack_bf16(w)
             kernels.packed_ahead = 3 - ahead
             other = kernels.gemm_bf16_packed(packed, x, n, bias)
