@@ -435,7 +435,7 @@ def _choose_packing(model: Transformer, batch_rows: int, forced: bool | str | No
     scores = {layout: sum(ranges[layout][1]) * (1.0 if layout == "onednn" else 0.95) for layout in layouts}
     best = min(layouts, key=scores.__getitem__)
     upto, seen = (None, ratios[best]) if wanted else ranges[best]
-    on = bool(wanted) or (sum(seen) / len(seen) < 0.97 and (upto is None or upto > 1))
+    on = bool(wanted) or sum(seen) / len(seen) < 0.97  # (no count taken: every ratio 1)
     # (where the products upcast, oneDNN's copy is in the compute dtype, the native one bf16 summed in float32)
     named = [f"{layout} ({str(upcast).removeprefix('torch.')})" if upcast is not None and layout == "onednn"
              else layout for layout in layouts]
@@ -558,7 +558,7 @@ def _choose_quantized_packing(model: Transformer, coded: list[QuantizedLinear], 
         for module, copy_before in zip(sweep, own, strict=True):
             module.packed = copy_before
     upto, seen = _packed_range(counts, ratios)
-    on = sum(seen) / len(seen) < 0.97 and (upto is None or upto > 1)
+    on = sum(seen) / len(seen) < 0.97  # (no count taken: every ratio 1)
     megabytes = sum(m.qweight.nbytes for m in sweep) / 2**20
     form = "channel" if kernels.channel_codes else "pairs"  # (AVX2's codes multiplied without dequantizing)
     reason = (f"native packed codes ({form} form) / the quantized kernels over {len(sweep)} quantized weights "
