@@ -26,7 +26,7 @@ from infer.families import ARCHITECTURES
 from infer.kernels import native
 from infer.kernels.native import native_kernels, unavailable_reason
 from tests.helpers import assert_close, on_threads, tiny_config
-from tests.test_native_kernels import FLAVOURS_HERE
+from tests.test_native_kernels import FLAVOURS_HERE, amx_switched, needs_amx
 
 needs_build = pytest.mark.skipif(native_kernels() is None, reason=f"no native build here: {unavailable_reason()}")
 # The attention kernels' forms of a 16-key tile, which must give the same bits: AVX2's 8-lane register tiles (an AVX2
@@ -380,3 +380,99 @@ def test_small_blocks_last_rows_are_read_within_the_pool(flavour: str) -> None:
         keys, values = (pool[tables[b]].transpose(0, 1).reshape(kv_heads, -1, d)[:, :n].float() for pool in pools)
         want = attention_reference(q[b].float()[None, :, None], keys[None], values[None], None, d**-0.5)[0, :, 0]
         assert_close(out[b].float(), want, 2.0**-7 * max(1.0, want.abs().max().item()), f"sequence {b}")
+
+
+# Prompt chunks on AMX tiles (amx_chunk_attention in cpu_decode.c): runs of 8 or more rows of one sequence's
+# consecutive positions over one table, exact bf16 pools.
+AMX_RUN_ROWS = 8
+
+
+@st.composite
+def chunk_batches(draw: st.DrawFn) -> dict[str, Any]:
+    """A step's rows as the engine lays them out: segments of one sequence each, a prompt chunk (consecutive
+    positions after a prefix already in the pool) or a decode row; grouped heads, head sizes 32-256 (96: a last
+    pass of two column groups), blocks of 4-32 keys, softcaps and windows."""
+    kv_heads, groups = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([1, 2, 3]))
+    segments = [(draw(st.integers(0, 60)), draw(st.integers(1, 40)) if draw(st.booleans()) else 1)
+                for _ in range(draw(st.integers(1, 3)))]  # (prefix, rows)
+    return {"kv_heads": kv_heads, "heads": kv_heads * groups, "head_dim": draw(st.sampled_from([32, 64, 96, 128, 256])),
+            "block_size": draw(st.sampled_from([4, 16, 32])), "segments": segments,
+            "softcap": draw(st.sampled_from([None, 5.0])), "window": draw(st.sampled_from([None, 1, 9, 50])),
+            "threads": draw(st.sampled_from([1, 2])), "seed": draw(st.integers(0, 2**16))}
+
+
+def chunk_rows(p: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    """q, the pools, each row's table (its sequence's, padded), lengths and starts (0) for the layout."""
+    gen = torch.Generator().manual_seed(p["seed"])
+    bs, d, kv_heads = p["block_size"], p["head_dim"], p["kv_heads"]
+    spans = [-(-(prefix + rows) // bs) for prefix, rows in p["segments"]]
+    num_blocks, nb = sum(spans) + 2, max(spans)
+    k_blocks, v_blocks = (torch.randn(num_blocks, kv_heads, bs, d, generator=gen).bfloat16() for _ in range(2))
+    order = torch.randperm(num_blocks, generator=gen)  # every sequence its own blocks, anywhere in the pool
+    tables, lengths, used = [], [], 0
+    for (prefix, rows), span in zip(p["segments"], spans, strict=True):
+        table = torch.cat([order[used : used + span], torch.zeros(nb - span, dtype=torch.long)])
+        used += span
+        tables += [table] * rows
+        lengths += range(prefix + 1, prefix + rows + 1)
+    q = torch.randn(len(lengths), p["heads"], d, generator=gen).bfloat16()
+    starts = torch.zeros(len(lengths), dtype=torch.long)
+    return q, k_blocks, v_blocks, torch.stack(tables), torch.tensor(lengths), starts
+
+
+def chunk_formula(p: dict[str, Any], q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                  tables: torch.Tensor, lengths: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's output in fp64 and, per output, sum_t p_t |v_t| (the scale of fp32 sums' rounding)."""
+    kv_heads, d, group = p["kv_heads"], p["head_dim"], p["heads"] // p["kv_heads"]
+    want, size = torch.empty(q.shape, dtype=torch.float64), torch.empty(q.shape, dtype=torch.float64)
+    for b, n in enumerate(lengths.tolist()):
+        keys, values = (blocks[tables[b]].transpose(0, 1).reshape(kv_heads, -1, d)[:, :n].double()
+                        for blocks in (k_blocks, v_blocks))
+        s = torch.einsum("hgd,htd->hgt", q[b].double().view(kv_heads, group, d), keys) * scale
+        if p["softcap"]:
+            s = p["softcap"] * torch.tanh(s / p["softcap"])
+        if p["window"]:
+            s[:, :, : max(0, n - p["window"])] = -math.inf  # key t seen where t > (n - 1) - window
+        probs = torch.softmax(s, -1)
+        want[b] = torch.einsum("hgt,htd->hgd", probs, values).reshape(-1, d)
+        size[b] = torch.einsum("hgt,htd->hgd", probs, values.abs()).reshape(-1, d)
+    return want, size
+
+
+@needs_build
+@needs_amx
+@settings(max_examples=60, deadline=None)
+@given(p=chunk_batches())
+@example(p={"kv_heads": 2, "heads": 6, "head_dim": 64, "block_size": 16, "segments": [(0, 20), (20, 12)],
+            "softcap": None, "window": None, "threads": 2, "seed": 1})  # the second prompt's first row follows the
+# first's last position (21 after 20): another table, so another run
+@example(p={"kv_heads": 1, "heads": 3, "head_dim": 96, "block_size": 4, "segments": [(5, 7), (3, 8), (0, 1)],
+            "softcap": 5.0, "window": 9, "threads": 1, "seed": 2})  # 7 rows: the row kernel; 8: tiles
+def test_prompt_chunks_on_amx_tiles_are_the_formula(p: dict[str, Any]) -> None:
+    """The exact pool's paged attention with AMX tiles: runs of 8 or more rows (a prompt chunk) on tiles, every
+    other row on the row kernel, and each row the fp64 formula rounded once, to within the fp32 sums' rounding
+    (sum_t p_t |v_t| times 2^-14; the probabilities summed against the values in two bf16 parts, within 2^-16 of
+    them, where one part would miss by 2^-9). The same rows with INFER_AMX=0 (the row kernel alone) also are."""
+    kernels = native_kernels()
+    assert kernels is not None
+    q, k_blocks, v_blocks, tables, lengths, starts = chunk_rows(p)
+    scale = p["head_dim"] ** -0.5
+
+    def attend() -> torch.Tensor:
+        with on_threads(p["threads"]):
+            return kernels.exact_paged_attention(q, k_blocks, v_blocks, tables, lengths, starts, scale, p["softcap"],
+                                                 p["window"])
+
+    before = kernels.amx_attention_rows()
+    with amx_switched(True):
+        tiles = attend()
+    taken = kernels.amx_attention_rows() - before
+    assert taken == sum(rows for _, rows in p["segments"] if rows >= AMX_RUN_ROWS), f"{taken} rows on tiles"
+    with amx_switched(False):
+        alone = attend()
+    assert kernels.amx_attention_rows() - before == taken, "INFER_AMX=0 still took the tiles"
+    want, size = chunk_formula(p, q, k_blocks, v_blocks, tables, lengths, scale)
+    for name, out in (("tiles", tiles), ("row kernel", alone)):
+        err = (out.double() - want).abs()
+        bound = want.abs() * 2.0**-8 + size * 2.0**-14
+        assert bool((err <= bound).all()), f"{name}: worst {float((err - bound).max())} over the bound"

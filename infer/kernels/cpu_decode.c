@@ -1917,6 +1917,7 @@ typedef struct {
     const char *k, *v, *kc, *vc;  /* staged rows [P, Hkv, bs, d], codes [N, Hkv, bs, dp] */
     int64_t nb, bs, num_blocks, stage_bytes, code_bytes, kv_heads, hs, items, end; /* bytes: one head's rows */
     int64_t item, j, phase, off; /* where the prefetches have reached: item, block, keys (0) or values (1), byte */
+    const unsigned char *skip;   /* rows another kernel attends (NULL: none), not read */
 } kv_stream;
 
 /* One KV head's bytes of block `id`: what the reader advances the stream by for each head it reads. */
@@ -1927,6 +1928,10 @@ static inline int64_t kv_stream_bytes(const kv_stream *s, int64_t id) {
 static inline void kv_stream_ahead(kv_stream *s, int64_t bytes) {
     while (bytes > 0 && s->item < s->end) {
         int64_t b = s->item / s->items, h0 = s->item % s->items * s->hs;
+        if (s->skip && s->skip[b]) {
+            s->item++, s->j = 0, s->phase = 0, s->off = 0;
+            continue;
+        }
         int64_t blocks = (s->lengths[b] - s->starts[b] + s->bs - 1) / s->bs;
         if (s->j >= blocks) {
             s->j = 0;
@@ -1942,11 +1947,44 @@ static inline void kv_stream_ahead(kv_stream *s, int64_t bytes) {
     }
 }
 
+#if defined(HAVE_DOT_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+static int amx_takes(int64_t k);
+static int amx_chunk_attention(const uint16_t *q, const uint16_t *ks, const uint16_t *vs, const int64_t *tables,
+                               const int64_t *lengths, const int64_t *starts, uint16_t *out, int64_t heads,
+                               int64_t kv_heads, int64_t d, int64_t bs, int64_t nb, float scale, float softcap,
+                               int64_t window, const int64_t *first, const int64_t *count, int64_t runs, int threads);
+#define HAVE_AMX_CHUNKS 1
+#define AMX_RUN_ROWS 8 /* the fewest rows of a run taken on tiles (fewer: a tile of mostly padding) */
+#endif
+
+/* Rows b .. of one prompt chunk: consecutive positions of one sequence (one start, each row's table the next one's
+ * over its own blocks), at least AMX_RUN_ROWS of them, as runs (first, count) for amx_chunk_attention; `done` marks
+ * their rows. Returns the number of runs. */
+static int64_t chunk_runs(const int64_t *tables, const int64_t *lengths, const int64_t *starts, int64_t batch,
+                          int64_t nb, int64_t bs, int64_t least, int64_t *first, int64_t *count, unsigned char *done) {
+    int64_t runs = 0;
+    for (int64_t b = 0; b < batch;) {
+        int64_t e = b + 1;
+        while (e < batch && starts[e] == starts[b] && lengths[e] == lengths[e - 1] + 1 &&
+               memcmp(tables + (e - 1) * nb, tables + e * nb,
+                      sizeof(int64_t) * (size_t)((lengths[e - 1] - starts[b] + bs - 1) / bs)) == 0)
+            e++;
+        if (e - b >= least) {
+            first[runs] = b, count[runs] = e - b, runs++;
+            memset(done + b, 1, (size_t)(e - b));
+        }
+        b = e;
+    }
+    return runs;
+}
+
 /* The engine's quantized pool (infer/cache/paged_quantized.py), one-token queries of B sequences read through
  * their block tables: q [B, H, D]; a full block's codes [N, Hkv, bs, D or D/2] with channel scales (and offsets)
  * [N, Hkv, D] for keys and row scales [N, Hkv, bs] for values (rows stored rotated with v_rot); a table entry
  * >= num_blocks names a staged block, exact in stage [P, Hkv, bs, D] at slot entry - num_blocks. Sequence b's keys
- * are positions starts[b] .. lengths[b] - 1, its table's blocks in order; the query sits at the last. */
+ * are positions starts[b] .. lengths[b] - 1, its table's blocks in order; the query sits at the last. Over an exact
+ * bf16 pool, a prompt chunk's rows (chunk_runs) take the AMX tiles where the build and the CPU have them
+ * (amx_chunk_attention), and the work items below skip them. */
 static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_codes, const uint8_t *v_codes,
                        const uint16_t *k_scale, const uint16_t *v_scale, const uint16_t *k_offset,
                        const float *v_rot, const void *k_stage, const void *v_stage, const int64_t *tables,
@@ -1966,6 +2004,27 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
     for (int64_t b = 0; b < batch; b++)
         if (lengths[b] - starts[b] > nmax) nmax = lengths[b] - starts[b];
     int failed = 0;
+    unsigned char *done = NULL; /* rows of prompt chunks taken on AMX tiles */
+#if defined(HAVE_AMX_CHUNKS)
+    if (dtype == BF16 && !k_codes && !scratch && batch >= AMX_RUN_ROWS && d % 32 == 0 && d <= 256 && amx_takes(d)) {
+        int64_t *first = (int64_t *)malloc(2 * sizeof(int64_t) * (size_t)batch);
+        done = (unsigned char *)calloc((size_t)batch, 1);
+        if (!first || !done) {
+            free(first), free(done);
+            return -1;
+        }
+        int64_t runs = chunk_runs(tables, lengths, starts, batch, nb, bs, AMX_RUN_ROWS, first, first + batch, done);
+        if (runs && amx_chunk_attention((const uint16_t *)q, (const uint16_t *)k_stage, (const uint16_t *)v_stage,
+                                        tables, lengths, starts, (uint16_t *)out, heads, kv_heads, d, bs, nb, scale,
+                                        softcap, window, first, first + batch, runs, threads))
+            failed = 1;
+        free(first);
+        if (failed) {
+            free(done);
+            return -1;
+        }
+    }
+#endif
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int thread = 0;
@@ -1980,10 +2039,10 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
         /* the pool's reads as one stream (see kv_stream) */
         kv_stream reads = {tables, lengths, starts, (const char *)k_stage, (const char *)v_stage,
                            (const char *)k_codes, (const char *)v_codes, nb, bs, num_blocks, bs * d * esize, bs * dp,
-                           kv_heads, hs, items, batch * items, -1, 0, 0, 0};
+                           kv_heads, hs, items, batch * items, -1, 0, 0, 0, done};
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < batch * items; item++) {
-            if (!buf) continue;
+            if (!buf || (done && done[item / items])) continue;
             int64_t b = item / items, h0 = item % items * hs, n = lengths[b] - starts[b], qpos = lengths[b] - 1;
             if (reads.item < 0) { /* this thread's first item: the stream starts here, its distance ahead */
                 reads.item = item;
@@ -2091,6 +2150,7 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
         }
         if (!scratch) free(buf);
     }
+    free(done);
     return failed ? -1 : 0;
 }
 
@@ -2680,16 +2740,15 @@ static int amx_permitted(void) {
 
 static int amx_takes(int64_t k) { return k % 32 == 0 && switched_on("INFER_AMX") && amx_permitted(); }
 
-/* Every tile 16 rows of 64 bytes (palette 1): sums 16 x 16 fp32, x 16 x 32 bf16, weights 16 pairs x 16 outputs. */
+/* Every tile 16 rows of 64 bytes (palette 1): sums 16 x 16 fp32, x 16 x 32 bf16, weights 16 pairs x 16 outputs.
+ * A constant in memory: gcc 12 drops the stores of a configuration built on the stack (the tile load is not seen
+ * to read them), which faulted once the function was called from two places and no longer inlined. */
 static void amx_configure(void) {
-    struct {
+    static const struct {
         uint8_t palette, start_row, reserved[14];
         uint16_t colsb[16];
         uint8_t rows[16];
-    } config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) config.colsb[t] = 64, config.rows[t] = 16;
+    } config __attribute__((aligned(64))) = {1, 0, {0}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
     _tile_loadconfig(&config);
 }
 
@@ -2786,7 +2845,183 @@ static void amx_pass(const uint16_t *pb, int64_t pairs, const uint16_t *xt, int6
         }
     }
 }
+/* ---- a prompt chunk's rows on AMX tiles (exact bf16 pools) ----
+ * The in-place kernel takes every token of a prompt chunk as a row of its own (qattn_paged): each reads its keys and
+ * values again and scores them by the pair instruction, 30-90 GFLOP/s on a 2-core Xeon, where a chunk's rows are
+ * one sequence's consecutive positions over one table. Such a run (amx_chunk_runs) is taken here 16 rows at a time
+ * per query head: its keys laid out once per run and KV head as the tiles' weight operand (pairs of a key's values
+ * side by side, 16 keys a row: kt) and its values as pairs of keys (vp), the 16 rows' scores one tile product a 16
+ * keys, scaled and softmaxed per row as the row path does (softmax_heads over the row's own keys), and the values
+ * summed by tiles against the probabilities split in two bf16 parts (hi + lo, within 2^-16 of the fp32 weights: one
+ * bf16 rounding would lose 8 bits). So each row is its row-path value up to the order of fp32 sums (scores over d,
+ * values over keys): within a rounding of the bf16 output. Padding rows of a last tile are zero and never stored;
+ * keys past a row's own are given weight 0. INFER_AMX=0 turns it off, as the packed products. */
+typedef struct {
+    uint16_t *kt, *vp, *ph, *pl, *qt;
+    float *sc, *ct;
+    int64_t npad;
+} amx_attn_buf;
+
+static int amx_attn_grow(amx_attn_buf *w, int64_t npad, int64_t d) {
+    if (npad <= w->npad) return 0;
+    free(w->kt), free(w->vp), free(w->ph), free(w->pl), free(w->qt), free(w->sc), free(w->ct);
+    w->kt = (uint16_t *)aligned_alloc(64, (size_t)(npad * d * 2));
+    w->vp = (uint16_t *)aligned_alloc(64, (size_t)(npad * d * 2));
+    w->ph = (uint16_t *)aligned_alloc(64, (size_t)(16 * npad * 2));
+    w->pl = (uint16_t *)aligned_alloc(64, (size_t)(16 * npad * 2));
+    w->qt = (uint16_t *)aligned_alloc(64, (size_t)(16 * d * 2));
+    w->sc = (float *)aligned_alloc(64, (size_t)(16 * npad * 4));
+    w->ct = (float *)aligned_alloc(64, (size_t)(4 * 256 * 4));
+    w->npad = npad;
+    if (w->kt && w->vp && w->ph && w->pl && w->qt && w->sc && w->ct) return 0;
+    w->npad = 0;
+    return -1;
+}
+
+/* Key t's d values of KV head h (run's table, keys from the run's start), or NULL past `n`. */
+static inline const uint16_t *amx_key_row(const uint16_t *stage, const int64_t *table, int64_t t, int64_t n,
+                                          int64_t h, int64_t kv_heads, int64_t bs, int64_t d) {
+    return t < n ? stage + ((table[t / bs] * kv_heads + h) * bs + t % bs) * d : NULL;
+}
+
+/* kt: 16 keys x (d / 32) steps, tile (j, s) row p = pair 16s + p of keys 16j .. 16j + 15 (as 32-bit pairs: a 16 x 16
+ * transpose); vp: 32 keys x (d / 16) column groups, tile (j, c) row p = keys 32j + 2p and + 1 side by side for columns
+ * 16c .. 16c + 15. Zero past n keys. */
+static void amx_lay_out_keys(const uint16_t *ks, const uint16_t *vs, const int64_t *table, int64_t n, int64_t npad,
+                             int64_t h, int64_t kv_heads, int64_t bs, int64_t d, uint16_t *kt, uint16_t *vp) {
+    int64_t steps = d / 32, groups = d / 16;
+    uint32_t *kt32 = (uint32_t *)(void *)kt;
+    for (int64_t t = 0; t < npad; t++) {
+        const uint16_t *k = amx_key_row(ks, table, t, n, h, kv_heads, bs, d);
+        const uint16_t *v = amx_key_row(vs, table, t, n, h, kv_heads, bs, d);
+        for (int64_t s = 0; s < steps; s++)
+            for (int p = 0; p < 16; p++) {
+                uint32_t pair = 0;
+                if (k) memcpy(&pair, k + 32 * s + 2 * p, 4);
+                kt32[((t / 16 * steps + s) * 16 + p) * 16 + t % 16] = pair;
+            }
+        for (int64_t c = 0; c < groups; c++) {
+            uint16_t *dst = vp + ((t / 32 * groups + c) * 16 + t % 32 / 2) * 32 + t % 2;
+            for (int e = 0; e < 16; e++) dst[2 * e] = v ? v[16 * c + e] : 0;
+        }
+    }
+}
+
+/* Sums tiles 0 .. nt - 1 (constant indices: the tile instructions take no register operand) */
+#define AMX_ZERO_UPTO(nt) do { _tile_zero(0); if ((nt) > 1) _tile_zero(1); if ((nt) > 2) _tile_zero(2); \
+                               if ((nt) > 3) _tile_zero(3); } while (0)
+#define AMX_STORE_UPTO(nt, ct) do { _tile_stored(0, (ct), 64); if ((nt) > 1) _tile_stored(1, (ct) + 256, 64); \
+                                    if ((nt) > 2) _tile_stored(2, (ct) + 512, 64); \
+                                    if ((nt) > 3) _tile_stored(3, (ct) + 768, 64); } while (0)
+
+/* One run's rows rt0 .. rt0 + rows - 1 (rows <= 16) for query head qh of KV head h, kt/vp laid out. */
+static void amx_attn_tile(const uint16_t *q, uint16_t *out, const int64_t *lengths, int64_t b0, int64_t rt0,
+                          int64_t rows, int64_t start, int64_t qh, int64_t heads, int64_t d, float scale, float softcap,
+                          int64_t window, amx_attn_buf *w) {
+    int64_t n = lengths[b0 + rt0 + rows - 1] - start, n16 = (n + 15) / 16 * 16, n32 = (n + 31) / 32 * 32;
+    int64_t steps = d / 32, groups = d / 16, npad = w->npad;
+    for (int64_t r = 0; r < 16; r++) /* the rows' queries, zero past the run */
+        if (r < rows) memcpy(w->qt + r * d, q + ((b0 + rt0 + r) * heads + qh) * d, 2 * (size_t)d);
+        else memset(w->qt + r * d, 0, 2 * (size_t)d);
+    /* scores: 4 key tiles at a time, the query tile of each step loaded once for them */
+    for (int64_t j = 0; j < n16 / 16; j += 4) {
+        int nt = n16 / 16 - j < 4 ? (int)(n16 / 16 - j) : 4;
+        AMX_ZERO_UPTO(nt);
+        for (int64_t s = 0; s < steps; s++) {
+            const uint16_t *kb = w->kt + ((j * steps + s) * 16) * 32;
+            _tile_loadd(4, w->qt + 32 * s, 2 * d);
+            _tile_loadd(6, kb, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            if (nt > 1) { _tile_loadd(7, kb + steps * 512, 64); _tile_dpbf16ps(1, 4, 7); }
+            if (nt > 2) { _tile_loadd(6, kb + 2 * steps * 512, 64); _tile_dpbf16ps(2, 4, 6); }
+            if (nt > 3) { _tile_loadd(7, kb + 3 * steps * 512, 64); _tile_dpbf16ps(3, 4, 7); }
+        }
+        AMX_STORE_UPTO(nt, w->ct);
+        for (int a = 0; a < nt; a++)
+            for (int r = 0; r < 16; r++) memcpy(w->sc + r * npad + (j + a) * 16, w->ct + a * 256 + r * 16, 64);
+    }
+    /* each row as the row path: its scores times the scale, softmaxed over its own keys; 0 past them */
+    for (int64_t r = 0; r < 16; r++) {
+        float *s = w->sc + r * npad;
+        int64_t nr = r < rows ? lengths[b0 + rt0 + r] - start : 0;
+        for (int64_t t = 0; t < nr; t++) s[t] *= scale;
+        if (nr) softmax_heads(s, 1, nr, 0, start, lengths[b0 + rt0 + r] - 1, softcap, window);
+        for (int64_t t = nr; t < n32; t++) s[t] = 0.f;
+        for (int64_t t = 0; t < n32; t += 16) { /* hi + lo in bf16 */
+            __m512 v = _mm512_loadu_ps(s + t);
+            __m256i hi = (__m256i)_mm512_cvtneps_pbh(v);
+            __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, bf16x16_widen(hi)));
+            _mm256_storeu_si256((__m256i *)(w->ph + r * npad + t), hi);
+            _mm256_storeu_si256((__m256i *)(w->pl + r * npad + t), lo);
+        }
+    }
+    /* values: 4 column groups of 16 at a time, each 32 keys' probabilities (hi, lo) loaded once for them */
+    for (int64_t c = 0; c < groups; c += 4) {
+        int nt = groups - c < 4 ? (int)(groups - c) : 4;
+        AMX_ZERO_UPTO(nt);
+        for (int64_t j = 0; j < n32 / 32; j++) {
+            const uint16_t *vb = w->vp + ((j * groups + c) * 16) * 32;
+            _tile_loadd(4, w->ph + 32 * j, 2 * npad);
+            _tile_loadd(5, w->pl + 32 * j, 2 * npad);
+            _tile_loadd(6, vb, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(0, 5, 6);
+            if (nt > 1) { _tile_loadd(7, vb + 512, 64); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(1, 5, 7); }
+            if (nt > 2) { _tile_loadd(6, vb + 1024, 64); _tile_dpbf16ps(2, 4, 6); _tile_dpbf16ps(2, 5, 6); }
+            if (nt > 3) { _tile_loadd(7, vb + 1536, 64); _tile_dpbf16ps(3, 4, 7); _tile_dpbf16ps(3, 5, 7); }
+        }
+        AMX_STORE_UPTO(nt, w->ct);
+        for (int a = 0; a < nt; a++)
+            for (int64_t r = 0; r < rows; r++)
+                store_row(BF16, w->ct + a * 256 + r * 16, out + ((b0 + rt0 + r) * heads + qh) * d + 16 * (c + a), 16);
+    }
+}
+
+static int64_t amx_attention_rows = 0; /* rows taken here since the process began (infer_amx_attention_rows) */
+
+/* The runs' rows (run u: rows first[u] .. first[u] + count[u] - 1) over an exact bf16 pool; -1 without memory. */
+static int amx_chunk_attention(const uint16_t *q, const uint16_t *ks, const uint16_t *vs, const int64_t *tables,
+                               const int64_t *lengths, const int64_t *starts, uint16_t *out, int64_t heads,
+                               int64_t kv_heads, int64_t d, int64_t bs, int64_t nb, float scale, float softcap,
+                               int64_t window, const int64_t *first, const int64_t *count, int64_t runs, int threads) {
+    int failed = 0, per = (int)(heads / kv_heads);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        amx_attn_buf w = {0};
+        amx_configure();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t unit = 0; unit < runs * kv_heads; unit++) {
+            int64_t u = unit / kv_heads, h = unit % kv_heads, b0 = first[u], start = starts[b0];
+            int64_t n = lengths[b0 + count[u] - 1] - start, npad = (n + 31) / 32 * 32;
+            if (amx_attn_grow(&w, npad, d)) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            amx_lay_out_keys(ks, vs, tables + b0 * nb, n, npad, h, kv_heads, bs, d, w.kt, w.vp);
+            for (int64_t rt0 = 0; rt0 < count[u]; rt0 += 16)
+                for (int64_t g = 0; g < per; g++)
+                    amx_attn_tile(q, out, lengths, b0, rt0, count[u] - rt0 < 16 ? count[u] - rt0 : 16, start,
+                                  h * per + g, heads, d, scale, softcap, window, &w);
+        }
+        _tile_release();
+        free(w.kt), free(w.vp), free(w.ph), free(w.pl), free(w.qt), free(w.sc), free(w.ct);
+    }
+    for (int64_t u = 0; !failed && u < runs; u++) amx_attention_rows += count[u];
+    return failed ? -1 : 0;
+}
+
 #endif
+
+/* How many rows of prompt chunks the paged attention has taken on AMX tiles in this process (amx_chunk_attention;
+ * 0 where the build has none): the tests' witness that a chunk took them. */
+int64_t infer_amx_attention_rows(void) {
+#if defined(HAVE_AMX)
+    return amx_attention_rows;
+#else
+    return 0;
+#endif
+}
 
 /* Whether the packed products of inner size k run on AMX tiles here (built for them, the process granted them,
  * INFER_AMX not 0, k a multiple of 32). */

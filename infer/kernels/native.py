@@ -207,6 +207,9 @@ class NativeKernels:
         lib.infer_amx_takes.argtypes = [ctypes.c_int64]
         lib.infer_amx_takes.restype = ctypes.c_int
         self._amx_takes = lib.infer_amx_takes
+        lib.infer_amx_attention_rows.argtypes = []
+        lib.infer_amx_attention_rows.restype = ctypes.c_int64
+        self._amx_attention_rows = lib.infer_amx_attention_rows
         lib.infer_set_packed_ahead.argtypes = [ctypes.c_int]
         lib.infer_set_packed_ahead.restype = None
         self._set_packed_ahead, self._packed_ahead = lib.infer_set_packed_ahead, lib.infer_packed_ahead
@@ -306,6 +309,13 @@ class NativeKernels:
         """Whether packed products of inner size `k` run on AMX tiles (an Intel Xeon's AMX-BF16, granted by the
         kernel, k a multiple of 32, INFER_AMX not 0); else the pair instruction's tiles."""
         return bool(self._amx_takes(k))
+
+    def amx_attention_rows(self) -> int:
+        """How many query rows of prompt chunks the exact pool's paged attention has taken on AMX tiles in this
+        process, each call's (a model's layers count a row once each): runs of 8 or more rows of one sequence's
+        consecutive positions over one table, bf16, head size a multiple of 32 up to 256, where `amx_takes` holds
+        (the rest take the row kernel)."""
+        return int(self._amx_attention_rows())
 
     def gemm_bf16_packed(self, packed: torch.Tensor, x: torch.Tensor, n: int, bias: torch.Tensor | None = None
                          ) -> torch.Tensor:
