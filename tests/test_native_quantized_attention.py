@@ -235,20 +235,17 @@ def test_native_paged_kernel_is_the_gathered_formula(p: dict[str, Any]) -> None:
     check_pool_kernel(p, "native", 1e-5, 2.0**-8, "cpu")
 
 
-def check_pool_kernel(p: dict[str, Any], kernel: str, fp32_ulp: float, half_ulp: float, device: str) -> None:
-    """A pool drawn as `pool_layouts` describes, its decode group read in place by `kernel` ("native" or
-    "triton"), against the pool's dequantizing gather and the formula in fp32: within `fp32_ulp` (relative to the
-    largest output) for an fp32 pool, `half_ulp` for a bf16 one. Drawn on the CPU, run on `device`."""
+def random_pool(p: dict[str, Any], blocks: int, device: str) -> tuple[Any, torch.Generator]:
+    """A one-layer quantized pool of `blocks` + 2 blocks (and `blocks` staging slots) for the layout `p`, every block
+    filled with codes of random keys (outlier and off-centre channels) and values, as a step would, the staging
+    random too; and the generator, to draw on from."""
     from infer.cache.paged_quantized import QuantizedPagedPool
-    from infer.ragged import DecodeGroup
 
     config = tiny_config("llama", num_layers=1, num_heads=p["heads"], num_kv_heads=p["kv_heads"],
                          head_dim=p["head_dim"], hidden_size=16)
     bs, gen = p["block_size"], torch.Generator().manual_seed(p["seed"])
-    need = [-(-n // bs) for n in p["lengths"]]
-    pool = QuantizedPagedPool(config, scheme=p["scheme"], num_blocks=sum(need) + 2, block_size=bs,
-                              stage_slots=sum(need), scratch_slots=1, dtype=p["dtype"], device=device)
-    # Every block filled with codes of random keys (outlier and off-centre channels) and values, as a step would.
+    pool = QuantizedPagedPool(config, scheme=p["scheme"], num_blocks=blocks + 2, block_size=bs, stage_slots=blocks,
+                              scratch_slots=1, dtype=p["dtype"], device=device)
     keys = torch.randn(pool.num_blocks, p["kv_heads"], bs, p["head_dim"], generator=gen) * 2
     keys[..., 0] *= 20
     keys[..., -1] += 5
@@ -261,6 +258,17 @@ def check_pool_kernel(p: dict[str, Any], kernel: str, fp32_ulp: float, half_ulp:
     pool.v_codes[0], pool.v_scale[0] = SCHEMES[p["scheme"]][0](quant.rotate(values, pool.rotation))
     pool.k_persistent[0].copy_(torch.randn(pool.k_persistent[0].shape, generator=gen).to(device))
     pool.v_persistent[0].copy_(torch.randn(pool.v_persistent[0].shape, generator=gen).to(device))
+    return pool, gen
+
+
+def check_pool_kernel(p: dict[str, Any], kernel: str, fp32_ulp: float, half_ulp: float, device: str) -> None:
+    """A pool drawn as `pool_layouts` describes, its decode group read in place by `kernel` ("native" or
+    "triton"), against the pool's dequantizing gather and the formula in fp32: within `fp32_ulp` (relative to the
+    largest output) for an fp32 pool, `half_ulp` for a bf16 one. Drawn on the CPU, run on `device`."""
+    from infer.ragged import DecodeGroup
+
+    bs, need = p["block_size"], [-(-n // p["block_size"]) for n in p["lengths"]]
+    pool, gen = random_pool(p, sum(need), device)
     order = torch.randperm(pool.num_blocks, generator=gen).tolist()
     tables, starts, used = [], [], 0
     stage = torch.rand(sum(need), generator=gen) < p["staged"]
@@ -402,7 +410,8 @@ def chunk_batches(draw: st.DrawFn) -> dict[str, Any]:
 
 
 def chunk_rows(p: dict[str, Any]) -> tuple[torch.Tensor, ...]:
-    """q, the pools, each row's table (its sequence's, padded), lengths and starts (0) for the layout."""
+    """q, the pools, each row's table (its sequence's blocks up to its own keys, padded with another block),
+    lengths and starts (0) for the layout."""
     gen = torch.Generator().manual_seed(p["seed"])
     bs, d, kv_heads = p["block_size"], p["head_dim"], p["kv_heads"]
     spans = [-(-(prefix + rows) // bs) for prefix, rows in p["segments"]]
@@ -411,32 +420,41 @@ def chunk_rows(p: dict[str, Any]) -> tuple[torch.Tensor, ...]:
     order = torch.randperm(num_blocks, generator=gen)  # every sequence its own blocks, anywhere in the pool
     tables, lengths, used = [], [], 0
     for (prefix, rows), span in zip(p["segments"], spans, strict=True):
-        table = torch.cat([order[used : used + span], torch.zeros(nb - span, dtype=torch.long)])
+        for n in range(prefix + 1, prefix + rows + 1):  # each row's own blocks, then another block
+            own = -(-n // bs)
+            tables.append(torch.cat([order[used : used + own], order[-1:].repeat(nb - own)]))
+            lengths.append(n)
         used += span
-        tables += [table] * rows
-        lengths += range(prefix + 1, prefix + rows + 1)
     q = torch.randn(len(lengths), p["heads"], d, generator=gen).bfloat16()
     starts = torch.zeros(len(lengths), dtype=torch.long)
     return q, k_blocks, v_blocks, torch.stack(tables), torch.tensor(lengths), starts
 
 
-def chunk_formula(p: dict[str, Any], q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
-                  tables: torch.Tensor, lengths: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's output in fp64 and, per output, sum_t p_t |v_t| (the scale of fp32 sums' rounding)."""
+def chunk_formula(p: dict[str, Any], q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  lengths: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's output in fp64 over its gathered keys and values `[B, Hkv, S, D]` and, per output, sum_t p_t |v_t|
+    (the scale of fp32 sums' rounding)."""
     kv_heads, d, group = p["kv_heads"], p["head_dim"], p["heads"] // p["kv_heads"]
     want, size = torch.empty(q.shape, dtype=torch.float64), torch.empty(q.shape, dtype=torch.float64)
     for b, n in enumerate(lengths.tolist()):
-        keys, values = (blocks[tables[b]].transpose(0, 1).reshape(kv_heads, -1, d)[:, :n].double()
-                        for blocks in (k_blocks, v_blocks))
-        s = torch.einsum("hgd,htd->hgt", q[b].double().view(kv_heads, group, d), keys) * scale
+        k, v = keys[b, :, :n].double(), values[b, :, :n].double()
+        s = torch.einsum("hgd,htd->hgt", q[b].double().view(kv_heads, group, d), k) * scale
         if p["softcap"]:
             s = p["softcap"] * torch.tanh(s / p["softcap"])
         if p["window"]:
             s[:, :, : max(0, n - p["window"])] = -math.inf  # key t seen where t > (n - 1) - window
         probs = torch.softmax(s, -1)
-        want[b] = torch.einsum("hgt,htd->hgd", probs, values).reshape(-1, d)
-        size[b] = torch.einsum("hgt,htd->hgd", probs, values.abs()).reshape(-1, d)
+        want[b] = torch.einsum("hgt,htd->hgd", probs, v).reshape(-1, d)
+        size[b] = torch.einsum("hgt,htd->hgd", probs, v.abs()).reshape(-1, d)
     return want, size
+
+
+def assert_chunk_rows(name: str, out: torch.Tensor, want: torch.Tensor, size: torch.Tensor) -> None:
+    """The fp64 formula rounded once, to within the fp32 sums' rounding before it (sum_t p_t |v_t| times 2^-14, and
+    1e-6: a 4-bit pool's rotated values are summed in their own basis)."""
+    err = (out.double() - want).abs()
+    bound = want.abs() * 2.0**-8 + size * 2.0**-14 + 1e-6
+    assert bool((err <= bound).all()), f"{name}: worst {float((err - bound).max())} over the bound"
 
 
 @needs_build
@@ -471,8 +489,57 @@ def test_prompt_chunks_on_amx_tiles_are_the_formula(p: dict[str, Any]) -> None:
     with amx_switched(False):
         alone = attend()
     assert kernels.amx_attention_rows() - before == taken, "INFER_AMX=0 still took the tiles"
-    want, size = chunk_formula(p, q, k_blocks, v_blocks, tables, lengths, scale)
-    for name, out in (("tiles", tiles), ("row kernel", alone)):
-        err = (out.double() - want).abs()
-        bound = want.abs() * 2.0**-8 + size * 2.0**-14
-        assert bool((err <= bound).all()), f"{name}: worst {float((err - bound).max())} over the bound"
+    keys, values = (blocks[tables].transpose(1, 2).flatten(2, 3) for blocks in (k_blocks, v_blocks))
+    want, size = chunk_formula(p, q, keys, values, lengths, scale)
+    assert_chunk_rows("tiles", tiles, want, size)
+    assert_chunk_rows("row kernel", alone, want, size)
+
+
+@needs_build
+@needs_amx
+@settings(max_examples=30, deadline=None)
+@given(p=chunk_batches(), staged=st.sampled_from([0.0, 0.3]), scheme=st.sampled_from(["int8", "int8", "int4", "fp4"]))
+def test_prompt_chunks_over_codes_on_amx_tiles_are_the_formula(p: dict[str, Any], staged: float, scheme: str) -> None:
+    """An int8 pool's prompt chunks on AMX tiles (its codes times their scales split into two bf16 parts, exactly):
+    every row the fp64 formula over the pool's dequantizing gather, rounded once, as the row kernel's (INFER_AMX=0)
+    also is; each sequence's newest block staged (older ones too where drawn), each row's table its own blocks
+    padded with another block, so the tiles read the run's last row's. The 4-bit pools (key offsets, rotated
+    values) keep the row kernel: no row on the tiles, and the formula."""
+    from infer.ragged import DecodeGroup
+
+    p = {**p, "scheme": scheme, "dtype": torch.bfloat16}
+    bs = p["block_size"]
+    spans = [-(-(prefix + rows) // bs) for prefix, rows in p["segments"]]
+    pool, gen = random_pool(p, sum(spans), "cpu")
+    order, stage = torch.randperm(pool.num_blocks, generator=gen).tolist(), torch.rand(sum(spans), generator=gen)
+    tables, lengths, used = [], [], 0
+    for (prefix, rows), span in zip(p["segments"], spans, strict=True):
+        blocks = [pool.num_blocks + used + j if j == span - 1 or stage[used + j] < staged else order[used + j]
+                  for j in range(span)]
+        used += span
+        for n in range(prefix + 1, prefix + rows + 1):
+            own = -(-n // bs)
+            tables.append(blocks[:own] + [order[-1]] * (max(spans) - own))
+            lengths.append(n)
+    table, lengths_t = torch.tensor(tables), torch.tensor(lengths)
+    group = DecodeGroup("native", torch.arange(len(tables)), table, lengths_t, {}, torch.zeros_like(lengths_t))
+    q = torch.randn(len(tables), p["heads"], p["head_dim"], generator=gen).bfloat16()
+    kernels = native_kernels()
+    assert kernels is not None
+
+    def attend() -> torch.Tensor:
+        with on_threads(p["threads"]):
+            return pool.layers[0].decode_attention(group, q, 0.3, p["softcap"], p["window"])
+
+    before = kernels.amx_attention_rows()
+    with amx_switched(True):
+        tiles = attend()
+    runs = sum(rows for _, rows in p["segments"] if rows >= AMX_RUN_ROWS)
+    assert kernels.amx_attention_rows() - before == (runs if scheme == "int8" else 0)
+    with amx_switched(False):
+        alone = attend()
+    pool.dtype = torch.float32  # the gather dequantizes into fp32: the kernel sums the codes in fp32
+    keys, values = pool.layers[0].gather(table)
+    want, size = chunk_formula(p, q, keys, values, lengths_t, 0.3)
+    assert_chunk_rows("tiles", tiles, want, size)
+    assert_chunk_rows("row kernel", alone, want, size)

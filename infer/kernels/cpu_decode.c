@@ -1949,10 +1949,12 @@ static inline void kv_stream_ahead(kv_stream *s, int64_t bytes) {
 
 #if defined(HAVE_DOT_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 static int amx_takes(int64_t k);
-static int amx_chunk_attention(const uint16_t *q, const uint16_t *ks, const uint16_t *vs, const int64_t *tables,
-                               const int64_t *lengths, const int64_t *starts, uint16_t *out, int64_t heads,
-                               int64_t kv_heads, int64_t d, int64_t bs, int64_t nb, float scale, float softcap,
-                               int64_t window, const int64_t *first, const int64_t *count, int64_t runs, int threads);
+static int amx_chunk_attention(const uint16_t *q, const uint16_t *ks, const uint16_t *vs, const uint8_t *k_codes,
+                               const uint8_t *v_codes, const uint16_t *k_scale, const uint16_t *v_scale,
+                               int64_t num_blocks, const int64_t *tables, const int64_t *lengths, const int64_t *starts,
+                               uint16_t *out, int64_t heads, int64_t kv_heads, int64_t d, int64_t bs, int64_t nb,
+                               float scale, float softcap, int64_t window, const int64_t *first, const int64_t *count,
+                               int64_t runs, int threads);
 #define HAVE_AMX_CHUNKS 1
 #define AMX_RUN_ROWS 8 /* the fewest rows of a run taken on tiles (fewer: a tile of mostly padding) */
 #endif
@@ -2006,7 +2008,10 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
     int failed = 0;
     unsigned char *done = NULL; /* rows of prompt chunks taken on AMX tiles */
 #if defined(HAVE_AMX_CHUNKS)
-    if (dtype == BF16 && !k_codes && !scratch && batch >= AMX_RUN_ROWS && d % 32 == 0 && d <= 256 && amx_takes(d)) {
+    /* (exact pools, and int8 pools without key offsets or rotated values: their codes times scales are exact in two
+     * bf16 parts) */
+    if (dtype == BF16 && (!k_codes || (scheme == Q_INT8 && !k_offset && !v_rot)) && !scratch &&
+        batch >= AMX_RUN_ROWS && d % 32 == 0 && d <= 256 && amx_takes(d)) {
         int64_t *first = (int64_t *)malloc(2 * sizeof(int64_t) * (size_t)batch);
         done = (unsigned char *)calloc((size_t)batch, 1);
         if (!first || !done) {
@@ -2015,8 +2020,9 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
         }
         int64_t runs = chunk_runs(tables, lengths, starts, batch, nb, bs, AMX_RUN_ROWS, first, first + batch, done);
         if (runs && amx_chunk_attention((const uint16_t *)q, (const uint16_t *)k_stage, (const uint16_t *)v_stage,
-                                        tables, lengths, starts, (uint16_t *)out, heads, kv_heads, d, bs, nb, scale,
-                                        softcap, window, first, first + batch, runs, threads))
+                                        k_codes, v_codes, k_scale, v_scale, num_blocks, tables, lengths, starts,
+                                        (uint16_t *)out, heads, kv_heads, d, bs, nb, scale, softcap, window, first,
+                                        first + batch, runs, threads))
             failed = 1;
         free(first);
         if (failed) {
@@ -2845,64 +2851,102 @@ static void amx_pass(const uint16_t *pb, int64_t pairs, const uint16_t *xt, int6
         }
     }
 }
-/* ---- a prompt chunk's rows on AMX tiles (exact bf16 pools) ----
+/* ---- a prompt chunk's rows on AMX tiles (bf16 exact and int8 pools) ----
  * The in-place kernel takes every token of a prompt chunk as a row of its own (qattn_paged): each reads its keys and
- * values again and scores them by the pair instruction, 30-90 GFLOP/s on a 2-core Xeon, where a chunk's rows are
- * one sequence's consecutive positions over one table. Such a run (amx_chunk_runs) is taken here 16 rows at a time
- * per query head: its keys laid out once per run and KV head as the tiles' weight operand (pairs of a key's values
- * side by side, 16 keys a row: kt) and its values as pairs of keys (vp), the 16 rows' scores one tile product a 16
- * keys, scaled and softmaxed per row as the row path does (softmax_heads over the row's own keys), and the values
- * summed by tiles against the probabilities split in two bf16 parts (hi + lo, within 2^-16 of the fp32 weights: one
- * bf16 rounding would lose 8 bits). So each row is its row-path value up to the order of fp32 sums (scores over d,
- * values over keys): within a rounding of the bf16 output. Padding rows of a last tile are zero and never stored;
- * keys past a row's own are given weight 0. INFER_AMX=0 turns it off, as the packed products. */
+ * values again and scores them by the pair instruction, 30-40 GFLOP/s on a 2-core Xeon, where a chunk's rows are
+ * one sequence's consecutive positions over one table. Such a run (chunk_runs) is taken here 16 rows at a time per
+ * query head: its keys laid out once per run and KV head as the tiles' weight operand (pairs of a key's values side
+ * by side, 16 keys a row: kt) and its values as pairs of keys (vp), the 16 rows' scores one tile product a 16 keys,
+ * scaled and softmaxed per row as the row path does (softmax_heads over the row's own keys), and the values summed
+ * by tiles against the probabilities split in two bf16 parts (hi + lo, within 2^-16 of the fp32 weights: one bf16
+ * rounding would lose 8 bits). An int8 pool's keys and values (codes times scales, exact in fp32) are laid out as
+ * two bf16 parts each, which hold them exactly (kl, vl). So each row is its row-path value up to the order of fp32
+ * sums (scores over d, values over keys): within a rounding of the bf16 output. Padding rows of a last tile are zero
+ * and never stored; keys past a row's own are given weight 0. INFER_AMX=0 turns it off, as the packed products. */
 typedef struct {
-    uint16_t *kt, *vp, *ph, *pl, *qt;
-    float *sc, *ct;
+    uint16_t *kt, *kl, *vp, *vl, *ph, *pl, *qt; /* keys and values (hi, lo), probabilities (hi, lo), queries */
+    float *sc, *ct, *row;
     int64_t npad;
 } amx_attn_buf;
 
+static void amx_attn_free(amx_attn_buf *w) {
+    free(w->kt), free(w->kl), free(w->vp), free(w->vl), free(w->ph), free(w->pl), free(w->qt);
+    free(w->sc), free(w->ct), free(w->row);
+}
+
 static int amx_attn_grow(amx_attn_buf *w, int64_t npad, int64_t d) {
     if (npad <= w->npad) return 0;
-    free(w->kt), free(w->vp), free(w->ph), free(w->pl), free(w->qt), free(w->sc), free(w->ct);
+    amx_attn_free(w);
     w->kt = (uint16_t *)aligned_alloc(64, (size_t)(npad * d * 2));
+    w->kl = (uint16_t *)aligned_alloc(64, (size_t)(npad * d * 2));
     w->vp = (uint16_t *)aligned_alloc(64, (size_t)(npad * d * 2));
+    w->vl = (uint16_t *)aligned_alloc(64, (size_t)(npad * d * 2));
     w->ph = (uint16_t *)aligned_alloc(64, (size_t)(16 * npad * 2));
     w->pl = (uint16_t *)aligned_alloc(64, (size_t)(16 * npad * 2));
     w->qt = (uint16_t *)aligned_alloc(64, (size_t)(16 * d * 2));
     w->sc = (float *)aligned_alloc(64, (size_t)(16 * npad * 4));
     w->ct = (float *)aligned_alloc(64, (size_t)(4 * 256 * 4));
+    w->row = (float *)aligned_alloc(64, (size_t)(2 * d * 4));
     w->npad = npad;
-    if (w->kt && w->vp && w->ph && w->pl && w->qt && w->sc && w->ct) return 0;
+    if (w->kt && w->kl && w->vp && w->vl && w->ph && w->pl && w->qt && w->sc && w->ct && w->row) return 0;
     w->npad = 0;
     return -1;
 }
 
-/* Key t's d values of KV head h (run's table, keys from the run's start), or NULL past `n`. */
-static inline const uint16_t *amx_key_row(const uint16_t *stage, const int64_t *table, int64_t t, int64_t n,
-                                          int64_t h, int64_t kv_heads, int64_t bs, int64_t d) {
-    return t < n ? stage + ((table[t / bs] * kv_heads + h) * bs + t % bs) * d : NULL;
+/* An int8 pool's keys and values as the tiles read them: a code times its bf16 scale is exact in fp32 in 15 bits,
+ * so its two bf16 parts (hi, and lo the rest) are the value exactly. NULL codes: an exact pool. */
+typedef struct {
+    const uint8_t *k_codes, *v_codes;
+    const uint16_t *k_scale, *v_scale; /* [N, Hkv, d] channel scales, [N, Hkv, bs] row scales */
+    int64_t num_blocks;                /* table entries from here on are staged rows (stage slot = entry - this) */
+} amx_codes;
+
+/* Key t's d keys and values of KV head h as fp32 hi/lo bf16 parts into kh, kl, vh, vl (the run's table, keys from
+ * the run's start); zeros past `n`. */
+static void amx_key_parts(const uint16_t *ks, const uint16_t *vs, const amx_codes *cq, const int64_t *table, int64_t t,
+                          int64_t n, int64_t h, int64_t kv_heads, int64_t bs, int64_t d, uint16_t *kh, uint16_t *kl,
+                          uint16_t *vh, uint16_t *vl, float *row) {
+    int64_t id = t < n ? table[t / bs] : 0, r = t % bs;
+    if (t >= n || !cq->k_codes || id >= cq->num_blocks) { /* staged: exact bf16 rows */
+        const uint16_t *k = t < n ? ks + (((id - cq->num_blocks) * kv_heads + h) * bs + r) * d : NULL;
+        const uint16_t *v = t < n ? vs + (((id - cq->num_blocks) * kv_heads + h) * bs + r) * d : NULL;
+        for (int64_t c = 0; c < d; c++) kh[c] = k ? k[c] : 0, vh[c] = v ? v[c] : 0, kl[c] = 0, vl[c] = 0;
+        return;
+    }
+    decode_codes(Q_INT8, cq->k_codes + ((id * kv_heads + h) * bs + r) * d, row, d);
+    decode_codes(Q_INT8, cq->v_codes + ((id * kv_heads + h) * bs + r) * d, row + d, d);
+    const uint16_t *ksc = cq->k_scale + (id * kv_heads + h) * d;
+    float vsc = bf16_to_f32(cq->v_scale[(id * kv_heads + h) * bs + r]);
+    for (int64_t c = 0; c < d; c++) {
+        float k = row[c] * bf16_to_f32(ksc[c]), v = row[d + c] * vsc;
+        kh[c] = f32_to_bf16(k), kl[c] = f32_to_bf16(k - bf16_to_f32(kh[c]));
+        vh[c] = f32_to_bf16(v), vl[c] = f32_to_bf16(v - bf16_to_f32(vh[c]));
+    }
 }
 
-/* kt: 16 keys x (d / 32) steps, tile (j, s) row p = pair 16s + p of keys 16j .. 16j + 15 (as 32-bit pairs: a 16 x 16
- * transpose); vp: 32 keys x (d / 16) column groups, tile (j, c) row p = keys 32j + 2p and + 1 side by side for columns
- * 16c .. 16c + 15. Zero past n keys. */
-static void amx_lay_out_keys(const uint16_t *ks, const uint16_t *vs, const int64_t *table, int64_t n, int64_t npad,
-                             int64_t h, int64_t kv_heads, int64_t bs, int64_t d, uint16_t *kt, uint16_t *vp) {
+/* kt (kl): 16 keys x (d / 32) steps, tile (j, s) row p = pair 16s + p of keys 16j .. 16j + 15 (as 32-bit pairs: a
+ * 16 x 16 transpose); vp (vl): 32 keys x (d / 16) column groups, tile (j, c) row p = keys 32j + 2p and + 1 side by
+ * side for columns 16c .. 16c + 15. Zero past n keys; the lo parts only for a pool of codes. */
+static void amx_lay_out_keys(const uint16_t *ks, const uint16_t *vs, const amx_codes *cq, const int64_t *table,
+                             int64_t n, int64_t npad, int64_t h, int64_t kv_heads, int64_t bs, int64_t d,
+                             amx_attn_buf *w) {
     int64_t steps = d / 32, groups = d / 16;
-    uint32_t *kt32 = (uint32_t *)(void *)kt;
+    uint16_t kh[256], kl[256], vh[256], vl[256];
     for (int64_t t = 0; t < npad; t++) {
-        const uint16_t *k = amx_key_row(ks, table, t, n, h, kv_heads, bs, d);
-        const uint16_t *v = amx_key_row(vs, table, t, n, h, kv_heads, bs, d);
-        for (int64_t s = 0; s < steps; s++)
-            for (int p = 0; p < 16; p++) {
-                uint32_t pair = 0;
-                if (k) memcpy(&pair, k + 32 * s + 2 * p, 4);
-                kt32[((t / 16 * steps + s) * 16 + p) * 16 + t % 16] = pair;
+        amx_key_parts(ks, vs, cq, table, t, n, h, kv_heads, bs, d, kh, kl, vh, vl, w->row);
+        for (int part = 0; part < (cq->k_codes ? 2 : 1); part++) {
+            const uint16_t *k = part ? kl : kh, *v = part ? vl : vh;
+            uint32_t *kt32 = (uint32_t *)(void *)(part ? w->kl : w->kt);
+            for (int64_t s = 0; s < steps; s++)
+                for (int p = 0; p < 16; p++) {
+                    uint32_t pair;
+                    memcpy(&pair, k + 32 * s + 2 * p, 4);
+                    kt32[((t / 16 * steps + s) * 16 + p) * 16 + t % 16] = pair;
+                }
+            for (int64_t c = 0; c < groups; c++) {
+                uint16_t *dst = (part ? w->vl : w->vp) + ((t / 32 * groups + c) * 16 + t % 32 / 2) * 32 + t % 2;
+                for (int e = 0; e < 16; e++) dst[2 * e] = v[16 * c + e];
             }
-        for (int64_t c = 0; c < groups; c++) {
-            uint16_t *dst = vp + ((t / 32 * groups + c) * 16 + t % 32 / 2) * 32 + t % 2;
-            for (int e = 0; e < 16; e++) dst[2 * e] = v ? v[16 * c + e] : 0;
         }
     }
 }
@@ -2917,7 +2961,7 @@ static void amx_lay_out_keys(const uint16_t *ks, const uint16_t *vs, const int64
 /* One run's rows rt0 .. rt0 + rows - 1 (rows <= 16) for query head qh of KV head h, kt/vp laid out. */
 static void amx_attn_tile(const uint16_t *q, uint16_t *out, const int64_t *lengths, int64_t b0, int64_t rt0,
                           int64_t rows, int64_t start, int64_t qh, int64_t heads, int64_t d, float scale, float softcap,
-                          int64_t window, amx_attn_buf *w) {
+                          int64_t window, int coded, amx_attn_buf *w) {
     int64_t n = lengths[b0 + rt0 + rows - 1] - start, n16 = (n + 15) / 16 * 16, n32 = (n + 31) / 32 * 32;
     int64_t steps = d / 32, groups = d / 16, npad = w->npad;
     for (int64_t r = 0; r < 16; r++) /* the rows' queries, zero past the run */
@@ -2928,13 +2972,17 @@ static void amx_attn_tile(const uint16_t *q, uint16_t *out, const int64_t *lengt
         int nt = n16 / 16 - j < 4 ? (int)(n16 / 16 - j) : 4;
         AMX_ZERO_UPTO(nt);
         for (int64_t s = 0; s < steps; s++) {
-            const uint16_t *kb = w->kt + ((j * steps + s) * 16) * 32;
+            const uint16_t *kb = w->kt + ((j * steps + s) * 16) * 32, *klb = w->kl + ((j * steps + s) * 16) * 32;
             _tile_loadd(4, w->qt + 32 * s, 2 * d);
-            _tile_loadd(6, kb, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            if (nt > 1) { _tile_loadd(7, kb + steps * 512, 64); _tile_dpbf16ps(1, 4, 7); }
-            if (nt > 2) { _tile_loadd(6, kb + 2 * steps * 512, 64); _tile_dpbf16ps(2, 4, 6); }
-            if (nt > 3) { _tile_loadd(7, kb + 3 * steps * 512, 64); _tile_dpbf16ps(3, 4, 7); }
+            /* key tile a into sums cn: its hi part, and a pool of codes' lo part */
+#define AMX_KEYS(cn, a) do { _tile_loadd(6, kb + (a) * steps * 512, 64); _tile_dpbf16ps(cn, 4, 6); \
+                             if (coded) { _tile_loadd(7, klb + (a) * steps * 512, 64); _tile_dpbf16ps(cn, 4, 7); } \
+                        } while (0)
+            AMX_KEYS(0, 0);
+            if (nt > 1) AMX_KEYS(1, 1);
+            if (nt > 2) AMX_KEYS(2, 2);
+            if (nt > 3) AMX_KEYS(3, 3);
+#undef AMX_KEYS
         }
         AMX_STORE_UPTO(nt, w->ct);
         for (int a = 0; a < nt; a++)
@@ -2960,15 +3008,19 @@ static void amx_attn_tile(const uint16_t *q, uint16_t *out, const int64_t *lengt
         int nt = groups - c < 4 ? (int)(groups - c) : 4;
         AMX_ZERO_UPTO(nt);
         for (int64_t j = 0; j < n32 / 32; j++) {
-            const uint16_t *vb = w->vp + ((j * groups + c) * 16) * 32;
+            const uint16_t *vb = w->vp + ((j * groups + c) * 16) * 32, *vlb = w->vl + ((j * groups + c) * 16) * 32;
             _tile_loadd(4, w->ph + 32 * j, 2 * npad);
             _tile_loadd(5, w->pl + 32 * j, 2 * npad);
-            _tile_loadd(6, vb, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(0, 5, 6);
-            if (nt > 1) { _tile_loadd(7, vb + 512, 64); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(1, 5, 7); }
-            if (nt > 2) { _tile_loadd(6, vb + 1024, 64); _tile_dpbf16ps(2, 4, 6); _tile_dpbf16ps(2, 5, 6); }
-            if (nt > 3) { _tile_loadd(7, vb + 1536, 64); _tile_dpbf16ps(3, 4, 7); _tile_dpbf16ps(3, 5, 7); }
+            /* column group a into sums cn: both parts of the probabilities against the values' hi part, the hi
+             * probabilities against a pool of codes' lo part (lo times lo is under 2^-16 of the product) */
+#define AMX_VALUES(cn, a) do { _tile_loadd(6, vb + (a) * 512, 64); _tile_dpbf16ps(cn, 4, 6); _tile_dpbf16ps(cn, 5, 6); \
+                               if (coded) { _tile_loadd(7, vlb + (a) * 512, 64); _tile_dpbf16ps(cn, 4, 7); } \
+                          } while (0)
+            AMX_VALUES(0, 0);
+            if (nt > 1) AMX_VALUES(1, 1);
+            if (nt > 2) AMX_VALUES(2, 2);
+            if (nt > 3) AMX_VALUES(3, 3);
+#undef AMX_VALUES
         }
         AMX_STORE_UPTO(nt, w->ct);
         for (int a = 0; a < nt; a++)
@@ -2980,11 +3032,14 @@ static void amx_attn_tile(const uint16_t *q, uint16_t *out, const int64_t *lengt
 static int64_t amx_attention_rows = 0; /* rows taken here since the process began (infer_amx_attention_rows) */
 
 /* The runs' rows (run u: rows first[u] .. first[u] + count[u] - 1) over an exact bf16 pool; -1 without memory. */
-static int amx_chunk_attention(const uint16_t *q, const uint16_t *ks, const uint16_t *vs, const int64_t *tables,
-                               const int64_t *lengths, const int64_t *starts, uint16_t *out, int64_t heads,
-                               int64_t kv_heads, int64_t d, int64_t bs, int64_t nb, float scale, float softcap,
-                               int64_t window, const int64_t *first, const int64_t *count, int64_t runs, int threads) {
+static int amx_chunk_attention(const uint16_t *q, const uint16_t *ks, const uint16_t *vs, const uint8_t *k_codes,
+                               const uint8_t *v_codes, const uint16_t *k_scale, const uint16_t *v_scale,
+                               int64_t num_blocks, const int64_t *tables, const int64_t *lengths, const int64_t *starts,
+                               uint16_t *out, int64_t heads, int64_t kv_heads, int64_t d, int64_t bs, int64_t nb,
+                               float scale, float softcap, int64_t window, const int64_t *first, const int64_t *count,
+                               int64_t runs, int threads) {
     int failed = 0, per = (int)(heads / kv_heads);
+    amx_codes cq = {k_codes, v_codes, k_scale, v_scale, num_blocks};
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         amx_attn_buf w = {0};
@@ -2998,14 +3053,15 @@ static int amx_chunk_attention(const uint16_t *q, const uint16_t *ks, const uint
                 failed = 1;
                 continue;
             }
-            amx_lay_out_keys(ks, vs, tables + b0 * nb, n, npad, h, kv_heads, bs, d, w.kt, w.vp);
+            /* the run's last row's table: every row's own blocks are a prefix of it (chunk_runs) */
+            amx_lay_out_keys(ks, vs, &cq, tables + (b0 + count[u] - 1) * nb, n, npad, h, kv_heads, bs, d, &w);
             for (int64_t rt0 = 0; rt0 < count[u]; rt0 += 16)
                 for (int64_t g = 0; g < per; g++)
                     amx_attn_tile(q, out, lengths, b0, rt0, count[u] - rt0 < 16 ? count[u] - rt0 : 16, start,
-                                  h * per + g, heads, d, scale, softcap, window, &w);
+                                  h * per + g, heads, d, scale, softcap, window, k_codes != NULL, &w);
         }
         _tile_release();
-        free(w.kt), free(w.vp), free(w.ph), free(w.pl), free(w.qt), free(w.sc), free(w.ct);
+        amx_attn_free(&w);
     }
     for (int64_t u = 0; !failed && u < runs; u++) amx_attention_rows += count[u];
     return failed ? -1 : 0;

@@ -311,10 +311,10 @@ class NativeKernels:
         return bool(self._amx_takes(k))
 
     def amx_attention_rows(self) -> int:
-        """How many query rows of prompt chunks the exact pool's paged attention has taken on AMX tiles in this
-        process, each call's (a model's layers count a row once each): runs of 8 or more rows of one sequence's
-        consecutive positions over one table, bf16, head size a multiple of 32 up to 256, where `amx_takes` holds
-        (the rest take the row kernel)."""
+        """How many query rows of prompt chunks the paged attention has taken on AMX tiles in this process, each
+        call's (a model's layers count a row once each): runs of 8 or more rows of one sequence's consecutive
+        positions over one table, bf16, an exact pool or an int8 one, head size a multiple of 32 up to 256, where
+        `amx_takes` holds (the rest take the row kernel)."""
         return int(self._amx_attention_rows())
 
     def gemm_bf16_packed(self, packed: torch.Tensor, x: torch.Tensor, n: int, bias: torch.Tensor | None = None
