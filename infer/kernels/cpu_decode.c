@@ -1985,7 +1985,7 @@ static int64_t chunk_runs(const int64_t *tables, const int64_t *lengths, const i
  * [N, Hkv, D] for keys and row scales [N, Hkv, bs] for values (rows stored rotated with v_rot); a table entry
  * >= num_blocks names a staged block, exact in stage [P, Hkv, bs, D] at slot entry - num_blocks. Sequence b's keys
  * are positions starts[b] .. lengths[b] - 1, its table's blocks in order; the query sits at the last. Over an exact
- * bf16 pool, a prompt chunk's rows (chunk_runs) take the AMX tiles where the build and the CPU have them
+ * or an int8 pool (bf16), a prompt chunk's rows (chunk_runs) take the AMX tiles where the build and the CPU have them
  * (amx_chunk_attention), and the work items below skip them. */
 static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_codes, const uint8_t *v_codes,
                        const uint16_t *k_scale, const uint16_t *v_scale, const uint16_t *k_offset,
@@ -2851,6 +2851,7 @@ static void amx_pass(const uint16_t *pb, int64_t pairs, const uint16_t *xt, int6
         }
     }
 }
+
 /* ---- a prompt chunk's rows on AMX tiles (bf16 exact and int8 pools) ----
  * The in-place kernel takes every token of a prompt chunk as a row of its own (qattn_paged): each reads its keys and
  * values again and scores them by the pair instruction, 30-40 GFLOP/s on a 2-core Xeon, where a chunk's rows are
@@ -3031,7 +3032,8 @@ static void amx_attn_tile(const uint16_t *q, uint16_t *out, const int64_t *lengt
 
 static int64_t amx_attention_rows = 0; /* rows taken here since the process began (infer_amx_attention_rows) */
 
-/* The runs' rows (run u: rows first[u] .. first[u] + count[u] - 1) over an exact bf16 pool; -1 without memory. */
+/* The runs' rows (run u: rows first[u] .. first[u] + count[u] - 1) over an exact or an int8 pool (NULL codes: exact);
+ * -1 without memory. */
 static int amx_chunk_attention(const uint16_t *q, const uint16_t *ks, const uint16_t *vs, const uint8_t *k_codes,
                                const uint8_t *v_codes, const uint16_t *k_scale, const uint16_t *v_scale,
                                int64_t num_blocks, const int64_t *tables, const int64_t *lengths, const int64_t *starts,
@@ -3063,7 +3065,7 @@ static int amx_chunk_attention(const uint16_t *q, const uint16_t *ks, const uint
         _tile_release();
         amx_attn_free(&w);
     }
-    for (int64_t u = 0; !failed && u < runs; u++) amx_attention_rows += count[u];
+    for (int64_t u = 0; !failed && u < runs; u++) __atomic_fetch_add(&amx_attention_rows, count[u], __ATOMIC_RELAXED);
     return failed ? -1 : 0;
 }
 
@@ -3073,7 +3075,7 @@ static int amx_chunk_attention(const uint16_t *q, const uint16_t *ks, const uint
  * 0 where the build has none): the tests' witness that a chunk took them. */
 int64_t infer_amx_attention_rows(void) {
 #if defined(HAVE_AMX)
-    return amx_attention_rows;
+    return __atomic_load_n(&amx_attention_rows, __ATOMIC_RELAXED);
 #else
     return 0;
 #endif
