@@ -431,9 +431,9 @@ def chunk_rows(p: dict[str, Any]) -> tuple[torch.Tensor, ...]:
 
 
 def chunk_formula(p: dict[str, Any], q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                  lengths: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's output in fp64 over its gathered keys and values `[B, Hkv, S, D]` and, per output, sum_t p_t |v_t|
-    (the scale of fp32 sums' rounding)."""
+                  lengths: torch.Tensor, scale: float, rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's output in fp64 over its gathered keys and values `[B, Hkv, S, D]` and, per output, the scale of its
+    fp32 sums' rounding: sum_t p_t |v_t| (values stored rotated: sum_t p_t ||v_t||, the length a rotation keeps)."""
     kv_heads, d, group = p["kv_heads"], p["head_dim"], p["heads"] // p["kv_heads"]
     want, size = torch.empty(q.shape, dtype=torch.float64), torch.empty(q.shape, dtype=torch.float64)
     for b, n in enumerate(lengths.tolist()):
@@ -445,13 +445,13 @@ def chunk_formula(p: dict[str, Any], q: torch.Tensor, keys: torch.Tensor, values
             s[:, :, : max(0, n - p["window"])] = -math.inf  # key t seen where t > (n - 1) - window
         probs = torch.softmax(s, -1)
         want[b] = torch.einsum("hgt,htd->hgd", probs, v).reshape(-1, d)
-        size[b] = torch.einsum("hgt,htd->hgd", probs, v.abs()).reshape(-1, d)
+        size[b] = (torch.einsum("hgt,htd->hgd", probs, v.abs()) if not rotated else
+                   torch.einsum("hgt,ht->hg", probs, v.norm(dim=-1))[..., None].expand(-1, -1, d)).reshape(-1, d)
     return want, size
 
 
 def assert_chunk_rows(name: str, out: torch.Tensor, want: torch.Tensor, size: torch.Tensor) -> None:
-    """The fp64 formula rounded once, to within the fp32 sums' rounding before it (sum_t p_t |v_t| times 2^-14, and
-    1e-6: a 4-bit pool's rotated values are summed in their own basis)."""
+    """The fp64 formula rounded once, to within the fp32 sums' rounding before it (`size` times 2^-14, and 1e-6)."""
     err = (out.double() - want).abs()
     bound = want.abs() * 2.0**-8 + size * 2.0**-14 + 1e-6
     assert bool((err <= bound).all()), f"{name}: worst {float((err - bound).max())} over the bound"
@@ -498,13 +498,13 @@ def test_prompt_chunks_on_amx_tiles_are_the_formula(p: dict[str, Any]) -> None:
 @needs_build
 @needs_amx
 @settings(max_examples=30, deadline=None)
-@given(p=chunk_batches(), staged=st.sampled_from([0.0, 0.3]), scheme=st.sampled_from(["int8", "int8", "int4", "fp4"]))
+@given(p=chunk_batches(), staged=st.sampled_from([0.0, 0.3]), scheme=st.sampled_from(["int8", "int4", "fp4"]))
 def test_prompt_chunks_over_codes_on_amx_tiles_are_the_formula(p: dict[str, Any], staged: float, scheme: str) -> None:
-    """An int8 pool's prompt chunks on AMX tiles (its codes times their scales split into two bf16 parts, exactly):
-    every row the fp64 formula over the pool's dequantizing gather, rounded once, as the row kernel's (INFER_AMX=0)
-    also is; each sequence's newest block staged (older ones too where drawn), each row's table its own blocks
-    padded with another block, so the tiles read the run's last row's. The 4-bit pools (key offsets, rotated
-    values) keep the row kernel: no row on the tiles, and the formula."""
+    """A quantized pool's prompt chunks on AMX tiles (codes times their scales split into two bf16 parts, exactly;
+    the 4-bit pools' keys plus their offsets within 2^-16, their rotated values summed apart from the staged rows'
+    and turned back): every row the fp64 formula over the pool's dequantizing gather, rounded once, as the row
+    kernel's (INFER_AMX=0) also is; each sequence's newest block staged (older ones too where drawn), each row's
+    table its own blocks padded with another block, so the tiles read the run's last row's."""
     from infer.ragged import DecodeGroup
 
     p = {**p, "scheme": scheme, "dtype": torch.bfloat16}
@@ -534,12 +534,11 @@ def test_prompt_chunks_over_codes_on_amx_tiles_are_the_formula(p: dict[str, Any]
     before = kernels.amx_attention_rows()
     with amx_switched(True):
         tiles = attend()
-    runs = sum(rows for _, rows in p["segments"] if rows >= AMX_RUN_ROWS)
-    assert kernels.amx_attention_rows() - before == (runs if scheme == "int8" else 0)
+    assert kernels.amx_attention_rows() - before == sum(rows for _, rows in p["segments"] if rows >= AMX_RUN_ROWS)
     with amx_switched(False):
         alone = attend()
     pool.dtype = torch.float32  # the gather dequantizes into fp32: the kernel sums the codes in fp32
     keys, values = pool.layers[0].gather(table)
-    want, size = chunk_formula(p, q, keys, values, lengths_t, 0.3)
+    want, size = chunk_formula(p, q, keys, values, lengths_t, 0.3, rotated=pool.rotation is not None)
     assert_chunk_rows("tiles", tiles, want, size)
     assert_chunk_rows("row kernel", alone, want, size)

@@ -1949,8 +1949,9 @@ static inline void kv_stream_ahead(kv_stream *s, int64_t bytes) {
 
 #if defined(HAVE_DOT_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 static int amx_takes(int64_t k);
-static int amx_chunk_attention(const uint16_t *q, const uint16_t *ks, const uint16_t *vs, const uint8_t *k_codes,
-                               const uint8_t *v_codes, const uint16_t *k_scale, const uint16_t *v_scale,
+static int amx_chunk_attention(const uint16_t *q, const uint16_t *ks, const uint16_t *vs, int scheme,
+                               const uint8_t *k_codes, const uint8_t *v_codes, const uint16_t *k_scale,
+                               const uint16_t *v_scale, const uint16_t *k_offset, const float *v_rot,
                                int64_t num_blocks, const int64_t *tables, const int64_t *lengths, const int64_t *starts,
                                uint16_t *out, int64_t heads, int64_t kv_heads, int64_t d, int64_t bs, int64_t nb,
                                float scale, float softcap, int64_t window, const int64_t *first, const int64_t *count,
@@ -1984,9 +1985,9 @@ static int64_t chunk_runs(const int64_t *tables, const int64_t *lengths, const i
  * their block tables: q [B, H, D]; a full block's codes [N, Hkv, bs, D or D/2] with channel scales (and offsets)
  * [N, Hkv, D] for keys and row scales [N, Hkv, bs] for values (rows stored rotated with v_rot); a table entry
  * >= num_blocks names a staged block, exact in stage [P, Hkv, bs, D] at slot entry - num_blocks. Sequence b's keys
- * are positions starts[b] .. lengths[b] - 1, its table's blocks in order; the query sits at the last. Over an exact
- * or an int8 pool (bf16), a prompt chunk's rows (chunk_runs) take the AMX tiles where the build and the CPU have them
- * (amx_chunk_attention), and the work items below skip them. */
+ * are positions starts[b] .. lengths[b] - 1, its table's blocks in order; the query sits at the last. In bf16,
+ * a prompt chunk's rows (chunk_runs) take the AMX tiles where the build and the CPU have them (amx_chunk_attention),
+ * and the work items below skip them. */
 static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_codes, const uint8_t *v_codes,
                        const uint16_t *k_scale, const uint16_t *v_scale, const uint16_t *k_offset,
                        const float *v_rot, const void *k_stage, const void *v_stage, const int64_t *tables,
@@ -2008,10 +2009,7 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
     int failed = 0;
     unsigned char *done = NULL; /* rows of prompt chunks taken on AMX tiles */
 #if defined(HAVE_AMX_CHUNKS)
-    /* (exact pools, and int8 pools without key offsets or rotated values: their codes times scales are exact in two
-     * bf16 parts) */
-    if (dtype == BF16 && (!k_codes || (scheme == Q_INT8 && !k_offset && !v_rot)) && !scratch &&
-        batch >= AMX_RUN_ROWS && d % 32 == 0 && d <= 256 && amx_takes(d)) {
+    if (dtype == BF16 && !scratch && batch >= AMX_RUN_ROWS && d % 32 == 0 && d <= 256 && amx_takes(d)) {
         int64_t *first = (int64_t *)malloc(2 * sizeof(int64_t) * (size_t)batch);
         done = (unsigned char *)calloc((size_t)batch, 1);
         if (!first || !done) {
@@ -2020,7 +2018,8 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
         }
         int64_t runs = chunk_runs(tables, lengths, starts, batch, nb, bs, AMX_RUN_ROWS, first, first + batch, done);
         if (runs && amx_chunk_attention((const uint16_t *)q, (const uint16_t *)k_stage, (const uint16_t *)v_stage,
-                                        k_codes, v_codes, k_scale, v_scale, num_blocks, tables, lengths, starts,
+                                        scheme, k_codes, v_codes, k_scale, v_scale, k_offset, v_rot, num_blocks,
+                                        tables, lengths, starts,
                                         (uint16_t *)out, heads, kv_heads, d, bs, nb, scale, softcap, window, first,
                                         first + batch, runs, threads))
             failed = 1;
@@ -2852,7 +2851,7 @@ static void amx_pass(const uint16_t *pb, int64_t pairs, const uint16_t *xt, int6
     }
 }
 
-/* ---- a prompt chunk's rows on AMX tiles (bf16 exact and int8 pools) ----
+/* ---- a prompt chunk's rows on AMX tiles (bf16: exact and quantized pools) ----
  * The in-place kernel takes every token of a prompt chunk as a row of its own (qattn_paged): each reads its keys and
  * values again and scores them by the pair instruction, 30-40 GFLOP/s on a 2-core Xeon, where a chunk's rows are
  * one sequence's consecutive positions over one table. Such a run (chunk_runs) is taken here 16 rows at a time per
@@ -2860,19 +2859,20 @@ static void amx_pass(const uint16_t *pb, int64_t pairs, const uint16_t *xt, int6
  * by side, 16 keys a row: kt) and its values as pairs of keys (vp), the 16 rows' scores one tile product a 16 keys,
  * scaled and softmaxed per row as the row path does (softmax_heads over the row's own keys), and the values summed
  * by tiles against the probabilities split in two bf16 parts (hi + lo, within 2^-16 of the fp32 weights: one bf16
- * rounding would lose 8 bits). An int8 pool's keys and values (codes times scales, exact in fp32) are laid out as
- * two bf16 parts each, which hold them exactly (kl, vl). So each row is its row-path value up to the order of fp32
+ * rounding would lose 8 bits). A quantized pool's keys and values (codes times scales, exact in fp32) are laid out
+ * as two bf16 parts each, which hold them exactly (kl, vl; amx_codes). So each row is its row-path value up to the order of fp32
  * sums (scores over d, values over keys): within a rounding of the bf16 output. Padding rows of a last tile are zero
  * and never stored; keys past a row's own are given weight 0. INFER_AMX=0 turns it off, as the packed products. */
 typedef struct {
     uint16_t *kt, *kl, *vp, *vl, *ph, *pl, *qt; /* keys and values (hi, lo), probabilities (hi, lo), queries */
-    float *sc, *ct, *row;
+    float *sc, *ct, *row, *acc;                 /* scores, a pass's tiles, a key's decoded row, the rows' sums (x2) */
+    unsigned char *coded;                       /* each key: a code row (1) or a staged one (0) */
     int64_t npad;
 } amx_attn_buf;
 
 static void amx_attn_free(amx_attn_buf *w) {
     free(w->kt), free(w->kl), free(w->vp), free(w->vl), free(w->ph), free(w->pl), free(w->qt);
-    free(w->sc), free(w->ct), free(w->row);
+    free(w->sc), free(w->ct), free(w->row), free(w->acc), free(w->coded);
 }
 
 static int amx_attn_grow(amx_attn_buf *w, int64_t npad, int64_t d) {
@@ -2888,34 +2888,42 @@ static int amx_attn_grow(amx_attn_buf *w, int64_t npad, int64_t d) {
     w->sc = (float *)aligned_alloc(64, (size_t)(16 * npad * 4));
     w->ct = (float *)aligned_alloc(64, (size_t)(4 * 256 * 4));
     w->row = (float *)aligned_alloc(64, (size_t)(2 * d * 4));
+    w->acc = (float *)aligned_alloc(64, (size_t)(2 * 16 * d * 4));
+    w->coded = (unsigned char *)malloc((size_t)npad);
     w->npad = npad;
-    if (w->kt && w->kl && w->vp && w->vl && w->ph && w->pl && w->qt && w->sc && w->ct && w->row) return 0;
+    if (w->kt && w->kl && w->vp && w->vl && w->ph && w->pl && w->qt && w->sc && w->ct && w->row && w->acc && w->coded)
+        return 0;
     w->npad = 0;
     return -1;
 }
 
-/* An int8 pool's keys and values as the tiles read them: a code times its bf16 scale is exact in fp32 in 15 bits,
- * so its two bf16 parts (hi, and lo the rest) are the value exactly. NULL codes: an exact pool. */
+/* A quantized pool's keys and values as the tiles read them: a code times its bf16 scale is exact in fp32 (15 bits
+ * at most), so its two bf16 parts (hi, and lo the rest) are the value exactly. The 4-bit schemes' key offsets are
+ * not added to the keys (the sum would round): q . offsets, one per block and row, is added to the block's scores,
+ * as the row kernel adds it. Values stored rotated (v @ H, the 4-bit schemes) are summed apart from the staged
+ * rows' and turned back after, as the row kernel does. NULL codes: an exact pool. */
 typedef struct {
     const uint8_t *k_codes, *v_codes;
-    const uint16_t *k_scale, *v_scale; /* [N, Hkv, d] channel scales, [N, Hkv, bs] row scales */
-    int64_t num_blocks;                /* table entries from here on are staged rows (stage slot = entry - this) */
+    const uint16_t *k_scale, *v_scale, *k_offset; /* [N, Hkv, d] channel scales, [N, Hkv, bs] row scales, offsets */
+    const float *v_rot;                           /* [d, d] or NULL */
+    int64_t num_blocks; /* table entries from here on are staged rows (stage slot = entry - this) */
+    int scheme;
 } amx_codes;
 
 /* Key t's d keys and values of KV head h as fp32 hi/lo bf16 parts into kh, kl, vh, vl (the run's table, keys from
  * the run's start); zeros past `n`. */
-static void amx_key_parts(const uint16_t *ks, const uint16_t *vs, const amx_codes *cq, const int64_t *table, int64_t t,
-                          int64_t n, int64_t h, int64_t kv_heads, int64_t bs, int64_t d, uint16_t *kh, uint16_t *kl,
-                          uint16_t *vh, uint16_t *vl, float *row) {
-    int64_t id = t < n ? table[t / bs] : 0, r = t % bs;
+static int amx_key_parts(const uint16_t *ks, const uint16_t *vs, const amx_codes *cq, const int64_t *table, int64_t t,
+                         int64_t n, int64_t h, int64_t kv_heads, int64_t bs, int64_t d, uint16_t *kh, uint16_t *kl,
+                         uint16_t *vh, uint16_t *vl, float *row) {
+    int64_t id = t < n ? table[t / bs] : 0, r = t % bs, dp = cq->scheme == Q_INT8 ? d : d / 2;
     if (t >= n || !cq->k_codes || id >= cq->num_blocks) { /* staged: exact bf16 rows */
         const uint16_t *k = t < n ? ks + (((id - cq->num_blocks) * kv_heads + h) * bs + r) * d : NULL;
         const uint16_t *v = t < n ? vs + (((id - cq->num_blocks) * kv_heads + h) * bs + r) * d : NULL;
         for (int64_t c = 0; c < d; c++) kh[c] = k ? k[c] : 0, vh[c] = v ? v[c] : 0, kl[c] = 0, vl[c] = 0;
-        return;
+        return 0;
     }
-    decode_codes(Q_INT8, cq->k_codes + ((id * kv_heads + h) * bs + r) * d, row, d);
-    decode_codes(Q_INT8, cq->v_codes + ((id * kv_heads + h) * bs + r) * d, row + d, d);
+    decode_codes(cq->scheme, cq->k_codes + ((id * kv_heads + h) * bs + r) * dp, row, d);
+    decode_codes(cq->scheme, cq->v_codes + ((id * kv_heads + h) * bs + r) * dp, row + d, d);
     const uint16_t *ksc = cq->k_scale + (id * kv_heads + h) * d;
     float vsc = bf16_to_f32(cq->v_scale[(id * kv_heads + h) * bs + r]);
     for (int64_t c = 0; c < d; c++) {
@@ -2923,6 +2931,7 @@ static void amx_key_parts(const uint16_t *ks, const uint16_t *vs, const amx_code
         kh[c] = f32_to_bf16(k), kl[c] = f32_to_bf16(k - bf16_to_f32(kh[c]));
         vh[c] = f32_to_bf16(v), vl[c] = f32_to_bf16(v - bf16_to_f32(vh[c]));
     }
+    return 1;
 }
 
 /* kt (kl): 16 keys x (d / 32) steps, tile (j, s) row p = pair 16s + p of keys 16j .. 16j + 15 (as 32-bit pairs: a
@@ -2934,7 +2943,7 @@ static void amx_lay_out_keys(const uint16_t *ks, const uint16_t *vs, const amx_c
     int64_t steps = d / 32, groups = d / 16;
     uint16_t kh[256], kl[256], vh[256], vl[256];
     for (int64_t t = 0; t < npad; t++) {
-        amx_key_parts(ks, vs, cq, table, t, n, h, kv_heads, bs, d, kh, kl, vh, vl, w->row);
+        w->coded[t] = (unsigned char)amx_key_parts(ks, vs, cq, table, t, n, h, kv_heads, bs, d, kh, kl, vh, vl, w->row);
         for (int part = 0; part < (cq->k_codes ? 2 : 1); part++) {
             const uint16_t *k = part ? kl : kh, *v = part ? vl : vh;
             uint32_t *kt32 = (uint32_t *)(void *)(part ? w->kl : w->kt);
@@ -2962,8 +2971,10 @@ static void amx_lay_out_keys(const uint16_t *ks, const uint16_t *vs, const amx_c
 /* One run's rows rt0 .. rt0 + rows - 1 (rows <= 16) for query head qh of KV head h, kt/vp laid out. */
 static void amx_attn_tile(const uint16_t *q, uint16_t *out, const int64_t *lengths, int64_t b0, int64_t rt0,
                           int64_t rows, int64_t start, int64_t qh, int64_t heads, int64_t d, float scale, float softcap,
-                          int64_t window, int coded, amx_attn_buf *w) {
+                          int64_t window, const amx_codes *cq, const int64_t *table, int64_t h, int64_t kv_heads,
+                          int64_t bs, amx_attn_buf *w) {
     int64_t n = lengths[b0 + rt0 + rows - 1] - start, n16 = (n + 15) / 16 * 16, n32 = (n + 31) / 32 * 32;
+    int coded = cq->k_codes != NULL, passes = cq->v_rot ? 2 : 1; /* rotated values: the staged rows, the code rows */
     int64_t steps = d / 32, groups = d / 16, npad = w->npad;
     for (int64_t r = 0; r < 16; r++) /* the rows' queries, zero past the run */
         if (r < rows) memcpy(w->qt + r * d, q + ((b0 + rt0 + r) * heads + qh) * d, 2 * (size_t)d);
@@ -2989,6 +3000,19 @@ static void amx_attn_tile(const uint16_t *q, uint16_t *out, const int64_t *lengt
         for (int a = 0; a < nt; a++)
             for (int r = 0; r < 16; r++) memcpy(w->sc + r * npad + (j + a) * 16, w->ct + a * 256 + r * 16, 64);
     }
+    /* a 4-bit pool's code blocks: q . offsets added to each row's scores of the block's keys */
+    for (int64_t jb = 0; cq->k_codes && cq->k_offset && jb * bs < n; jb++) {
+        int64_t id = table[jb];
+        if (id >= cq->num_blocks) continue; /* staged: exact keys */
+        const uint16_t *o = cq->k_offset + (id * kv_heads + h) * d;
+        for (int64_t r = 0; r < rows; r++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t c = 0; c < d; c += 16)
+                a = _mm512_add_ps(a, _mm512_mul_ps(bf16x16_load(w->qt + r * d + c), bf16x16_load(o + c)));
+            float qo = _mm512_reduce_add_ps(a);
+            for (int64_t t = jb * bs; t < (jb + 1) * bs && t < n; t++) w->sc[r * npad + t] += qo;
+        }
+    }
     /* each row as the row path: its scores times the scale, softmaxed over its own keys; 0 past them */
     for (int64_t r = 0; r < 16; r++) {
         float *s = w->sc + r * npad;
@@ -2996,52 +3020,68 @@ static void amx_attn_tile(const uint16_t *q, uint16_t *out, const int64_t *lengt
         for (int64_t t = 0; t < nr; t++) s[t] *= scale;
         if (nr) softmax_heads(s, 1, nr, 0, start, lengths[b0 + rt0 + r] - 1, softcap, window);
         for (int64_t t = nr; t < n32; t++) s[t] = 0.f;
-        for (int64_t t = 0; t < n32; t += 16) { /* hi + lo in bf16 */
-            __m512 v = _mm512_loadu_ps(s + t);
-            __m256i hi = (__m256i)_mm512_cvtneps_pbh(v);
-            __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, bf16x16_widen(hi)));
-            _mm256_storeu_si256((__m256i *)(w->ph + r * npad + t), hi);
-            _mm256_storeu_si256((__m256i *)(w->pl + r * npad + t), lo);
-        }
     }
-    /* values: 4 column groups of 16 at a time, each 32 keys' probabilities (hi, lo) loaded once for them */
-    for (int64_t c = 0; c < groups; c += 4) {
-        int nt = groups - c < 4 ? (int)(groups - c) : 4;
-        AMX_ZERO_UPTO(nt);
-        for (int64_t j = 0; j < n32 / 32; j++) {
-            const uint16_t *vb = w->vp + ((j * groups + c) * 16) * 32, *vlb = w->vl + ((j * groups + c) * 16) * 32;
-            _tile_loadd(4, w->ph + 32 * j, 2 * npad);
-            _tile_loadd(5, w->pl + 32 * j, 2 * npad);
-            /* column group a into sums cn: both parts of the probabilities against the values' hi part, the hi
-             * probabilities against a pool of codes' lo part (lo times lo is under 2^-16 of the product) */
+    for (int pass = 0; pass < passes; pass++) {
+        for (int64_t r = 0; r < 16; r++) /* the probabilities as hi + lo in bf16 (a pass's keys only where two) */
+            for (int64_t t = 0; t < n32; t += 16) {
+                __m512 v = _mm512_loadu_ps(w->sc + r * npad + t);
+                if (passes == 2)
+                    v = _mm512_maskz_mov_ps(_mm_cmpeq_epi8_mask(_mm_loadu_si128((const __m128i *)(w->coded + t)),
+                                                                _mm_set1_epi8((char)pass)), v);
+                __m256i hi = (__m256i)_mm512_cvtneps_pbh(v);
+                __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, bf16x16_widen(hi)));
+                _mm256_storeu_si256((__m256i *)(w->ph + r * npad + t), hi);
+                _mm256_storeu_si256((__m256i *)(w->pl + r * npad + t), lo);
+            }
+        /* values: 4 column groups of 16 at a time, each 32 keys' probabilities (hi, lo) loaded once for them */
+        for (int64_t c = 0; c < groups; c += 4) {
+            int nt = groups - c < 4 ? (int)(groups - c) : 4;
+            AMX_ZERO_UPTO(nt);
+            for (int64_t j = 0; j < n32 / 32; j++) {
+                const uint16_t *vb = w->vp + ((j * groups + c) * 16) * 32, *vlb = w->vl + ((j * groups + c) * 16) * 32;
+                _tile_loadd(4, w->ph + 32 * j, 2 * npad);
+                _tile_loadd(5, w->pl + 32 * j, 2 * npad);
+                /* column group a into sums cn: both parts of the probabilities against the values' hi part, the hi
+                 * probabilities against a pool of codes' lo part (lo times lo is under 2^-16 of the product) */
 #define AMX_VALUES(cn, a) do { _tile_loadd(6, vb + (a) * 512, 64); _tile_dpbf16ps(cn, 4, 6); _tile_dpbf16ps(cn, 5, 6); \
                                if (coded) { _tile_loadd(7, vlb + (a) * 512, 64); _tile_dpbf16ps(cn, 4, 7); } \
                           } while (0)
-            AMX_VALUES(0, 0);
-            if (nt > 1) AMX_VALUES(1, 1);
-            if (nt > 2) AMX_VALUES(2, 2);
-            if (nt > 3) AMX_VALUES(3, 3);
+                AMX_VALUES(0, 0);
+                if (nt > 1) AMX_VALUES(1, 1);
+                if (nt > 2) AMX_VALUES(2, 2);
+                if (nt > 3) AMX_VALUES(3, 3);
 #undef AMX_VALUES
+            }
+            AMX_STORE_UPTO(nt, w->ct);
+            for (int a = 0; a < nt; a++)
+                for (int64_t r = 0; r < rows; r++)
+                    memcpy(w->acc + (pass * 16 + r) * d + 16 * (c + a), w->ct + a * 256 + r * 16, 64);
         }
-        AMX_STORE_UPTO(nt, w->ct);
-        for (int a = 0; a < nt; a++)
-            for (int64_t r = 0; r < rows; r++)
-                store_row(BF16, w->ct + a * 256 + r * 16, out + ((b0 + rt0 + r) * heads + qh) * d + 16 * (c + a), 16);
+    }
+    for (int64_t r = 0; r < rows; r++) { /* the code rows' sums turned back (finish_heads' order), then stored */
+        float *o = w->acc + r * d;
+        for (int64_t j = 0; passes == 2 && j < d; j++) {
+            float x = w->acc[(16 + r) * d + j];
+            if (x == 0.f) continue;
+            for (int64_t i = 0; i < d; i++) o[i] += x * cq->v_rot[j * d + i];
+        }
+        store_row(BF16, o, out + ((b0 + rt0 + r) * heads + qh) * d, d);
     }
 }
 
 static int64_t amx_attention_rows = 0; /* rows taken here since the process began (infer_amx_attention_rows) */
 
-/* The runs' rows (run u: rows first[u] .. first[u] + count[u] - 1) over an exact or an int8 pool (NULL codes: exact);
- * -1 without memory. */
-static int amx_chunk_attention(const uint16_t *q, const uint16_t *ks, const uint16_t *vs, const uint8_t *k_codes,
-                               const uint8_t *v_codes, const uint16_t *k_scale, const uint16_t *v_scale,
+/* The runs' rows (run u: rows first[u] .. first[u] + count[u] - 1) over an exact pool (NULL codes) or a quantized
+ * one; -1 without memory. */
+static int amx_chunk_attention(const uint16_t *q, const uint16_t *ks, const uint16_t *vs, int scheme,
+                               const uint8_t *k_codes, const uint8_t *v_codes, const uint16_t *k_scale,
+                               const uint16_t *v_scale, const uint16_t *k_offset, const float *v_rot,
                                int64_t num_blocks, const int64_t *tables, const int64_t *lengths, const int64_t *starts,
                                uint16_t *out, int64_t heads, int64_t kv_heads, int64_t d, int64_t bs, int64_t nb,
                                float scale, float softcap, int64_t window, const int64_t *first, const int64_t *count,
                                int64_t runs, int threads) {
     int failed = 0, per = (int)(heads / kv_heads);
-    amx_codes cq = {k_codes, v_codes, k_scale, v_scale, num_blocks};
+    amx_codes cq = {k_codes, v_codes, k_scale, v_scale, k_offset, v_rot, num_blocks, scheme};
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         amx_attn_buf w = {0};
@@ -3060,7 +3100,8 @@ static int amx_chunk_attention(const uint16_t *q, const uint16_t *ks, const uint
             for (int64_t rt0 = 0; rt0 < count[u]; rt0 += 16)
                 for (int64_t g = 0; g < per; g++)
                     amx_attn_tile(q, out, lengths, b0, rt0, count[u] - rt0 < 16 ? count[u] - rt0 : 16, start,
-                                  h * per + g, heads, d, scale, softcap, window, k_codes != NULL, &w);
+                                  h * per + g, heads, d, scale, softcap, window, &cq,
+                                  tables + (b0 + count[u] - 1) * nb, h, kv_heads, bs, &w);
         }
         _tile_release();
         amx_attn_free(&w);

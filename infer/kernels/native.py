@@ -313,7 +313,7 @@ class NativeKernels:
     def amx_attention_rows(self) -> int:
         """How many query rows of prompt chunks the paged attention has taken on AMX tiles in this process, each
         call's (a model's layers count a row once each): runs of 8 or more rows of one sequence's consecutive
-        positions over one table, bf16, an exact pool or an int8 one, head size a multiple of 32 up to 256, where
+        positions over one table, bf16 (an exact pool or a quantized one), head size a multiple of 32 up to 256, where
         `amx_takes` holds (the rest take the row kernel)."""
         return int(self._amx_attention_rows())
 
