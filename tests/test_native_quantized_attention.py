@@ -501,8 +501,8 @@ def test_prompt_chunks_on_amx_tiles_are_the_formula(p: dict[str, Any]) -> None:
 @given(p=chunk_batches(), staged=st.sampled_from([0.0, 0.3]), scheme=st.sampled_from(["int8", "int4", "fp4"]))
 def test_prompt_chunks_over_codes_on_amx_tiles_are_the_formula(p: dict[str, Any], staged: float, scheme: str) -> None:
     """A quantized pool's prompt chunks on AMX tiles (codes times their scales split into two bf16 parts, exactly;
-    the 4-bit pools' keys plus their offsets within 2^-16, their rotated values summed apart from the staged rows'
-    and turned back): every row the fp64 formula over the pool's dequantizing gather, rounded once, as the row
+    the 4-bit pools' key offsets added to the scores per block, their rotated values summed apart from the staged
+    rows' and turned back): every row the fp64 formula over the pool's dequantizing gather, rounded once, as the row
     kernel's (INFER_AMX=0) also is; each sequence's newest block staged (older ones too where drawn), each row's
     table its own blocks padded with another block, so the tiles read the run's last row's."""
     from infer.ragged import DecodeGroup

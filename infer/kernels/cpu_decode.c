@@ -2024,9 +2024,10 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
                                         first + batch, runs, threads))
             failed = 1;
         free(first);
-        if (failed) {
+        if (failed || !runs) { /* (no run: the work items below check nothing) */
             free(done);
-            return -1;
+            done = NULL;
+            if (failed) return -1;
         }
     }
 #endif
@@ -2961,12 +2962,11 @@ static void amx_lay_out_keys(const uint16_t *ks, const uint16_t *vs, const amx_c
     }
 }
 
-/* Sums tiles 0 .. nt - 1 (constant indices: the tile instructions take no register operand) */
-#define AMX_ZERO_UPTO(nt) do { _tile_zero(0); if ((nt) > 1) _tile_zero(1); if ((nt) > 2) _tile_zero(2); \
-                               if ((nt) > 3) _tile_zero(3); } while (0)
-#define AMX_STORE_UPTO(nt, ct) do { _tile_stored(0, (ct), 64); if ((nt) > 1) _tile_stored(1, (ct) + 256, 64); \
-                                    if ((nt) > 2) _tile_stored(2, (ct) + 512, 64); \
-                                    if ((nt) > 3) _tile_stored(3, (ct) + 768, 64); } while (0)
+/* M(0) .. M(nt - 1) for the sums tiles 0 .. 3 (constant indices: the tile instructions take no register operand);
+ * sums tile cn zeroed, or stored to ct's 256 floats at cn */
+#define AMX_UPTO(nt, M) do { M(0); if ((nt) > 1) M(1); if ((nt) > 2) M(2); if ((nt) > 3) M(3); } while (0)
+#define AMX_ZERO(cn) _tile_zero(cn)
+#define AMX_STORE(cn) _tile_stored(cn, w->ct + 256 * (cn), 64)
 
 /* One run's rows rt0 .. rt0 + rows - 1 (rows <= 16) for query head qh of KV head h, kt/vp laid out. */
 static void amx_attn_tile(const uint16_t *q, uint16_t *out, const int64_t *lengths, int64_t b0, int64_t rt0,
@@ -2982,21 +2982,18 @@ static void amx_attn_tile(const uint16_t *q, uint16_t *out, const int64_t *lengt
     /* scores: 4 key tiles at a time, the query tile of each step loaded once for them */
     for (int64_t j = 0; j < n16 / 16; j += 4) {
         int nt = n16 / 16 - j < 4 ? (int)(n16 / 16 - j) : 4;
-        AMX_ZERO_UPTO(nt);
+        AMX_UPTO(nt, AMX_ZERO);
         for (int64_t s = 0; s < steps; s++) {
             const uint16_t *kb = w->kt + ((j * steps + s) * 16) * 32, *klb = w->kl + ((j * steps + s) * 16) * 32;
             _tile_loadd(4, w->qt + 32 * s, 2 * d);
-            /* key tile a into sums cn: its hi part, and a pool of codes' lo part */
-#define AMX_KEYS(cn, a) do { _tile_loadd(6, kb + (a) * steps * 512, 64); _tile_dpbf16ps(cn, 4, 6); \
-                             if (coded) { _tile_loadd(7, klb + (a) * steps * 512, 64); _tile_dpbf16ps(cn, 4, 7); } \
-                        } while (0)
-            AMX_KEYS(0, 0);
-            if (nt > 1) AMX_KEYS(1, 1);
-            if (nt > 2) AMX_KEYS(2, 2);
-            if (nt > 3) AMX_KEYS(3, 3);
+            /* key tile cn into sums cn: its hi part, and a pool of codes' lo part */
+#define AMX_KEYS(cn) do { _tile_loadd(6, kb + (cn) * steps * 512, 64); _tile_dpbf16ps(cn, 4, 6); \
+                          if (coded) { _tile_loadd(7, klb + (cn) * steps * 512, 64); _tile_dpbf16ps(cn, 4, 7); } \
+                     } while (0)
+            AMX_UPTO(nt, AMX_KEYS);
 #undef AMX_KEYS
         }
-        AMX_STORE_UPTO(nt, w->ct);
+        AMX_UPTO(nt, AMX_STORE);
         for (int a = 0; a < nt; a++)
             for (int r = 0; r < 16; r++) memcpy(w->sc + r * npad + (j + a) * 16, w->ct + a * 256 + r * 16, 64);
     }
@@ -3036,23 +3033,20 @@ static void amx_attn_tile(const uint16_t *q, uint16_t *out, const int64_t *lengt
         /* values: 4 column groups of 16 at a time, each 32 keys' probabilities (hi, lo) loaded once for them */
         for (int64_t c = 0; c < groups; c += 4) {
             int nt = groups - c < 4 ? (int)(groups - c) : 4;
-            AMX_ZERO_UPTO(nt);
+            AMX_UPTO(nt, AMX_ZERO);
             for (int64_t j = 0; j < n32 / 32; j++) {
                 const uint16_t *vb = w->vp + ((j * groups + c) * 16) * 32, *vlb = w->vl + ((j * groups + c) * 16) * 32;
                 _tile_loadd(4, w->ph + 32 * j, 2 * npad);
                 _tile_loadd(5, w->pl + 32 * j, 2 * npad);
-                /* column group a into sums cn: both parts of the probabilities against the values' hi part, the hi
-                 * probabilities against a pool of codes' lo part (lo times lo is under 2^-16 of the product) */
-#define AMX_VALUES(cn, a) do { _tile_loadd(6, vb + (a) * 512, 64); _tile_dpbf16ps(cn, 4, 6); _tile_dpbf16ps(cn, 5, 6); \
-                               if (coded) { _tile_loadd(7, vlb + (a) * 512, 64); _tile_dpbf16ps(cn, 4, 7); } \
-                          } while (0)
-                AMX_VALUES(0, 0);
-                if (nt > 1) AMX_VALUES(1, 1);
-                if (nt > 2) AMX_VALUES(2, 2);
-                if (nt > 3) AMX_VALUES(3, 3);
+                /* column group c + cn into sums cn: both parts of the probabilities against the values' hi part, the
+                 * hi probabilities against a pool of codes' lo part (lo times lo is under 2^-16 of the product) */
+#define AMX_VALUES(cn) do { _tile_loadd(6, vb + (cn) * 512, 64); _tile_dpbf16ps(cn, 4, 6); _tile_dpbf16ps(cn, 5, 6); \
+                            if (coded) { _tile_loadd(7, vlb + (cn) * 512, 64); _tile_dpbf16ps(cn, 4, 7); } \
+                       } while (0)
+                AMX_UPTO(nt, AMX_VALUES);
 #undef AMX_VALUES
             }
-            AMX_STORE_UPTO(nt, w->ct);
+            AMX_UPTO(nt, AMX_STORE);
             for (int a = 0; a < nt; a++)
                 for (int64_t r = 0; r < rows; r++)
                     memcpy(w->acc + (pass * 16 + r) * d + 16 * (c + a), w->ct + a * 256 + r * 16, 64);
