@@ -1948,16 +1948,286 @@ static inline void kv_stream_ahead(kv_stream *s, int64_t bytes) {
 }
 
 #if defined(HAVE_DOT_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-static int amx_takes(int64_t k);
+/* ---- AMX tiles (Intel Xeons with AMX-BF16): the tile state, and a prompt chunk's rows on them ----
+ * Linux hands a process the tiles' state only when asked (arch_prctl). INFER_AMX=0 turns every use off. */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+
+static int amx_permitted(void) {
+    static int state = 0; /* 0: not asked yet, 1: granted, -1: refused (an old kernel, a hypervisor hiding it) */
+    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+static int amx_takes(int64_t k) { return k % 32 == 0 && switched_on("INFER_AMX") && amx_permitted(); }
+
+/* Every tile 16 rows of 64 bytes (palette 1): sums 16 x 16 fp32, x 16 x 32 bf16, weights 16 pairs x 16 outputs.
+ * A constant in memory: gcc 12 drops the stores of a configuration built on the stack (the tile load is not seen
+ * to read them), which faulted once the function was called from two places and no longer inlined. */
+static void amx_configure(void) {
+    static const struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } config __attribute__((aligned(64))) = {1, 0, {0}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+    _tile_loadconfig(&config);
+}
+
+#define AMX_RUN_ROWS 8 /* the fewest rows of a run taken on tiles (fewer: a tile of mostly padding) */
+
+/* ---- a prompt chunk's rows on AMX tiles (bf16: exact and quantized pools) ----
+ * The in-place kernel takes every token of a prompt chunk as a row of its own (qattn_paged): each reads its keys and
+ * values again and scores them by the pair instruction, 30-40 GFLOP/s on a 2-core Xeon, where a chunk's rows are
+ * one sequence's consecutive positions over one table. Such a run (chunk_runs) is taken here 16 rows at a time per
+ * query head: its keys laid out once per run and KV head as the tiles' weight operand (pairs of a key's values side
+ * by side, 16 keys a row: kt) and its values as pairs of keys (vp), the 16 rows' scores one tile product a 16 keys,
+ * scaled and softmaxed per row as the row path does (softmax_heads over the row's own keys), and the values summed
+ * by tiles against the probabilities split in two bf16 parts (hi + lo, within 2^-16 of the fp32 weights: one bf16
+ * rounding would lose 8 bits). A quantized pool's keys and values (codes times scales, exact in fp32) are laid out
+ * as two bf16 parts each, which hold them exactly (kl, vl; amx_codes). So each row is its row-path value up to the order of fp32
+ * sums (scores over d, values over keys): within a rounding of the bf16 output. Padding rows of a last tile are zero
+ * and never stored; keys past a row's own are given weight 0. INFER_AMX=0 turns it off, as the packed products. */
+typedef struct {
+    uint16_t *kt, *kl, *vp, *vl, *ph, *pl, *qt; /* keys and values (hi, lo), probabilities (hi, lo), queries */
+    float *sc, *ct, *row, *acc;                 /* scores, a pass's tiles, a key's decoded row, the rows' sums (x2) */
+    unsigned char *coded;                       /* each key: a code row (1) or a staged one (0) */
+    int64_t npad;
+} amx_attn_buf;
+
+static void amx_attn_free(amx_attn_buf *w) {
+    free(w->kt), free(w->kl), free(w->vp), free(w->vl), free(w->ph), free(w->pl), free(w->qt);
+    free(w->sc), free(w->ct), free(w->row), free(w->acc), free(w->coded);
+}
+
+static int amx_attn_grow(amx_attn_buf *w, int64_t npad, int64_t d) {
+    if (npad <= w->npad) return 0;
+    amx_attn_free(w);
+    w->kt = (uint16_t *)aligned_alloc(64, (size_t)(npad * d * 2));
+    w->kl = (uint16_t *)aligned_alloc(64, (size_t)(npad * d * 2));
+    w->vp = (uint16_t *)aligned_alloc(64, (size_t)(npad * d * 2));
+    w->vl = (uint16_t *)aligned_alloc(64, (size_t)(npad * d * 2));
+    w->ph = (uint16_t *)aligned_alloc(64, (size_t)(16 * npad * 2));
+    w->pl = (uint16_t *)aligned_alloc(64, (size_t)(16 * npad * 2));
+    w->qt = (uint16_t *)aligned_alloc(64, (size_t)(16 * d * 2));
+    w->sc = (float *)aligned_alloc(64, (size_t)(16 * npad * 4));
+    w->ct = (float *)aligned_alloc(64, (size_t)(4 * 256 * 4));
+    w->row = (float *)aligned_alloc(64, (size_t)(2 * d * 4));
+    w->acc = (float *)aligned_alloc(64, (size_t)(2 * 16 * d * 4));
+    w->coded = (unsigned char *)malloc((size_t)npad);
+    w->npad = npad;
+    if (w->kt && w->kl && w->vp && w->vl && w->ph && w->pl && w->qt && w->sc && w->ct && w->row && w->acc && w->coded)
+        return 0;
+    w->npad = 0;
+    return -1;
+}
+
+/* A quantized pool's keys and values as the tiles read them: a code times its bf16 scale is exact in fp32 (15 bits
+ * at most), so its two bf16 parts (hi, and lo the rest) are the value exactly. The 4-bit schemes' key offsets are
+ * not added to the keys (the sum would round): q . offsets, one per block and row, is added to the block's scores,
+ * as the row kernel adds it. Values stored rotated (v @ H, the 4-bit schemes) are summed apart from the staged
+ * rows' and turned back after, as the row kernel does. NULL codes: an exact pool. */
+typedef struct {
+    const uint8_t *k_codes, *v_codes;
+    const uint16_t *k_scale, *v_scale, *k_offset; /* [N, Hkv, d] channel scales, [N, Hkv, bs] row scales, offsets */
+    const float *v_rot;                           /* [d, d] or NULL */
+    int64_t num_blocks; /* table entries from here on are staged rows (stage slot = entry - this) */
+    int scheme;
+} amx_codes;
+
+/* Key t's d keys and values of KV head h as fp32 hi/lo bf16 parts into kh, kl, vh, vl (the run's table, keys from
+ * the run's start); zeros past `n`. */
+static int amx_key_parts(const uint16_t *ks, const uint16_t *vs, const amx_codes *cq, const int64_t *table, int64_t t,
+                         int64_t n, int64_t h, int64_t kv_heads, int64_t bs, int64_t d, uint16_t *kh, uint16_t *kl,
+                         uint16_t *vh, uint16_t *vl, float *row) {
+    int64_t id = t < n ? table[t / bs] : 0, r = t % bs, dp = cq->scheme == Q_INT8 ? d : d / 2;
+    if (t >= n || !cq->k_codes || id >= cq->num_blocks) { /* staged: exact bf16 rows */
+        const uint16_t *k = t < n ? ks + (((id - cq->num_blocks) * kv_heads + h) * bs + r) * d : NULL;
+        const uint16_t *v = t < n ? vs + (((id - cq->num_blocks) * kv_heads + h) * bs + r) * d : NULL;
+        for (int64_t c = 0; c < d; c++) kh[c] = k ? k[c] : 0, vh[c] = v ? v[c] : 0, kl[c] = 0, vl[c] = 0;
+        return 0;
+    }
+    decode_codes(cq->scheme, cq->k_codes + ((id * kv_heads + h) * bs + r) * dp, row, d);
+    decode_codes(cq->scheme, cq->v_codes + ((id * kv_heads + h) * bs + r) * dp, row + d, d);
+    const uint16_t *ksc = cq->k_scale + (id * kv_heads + h) * d;
+    float vsc = bf16_to_f32(cq->v_scale[(id * kv_heads + h) * bs + r]);
+    for (int64_t c = 0; c < d; c++) {
+        float k = row[c] * bf16_to_f32(ksc[c]), v = row[d + c] * vsc;
+        kh[c] = f32_to_bf16(k), kl[c] = f32_to_bf16(k - bf16_to_f32(kh[c]));
+        vh[c] = f32_to_bf16(v), vl[c] = f32_to_bf16(v - bf16_to_f32(vh[c]));
+    }
+    return 1;
+}
+
+/* kt (kl): 16 keys x (d / 32) steps, tile (j, s) row p = pair 16s + p of keys 16j .. 16j + 15 (as 32-bit pairs: a
+ * 16 x 16 transpose); vp (vl): 32 keys x (d / 16) column groups, tile (j, c) row p = keys 32j + 2p and + 1 side by
+ * side for columns 16c .. 16c + 15. Zero past n keys; the lo parts only for a pool of codes. */
+static void amx_lay_out_keys(const uint16_t *ks, const uint16_t *vs, const amx_codes *cq, const int64_t *table,
+                             int64_t n, int64_t npad, int64_t h, int64_t kv_heads, int64_t bs, int64_t d,
+                             amx_attn_buf *w) {
+    int64_t steps = d / 32, groups = d / 16;
+    uint16_t kh[256], kl[256], vh[256], vl[256];
+    for (int64_t t = 0; t < npad; t++) {
+        w->coded[t] = (unsigned char)amx_key_parts(ks, vs, cq, table, t, n, h, kv_heads, bs, d, kh, kl, vh, vl, w->row);
+        for (int part = 0; part < (cq->k_codes ? 2 : 1); part++) {
+            const uint16_t *k = part ? kl : kh, *v = part ? vl : vh;
+            uint32_t *kt32 = (uint32_t *)(void *)(part ? w->kl : w->kt);
+            for (int64_t s = 0; s < steps; s++)
+                for (int p = 0; p < 16; p++) {
+                    uint32_t pair;
+                    memcpy(&pair, k + 32 * s + 2 * p, 4);
+                    kt32[((t / 16 * steps + s) * 16 + p) * 16 + t % 16] = pair;
+                }
+            for (int64_t c = 0; c < groups; c++) {
+                uint16_t *dst = (part ? w->vl : w->vp) + ((t / 32 * groups + c) * 16 + t % 32 / 2) * 32 + t % 2;
+                for (int e = 0; e < 16; e++) dst[2 * e] = v[16 * c + e];
+            }
+        }
+    }
+}
+
+/* M(0) .. M(nt - 1) for the sums tiles 0 .. 3 (constant indices: the tile instructions take no register operand);
+ * sums tile cn zeroed, or stored to ct's 256 floats at cn */
+#define AMX_UPTO(nt, M) do { M(0); if ((nt) > 1) M(1); if ((nt) > 2) M(2); if ((nt) > 3) M(3); } while (0)
+#define AMX_ZERO(cn) _tile_zero(cn)
+#define AMX_STORE(cn) _tile_stored(cn, w->ct + 256 * (cn), 64)
+
+/* One run's rows rt0 .. rt0 + rows - 1 (rows <= 16) for query head qh of KV head h, kt/vp laid out. */
+static void amx_attn_tile(const uint16_t *q, uint16_t *out, const int64_t *lengths, int64_t b0, int64_t rt0,
+                          int64_t rows, int64_t start, int64_t qh, int64_t heads, int64_t d, float scale, float softcap,
+                          int64_t window, const amx_codes *cq, const int64_t *table, int64_t h, int64_t kv_heads,
+                          int64_t bs, amx_attn_buf *w) {
+    int64_t n = lengths[b0 + rt0 + rows - 1] - start, n16 = (n + 15) / 16 * 16, n32 = (n + 31) / 32 * 32;
+    int coded = cq->k_codes != NULL, passes = cq->v_rot ? 2 : 1; /* rotated values: the staged rows, the code rows */
+    int64_t steps = d / 32, groups = d / 16, npad = w->npad;
+    for (int64_t r = 0; r < 16; r++) /* the rows' queries, zero past the run */
+        if (r < rows) memcpy(w->qt + r * d, q + ((b0 + rt0 + r) * heads + qh) * d, 2 * (size_t)d);
+        else memset(w->qt + r * d, 0, 2 * (size_t)d);
+    /* scores: 4 key tiles at a time, the query tile of each step loaded once for them */
+    for (int64_t j = 0; j < n16 / 16; j += 4) {
+        int nt = n16 / 16 - j < 4 ? (int)(n16 / 16 - j) : 4;
+        AMX_UPTO(nt, AMX_ZERO);
+        for (int64_t s = 0; s < steps; s++) {
+            const uint16_t *kb = w->kt + ((j * steps + s) * 16) * 32, *klb = w->kl + ((j * steps + s) * 16) * 32;
+            _tile_loadd(4, w->qt + 32 * s, 2 * d);
+            /* key tile cn into sums cn: its hi part, and a pool of codes' lo part */
+#define AMX_KEYS(cn) do { _tile_loadd(6, kb + (cn) * steps * 512, 64); _tile_dpbf16ps(cn, 4, 6); \
+                          if (coded) { _tile_loadd(7, klb + (cn) * steps * 512, 64); _tile_dpbf16ps(cn, 4, 7); } \
+                     } while (0)
+            AMX_UPTO(nt, AMX_KEYS);
+#undef AMX_KEYS
+        }
+        AMX_UPTO(nt, AMX_STORE);
+        for (int a = 0; a < nt; a++)
+            for (int r = 0; r < 16; r++) memcpy(w->sc + r * npad + (j + a) * 16, w->ct + a * 256 + r * 16, 64);
+    }
+    /* a 4-bit pool's code blocks: q . offsets added to each row's scores of the block's keys */
+    for (int64_t jb = 0; cq->k_codes && cq->k_offset && jb * bs < n; jb++) {
+        int64_t id = table[jb];
+        if (id >= cq->num_blocks) continue; /* staged: exact keys */
+        const uint16_t *o = cq->k_offset + (id * kv_heads + h) * d;
+        for (int64_t r = 0; r < rows; r++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t c = 0; c < d; c += 16)
+                a = _mm512_add_ps(a, _mm512_mul_ps(bf16x16_load(w->qt + r * d + c), bf16x16_load(o + c)));
+            float qo = _mm512_reduce_add_ps(a);
+            for (int64_t t = jb * bs; t < (jb + 1) * bs && t < n; t++) w->sc[r * npad + t] += qo;
+        }
+    }
+    /* each row as the row path: its scores times the scale, softmaxed over its own keys; 0 past them */
+    for (int64_t r = 0; r < 16; r++) {
+        float *s = w->sc + r * npad;
+        int64_t nr = r < rows ? lengths[b0 + rt0 + r] - start : 0;
+        for (int64_t t = 0; t < nr; t++) s[t] *= scale;
+        if (nr) softmax_heads(s, 1, nr, 0, start, lengths[b0 + rt0 + r] - 1, softcap, window);
+        for (int64_t t = nr; t < n32; t++) s[t] = 0.f;
+    }
+    for (int pass = 0; pass < passes; pass++) {
+        for (int64_t r = 0; r < 16; r++) /* the probabilities as hi + lo in bf16 (a pass's keys only where two) */
+            for (int64_t t = 0; t < n32; t += 16) {
+                __m512 v = _mm512_loadu_ps(w->sc + r * npad + t);
+                if (passes == 2)
+                    v = _mm512_maskz_mov_ps(_mm_cmpeq_epi8_mask(_mm_loadu_si128((const __m128i *)(w->coded + t)),
+                                                                _mm_set1_epi8((char)pass)), v);
+                __m256i hi = (__m256i)_mm512_cvtneps_pbh(v);
+                __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, bf16x16_widen(hi)));
+                _mm256_storeu_si256((__m256i *)(w->ph + r * npad + t), hi);
+                _mm256_storeu_si256((__m256i *)(w->pl + r * npad + t), lo);
+            }
+        /* values: 4 column groups of 16 at a time, each 32 keys' probabilities (hi, lo) loaded once for them */
+        for (int64_t c = 0; c < groups; c += 4) {
+            int nt = groups - c < 4 ? (int)(groups - c) : 4;
+            AMX_UPTO(nt, AMX_ZERO);
+            for (int64_t j = 0; j < n32 / 32; j++) {
+                const uint16_t *vb = w->vp + ((j * groups + c) * 16) * 32, *vlb = w->vl + ((j * groups + c) * 16) * 32;
+                _tile_loadd(4, w->ph + 32 * j, 2 * npad);
+                _tile_loadd(5, w->pl + 32 * j, 2 * npad);
+                /* column group c + cn into sums cn: both parts of the probabilities against the values' hi part, the
+                 * hi probabilities against a pool of codes' lo part (lo times lo is under 2^-16 of the product) */
+#define AMX_VALUES(cn) do { _tile_loadd(6, vb + (cn) * 512, 64); _tile_dpbf16ps(cn, 4, 6); _tile_dpbf16ps(cn, 5, 6); \
+                            if (coded) { _tile_loadd(7, vlb + (cn) * 512, 64); _tile_dpbf16ps(cn, 4, 7); } \
+                       } while (0)
+                AMX_UPTO(nt, AMX_VALUES);
+#undef AMX_VALUES
+            }
+            AMX_UPTO(nt, AMX_STORE);
+            for (int a = 0; a < nt; a++)
+                for (int64_t r = 0; r < rows; r++)
+                    memcpy(w->acc + (pass * 16 + r) * d + 16 * (c + a), w->ct + a * 256 + r * 16, 64);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) { /* the code rows' sums turned back (finish_heads' order), then stored */
+        float *o = w->acc + r * d;
+        for (int64_t j = 0; passes == 2 && j < d; j++) {
+            float x = w->acc[(16 + r) * d + j];
+            if (x == 0.f) continue;
+            for (int64_t i = 0; i < d; i++) o[i] += x * cq->v_rot[j * d + i];
+        }
+        store_row(BF16, o, out + ((b0 + rt0 + r) * heads + qh) * d, d);
+    }
+}
+
+static int64_t amx_attention_rows = 0; /* rows taken here since the process began (infer_amx_attention_rows) */
+
+/* The runs' rows (run u: rows first[u] .. first[u] + count[u] - 1) over an exact pool (NULL codes) or a quantized
+ * one; -1 without memory. */
 static int amx_chunk_attention(const uint16_t *q, const uint16_t *ks, const uint16_t *vs, int scheme,
                                const uint8_t *k_codes, const uint8_t *v_codes, const uint16_t *k_scale,
                                const uint16_t *v_scale, const uint16_t *k_offset, const float *v_rot,
                                int64_t num_blocks, const int64_t *tables, const int64_t *lengths, const int64_t *starts,
                                uint16_t *out, int64_t heads, int64_t kv_heads, int64_t d, int64_t bs, int64_t nb,
                                float scale, float softcap, int64_t window, const int64_t *first, const int64_t *count,
-                               int64_t runs, int threads);
-#define HAVE_AMX_CHUNKS 1
-#define AMX_RUN_ROWS 8 /* the fewest rows of a run taken on tiles (fewer: a tile of mostly padding) */
+                               int64_t runs, int threads) {
+    int failed = 0, per = (int)(heads / kv_heads);
+    amx_codes cq = {k_codes, v_codes, k_scale, v_scale, k_offset, v_rot, num_blocks, scheme};
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        amx_attn_buf w = {0};
+        amx_configure();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t unit = 0; unit < runs * kv_heads; unit++) {
+            int64_t u = unit / kv_heads, h = unit % kv_heads, b0 = first[u], start = starts[b0];
+            int64_t n = lengths[b0 + count[u] - 1] - start, npad = (n + 31) / 32 * 32;
+            if (amx_attn_grow(&w, npad, d)) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            /* the run's last row's table: every row's own blocks are a prefix of it (chunk_runs) */
+            amx_lay_out_keys(ks, vs, &cq, tables + (b0 + count[u] - 1) * nb, n, npad, h, kv_heads, bs, d, &w);
+            for (int64_t rt0 = 0; rt0 < count[u]; rt0 += 16)
+                for (int64_t g = 0; g < per; g++)
+                    amx_attn_tile(q, out, lengths, b0, rt0, count[u] - rt0 < 16 ? count[u] - rt0 : 16, start,
+                                  h * per + g, heads, d, scale, softcap, window, &cq,
+                                  tables + (b0 + count[u] - 1) * nb, h, kv_heads, bs, &w);
+        }
+        _tile_release();
+        amx_attn_free(&w);
+    }
+    for (int64_t u = 0; !failed && u < runs; u++) __atomic_fetch_add(&amx_attention_rows, count[u], __ATOMIC_RELAXED);
+    return failed ? -1 : 0;
+}
+
 #endif
 
 /* Rows b .. of one prompt chunk: consecutive positions of one sequence (one start, each row's table the next one's
@@ -2008,7 +2278,7 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
         if (lengths[b] - starts[b] > nmax) nmax = lengths[b] - starts[b];
     int failed = 0;
     unsigned char *done = NULL; /* rows of prompt chunks taken on AMX tiles */
-#if defined(HAVE_AMX_CHUNKS)
+#if defined(HAVE_AMX)
     if (dtype == BF16 && !scratch && batch >= AMX_RUN_ROWS && d % 32 == 0 && d <= 256 && amx_takes(d)) {
         int64_t *first = (int64_t *)malloc(2 * sizeof(int64_t) * (size_t)batch);
         done = (unsigned char *)calloc((size_t)batch, 1);
@@ -2722,7 +2992,7 @@ static int64_t rows_in_l2(int64_t k) {
 }
 #endif
 
-#if defined(HAVE_DOT_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#if defined(HAVE_AMX)
 /* ---- the packed product on AMX tiles (Intel Xeons with AMX-BF16) ----
  * The packed layout is AMX's own B operand: pair p of a block's 16 rows is one 64-byte row of a tile, so 16 pairs
  * (32 inputs) of a block are one 1 KiB tile of weights, loaded as they lie. x is laid out once per call as tiles of
@@ -2733,31 +3003,7 @@ static int64_t rows_in_l2(int64_t k) {
  * rounded once with the bias as the pair instruction's tile does, and never depends on the other rows of the call:
  * a last tile of fewer than 16 rows is zero-padded, so every row takes the same instructions.
  * k a multiple of 32 (whole tiles of inputs; every real model's): other k keep the pair instruction's tiles.
- * INFER_AMX=0 turns it off (the check). Linux hands a process the tiles' state only when asked (arch_prctl). */
-#include <sys/syscall.h>
-#include <unistd.h>
-#define HAVE_AMX 1
-
-static int amx_permitted(void) {
-    static int state = 0; /* 0: not asked yet, 1: granted, -1: refused (an old kernel, a hypervisor hiding it) */
-    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : -1;
-    return state == 1;
-}
-
-static int amx_takes(int64_t k) { return k % 32 == 0 && switched_on("INFER_AMX") && amx_permitted(); }
-
-/* Every tile 16 rows of 64 bytes (palette 1): sums 16 x 16 fp32, x 16 x 32 bf16, weights 16 pairs x 16 outputs.
- * A constant in memory: gcc 12 drops the stores of a configuration built on the stack (the tile load is not seen
- * to read them), which faulted once the function was called from two places and no longer inlined. */
-static void amx_configure(void) {
-    static const struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } config __attribute__((aligned(64))) = {1, 0, {0}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
-    _tile_loadconfig(&config);
-}
-
+ * INFER_AMX=0 turns it off (the check). */
 /* x [m, k] laid out as the tiles read it: tile (g, s), rows 16g .. 16g + 15 by inputs 32s .. 32s + 31, 1 KiB at
  * (g * k / 32 + s) * 512, rows past m zero (so a last tile of fewer rows takes the same instructions). A tile's rows
  * as x holds them lie 2k bytes apart (k = 3072: 6 KiB, two L1 sets for all 16 lines); as tiles, in one 1 KiB run.
@@ -2850,258 +3096,6 @@ static void amx_pass(const uint16_t *pb, int64_t pairs, const uint16_t *xt, int6
             if (two) amx_store(sums[2 + a], rows1, bias, y + (j + 16) * n, n, 16 * (b + a));
         }
     }
-}
-
-/* ---- a prompt chunk's rows on AMX tiles (bf16: exact and quantized pools) ----
- * The in-place kernel takes every token of a prompt chunk as a row of its own (qattn_paged): each reads its keys and
- * values again and scores them by the pair instruction, 30-40 GFLOP/s on a 2-core Xeon, where a chunk's rows are
- * one sequence's consecutive positions over one table. Such a run (chunk_runs) is taken here 16 rows at a time per
- * query head: its keys laid out once per run and KV head as the tiles' weight operand (pairs of a key's values side
- * by side, 16 keys a row: kt) and its values as pairs of keys (vp), the 16 rows' scores one tile product a 16 keys,
- * scaled and softmaxed per row as the row path does (softmax_heads over the row's own keys), and the values summed
- * by tiles against the probabilities split in two bf16 parts (hi + lo, within 2^-16 of the fp32 weights: one bf16
- * rounding would lose 8 bits). A quantized pool's keys and values (codes times scales, exact in fp32) are laid out
- * as two bf16 parts each, which hold them exactly (kl, vl; amx_codes). So each row is its row-path value up to the order of fp32
- * sums (scores over d, values over keys): within a rounding of the bf16 output. Padding rows of a last tile are zero
- * and never stored; keys past a row's own are given weight 0. INFER_AMX=0 turns it off, as the packed products. */
-typedef struct {
-    uint16_t *kt, *kl, *vp, *vl, *ph, *pl, *qt; /* keys and values (hi, lo), probabilities (hi, lo), queries */
-    float *sc, *ct, *row, *acc;                 /* scores, a pass's tiles, a key's decoded row, the rows' sums (x2) */
-    unsigned char *coded;                       /* each key: a code row (1) or a staged one (0) */
-    int64_t npad;
-} amx_attn_buf;
-
-static void amx_attn_free(amx_attn_buf *w) {
-    free(w->kt), free(w->kl), free(w->vp), free(w->vl), free(w->ph), free(w->pl), free(w->qt);
-    free(w->sc), free(w->ct), free(w->row), free(w->acc), free(w->coded);
-}
-
-static int amx_attn_grow(amx_attn_buf *w, int64_t npad, int64_t d) {
-    if (npad <= w->npad) return 0;
-    amx_attn_free(w);
-    w->kt = (uint16_t *)aligned_alloc(64, (size_t)(npad * d * 2));
-    w->kl = (uint16_t *)aligned_alloc(64, (size_t)(npad * d * 2));
-    w->vp = (uint16_t *)aligned_alloc(64, (size_t)(npad * d * 2));
-    w->vl = (uint16_t *)aligned_alloc(64, (size_t)(npad * d * 2));
-    w->ph = (uint16_t *)aligned_alloc(64, (size_t)(16 * npad * 2));
-    w->pl = (uint16_t *)aligned_alloc(64, (size_t)(16 * npad * 2));
-    w->qt = (uint16_t *)aligned_alloc(64, (size_t)(16 * d * 2));
-    w->sc = (float *)aligned_alloc(64, (size_t)(16 * npad * 4));
-    w->ct = (float *)aligned_alloc(64, (size_t)(4 * 256 * 4));
-    w->row = (float *)aligned_alloc(64, (size_t)(2 * d * 4));
-    w->acc = (float *)aligned_alloc(64, (size_t)(2 * 16 * d * 4));
-    w->coded = (unsigned char *)malloc((size_t)npad);
-    w->npad = npad;
-    if (w->kt && w->kl && w->vp && w->vl && w->ph && w->pl && w->qt && w->sc && w->ct && w->row && w->acc && w->coded)
-        return 0;
-    w->npad = 0;
-    return -1;
-}
-
-/* A quantized pool's keys and values as the tiles read them: a code times its bf16 scale is exact in fp32 (15 bits
- * at most), so its two bf16 parts (hi, and lo the rest) are the value exactly. The 4-bit schemes' key offsets are
- * not added to the keys (the sum would round): q . offsets, one per block and row, is added to the block's scores,
- * as the row kernel adds it. Values stored rotated (v @ H, the 4-bit schemes) are summed apart from the staged
- * rows' and turned back after, as the row kernel does. NULL codes: an exact pool. */
-typedef struct {
-    const uint8_t *k_codes, *v_codes;
-    const uint16_t *k_scale, *v_scale, *k_offset; /* [N, Hkv, d] channel scales, [N, Hkv, bs] row scales, offsets */
-    const float *v_rot;                           /* [d, d] or NULL */
-    int64_t num_blocks; /* table entries from here on are staged rows (stage slot = entry - this) */
-    int scheme;
-} amx_codes;
-
-/* Key t's d keys and values of KV head h as fp32 hi/lo bf16 parts into kh, kl, vh, vl (the run's table, keys from
- * the run's start); zeros past `n`. */
-static int amx_key_parts(const uint16_t *ks, const uint16_t *vs, const amx_codes *cq, const int64_t *table, int64_t t,
-                         int64_t n, int64_t h, int64_t kv_heads, int64_t bs, int64_t d, uint16_t *kh, uint16_t *kl,
-                         uint16_t *vh, uint16_t *vl, float *row) {
-    int64_t id = t < n ? table[t / bs] : 0, r = t % bs, dp = cq->scheme == Q_INT8 ? d : d / 2;
-    if (t >= n || !cq->k_codes || id >= cq->num_blocks) { /* staged: exact bf16 rows */
-        const uint16_t *k = t < n ? ks + (((id - cq->num_blocks) * kv_heads + h) * bs + r) * d : NULL;
-        const uint16_t *v = t < n ? vs + (((id - cq->num_blocks) * kv_heads + h) * bs + r) * d : NULL;
-        for (int64_t c = 0; c < d; c++) kh[c] = k ? k[c] : 0, vh[c] = v ? v[c] : 0, kl[c] = 0, vl[c] = 0;
-        return 0;
-    }
-    decode_codes(cq->scheme, cq->k_codes + ((id * kv_heads + h) * bs + r) * dp, row, d);
-    decode_codes(cq->scheme, cq->v_codes + ((id * kv_heads + h) * bs + r) * dp, row + d, d);
-    const uint16_t *ksc = cq->k_scale + (id * kv_heads + h) * d;
-    float vsc = bf16_to_f32(cq->v_scale[(id * kv_heads + h) * bs + r]);
-    for (int64_t c = 0; c < d; c++) {
-        float k = row[c] * bf16_to_f32(ksc[c]), v = row[d + c] * vsc;
-        kh[c] = f32_to_bf16(k), kl[c] = f32_to_bf16(k - bf16_to_f32(kh[c]));
-        vh[c] = f32_to_bf16(v), vl[c] = f32_to_bf16(v - bf16_to_f32(vh[c]));
-    }
-    return 1;
-}
-
-/* kt (kl): 16 keys x (d / 32) steps, tile (j, s) row p = pair 16s + p of keys 16j .. 16j + 15 (as 32-bit pairs: a
- * 16 x 16 transpose); vp (vl): 32 keys x (d / 16) column groups, tile (j, c) row p = keys 32j + 2p and + 1 side by
- * side for columns 16c .. 16c + 15. Zero past n keys; the lo parts only for a pool of codes. */
-static void amx_lay_out_keys(const uint16_t *ks, const uint16_t *vs, const amx_codes *cq, const int64_t *table,
-                             int64_t n, int64_t npad, int64_t h, int64_t kv_heads, int64_t bs, int64_t d,
-                             amx_attn_buf *w) {
-    int64_t steps = d / 32, groups = d / 16;
-    uint16_t kh[256], kl[256], vh[256], vl[256];
-    for (int64_t t = 0; t < npad; t++) {
-        w->coded[t] = (unsigned char)amx_key_parts(ks, vs, cq, table, t, n, h, kv_heads, bs, d, kh, kl, vh, vl, w->row);
-        for (int part = 0; part < (cq->k_codes ? 2 : 1); part++) {
-            const uint16_t *k = part ? kl : kh, *v = part ? vl : vh;
-            uint32_t *kt32 = (uint32_t *)(void *)(part ? w->kl : w->kt);
-            for (int64_t s = 0; s < steps; s++)
-                for (int p = 0; p < 16; p++) {
-                    uint32_t pair;
-                    memcpy(&pair, k + 32 * s + 2 * p, 4);
-                    kt32[((t / 16 * steps + s) * 16 + p) * 16 + t % 16] = pair;
-                }
-            for (int64_t c = 0; c < groups; c++) {
-                uint16_t *dst = (part ? w->vl : w->vp) + ((t / 32 * groups + c) * 16 + t % 32 / 2) * 32 + t % 2;
-                for (int e = 0; e < 16; e++) dst[2 * e] = v[16 * c + e];
-            }
-        }
-    }
-}
-
-/* M(0) .. M(nt - 1) for the sums tiles 0 .. 3 (constant indices: the tile instructions take no register operand);
- * sums tile cn zeroed, or stored to ct's 256 floats at cn */
-#define AMX_UPTO(nt, M) do { M(0); if ((nt) > 1) M(1); if ((nt) > 2) M(2); if ((nt) > 3) M(3); } while (0)
-#define AMX_ZERO(cn) _tile_zero(cn)
-#define AMX_STORE(cn) _tile_stored(cn, w->ct + 256 * (cn), 64)
-
-/* One run's rows rt0 .. rt0 + rows - 1 (rows <= 16) for query head qh of KV head h, kt/vp laid out. */
-static void amx_attn_tile(const uint16_t *q, uint16_t *out, const int64_t *lengths, int64_t b0, int64_t rt0,
-                          int64_t rows, int64_t start, int64_t qh, int64_t heads, int64_t d, float scale, float softcap,
-                          int64_t window, const amx_codes *cq, const int64_t *table, int64_t h, int64_t kv_heads,
-                          int64_t bs, amx_attn_buf *w) {
-    int64_t n = lengths[b0 + rt0 + rows - 1] - start, n16 = (n + 15) / 16 * 16, n32 = (n + 31) / 32 * 32;
-    int coded = cq->k_codes != NULL, passes = cq->v_rot ? 2 : 1; /* rotated values: the staged rows, the code rows */
-    int64_t steps = d / 32, groups = d / 16, npad = w->npad;
-    for (int64_t r = 0; r < 16; r++) /* the rows' queries, zero past the run */
-        if (r < rows) memcpy(w->qt + r * d, q + ((b0 + rt0 + r) * heads + qh) * d, 2 * (size_t)d);
-        else memset(w->qt + r * d, 0, 2 * (size_t)d);
-    /* scores: 4 key tiles at a time, the query tile of each step loaded once for them */
-    for (int64_t j = 0; j < n16 / 16; j += 4) {
-        int nt = n16 / 16 - j < 4 ? (int)(n16 / 16 - j) : 4;
-        AMX_UPTO(nt, AMX_ZERO);
-        for (int64_t s = 0; s < steps; s++) {
-            const uint16_t *kb = w->kt + ((j * steps + s) * 16) * 32, *klb = w->kl + ((j * steps + s) * 16) * 32;
-            _tile_loadd(4, w->qt + 32 * s, 2 * d);
-            /* key tile cn into sums cn: its hi part, and a pool of codes' lo part */
-#define AMX_KEYS(cn) do { _tile_loadd(6, kb + (cn) * steps * 512, 64); _tile_dpbf16ps(cn, 4, 6); \
-                          if (coded) { _tile_loadd(7, klb + (cn) * steps * 512, 64); _tile_dpbf16ps(cn, 4, 7); } \
-                     } while (0)
-            AMX_UPTO(nt, AMX_KEYS);
-#undef AMX_KEYS
-        }
-        AMX_UPTO(nt, AMX_STORE);
-        for (int a = 0; a < nt; a++)
-            for (int r = 0; r < 16; r++) memcpy(w->sc + r * npad + (j + a) * 16, w->ct + a * 256 + r * 16, 64);
-    }
-    /* a 4-bit pool's code blocks: q . offsets added to each row's scores of the block's keys */
-    for (int64_t jb = 0; cq->k_codes && cq->k_offset && jb * bs < n; jb++) {
-        int64_t id = table[jb];
-        if (id >= cq->num_blocks) continue; /* staged: exact keys */
-        const uint16_t *o = cq->k_offset + (id * kv_heads + h) * d;
-        for (int64_t r = 0; r < rows; r++) {
-            __m512 a = _mm512_setzero_ps();
-            for (int64_t c = 0; c < d; c += 16)
-                a = _mm512_add_ps(a, _mm512_mul_ps(bf16x16_load(w->qt + r * d + c), bf16x16_load(o + c)));
-            float qo = _mm512_reduce_add_ps(a);
-            for (int64_t t = jb * bs; t < (jb + 1) * bs && t < n; t++) w->sc[r * npad + t] += qo;
-        }
-    }
-    /* each row as the row path: its scores times the scale, softmaxed over its own keys; 0 past them */
-    for (int64_t r = 0; r < 16; r++) {
-        float *s = w->sc + r * npad;
-        int64_t nr = r < rows ? lengths[b0 + rt0 + r] - start : 0;
-        for (int64_t t = 0; t < nr; t++) s[t] *= scale;
-        if (nr) softmax_heads(s, 1, nr, 0, start, lengths[b0 + rt0 + r] - 1, softcap, window);
-        for (int64_t t = nr; t < n32; t++) s[t] = 0.f;
-    }
-    for (int pass = 0; pass < passes; pass++) {
-        for (int64_t r = 0; r < 16; r++) /* the probabilities as hi + lo in bf16 (a pass's keys only where two) */
-            for (int64_t t = 0; t < n32; t += 16) {
-                __m512 v = _mm512_loadu_ps(w->sc + r * npad + t);
-                if (passes == 2)
-                    v = _mm512_maskz_mov_ps(_mm_cmpeq_epi8_mask(_mm_loadu_si128((const __m128i *)(w->coded + t)),
-                                                                _mm_set1_epi8((char)pass)), v);
-                __m256i hi = (__m256i)_mm512_cvtneps_pbh(v);
-                __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, bf16x16_widen(hi)));
-                _mm256_storeu_si256((__m256i *)(w->ph + r * npad + t), hi);
-                _mm256_storeu_si256((__m256i *)(w->pl + r * npad + t), lo);
-            }
-        /* values: 4 column groups of 16 at a time, each 32 keys' probabilities (hi, lo) loaded once for them */
-        for (int64_t c = 0; c < groups; c += 4) {
-            int nt = groups - c < 4 ? (int)(groups - c) : 4;
-            AMX_UPTO(nt, AMX_ZERO);
-            for (int64_t j = 0; j < n32 / 32; j++) {
-                const uint16_t *vb = w->vp + ((j * groups + c) * 16) * 32, *vlb = w->vl + ((j * groups + c) * 16) * 32;
-                _tile_loadd(4, w->ph + 32 * j, 2 * npad);
-                _tile_loadd(5, w->pl + 32 * j, 2 * npad);
-                /* column group c + cn into sums cn: both parts of the probabilities against the values' hi part, the
-                 * hi probabilities against a pool of codes' lo part (lo times lo is under 2^-16 of the product) */
-#define AMX_VALUES(cn) do { _tile_loadd(6, vb + (cn) * 512, 64); _tile_dpbf16ps(cn, 4, 6); _tile_dpbf16ps(cn, 5, 6); \
-                            if (coded) { _tile_loadd(7, vlb + (cn) * 512, 64); _tile_dpbf16ps(cn, 4, 7); } \
-                       } while (0)
-                AMX_UPTO(nt, AMX_VALUES);
-#undef AMX_VALUES
-            }
-            AMX_UPTO(nt, AMX_STORE);
-            for (int a = 0; a < nt; a++)
-                for (int64_t r = 0; r < rows; r++)
-                    memcpy(w->acc + (pass * 16 + r) * d + 16 * (c + a), w->ct + a * 256 + r * 16, 64);
-        }
-    }
-    for (int64_t r = 0; r < rows; r++) { /* the code rows' sums turned back (finish_heads' order), then stored */
-        float *o = w->acc + r * d;
-        for (int64_t j = 0; passes == 2 && j < d; j++) {
-            float x = w->acc[(16 + r) * d + j];
-            if (x == 0.f) continue;
-            for (int64_t i = 0; i < d; i++) o[i] += x * cq->v_rot[j * d + i];
-        }
-        store_row(BF16, o, out + ((b0 + rt0 + r) * heads + qh) * d, d);
-    }
-}
-
-static int64_t amx_attention_rows = 0; /* rows taken here since the process began (infer_amx_attention_rows) */
-
-/* The runs' rows (run u: rows first[u] .. first[u] + count[u] - 1) over an exact pool (NULL codes) or a quantized
- * one; -1 without memory. */
-static int amx_chunk_attention(const uint16_t *q, const uint16_t *ks, const uint16_t *vs, int scheme,
-                               const uint8_t *k_codes, const uint8_t *v_codes, const uint16_t *k_scale,
-                               const uint16_t *v_scale, const uint16_t *k_offset, const float *v_rot,
-                               int64_t num_blocks, const int64_t *tables, const int64_t *lengths, const int64_t *starts,
-                               uint16_t *out, int64_t heads, int64_t kv_heads, int64_t d, int64_t bs, int64_t nb,
-                               float scale, float softcap, int64_t window, const int64_t *first, const int64_t *count,
-                               int64_t runs, int threads) {
-    int failed = 0, per = (int)(heads / kv_heads);
-    amx_codes cq = {k_codes, v_codes, k_scale, v_scale, k_offset, v_rot, num_blocks, scheme};
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        amx_attn_buf w = {0};
-        amx_configure();
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t unit = 0; unit < runs * kv_heads; unit++) {
-            int64_t u = unit / kv_heads, h = unit % kv_heads, b0 = first[u], start = starts[b0];
-            int64_t n = lengths[b0 + count[u] - 1] - start, npad = (n + 31) / 32 * 32;
-            if (amx_attn_grow(&w, npad, d)) {
-#pragma omp atomic write
-                failed = 1;
-                continue;
-            }
-            /* the run's last row's table: every row's own blocks are a prefix of it (chunk_runs) */
-            amx_lay_out_keys(ks, vs, &cq, tables + (b0 + count[u] - 1) * nb, n, npad, h, kv_heads, bs, d, &w);
-            for (int64_t rt0 = 0; rt0 < count[u]; rt0 += 16)
-                for (int64_t g = 0; g < per; g++)
-                    amx_attn_tile(q, out, lengths, b0, rt0, count[u] - rt0 < 16 ? count[u] - rt0 : 16, start,
-                                  h * per + g, heads, d, scale, softcap, window, &cq,
-                                  tables + (b0 + count[u] - 1) * nb, h, kv_heads, bs, &w);
-        }
-        _tile_release();
-        amx_attn_free(&w);
-    }
-    for (int64_t u = 0; !failed && u < runs; u++) __atomic_fetch_add(&amx_attention_rows, count[u], __ATOMIC_RELAXED);
-    return failed ? -1 : 0;
 }
 
 #endif
