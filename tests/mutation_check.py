@@ -40,6 +40,7 @@ TP_TESTS = "tests/test_tensor_parallel.py"
 ROOFLINE_TESTS = "tests/test_roofline.py"
 TOP_P_TESTS = ("tests/test_sampling_oracle.py", "tests/test_native_kernels.py")
 NATIVE_C = "infer/kernels/cpu_decode.c"
+QUANTIZER_TEST = ("tests/test_native_block_quantizer.py",)
 
 MUTANTS = [
     Mutant("sliding window off by one (W+1 keys)", "infer/attention.py",
@@ -376,6 +377,44 @@ MUTANTS = [
            "__m256i h = tiny ? bf16x16_round(v) : (__m256i)_mm512_cvtneps_pbh(v);",
            "__m256i h = (__m256i)_mm512_cvtneps_pbh(v);",
            ("tests/test_native_kernels.py",)),
+    Mutant("native block quantizer: codes rounded half away from zero (torch.round is half to even)", NATIVE_C,
+           "float lim = scheme == Q_INT8 ? 127.0f : 7.0f, r = rintf(v);",
+           "float lim = scheme == Q_INT8 ? 127.0f : 7.0f, r = roundf(v);", QUANTIZER_TEST),
+    Mutant("native block quantizer: a scale that rounded below absmax / qmax kept (a value clips)", NATIVE_C,
+           "if (bf16_to_f32(s) < exact) s =", "if (0 && bf16_to_f32(s) < exact) s =", QUANTIZER_TEST),
+    Mutant("native block quantizer: an FP4 value on a midpoint rounded up", NATIVE_C,
+           "while (m < 7 && FP4_MIDPOINTS[m] < a) m++;", "while (m < 7 && FP4_MIDPOINTS[m] <= a) m++;", QUANTIZER_TEST),
+    Mutant("native block quantizer: 4-bit codes' nibbles swapped", NATIVE_C,
+           "out[i / 2] = (uint8_t)((quantized_code(scheme, scaled[i]) & 0x0f) |\n"
+           "                                   ((quantized_code(scheme, scaled[i + 1]) & 0x0f) << 4));",
+           "out[i / 2] = (uint8_t)((quantized_code(scheme, scaled[i + 1]) & 0x0f) |\n"
+           "                                   ((quantized_code(scheme, scaled[i]) & 0x0f) << 4));", QUANTIZER_TEST),
+    Mutant("native block quantizer: FP4 values scaled to the keys' largest level (4) instead of 6", NATIVE_C,
+           "float value_qmax = scheme == Q_INT8 ? 127.0f : scheme == Q_INT4 ? 7.0f : 6.0f;",
+           "float value_qmax = scheme == Q_INT8 ? 127.0f : scheme == Q_INT4 ? 7.0f : 4.0f;",
+           QUANTIZER_TEST),
+    Mutant("native block quantizer: key offsets stored but not taken off the keys", NATIVE_C,
+           "for (int64_t t = 0; t < bs; t++) x[t * d + c] -= bf16_to_f32(ko[c]);", "", QUANTIZER_TEST),
+    Mutant("native block quantizer: the offset the channel's maximum alone", NATIVE_C,
+           "ko[c] = f32_to_bf16((hi + lo) / 2.0f);", "ko[c] = f32_to_bf16(hi / 2.0f);", QUANTIZER_TEST),
+    Mutant("native block quantizer: the 4-bit values stored unrotated (the kernels turn them back)", NATIVE_C,
+           "        if (rotation) {\n            for (int64_t j = 0; j < d; j++) rot[j] = 0.0f;",
+           "        if (0) {\n            for (int64_t j = 0; j < d; j++) rot[j] = 0.0f;",
+           ("tests/property/test_quantized_pool_properties.py",)),
+    Mutant("native block quantizer: keys' scales over every token of the block but the last", NATIVE_C,
+           "for (int64_t t = 0; t < bs; t++) amax = fabsf(x[t * d + c]) > amax ? fabsf(x[t * d + c]) : amax;",
+           "for (int64_t t = 0; t + 1 < bs; t++) amax = fabsf(x[t * d + c]) > amax ? fabsf(x[t * d + c]) : amax;",
+           QUANTIZER_TEST),
+    Mutant("batched whole step: a quantized pool's filled blocks quantized from the first layer's staging rows",
+           "infer/models/native_batch_step.py", "desc.fill_rows, desc.fill_blocks, desc.n_fill = fill[n].data_ptr(),",
+           "desc.fill_rows, desc.fill_blocks, desc.n_fill = fill[0].data_ptr(),", ("tests/test_native_batch_step.py",)),
+    Mutant("batched whole step: the native quantizer skipped in the call (blocks left unquantized)", NATIVE_C,
+           "if (quantized && L->n_fill > 0) {", "if (0) {", ("tests/test_native_batch_step.py",)),
+    Mutant("quantized pool: the per-op path's native quantizer writes the blocks' codes without the rotation",
+           "infer/cache/paged_quantized.py",
+           "pool.k_offset[i] if pool.key_offsets else None, pool.rotation, pool.scheme)",
+           "pool.k_offset[i] if pool.key_offsets else None, None, pool.scheme)",
+           ("tests/property/test_quantized_pool_properties.py",)),
     Mutant("prompt chunks on AMX tiles (AMX hosts): the values against the probabilities' first bf16 part only",
            NATIVE_C, "_tile_dpbf16ps(cn, 4, 6); _tile_dpbf16ps(cn, 5, 6);",
            "_tile_dpbf16ps(cn, 4, 6);", ("tests/test_native_quantized_attention.py",)),

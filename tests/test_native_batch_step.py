@@ -5,7 +5,7 @@ order), to each request's solo run within bf16 rounding, and to the per-op path 
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -141,8 +141,8 @@ def assert_it_serves(engine: Engine, ids: list[int], want: list[tuple[list[int],
 
 
 def count_fills_inside(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The layer of every quantized pool layer's `quantize_filled` that found blocks to quantize within a whole-step
-    call (they still run)."""
+    """The layer of every quantized pool layer that quantized blocks within a whole-step call: in the call itself (its
+    description's fill rows, `native_quantizer`), or by calling back the pool's `quantize_filled` (they still run)."""
     from infer.cache.paged_quantized import QuantizedPoolLayer
 
     layers: list[int] = []
@@ -154,10 +154,12 @@ def count_fills_inside(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             layers.append(self.layer)
         fill(self)
 
-    def flagged(*args: object, **kwargs: object) -> None:
+    def flagged(self: NativeKernels, descs: Any, *args: object, **kwargs: object) -> None:
+        coded = [desc for desc in descs if desc.k_codes]  # (the pool's layers, in its order)
+        layers.extend(i for i, desc in enumerate(coded) if desc.n_fill)
         inside[0] = True
         try:
-            step(*args, **kwargs)  # type: ignore[arg-type]
+            step(self, descs, *args, **kwargs)  # type: ignore[arg-type]
         finally:
             inside[0] = False
 
@@ -166,16 +168,21 @@ def count_fills_inside(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return layers
 
 
+@pytest.mark.parametrize("quantizer", ["native", "torch"])
 @pytest.mark.parametrize("chunks", ["sdpa", "native"])
 @pytest.mark.parametrize(("arch", "kv"), [("llama", "int8"), ("qwen2", "int4"), ("qwen3", "fp4"),
                                         ("gemma3_text", "int8")])
 def test_a_quantized_pool_in_the_whole_step_is_the_per_op_path_bit_for_bit(arch: str, kv: str, chunks: str,
+                                                                           quantizer: str,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """A quantized pool's steps in the whole-step call (its rows staged in C, the blocks they fill quantized by the
-    pool's own code called back for every layer, the paged kernel over codes and staging; Gemma 3's sliding layers
-    in their exact rings beside the pool's layers in the same call): decode steps, and with
-    the prompt chunks' tokens rows of the kernel ("native" chunk attention) the mixed steps too, whole blocks filled
-    inside the call. Every request's tokens and logits equal the per-op path's."""
+    """A quantized pool's steps in the whole-step call (its rows staged in C, the blocks they fill quantized in the
+    call by the native quantizer, or by the pool's torch code called back for every layer (INFER_NATIVE_QUANTIZE=0);
+    the paged kernel over codes and staging; Gemma 3's sliding layers in their exact rings beside the pool's layers
+    in the same call): decode steps, and with the prompt chunks' tokens rows of the kernel ("native" chunk attention)
+    the mixed steps too, whole blocks filled inside the call. Every request's tokens and logits equal the per-op
+    path's (which quantizes with the same quantizer)."""
+    if quantizer == "torch":
+        monkeypatch.setenv("INFER_NATIVE_QUANTIZE", "0")
     rng = random.Random(kv)
     # prompts whose second block (a sink's neighbour: quantized when full) fills within the decode steps
     prompts = [[rng.randrange(1, 300) for _ in range(n)] for n in (29, 18, 5, 40)]
@@ -329,6 +336,7 @@ def test_a_failed_quantizing_call_back_leaves_the_engine_as_it_was(monkeypatch: 
     logits of an engine that never failed."""
     from infer.cache.paged_quantized import QuantizedPoolLayer
 
+    monkeypatch.setenv("INFER_NATIVE_QUANTIZE", "0")  # (the torch quantizer: the call calls back)
     prompts = [[(7 * i) % 250 + 1 for i in range(31)], [5, 9, 2, 8]]  # the first fills its second block next step
     want = serve("llama", prompts, 6, native_step=True, kv_cache_dtype="int8")
     engine, ids = after_the_prompts(prompts, 6, kv_cache_dtype="int8")

@@ -33,8 +33,10 @@ plan, unless it is a sink the prefix cache still finds. Sliding-window layers ke
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,6 +48,9 @@ from infer.cache.quantized import DEFAULT_ROTATE_VALUES, SCHEMES
 from infer.config import ModelConfig
 from infer.errors import CacheFullError
 from infer.ragged import DecodeGroup, RaggedBatch, SeqChunk
+
+if TYPE_CHECKING:
+    from infer.kernels.native import NativeKernels
 
 KV_CACHE_DTYPES = tuple(SCHEMES)
 # Key channels centred on an offset per block: the 4-bit schemes, as the quantized caches. int8 takes none here: a
@@ -76,6 +81,17 @@ class StepPlan:
         return bool(self.fill) or self.padded
 
 
+def native_quantizer(device: torch.device) -> NativeKernels | None:
+    """The native kernels that quantize a pool's filled blocks on `device` (`NativeKernels.quantize_blocks`: no
+    Python call per layer, the torch code's formulas), or None: a GPU, no native build, or INFER_NATIVE_QUANTIZE=0
+    (the check: the torch code)."""
+    if device.type != "cpu" or os.environ.get("INFER_NATIVE_QUANTIZE") == "0":
+        return None
+    from infer.kernels.native import native_kernels
+
+    return native_kernels()
+
+
 def check_pool_scheme(scheme: object, config: ModelConfig) -> None:
     """Refuse a `kv_cache_dtype` that is no pool scheme, or one this model's head size cannot pack."""
     if not isinstance(scheme, str) or scheme not in SCHEMES:
@@ -102,6 +118,7 @@ class QuantizedPagedPool:
         self.scheme, self.dtype = scheme, dtype
         self.key_offsets = POOL_KEY_OFFSETS[scheme]
         self.rotation = quant.value_rotation(config.head_dim, device) if DEFAULT_ROTATE_VALUES[scheme] else None
+        self.quantizer = native_quantizer(torch.device(device))
         self.num_layers = config.num_hidden_layers if num_layers is None else num_layers
         # With `spare_blocks`, one code block past the managed ones and one staging slot past the handed-out ones
         # that only a graph step's padding touches (`padded_plan`); tables name staged blocks past every code block.
@@ -360,9 +377,15 @@ class QuantizedPoolLayer:
 
     def quantize_filled(self) -> None:
         """Quantize the blocks the step fills from their staging rows into this layer's codes and scales (after its
-        writes: `write`, or the batched whole-step call, which calls back here)."""
+        writes: `write`, or the batched whole-step call, which calls back here unless it quantizes them itself):
+        natively on a CPU (`native_quantizer`), else by the torch code below, its formula."""
         pool, plan, i = self.pool, self.pool.plan, self.layer
-        if plan.quantizes:
+        if plan.quantizes and pool.quantizer is not None:
+            pool.quantizer.quantize_blocks((pool.k_stage, pool.v_stage), pool.stage_rows(plan.fill_slots, i),
+                                           plan.fill_blocks, (pool.k_codes[i], pool.v_codes[i]),
+                                           (pool.k_scale[i], pool.v_scale[i]),
+                                           pool.k_offset[i] if pool.key_offsets else None, pool.rotation, pool.scheme)
+        elif plan.quantizes:
             filled = pool.stage_rows(plan.fill_slots, i)
             keys = pool.k_stage[filled]
             centres = quant.channel_offsets(keys) if pool.key_offsets else None

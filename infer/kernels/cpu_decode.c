@@ -4331,6 +4331,126 @@ int infer_decode_step(int dtype, const step_layer *layers, int64_t n_layers, int
     return code;
 }
 
+/* ---- a quantized pool's filled blocks into codes (infer/cache/paged_quantized.py) ----
+ * The pool's own quantizing (QuantizedPoolLayer.quantize_filled's torch code, infer/cache/quant.py) without a Python
+ * call per layer: at 16 rows of a 150M Llama's decode steps a block filled in most steps, and the torch code took
+ * 0.8 ms a layer, a third of the step. The same formulas in the same fp32 operations, so the same codes and scales
+ * bit for bit, except the 4-bit schemes' value rotation, whose sums (x @ H) PyTorch's matmul orders its own way:
+ * here in input order, so a rotated value on a rounding boundary may take the neighbouring code.
+ *   keys [bs, d] of a block and head: (4-bit) offsets o_c = bf16((max_t x + min_t x) / 2), x -= o_c; then one scale
+ *     per channel over the block's tokens, s_c = absmax_t |x| / qmax rounded to bf16, and up one bf16 step where
+ *     that fell below (`round_up_scale`, quant.row_scale); code = clamp(rint(x / s_c)) (s_c = 0 divides by 1);
+ *   values: each row (rotated by H for the 4-bit schemes: x @ H in fp32) its own scale over d, the same codes.
+ * int8: one code a byte; int4: codes -7..7 as two's-complement nibbles; fp4: E2M1 (the magnitude's bucket among
+ * the midpoints, a value on one going down; bit 3 the sign); 4-bit codes two a byte, element 2i in the low nibble.
+ * Keys' qmax: 127 / 7 / 4 (FP4_KEY_MAX), values': 127 / 7 / 6. */
+static const float FP4_MIDPOINTS[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+
+/* absmax / qmax rounded to bf16, and up one bf16 step where that rounded below (no value clips) */
+static inline uint16_t round_up_scale(float absmax, float qmax) {
+    float exact = absmax / qmax;
+    uint16_t s = f32_to_bf16(exact);
+    if (bf16_to_f32(s) < exact) s = (s & 0x7fff) == 0 ? 1 : (uint16_t)(s + 1); /* (torch.nextafter toward +inf) */
+    return s;
+}
+
+static inline int quantized_code(int scheme, float v) {
+    if (scheme == Q_FP4) {
+        float a = fabsf(v);
+        int m = 0;
+        while (m < 7 && FP4_MIDPOINTS[m] < a) m++;
+        return m | (v < 0 ? 8 : 0);
+    }
+    float lim = scheme == Q_INT8 ? 127.0f : 7.0f, r = rintf(v);
+    return (int)(r < -lim ? -lim : r > lim ? lim : r);
+}
+
+/* n scaled values (x / scale, already divided) as `scheme`'s codes at out */
+static inline void pack_codes(int scheme, const float *scaled, int64_t n, uint8_t *out) {
+    if (scheme == Q_INT8)
+        for (int64_t i = 0; i < n; i++) ((int8_t *)out)[i] = (int8_t)quantized_code(scheme, scaled[i]);
+    else
+        for (int64_t i = 0; i < n; i += 2)
+            out[i / 2] = (uint8_t)((quantized_code(scheme, scaled[i]) & 0x0f) |
+                                   ((quantized_code(scheme, scaled[i + 1]) & 0x0f) << 4));
+}
+
+static inline float scale_divisor(uint16_t s) { return bf16_to_f32(s) == 0.0f ? 1.0f : bf16_to_f32(s); }
+
+/* One block and head: keys x [bs, d] and values [bs, d] (fp32, overwritten) into codes at kc / vc, key scales ks
+ * [d], value scales vs [bs], key offsets ko [d] (NULL: none); rotation [d, d] or NULL; rot: d floats of scratch. */
+static void quantize_block_head(int scheme, float *x, float *v, int64_t bs, int64_t d, uint8_t *kc, uint8_t *vc,
+                                uint16_t *ks, uint16_t *vs, uint16_t *ko, const float *rotation, float *rot) {
+    int64_t per = scheme == Q_INT8 ? 1 : 2;
+    float key_qmax = scheme == Q_INT8 ? 127.0f : scheme == Q_INT4 ? 7.0f : 4.0f;
+    float value_qmax = scheme == Q_INT8 ? 127.0f : scheme == Q_INT4 ? 7.0f : 6.0f;
+    for (int64_t c = 0; c < d; c++) { /* keys: by channel over the block's tokens */
+        if (ko) {
+            float hi = x[c], lo = x[c];
+            for (int64_t t = 1; t < bs; t++) {
+                hi = x[t * d + c] > hi ? x[t * d + c] : hi;
+                lo = x[t * d + c] < lo ? x[t * d + c] : lo;
+            }
+            ko[c] = f32_to_bf16((hi + lo) / 2.0f);
+            for (int64_t t = 0; t < bs; t++) x[t * d + c] -= bf16_to_f32(ko[c]);
+        }
+        float amax = 0.0f;
+        for (int64_t t = 0; t < bs; t++) amax = fabsf(x[t * d + c]) > amax ? fabsf(x[t * d + c]) : amax;
+        ks[c] = round_up_scale(amax, key_qmax);
+        for (int64_t t = 0; t < bs; t++) x[t * d + c] /= scale_divisor(ks[c]);
+    }
+    for (int64_t t = 0; t < bs; t++) pack_codes(scheme, x + t * d, d, kc + t * (d / per));
+    for (int64_t t = 0; t < bs; t++) { /* values: each row its own scale (rotated first, each sum in input order) */
+        float *row = v + t * d;
+        if (rotation) {
+            for (int64_t j = 0; j < d; j++) rot[j] = 0.0f;
+            for (int64_t c = 0; c < d; c++)
+                for (int64_t j = 0; j < d; j++) rot[j] += row[c] * rotation[c * d + j];
+            memcpy(row, rot, sizeof(float) * (size_t)d);
+        }
+        float amax = 0.0f;
+        for (int64_t c = 0; c < d; c++) amax = fabsf(row[c]) > amax ? fabsf(row[c]) : amax;
+        vs[t] = round_up_scale(amax, value_qmax);
+        for (int64_t c = 0; c < d; c++) row[c] /= scale_divisor(vs[t]);
+        pack_codes(scheme, row, d, vc + t * (d / per));
+    }
+}
+
+/* Blocks blocks[f] (their codes, scales and offsets in one layer's tensors) from staging rows rows[f] of k_stage /
+ * v_stage ([*, kv_heads, bs, d] in dtype), f < n. k_offset NULL: no key offsets; rotation NULL: none. Returns -1
+ * without memory, -3 for a 4-bit scheme and odd d (nothing written either way). */
+int infer_quantize_blocks(int dtype, int scheme, const void *k_stage, const void *v_stage, const int64_t *rows,
+                          const int64_t *blocks, int64_t n, void *k_codes, void *v_codes, uint16_t *k_scale,
+                          uint16_t *v_scale, uint16_t *k_offset, const float *rotation, int64_t kv_heads, int64_t bs,
+                          int64_t d, int threads) {
+    if (scheme != Q_INT8 && d % 2) return -3;
+    if (n <= 0) return 0;
+    int64_t per = scheme == Q_INT8 ? 1 : 2, esize = dtype == F32 ? 4 : 2, units = n * kv_heads;
+    if (units * bs * d < 65536) threads = 1;
+    int64_t cells = 2 * bs * d + d; /* a thread's keys, values and a rotated row */
+    float *scratch = (float *)malloc(sizeof(float) * (size_t)(cells * threads));
+    if (!scratch) return -1;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t u = 0; u < units; u++) {
+#ifdef _OPENMP
+        float *x = scratch + cells * omp_get_thread_num();
+#else
+        float *x = scratch;
+#endif
+        int64_t f = u / kv_heads, h = u % kv_heads, b = blocks[f], bh = b * kv_heads + h;
+        size_t src = (size_t)((rows[f] * kv_heads + h) * bs * d * esize);
+        for (int64_t t = 0; t < bs; t++) {
+            load_row(dtype, (const char *)k_stage + src + (size_t)(t * d * esize), x + t * d, d);
+            load_row(dtype, (const char *)v_stage + src + (size_t)(t * d * esize), x + (bs + t) * d, d);
+        }
+        quantize_block_head(scheme, x, x + bs * d, bs, d, (uint8_t *)k_codes + bh * bs * (d / per),
+                            (uint8_t *)v_codes + bh * bs * (d / per), k_scale + bh * d, v_scale + bh * bs,
+                            k_offset ? k_offset + bh * d : NULL, rotation, x + 2 * bs * d);
+    }
+    free(scratch);
+    return 0;
+}
+
 /* ---- every decoder layer of a batched engine step in one call ----
  * The per-op path of a step whose tokens all attend in the native paged kernel (DecodeGroup.all_rows) makes ~15
  * Python calls a layer around its kernels: at 16 rows of a 150M Llama ~4 of a ~20 ms step. This runs the same
@@ -4384,13 +4504,16 @@ typedef struct {
     float scale, softcap;
     /* A quantized pool (infer/cache/paged_quantized.py), or NULL codes: an exact one. Its K/V rows go to staging
      * rows `write_rows` of `k_stage` / `v_stage` (fresh rows `fresh_rows` zeroed first), the filled blocks are
-     * quantized by the step's callback, and the rows attend over codes (blocks < num_blocks) and staging slots
-     * (num_blocks + s: k_blocks / v_blocks, the layer's own staging). */
-    const void *k_codes, *v_codes, *k_scale, *v_scale, *k_offset; /* k_offset NULL: no key offsets */
+     * quantized (here, or by the step's call back), and the rows attend over codes (blocks < num_blocks) and staging
+     * slots (num_blocks + s: k_blocks / v_blocks, the layer's own staging). */
+    void *k_codes, *v_codes, *k_scale, *v_scale, *k_offset;       /* k_offset NULL: no key offsets */
     const float *rotation;                                       /* [d, d] or NULL */
     void *k_stage, *v_stage;
     const int64_t *write_rows, *fresh_rows;                      /* [rows], [n_fresh] */
-    int64_t scheme, num_blocks;                                  /* Q_INT8 / Q_INT4 / Q_FP4 */
+    const int64_t *fill_rows, *fill_blocks;                      /* [n_fill]: the blocks the rows fill, quantized
+                                                                  * here (infer_quantize_blocks; n_fill 0: by the
+                                                                  * call back, if any) */
+    int64_t scheme, num_blocks, n_fill;                          /* Q_INT8 / Q_INT4 / Q_FP4 */
 } batch_layer;
 
 /* out = a + b over n bf16 values, as PyTorch adds bf16 tensors (fp32 sum rounded to nearest even). */
@@ -4439,7 +4562,15 @@ int infer_batch_step(const batch_layer *layers, int64_t n_layers, uint16_t *x, i
                        quantized ? L->k_stage : L->k_blocks, quantized ? L->v_stage : L->v_blocks,
                        quantized ? L->write_rows : B->slot_blocks, B->slot_offsets, rows,
                        quantized ? L->fresh_rows : B->fresh, B->n_fresh, kv_heads, bs, d, 2);
-        if (quantized && quantize_filled && quantize_filled(l)) {
+        if (quantized && L->n_fill > 0) {
+            if (infer_quantize_blocks(BF16, (int)L->scheme, L->k_stage, L->v_stage, L->fill_rows, L->fill_blocks,
+                                      L->n_fill, L->k_codes, L->v_codes, (uint16_t *)L->k_scale,
+                                      (uint16_t *)L->v_scale, (uint16_t *)L->k_offset, L->rotation, kv_heads, bs, d,
+                                      threads)) {
+                code = -1;
+                break;
+            }
+        } else if (quantized && quantize_filled && quantize_filled(l)) {
             code = -4;
             break;
         }

@@ -31,6 +31,7 @@ from infer.quant_weights import PackedCodes, QuantizedWeight, pack_codes
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+QSCHEMES = {"int8": 0, "int4": 1, "fp4": 2}  # a quantized cache's scheme -> cpu_decode.c's Q_INT8, Q_INT4, Q_FP4
 SCALE_CODES = {torch.float32: 0, torch.float16: 2, torch.int8: 3}  # quantized scales: int8 is the factored form (FK)
 # QuantizedWeight.kernel_args' format (and PackedCodes' channel form) -> cpu_decode.c's Q8 / Q4 / Q6 / Q8C / Q4C
 QFORMATS = {"q8": 0, "q4": 1, "q6": 2, "q8c": 3, "q4c": 4}
@@ -104,8 +105,9 @@ class BatchLayer(ctypes.Structure):
                 ("window", ctypes.c_int64), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
                 # a quantized pool's layer (NULL codes: an exact pool)
                 *((name, ctypes.c_void_p) for name in ("k_codes", "v_codes", "k_scale", "v_scale", "k_offset",
-                                                        "rotation", "k_stage", "v_stage", "write_rows", "fresh_rows")),
-                ("scheme", ctypes.c_int64), ("num_blocks", ctypes.c_int64)]
+                                                        "rotation", "k_stage", "v_stage", "write_rows", "fresh_rows",
+                                                        "fill_rows", "fill_blocks")),
+                ("scheme", ctypes.c_int64), ("num_blocks", ctypes.c_int64), ("n_fill", ctypes.c_int64)]
 
 
 # The whole step's call back into Python after a quantized pool's layer staged its rows: quantize the blocks they fill.
@@ -210,6 +212,10 @@ class NativeKernels:
         lib.infer_amx_attention_rows.argtypes = []
         lib.infer_amx_attention_rows.restype = ctypes.c_int64
         self._amx_attention_rows = lib.infer_amx_attention_rows
+        lib.infer_quantize_blocks.argtypes = [ctypes.c_int, ctypes.c_int, *[ctypes.c_void_p] * 4, ctypes.c_int64,
+                                              *[ctypes.c_void_p] * 6, *[ctypes.c_int64] * 3, ctypes.c_int]
+        lib.infer_quantize_blocks.restype = ctypes.c_int
+        self._quantize_blocks = lib.infer_quantize_blocks
         lib.infer_set_packed_ahead.argtypes = [ctypes.c_int]
         lib.infer_set_packed_ahead.restype = None
         self._set_packed_ahead, self._packed_ahead = lib.infer_set_packed_ahead, lib.infer_packed_ahead
@@ -554,7 +560,7 @@ class NativeKernels:
         `num_recent` exact tokens of the ring `recent` `[B, Hkv, R, D]`. Values may age on their own count:
         `value_quantized` (default `num_quantized`) of them are codes, the rest exact in `recent[1]` (its own ring
         length). `[B, H, D]` in q's dtype; no dequantized copy of the cache is made."""
-        scheme_code = {"int8": 0, "int4": 1, "fp4": 2}[scheme]
+        scheme_code = QSCHEMES[scheme]
         q = _dense(q.to(sinks[0].dtype))
         parts = [_dense(t) for t in (*sinks, *codes, *scales, *recent)]
         k_sink, v_sink, k_codes, v_codes, k_scale, v_scale, k_recent, v_recent = parts
@@ -591,7 +597,7 @@ class NativeKernels:
         `key_offsets` `[N, Hkv, D]` or None, value rows stored rotated by `value_rotation` `[D, D]` or None; a table
         entry `N + s` names staging slot s of `stage` `[P, Hkv, bs, D]` (exact). Sequence b's keys are positions
         `starts[b]` .. `lengths[b] - 1`. `[B, H, D]` in the staging dtype."""
-        scheme_code = {"int8": 0, "int4": 1, "fp4": 2}[scheme]
+        scheme_code = QSCHEMES[scheme]
         k_stage, v_stage = (_dense(t) for t in stage)
         q = _dense(q.to(k_stage.dtype))
         k_codes, v_codes, k_scale, v_scale = (_dense(t) for t in (*codes, *scales))
@@ -608,6 +614,33 @@ class NativeKernels:
                              k_codes.shape[0], scale, softcap or 0.0, window or 0, torch.get_num_threads()):
             raise MemoryError("the native paged quantized attention could not allocate its score buffers")
         return out
+
+    def quantize_blocks(self, stage: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor, blocks: torch.Tensor,
+                        codes: tuple[torch.Tensor, torch.Tensor], scales: tuple[torch.Tensor, torch.Tensor],
+                        key_offsets: torch.Tensor | None, value_rotation: torch.Tensor | None, scheme: str) -> None:
+        """A quantized pool's filled blocks into codes in place (infer/cache/paged_quantized.py; the formulas of
+        `QuantizedPoolLayer.quantize_filled`'s torch code, bit for bit but the rotated values' sums): block
+        `blocks[f]` of one layer's `codes` `[N, Hkv, bs, D or D/2]`, `scales` (keys `[N, Hkv, D]`, values
+        `[N, Hkv, bs]`) and `key_offsets` `[N, Hkv, D]` (or None) from row `rows[f]` of `stage` `[*, Hkv, bs, D]`;
+        values rotated by `value_rotation` `[D, D]` fp32 or None."""
+        k_stage, v_stage = stage
+        outputs = (*codes, *scales) + (() if key_offsets is None else (key_offsets,))
+        if not all(t.is_contiguous() for t in (k_stage, v_stage, *outputs)):
+            raise ValueError("quantize_blocks writes the pool's codes in place: they and the staging must be "
+                             "contiguous")
+        rows, blocks = (_dense(t.to(torch.int64)) for t in (rows, blocks))
+        rotation = None if value_rotation is None else _dense(value_rotation.float())
+        _, kv_heads, bs, d = k_stage.shape
+        code = self._quantize_blocks(DTYPE_CODES[k_stage.dtype], QSCHEMES[scheme], k_stage.data_ptr(),
+                                     v_stage.data_ptr(), rows.data_ptr(), blocks.data_ptr(), rows.numel(),
+                                     codes[0].data_ptr(), codes[1].data_ptr(), scales[0].data_ptr(),
+                                     scales[1].data_ptr(), None if key_offsets is None else key_offsets.data_ptr(),
+                                     None if rotation is None else rotation.data_ptr(), kv_heads, bs, d,
+                                     torch.get_num_threads())
+        if code == -1:
+            raise MemoryError("the native block quantizer could not allocate its scratch rows")
+        if code:
+            raise ValueError(f"the {scheme} scheme packs two values per byte and needs an even head_dim, got {d}")
 
     def exact_paged_attention(self, q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
                               tables: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, scale: float,

@@ -29,8 +29,7 @@ import torch
 
 from infer.cache.paged_quantized import QuantizedPagedPool, QuantizedPoolLayer, StepPlan
 from infer.config import ModelConfig
-from infer.kernels.native import QFORMATS, BatchLayer, BatchProduct, BatchTables, NativeKernels
-from infer.models.native_step import QSCHEMES
+from infer.kernels.native import QFORMATS, QSCHEMES, BatchLayer, BatchProduct, BatchTables, NativeKernels
 from infer.quant_weights import PackedCodes
 from infer.ragged import RaggedBatch
 
@@ -160,7 +159,7 @@ class NativeBatchStep:
             desc.batch = ctypes.pointer(batch)
         rows = self._describe_pools(pools)  # (a quantized pool's staging rows: alive through the call)
         quantize_filled = None
-        if rows is not None and rows[2].plan.quantizes:
+        if rows is not None and rows[2].plan.quantizes and rows[2].quantizer is None:  # (else quantized in the call)
             quantize_filled = lambda layer: cast(QuantizedPoolLayer, pools[layer]).quantize_filled()  # noqa: E731
         out = x.contiguous().clone()
         self.kernels.batch_step(self.layers, self.shape, self.eps, out, block_size, quantize_filled, self.gemma,
@@ -169,10 +168,11 @@ class NativeBatchStep:
         return out
 
     def _describe_pools(self, pools: list[tuple[torch.Tensor, torch.Tensor] | QuantizedPoolLayer]
-                        ) -> tuple[torch.Tensor, torch.Tensor, QuantizedPagedPool] | None:
+                        ) -> tuple[torch.Tensor, torch.Tensor, QuantizedPagedPool, torch.Tensor, torch.Tensor] | None:
         """Point each layer at its K and V blocks, or at its quantized pool layer's codes, scales, staging and this
-        step's staging rows (the per-op path's `QuantizedPagedPool.stage_rows` of the plan's write and fresh slots);
-        returns those rows and the pool (None: no quantized layer)."""
+        step's staging rows (the per-op path's `QuantizedPagedPool.stage_rows` of the plan's write and fresh slots,
+        and of its fill slots where the call quantizes the filled blocks itself); returns those rows, the pool and the
+        filled blocks (None: no quantized layer)."""
         coded = [p for p in pools if isinstance(p, QuantizedPoolLayer)]
         rows = None
         if coded:
@@ -180,11 +180,14 @@ class NativeBatchStep:
             plan, index = pool.plan, torch.tensor([p.layer for p in coded])[:, None]
             if plan.write_slots is None:
                 raise ValueError("the quantized pool's step was not planned (QuantizedPagedPool.plan_step)")
-            write, fresh = (pool.stage_rows(slots, index).to(torch.int64).contiguous()  # [coded layers, slots]
-                            for slots in (plan.write_slots, plan.fresh_slots))
+            # [coded layers, slots]; the filled blocks' rows only where the call quantizes them (native_quantizer)
+            fills = plan.fill_slots if plan.quantizes and pool.quantizer is not None else plan.fill_slots[:0]
+            write, fresh, fill = (pool.stage_rows(slots, index).to(torch.int64).contiguous()
+                                  for slots in (plan.write_slots, plan.fresh_slots, fills))
+            blocks = plan.fill_blocks[: fills.numel()].to(torch.int64).contiguous()
             if self.rotation is None or self.rotation[0] is not pool.rotation:
                 self.rotation = (pool.rotation, None if pool.rotation is None else pool.rotation.float().contiguous())
-            rows = (write, fresh, pool)
+            rows = (write, fresh, pool, fill, blocks)
         rotation = None if self.rotation is None else self.rotation[1]
         n = 0
         for desc, layer in zip(self.layers, pools, strict=True):
@@ -200,6 +203,7 @@ class NativeBatchStep:
             desc.k_stage, desc.v_stage = pool.k_stage.data_ptr(), pool.v_stage.data_ptr()
             desc.k_blocks, desc.v_blocks = pool.k_persistent[i].data_ptr(), pool.v_persistent[i].data_ptr()
             desc.write_rows, desc.fresh_rows = write[n].data_ptr(), fresh[n].data_ptr()
+            desc.fill_rows, desc.fill_blocks, desc.n_fill = fill[n].data_ptr(), blocks.data_ptr(), blocks.numel()
             desc.scheme, desc.num_blocks = QSCHEMES[pool.scheme], pool.num_blocks
             n += 1
         return rows

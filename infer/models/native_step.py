@@ -26,10 +26,9 @@ from typing import Any, Protocol, cast
 import torch
 
 from infer.config import ModelConfig
-from infer.kernels.native import QFORMATS, SCALE_CODES, NativeKernels, StepLayer, StepProj
+from infer.kernels.native import QFORMATS, QSCHEMES, SCALE_CODES, NativeKernels, StepLayer, StepProj
 
 QUANTIZED_KINDS = {"q8": 1, "q4": 2, "q6": 3}  # QuantizedWeight.kernel_args' format -> step_proj.kind (0: dense)
-QSCHEMES = {"int8": 0, "int4": 1, "fp4": 2}  # a quantized cache's scheme -> cpu_decode.c's Q_INT8, Q_INT4, Q_FP4
 
 
 class RowsCache(Protocol):
