@@ -24,7 +24,8 @@ The host side is pure Python and all-or-nothing. Each step:
                        the tables come back with the blocks still partly filled after the step remapped, and the
                        blocks the step fills are listed;
   the forward          each layer zeroes its fresh slots, writes the new K/V there, quantizes the filled blocks into
-                       codes (read as codes from this step on, as the quantized cache does), then attends;
+                       codes (read as codes from this step on, as the quantized cache does; on a CPU in C,
+                       `native_quantizer`, the torch code's formulas without a Python call per layer), then attends;
   `commit_step()`      filled blocks give their slots back; `abort_step()` gives back the slots `plan_step` took.
 A staged block no sequence holds any more (its request finished or was preempted) gives its slot back at the next
 plan, unless it is a sink the prefix cache still finds. Sliding-window layers keep their exact rings

@@ -4459,9 +4459,9 @@ int infer_quantize_blocks(int dtype, int scheme, const void *k_stage, const void
  * own position, the rows' K/V into their slots (fresh blocks zeroed first), paged attention, o, residual, norm,
  * gate/up, SiLU(gate) * up, down, residual; every value as the per-op path computes it (its residual adds are
  * PyTorch's bf16 adds: fp32 sums rounded once). x [rows, hidden] bf16 becomes the last layer's output. A quantized
- * pool's layers stage their rows and call `quantize_filled(layer)` back (the pool's own Python quantizes the blocks
- * the rows fill: the per-op path's codes) before attending over codes and staging; a non-zero return stops the call
- * (-4). A quantized model's products run the packed product on its packed codes (infer_qgemm_packed), as its per-op
+ * pool's layers stage their rows and quantize the blocks the rows fill (infer_quantize_blocks, as the per-op path on
+ * a CPU does; or, with the pool's torch quantizer, by calling `quantize_filled(layer)` back, whose non-zero return
+ * stops the call: -4) before attending over codes and staging. A quantized model's products run the packed product on its packed codes (infer_qgemm_packed), as its per-op
  * path does. Gemma 3's layers: its norms (x (1 + w)), the post-norms of the attention's and the MLP's outputs before
  * each residual add (`attn_out`, `mlp_out`), tanh-GELU, and each layer's own batch (`batch`: its sliding layers read
  * the rings' tables, the others the pool's). */

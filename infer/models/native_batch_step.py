@@ -8,16 +8,17 @@ holds it to that). This module describes the model to it once (`NativeBatchStep`
 norms and attention traits as ctypes structures holding the tensors' addresses) and fills in each step's pools and
 RoPE tables; the embedding, the final norm and the LM head stay in Python.
 
-Taken only where it applies (`Transformer._native_batch_step_for`): the engine's steps (`StepKernels.rows`), every
-token of the step attending in the native paged kernel in one call (`DecodeGroup.all_rows`) over exact bf16 pools
-or a quantized pool (infer/cache/paged_quantized.py: the rows staged in C, the blocks they fill quantized by a call
-back into the pool's own Python, `QuantizedPoolLayer.quantize_filled`, so the codes are the per-op path's bit for
-bit; then the paged kernel over codes and staging), each layer reading its batch (`describe_batch`: the pool's, or
-Gemma 3's sliding layers' rings'; a quantized pool's layers one batch); a bf16 model of pre-norm SiLU layers (Qwen 3's
-q/k norms included) or Gemma 3's (its norms, post-norms and GELU) whose products are packed for the native packed
-product (`Transformer.pack_products(layout="native")`: bf16 weights, or quantized ones' codes, `pack_codes`, which
-the call dequantizes a block at a time as the per-op path's `QuantizedLinear` does). Anything else runs the per-op
-path, which stays the check (`Transformer.native_step = False` turns both whole-step calls off).
+Taken only where it applies (`Transformer._native_batch_step_for`): the engine's steps (`StepKernels.rows`), every token
+of the step attending in the native paged kernel in one call (`DecodeGroup.all_rows`) over exact bf16 pools or a
+quantized pool (infer/cache/paged_quantized.py: the rows staged in C, the blocks they fill quantized in C by the pool's
+native quantizer, as its per-op path quantizes them on a CPU, or, with its torch quantizer (INFER_NATIVE_QUANTIZE=0), by
+a call back into `QuantizedPoolLayer.quantize_filled`: either way the codes are the per-op path's bit for bit; then the
+paged kernel over codes and staging), each layer reading its batch (`describe_batch`: the pool's, or Gemma 3's sliding
+layers' rings'; a quantized pool's layers one batch); a bf16 model of pre-norm SiLU layers (Qwen 3's q/k norms included)
+or Gemma 3's (its norms, post-norms and GELU) whose products are packed for the native packed product
+(`Transformer.pack_products(layout="native")`: bf16 weights, or quantized ones' codes, `pack_codes`, which the call
+dequantizes a block at a time as the per-op path's `QuantizedLinear` does). Anything else runs the per-op path, which
+stays the check (`Transformer.native_step = False` turns both whole-step calls off).
 """
 
 from __future__ import annotations
