@@ -473,17 +473,18 @@ needs_amx = pytest.mark.skipif(not AMX_HERE, reason="AMX tiles need an Intel Xeo
 
 
 @contextlib.contextmanager
-def amx_switched(on: bool) -> Iterator[None]:
-    """INFER_AMX for the block (the kernels read it at each call), put back after."""
-    before = os.environ.get("INFER_AMX")
-    os.environ["INFER_AMX"] = "1" if on else "0"
+def amx_switched(on: bool, name: str = "INFER_AMX") -> Iterator[None]:
+    """INFER_AMX (or another of the kernels' switches, `name`) for the block (the kernels read it at each call), put
+    back after."""
+    before = os.environ.get(name)
+    os.environ[name] = "1" if on else "0"
     try:
         yield
     finally:
         if before is None:
-            del os.environ["INFER_AMX"]
+            del os.environ[name]
         else:
-            os.environ["INFER_AMX"] = before
+            os.environ[name] = before
 
 
 @needs_amx
@@ -492,9 +493,10 @@ def amx_switched(on: bool) -> Iterator[None]:
        threads=st.integers(1, 3), seed=st.integers(0, 2**16))
 def test_amx_tiles_give_the_formula_and_each_row_alone(m: int, n: int, steps: int, with_bias: bool, threads: int,
                                                       seed: int) -> None:
-    """k a multiple of 32 on AMX tiles (32 input rows by 2 blocks a pass; a last tile of fewer than 16 rows, a lone
-    last block, threads splitting the blocks): every output within the rounding of fp32 sums rounded once to bf16 and
-    bit for bit what its row gives alone; the pair instruction's tiles (INFER_AMX=0) take the same k and give the same
+    """k a multiple of 32 on AMX tiles (32 input rows by 2 blocks a pass; 17-48 rows a block at a time by every row
+    tile; a last tile of fewer than 16 rows, a lone last block, threads splitting the blocks): every output within
+    the rounding of fp32 sums rounded once to bf16 and bit for bit what its row gives alone and what the two-by-two
+    pass gives (INFER_AMX_TALL=0); the pair instruction's tiles (INFER_AMX=0) take the same k and give the same
     rounding's numbers. The caller's tensors unchanged."""
     kernels = native_kernels()
     assert kernels is not None
@@ -513,8 +515,11 @@ def test_amx_tiles_give_the_formula_and_each_row_alone(m: int, n: int, steps: in
             assert kernels.amx_takes(k) and not kernels.amx_takes(k + 2)
             y = kernels.gemm_bf16_packed(packed, x, n, bias)
             alone = [kernels.gemm_bf16_packed(packed, x[j : j + 1], n, bias)[0] for j in range(m)]
+            with amx_switched(False, "INFER_AMX_TALL"):
+                two_by_two = kernels.gemm_bf16_packed(packed, x, n, bias)
     assert torch.equal(x, x_before), "the caller's tensors changed"
     assert_rows_are_the_formula(y, alone, w, x, bias)
+    assert torch.equal(y, two_by_two), "a block at a time by every row tile parted from the two-by-two pass"
     assert_rows_are_the_formula(pairs, [pairs[j] for j in range(m)], w, x, bias)
 
 
