@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from infer.cache import quant
 from infer.cache.quantized import SCHEMES
 from infer.kernels.native import native_kernels, unavailable_reason
+from tests.helpers import on_threads
 
 needs_build = pytest.mark.skipif(native_kernels() is None, reason=f"no native build here: {unavailable_reason()}")
 QMAX_VALUES = {"int8": quant.INT8_MAX, "int4": quant.INT4_MAX, "fp4": quant.FP4_MAX}
@@ -30,7 +31,7 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
     d = draw(st.sampled_from([2, 6, 8, 20, 64, 130] + ([5, 7] if scheme == "int8" else [])))
     return {"scheme": scheme, "d": d, "kv_heads": draw(st.integers(1, 3)), "bs": draw(st.integers(1, 17)),
             "dtype": draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16])),
-            "rows": draw(st.integers(1, 4)), "fills": draw(st.integers(1, 4)),
+            "rows": draw(st.integers(1, 4)), "fills": draw(st.integers(1, 6)), "threads": draw(st.integers(1, 3)),
             "kind": draw(st.sampled_from(["normal", "outliers", "ties", "zeros", "tiny", "huge"])),
             "rotate": scheme != "int8" and draw(st.booleans()), "offsets": scheme != "int8" and draw(st.booleans()),
             "seed": draw(st.integers(0, 2**31 - 1))}
@@ -111,8 +112,9 @@ def test_the_native_quantizer_is_the_pools_torch_code(case: dict[str, Any]) -> N
     rotation = quant.value_rotation(d) if case["rotate"] else None
     outputs = [*codes, k_scale, v_scale] + ([offsets] if offsets is not None else [])
     untouched = [t.clone() for t in outputs]
-    kernels.quantize_blocks((k_stage, v_stage), rows, blocks, (codes[0], codes[1]), (k_scale, v_scale), offsets,
-                            rotation, scheme)
+    with on_threads(case["threads"]):  # (blocks and heads shared over the threads where the work is large enough)
+        kernels.quantize_blocks((k_stage, v_stage), rows, blocks, (codes[0], codes[1]), (k_scale, v_scale), offsets,
+                                rotation, scheme)
 
     assert torch.equal(k_stage, before[0]) and torch.equal(v_stage, before[1]), "the staging was written"
     others = torch.tensor([b for b in range(num_blocks) if b not in blocks.tolist()], dtype=torch.long)

@@ -4468,7 +4468,7 @@ int infer_quantize_blocks(int dtype, int scheme, const void *k_stage, const void
     if (scheme != Q_INT8 && d % 2) return -3;
     if (n <= 0) return 0;
     int64_t per = scheme == Q_INT8 ? 1 : 2, esize = dtype == F32 ? 4 : 2, units = n * kv_heads;
-    if (units * bs * d < 65536) threads = 1;
+    if (units < 2 || units * bs * d * (rotation ? d : 8) < 262144) threads = 1; /* (a rotation: d^2 a row) */
     int64_t cells = 2 * bs * d + d; /* a thread's keys, values and a rotated row */
     float *scratch = (float *)malloc(sizeof(float) * (size_t)(cells * threads));
     if (!scratch) return -1;
