@@ -4375,10 +4375,11 @@ int infer_decode_step(int dtype, const step_layer *layers, int64_t n_layers, int
 
 /* ---- a quantized pool's filled blocks into codes (infer/cache/paged_quantized.py) ----
  * The pool's own quantizing (QuantizedPoolLayer.quantize_filled's torch code, infer/cache/quant.py) without a Python
- * call per layer: at 16 rows of a 150M Llama's decode steps a block filled in most steps, and the torch code took
- * 0.8 ms a layer, a third of the step. The same formulas in the same fp32 operations, so the same codes and scales
- * bit for bit, except the 4-bit schemes' value rotation, whose sums (x @ H) PyTorch's matmul orders its own way:
- * here in input order, so a rotated value on a rounding boundary may take the neighbouring code.
+ * call per layer: once requests drift apart a block fills in most decode steps, and the torch code's ~20 small ops a
+ * layer made a 150M Llama's 16-request int8 step 1.16-1.22x slower on a 2-core Xeon. The same formulas in the same fp32
+ * operations, so the same codes and scales bit for bit, except the 4-bit schemes' value rotation, whose sums (x @ H)
+ * PyTorch's matmul orders its own way: here in input order, so a rotated value on a rounding boundary may take the
+ * neighbouring code.
  *   keys [bs, d] of a block and head: (4-bit) offsets o_c = bf16((max_t x + min_t x) / 2), x -= o_c; then one scale
  *     per channel over the block's tokens, s_c = absmax_t |x| / qmax rounded to bf16, and up one bf16 step where
  *     that fell below (`round_up_scale`, quant.row_scale); code = clamp(rint(x / s_c)) (s_c = 0 divides by 1);
@@ -4503,10 +4504,10 @@ int infer_quantize_blocks(int dtype, int scheme, const void *k_stage, const void
  * PyTorch's bf16 adds: fp32 sums rounded once). x [rows, hidden] bf16 becomes the last layer's output. A quantized
  * pool's layers stage their rows and quantize the blocks the rows fill (infer_quantize_blocks, as the per-op path on
  * a CPU does; or, with the pool's torch quantizer, by calling `quantize_filled(layer)` back, whose non-zero return
- * stops the call: -4) before attending over codes and staging. A quantized model's products run the packed product on its packed codes (infer_qgemm_packed), as its per-op
- * path does. Gemma 3's layers: its norms (x (1 + w)), the post-norms of the attention's and the MLP's outputs before
- * each residual add (`attn_out`, `mlp_out`), tanh-GELU, and each layer's own batch (`batch`: its sliding layers read
- * the rings' tables, the others the pool's). */
+ * stops the call: -4) before attending over codes and staging. A quantized model's products run the packed product
+ * on its packed codes (infer_qgemm_packed), as its per-op path does. Gemma 3's layers: its norms (x (1 + w)), the
+ * post-norms of the attention's and the MLP's outputs before each residual add (`attn_out`, `mlp_out`), tanh-GELU, and
+ * each layer's own batch (`batch`: its sliding layers read the rings' tables, the others the pool's). */
 typedef struct {
     const int64_t *slot_blocks, *slot_offsets, *fresh; /* [rows], [rows], [n_fresh]: where each row's K/V go */
     const int64_t *tables, *lengths, *starts;          /* [rows, nb], [rows], [rows]: what each row attends */
