@@ -4397,64 +4397,96 @@ static inline uint16_t round_up_scale(float absmax, float qmax) {
     return s;
 }
 
-static inline int quantized_code(int scheme, float v) {
-    if (scheme == Q_FP4) {
-        float a = fabsf(v);
-        int m = 0;
-        while (m < 7 && FP4_MIDPOINTS[m] < a) m++;
-        return m | (v < 0 ? 8 : 0);
-    }
-    float lim = scheme == Q_INT8 ? 127.0f : 7.0f, r = rintf(v);
-    return (int)(r < -lim ? -lim : r > lim ? lim : r);
+/* a scaled value's int8 / int4 code (rint: ties to even, as torch.round), clamped to +-lim */
+static inline int int_code(float v, float lim) {
+    float r = rintf(v);
+    r = r < -lim ? -lim : r;
+    return (int)(r > lim ? lim : r);
 }
 
-/* n scaled values (x / scale, already divided) as `scheme`'s codes at out */
-static inline void pack_codes(int scheme, const float *scaled, int64_t n, uint8_t *out) {
+/* a scaled value's E2M1 code: the magnitude's bucket among the midpoints (a value on one goes down), bit 3 the sign */
+static inline int fp4_code(float v) {
+    float a = fabsf(v);
+    int m = 0;
+    for (int i = 0; i < 7; i++) m += FP4_MIDPOINTS[i] < a;
+    return m | (v < 0 ? 8 : 0);
+}
+
+/* n scaled values (x / scale, already divided) as `scheme`'s codes at out (plain loops the compiler vectorizes: a
+ * 48-request int4 step spent 7% of its time here as one branchy loop) */
+static inline void pack_codes(int scheme, const float *restrict scaled, int64_t n, uint8_t *restrict out) {
     if (scheme == Q_INT8)
-        for (int64_t i = 0; i < n; i++) ((int8_t *)out)[i] = (int8_t)quantized_code(scheme, scaled[i]);
+        for (int64_t i = 0; i < n; i++) out[i] = (uint8_t)(int8_t)int_code(scaled[i], 127.0f);
+    else if (scheme == Q_INT4)
+        for (int64_t i = 0; i < n / 2; i++)
+            out[i] = (uint8_t)((int_code(scaled[2 * i], 7.0f) & 0x0f) |
+                               (int_code(scaled[2 * i + 1], 7.0f) & 0x0f) << 4);
     else
-        for (int64_t i = 0; i < n; i += 2)
-            out[i / 2] = (uint8_t)((quantized_code(scheme, scaled[i]) & 0x0f) |
-                                   ((quantized_code(scheme, scaled[i + 1]) & 0x0f) << 4));
+        for (int64_t i = 0; i < n / 2; i++)
+            out[i] = (uint8_t)(fp4_code(scaled[2 * i]) | fp4_code(scaled[2 * i + 1]) << 4);
+}
+
+/* rot = row @ rotation ([d, d]): each output's sum over the inputs in order (a row at a time of the matrix, so the
+ * compiler vectorizes over the outputs) */
+static inline void rotate_row(const float *restrict row, const float *restrict rotation, float *restrict rot,
+                              int64_t d) {
+    for (int64_t j = 0; j < d; j++) rot[j] = 0.0f;
+    for (int64_t c = 0; c < d; c++) {
+        const float r = row[c], *restrict h = rotation + c * d;
+        for (int64_t j = 0; j < d; j++) rot[j] += r * h[j];
+    }
 }
 
 static inline float scale_divisor(uint16_t s) { return bf16_to_f32(s) == 0.0f ? 1.0f : bf16_to_f32(s); }
 
 /* One block and head: keys x [bs, d] and values [bs, d] (fp32, overwritten) into codes at kc / vc, key scales ks
- * [d], value scales vs [bs], key offsets ko [d] (NULL: none); rotation [d, d] or NULL; rot: d floats of scratch. */
-static void quantize_block_head(int scheme, float *x, float *v, int64_t bs, int64_t d, uint8_t *kc, uint8_t *vc,
-                                uint16_t *ks, uint16_t *vs, uint16_t *ko, const float *rotation, float *rot) {
+ * [d], value scales vs [bs], key offsets ko [d] (NULL: none); rotation [d, d] or NULL; w: 5d floats of scratch.
+ * The keys' channels a token row at a time (the loops run along the channels, which the compiler vectorizes); each
+ * value the same operations as the formula's, so the same bits whichever way the loops run. */
+static void quantize_block_head(int scheme, float *restrict x, float *restrict v, int64_t bs, int64_t d, uint8_t *kc,
+                                uint8_t *vc, uint16_t *ks, uint16_t *vs, uint16_t *ko, const float *rotation,
+                                float *restrict w) {
     int64_t per = scheme == Q_INT8 ? 1 : 2;
     float key_qmax = scheme == Q_INT8 ? 127.0f : scheme == Q_INT4 ? 7.0f : 4.0f;
     float value_qmax = scheme == Q_INT8 ? 127.0f : scheme == Q_INT4 ? 7.0f : 6.0f;
-    for (int64_t c = 0; c < d; c++) { /* keys: by channel over the block's tokens */
-        if (ko) {
-            float hi = x[c], lo = x[c];
-            for (int64_t t = 1; t < bs; t++) {
-                hi = x[t * d + c] > hi ? x[t * d + c] : hi;
-                lo = x[t * d + c] < lo ? x[t * d + c] : lo;
+    float *restrict hi = w, *restrict lo = w + d, *restrict amax = w + 2 * d, *restrict div = w + 3 * d;
+    float *restrict rot = w + 4 * d;
+    if (ko) { /* keys: each channel's midpoint over the block's tokens, rounded to bf16, taken off */
+        memcpy(hi, x, sizeof(float) * (size_t)d);
+        memcpy(lo, x, sizeof(float) * (size_t)d);
+        for (int64_t t = 1; t < bs; t++)
+            for (int64_t c = 0; c < d; c++) {
+                hi[c] = x[t * d + c] > hi[c] ? x[t * d + c] : hi[c];
+                lo[c] = x[t * d + c] < lo[c] ? x[t * d + c] : lo[c];
             }
-            ko[c] = f32_to_bf16((hi + lo) / 2.0f);
-            for (int64_t t = 0; t < bs; t++) x[t * d + c] -= bf16_to_f32(ko[c]);
+        for (int64_t c = 0; c < d; c++) {
+            ko[c] = f32_to_bf16((hi[c] + lo[c]) / 2.0f);
+            hi[c] = bf16_to_f32(ko[c]);
         }
-        float amax = 0.0f;
-        for (int64_t t = 0; t < bs; t++) amax = fabsf(x[t * d + c]) > amax ? fabsf(x[t * d + c]) : amax;
-        ks[c] = round_up_scale(amax, key_qmax);
-        for (int64_t t = 0; t < bs; t++) x[t * d + c] /= scale_divisor(ks[c]);
+        for (int64_t t = 0; t < bs; t++)
+            for (int64_t c = 0; c < d; c++) x[t * d + c] -= hi[c];
     }
-    for (int64_t t = 0; t < bs; t++) pack_codes(scheme, x + t * d, d, kc + t * (d / per));
+    for (int64_t c = 0; c < d; c++) amax[c] = 0.0f; /* one scale per channel over the block's tokens */
+    for (int64_t t = 0; t < bs; t++)
+        for (int64_t c = 0; c < d; c++) amax[c] = fabsf(x[t * d + c]) > amax[c] ? fabsf(x[t * d + c]) : amax[c];
+    for (int64_t c = 0; c < d; c++) {
+        ks[c] = round_up_scale(amax[c], key_qmax);
+        div[c] = scale_divisor(ks[c]);
+    }
+    for (int64_t t = 0; t < bs; t++) {
+        for (int64_t c = 0; c < d; c++) x[t * d + c] /= div[c];
+        pack_codes(scheme, x + t * d, d, kc + t * (d / per));
+    }
     for (int64_t t = 0; t < bs; t++) { /* values: each row its own scale (rotated first, each sum in input order) */
-        float *row = v + t * d;
+        float *restrict row = v + t * d, m = 0.0f;
         if (rotation) {
-            for (int64_t j = 0; j < d; j++) rot[j] = 0.0f;
-            for (int64_t c = 0; c < d; c++)
-                for (int64_t j = 0; j < d; j++) rot[j] += row[c] * rotation[c * d + j];
+            rotate_row(row, rotation, rot, d);
             memcpy(row, rot, sizeof(float) * (size_t)d);
         }
-        float amax = 0.0f;
-        for (int64_t c = 0; c < d; c++) amax = fabsf(row[c]) > amax ? fabsf(row[c]) : amax;
-        vs[t] = round_up_scale(amax, value_qmax);
-        for (int64_t c = 0; c < d; c++) row[c] /= scale_divisor(vs[t]);
+        for (int64_t c = 0; c < d; c++) m = fabsf(row[c]) > m ? fabsf(row[c]) : m;
+        vs[t] = round_up_scale(m, value_qmax);
+        float s = scale_divisor(vs[t]);
+        for (int64_t c = 0; c < d; c++) row[c] /= s;
         pack_codes(scheme, row, d, vc + t * (d / per));
     }
 }
@@ -4470,7 +4502,7 @@ int infer_quantize_blocks(int dtype, int scheme, const void *k_stage, const void
     if (n <= 0) return 0;
     int64_t per = scheme == Q_INT8 ? 1 : 2, esize = dtype == F32 ? 4 : 2, units = n * kv_heads;
     if (units < 2 || units * bs * d * (rotation ? d : 8) < 262144) threads = 1; /* (a rotation: d^2 a row) */
-    int64_t cells = 2 * bs * d + d; /* a thread's keys, values and a rotated row */
+    int64_t cells = 2 * bs * d + 5 * d; /* a thread's keys, values and quantize_block_head's scratch */
     float *scratch = (float *)malloc(sizeof(float) * (size_t)(cells * threads));
     if (!scratch) return -1;
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
