@@ -107,6 +107,37 @@ def test_real_model_requests_stay_within_the_kinds_bounds(scheme: str, graphs: b
     check_within_bounds(engine, model, prompts, ids, bounds)
 
 
+@pytest.mark.real_model
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_real_model_requests_through_the_native_quantizer_are_the_torch_codes(
+        scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SmolLM2's real keys and values (outlier channels) through a quantized pool whose filled blocks the native
+    quantizer writes (`NativeKernels.quantize_blocks`, in the whole-step call and the per-op path) and through one
+    whose blocks the torch code writes (INFER_NATIVE_QUANTIZE=0, the formula): the same tokens and logits bit for bit
+    (int4: its rotated values too, which the two order their sums for differently)."""
+    from infer.model_store import default_model_path
+
+    path: Path = default_model_path()
+    model = infer.load_model(path, dtype="bfloat16")
+    tokenizer = infer.Tokenizer(path)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+               for q in ("Write a haiku about the sea.", "Explain how a rainbow forms.")]
+    runs = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv("INFER_NATIVE_QUANTIZE", switch)
+        engine = Engine(model, tokenizer, num_blocks=48, block_size=16, keep_logits=True, kv_cache_dtype=scheme)
+        assert (engine.pool.quantizer is not None) == (switch == "1")
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=33, temperature=0.0, ignore_eos=True))
+               for p in prompts]
+        while engine.has_unfinished():
+            engine.step()
+        runs.append([engine.result(i) for i in ids])
+    for native, formula in zip(*runs, strict=True):
+        assert native.token_ids == formula.token_ids
+        assert native.logits is not None and formula.logits is not None
+        assert torch.equal(native.logits, formula.logits), "the native quantizer parted from the torch code"
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_the_same_memory_holds_more_quantized_blocks(graphs: bool) -> None:
     """At head_dim 64 and blocks of 16 a bf16 block is 4096 bytes per layer and KV head; int8 2208 (0.54x: codes
