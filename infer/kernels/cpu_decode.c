@@ -3051,8 +3051,9 @@ static inline void amx_store(const float *sums, int rows, const uint16_t *bias, 
 /* Block b packed at `pb` against 17-48 rows of x laid out as tiles (`xt`): each weight tile loaded once and multiplied
  * by every row tile (tmm0-2 the sums, tmm4 the weights, tmm5-7 the rows), the bytes `pf` .. `pf_end` prefetched into
  * L2 meanwhile. At 17-48 rows it streamed 1.06-1.22x faster than two blocks by two row tiles (amx_pass: two weight
- * tiles a step and the rows' tiles each read once) on a 2-core Emerald Rapids Xeon; at 16 rows and fewer, and at 64,
- * no faster. The same tile instructions on each row tile in the same order of k, so the same sums bit for bit. */
+ * tiles a step and the rows' tiles each read once) on a 2-core Emerald Rapids Xeon, and at 49-64 rows, as two passes
+ * (32 rows, then the rest), 1.1-1.25x; at 16 rows and fewer no faster, and past 64 rows 0.95-1.1x. The same tile
+ * instructions on each row tile in the same order of k, so the same sums bit for bit. */
 static void amx_pass_tall(const uint16_t *pb, int64_t pairs, const uint16_t *xt, int64_t m, const uint16_t *bias,
                           uint16_t *y, int64_t n, int64_t b, const char *pf, const char *pf_end) {
     int64_t steps = pairs / 16, tiles = (m + 15) / 16;
@@ -3084,15 +3085,19 @@ static void amx_pass_tall(const uint16_t *pb, int64_t pairs, const uint16_t *xt,
 
 /* Blocks b, b + 1 (nb of them) packed at `pb` against every row of x laid out as tiles (`xt`, amx_rows_as_tiles),
  * the bytes `pf` .. `pf_end` prefetched into L2 meanwhile, spread over the pass's steps. The tiles configured.
- * 17-48 rows: a block at a time (amx_pass_tall), unless INFER_AMX_TALL=0. */
+ * 17-64 rows: a block at a time (amx_pass_tall), unless INFER_AMX_TALL=0. */
 static void amx_pass(const uint16_t *pb, int64_t pairs, const uint16_t *xt, int64_t m, int64_t k,
                      const uint16_t *bias, uint16_t *y, int64_t n, int64_t b, int nb, const char *pf,
                      const char *pf_end, int tall) {
-    if (m > 16 && m <= 48 && tall) {
+    if (m > 16 && m <= 64 && tall) {
+        /* (49-64 rows: 32 rows, then the rest over the block's weights again, from cache) */
         const char *mid = pf + (pf_end - pf) / 2;
+        int64_t steps = pairs / 16, rows = m <= 48 ? m : 32;
         for (int a = 0; a < nb; a++)
-            amx_pass_tall(pb + a * pairs * 32, pairs, xt, m, bias, y, n, b + a, a ? mid : pf,
-                          a || nb == 1 ? pf_end : mid);
+            for (int64_t j = 0; j < m; j += rows)
+                amx_pass_tall(pb + a * pairs * 32, pairs, xt + (j / 16) * steps * 512, m - j < rows ? m - j : rows,
+                              bias, y + j * n, n, b + a, j ? pf_end : a ? mid : pf,
+                              j || a || nb == 1 ? pf_end : mid);
         return;
     }
     const uint16_t *w0 = pb, *w1 = pb + (nb > 1 ? pairs * 32 : 0); /* (a lone block twice, the spare never stored) */
