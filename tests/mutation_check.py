@@ -382,7 +382,7 @@ MUTANTS = [
            "            _tile_loadd(7, xt + (2 * steps + s) * 512, 64);\n            _tile_dpbf16ps(2, 7, 4);",
            "            _tile_loadd(7, xt + (2 * steps + s) * 512, 64);", ("tests/test_native_kernels.py",)),
     Mutant("AMX packed product (AMX hosts): 17-64 rows a block at a time, both blocks into the first's columns",
-           NATIVE_C, "bias, y + j * n, n, b + a, j ? pf_end", "bias, y + j * n, n, b, j ? pf_end",
+           NATIVE_C, "bias, y + j * n, n, b + a, j ? to : from, to);", "bias, y + j * n, n, b, j ? to : from, to);",
            ("tests/test_native_kernels.py",)),
     Mutant("AMX packed product (AMX hosts): 49-64 rows a block at a time in one pass (its three row tiles)", NATIVE_C,
            "int64_t steps = pairs / 16, rows = m <= 48 ? m : 32;",

@@ -381,23 +381,24 @@ class QuantizedPoolLayer:
         writes: `write`, or the batched whole-step call, which calls back here unless it quantizes them itself):
         natively on a CPU (`native_quantizer`), else by the torch code below, its formula."""
         pool, plan, i = self.pool, self.pool.plan, self.layer
-        if plan.quantizes and pool.quantizer is not None:
-            pool.quantizer.quantize_blocks((pool.k_stage, pool.v_stage), pool.stage_rows(plan.fill_slots, i),
-                                           plan.fill_blocks, (pool.k_codes[i], pool.v_codes[i]),
-                                           (pool.k_scale[i], pool.v_scale[i]),
+        if not plan.quantizes:
+            return
+        filled = pool.stage_rows(plan.fill_slots, i)
+        if pool.quantizer is not None:
+            pool.quantizer.quantize_blocks((pool.k_stage, pool.v_stage), filled, plan.fill_blocks,
+                                           (pool.k_codes[i], pool.v_codes[i]), (pool.k_scale[i], pool.v_scale[i]),
                                            pool.k_offset[i] if pool.key_offsets else None, pool.rotation, pool.scheme)
-        elif plan.quantizes:
-            filled = pool.stage_rows(plan.fill_slots, i)
-            keys = pool.k_stage[filled]
-            centres = quant.channel_offsets(keys) if pool.key_offsets else None
-            codes, scales = quant.quantize_channels(keys, pool.scheme, centres)
-            pool.k_codes[i][plan.fill_blocks], pool.k_scale[i][plan.fill_blocks] = codes, scales
-            if centres is not None:
-                pool.k_offset[i][plan.fill_blocks] = centres
-            values = pool.v_stage[filled]
-            codes, scales = SCHEMES[pool.scheme][0](values if pool.rotation is None
-                                                    else quant.rotate(values, pool.rotation))
-            pool.v_codes[i][plan.fill_blocks], pool.v_scale[i][plan.fill_blocks] = codes, scales
+            return
+        keys = pool.k_stage[filled]
+        centres = quant.channel_offsets(keys) if pool.key_offsets else None
+        codes, scales = quant.quantize_channels(keys, pool.scheme, centres)
+        pool.k_codes[i][plan.fill_blocks], pool.k_scale[i][plan.fill_blocks] = codes, scales
+        if centres is not None:
+            pool.k_offset[i][plan.fill_blocks] = centres
+        values = pool.v_stage[filled]
+        codes, scales = SCHEMES[pool.scheme][0](values if pool.rotation is None
+                                                else quant.rotate(values, pool.rotation))
+        pool.v_codes[i][plan.fill_blocks], pool.v_scale[i][plan.fill_blocks] = codes, scales
 
     def gather(self, tables: torch.Tensor, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of block tables `[B, nb]` in position order, `[B, Hkv, length, D]` each: codes

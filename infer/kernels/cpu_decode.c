@@ -3093,11 +3093,13 @@ static void amx_pass(const uint16_t *pb, int64_t pairs, const uint16_t *xt, int6
         /* (49-64 rows: 32 rows, then the rest over the block's weights again, from cache) */
         const char *mid = pf + (pf_end - pf) / 2;
         int64_t steps = pairs / 16, rows = m <= 48 ? m : 32;
-        for (int a = 0; a < nb; a++)
+        for (int a = 0; a < nb; a++) {
+            /* each block prefetches its half of the range ahead, in its first pass */
+            const char *from = a ? mid : pf, *to = a || nb == 1 ? pf_end : mid;
             for (int64_t j = 0; j < m; j += rows)
                 amx_pass_tall(pb + a * pairs * 32, pairs, xt + (j / 16) * steps * 512, m - j < rows ? m - j : rows,
-                              bias, y + j * n, n, b + a, j ? pf_end : a ? mid : pf,
-                              j || a || nb == 1 ? pf_end : mid);
+                              bias, y + j * n, n, b + a, j ? to : from, to);
+        }
         return;
     }
     const uint16_t *w0 = pb, *w1 = pb + (nb > 1 ? pairs * 32 : 0); /* (a lone block twice, the spare never stored) */
