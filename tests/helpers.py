@@ -159,6 +159,21 @@ def check_pool_invariants(manager: BlockManager, tokens: dict[int, list[int]] | 
 
 
 @contextmanager
+def env_set(name: str, value: str) -> Iterator[None]:
+    """Environment variable `name` set to `value` for the body (the native kernels read their switches at each
+    call), put back after."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
+@contextmanager
 def on_threads(threads: int) -> Iterator[None]:
     """Run the body on `threads` PyTorch (and native kernel) threads, restoring the count after."""
     before = torch.get_num_threads()

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ from infer.families import ARCHITECTURES
 from infer.kernels import native
 from infer.kernels.native import DTYPE_CODES, native_kernels, unavailable_reason
 from infer.tuning import build_native_kernels, flavours_for_this_cpu
-from tests.helpers import on_threads
+from tests.helpers import env_set, on_threads
 
 
 def runnable_flavours() -> list[str]:
@@ -472,19 +470,9 @@ AMX_HERE = native_kernels() is not None and native_kernels().amx_takes(32)
 needs_amx = pytest.mark.skipif(not AMX_HERE, reason="AMX tiles need an Intel Xeon with AMX-BF16 and a native build")
 
 
-@contextlib.contextmanager
-def amx_switched(on: bool, name: str = "INFER_AMX") -> Iterator[None]:
-    """INFER_AMX (or another of the kernels' switches, `name`) for the block (the kernels read it at each call), put
-    back after."""
-    before = os.environ.get(name)
-    os.environ[name] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = before
+def amx_switched(on: bool, name: str = "INFER_AMX") -> contextlib.AbstractContextManager[None]:
+    """INFER_AMX (or another of the kernels' on / off switches, `name`) for the block, put back after."""
+    return env_set(name, "1" if on else "0")
 
 
 @needs_amx
@@ -558,6 +546,37 @@ def test_amx_tiles_pass_many_rows_in_groups(m: int, k: int) -> None:
         y = kernels.gemm_bf16_packed(packed, x, 37, bias)
         alone = [kernels.gemm_bf16_packed(packed, x[j : j + 1], 37, bias)[0] for j in range(m)]
     assert_rows_are_the_formula(y, alone, w, x, bias)
+
+
+@pytest.mark.skipif(not PACKED_FLAVOURS, reason="the packed bf16 product needs AVX512-BF16 or AVX2 with FMA")
+@settings(max_examples=40, deadline=None)
+@given(m=st.sampled_from([1, 7, 16, 17, 33, 48, 64, 65, 150]), blocks=st.integers(1, 41), k=st.sampled_from([64, 3072]),
+       threads=st.integers(2, 4), amx=st.booleans(), flavour=st.sampled_from(PACKED_FLAVOURS or ["native"]),
+       seed=st.integers(0, 2**16))
+def test_blocks_taken_from_other_threads_are_the_static_splits(m: int, blocks: int, k: int, threads: int, amx: bool,
+                                                               flavour: str, seed: int) -> None:
+    """The packed products share their pairs of blocks among the threads (each its own range from the front, then
+    the others' from the back): with the others' backs taken first (INFER_BALANCE=2, every thread taking some of
+    every other's blocks while their owners take from the front) or once a range is spent (the default), every
+    output is bit for bit the static split's (INFER_BALANCE=0) and within rounding of the formula (a block taken
+    by no thread, or by two, would leave or double its columns): 1-4 threads, odd block counts, one group of rows or
+    several (k = 3072: 64 rows a group on AMX tiles)."""
+    kernels = native_kernels(flavour)
+    assert kernels is not None
+    n = 16 * blocks - seed % 16
+    gen = torch.Generator().manual_seed(seed)
+    w, x, bias = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(m, k, generator=gen).bfloat16(), None
+    if seed % 2:
+        bias = torch.randn(n, generator=gen).bfloat16()
+    packed = kernels.pack_bf16(w)
+    got = {}
+    with on_threads(threads), amx_switched(amx):
+        for balance in ("0", "2", "1"):
+            with env_set("INFER_BALANCE", balance):
+                got[balance] = kernels.gemm_bf16_packed(packed, x, n, bias)
+    assert torch.equal(got["2"], got["0"]), "blocks taken from the others' backs parted from the static split"
+    assert torch.equal(got["1"], got["0"]), "the default split parted from the static one"
+    assert_rows_are_the_formula(got["2"], list(got["0"]), w, x, bias)
 
 
 @needs_packed_bf16

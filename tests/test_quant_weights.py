@@ -40,6 +40,7 @@ from reference.oracle import Oracle
 from tests.helpers import (
     assert_close,
     dequantized_twin,
+    env_set,
     fma32,
     fp32_bound,
     on_threads,
@@ -536,21 +537,24 @@ PACKED_CODES = [f for f in RUNNABLE if getattr(native_kernels(f), "packed_codes_
 
 
 @pytest.mark.skipif(not PACKED_CODES, reason="the quantized packed product needs AVX512-BF16 or AVX2 (and a build)")
-@given(n=st.integers(1, 80), flavour=st.sampled_from(PACKED_CODES or ["native"]), **BF16_PRODUCT_DRAWS)
+@given(n=st.integers(1, 80), flavour=st.sampled_from(PACKED_CODES or ["native"]),
+       balance=st.sampled_from(["1", "2", "0"]), **BF16_PRODUCT_DRAWS)
 @settings(max_examples=40, deadline=None)
 def test_the_quantized_packed_product_is_the_packed_product_on_the_bf16_dequantized_weight(
-        scheme: str, n: int, flavour: str, runs: int, group: int, m: int, with_bias: bool, threads: int,
-        seed: int) -> None:
+        scheme: str, n: int, flavour: str, balance: str, runs: int, group: int, m: int, with_bias: bool,
+        threads: int, seed: int) -> None:
     """`quantized_gemm_packed` on `pack_codes`' layout (each block of 16 weight rows dequantized once to bf16 in cache)
     is the bf16 packed product on the weight `dequantize(bf16)` gives, bit for bit (last blocks part-filled, threads
-    splitting the blocks unevenly; every flavour that has it), and so within fp32 summation and one bf16 rounding of
-    `x @ dequantize(bf16).T`; the weight and x are left as they were."""
+    splitting the blocks unevenly and taking each other's, INFER_BALANCE 1 / 2 / 0; every flavour that has it), and
+    so within fp32 summation and one bf16 rounding of `x @ dequantize(bf16).T`; the weight and x are left as they
+    were."""
     kernels = native_kernels(flavour)
     assert kernels is not None
     weight, x, bias = bf16_product_case(scheme, n, runs, group, m, with_bias, seed)
     before, x_before = [t.clone() for t in weight.tensors()], x.clone()
-    with on_threads(threads):
+    with on_threads(threads), env_set("INFER_BALANCE", balance):
         got = kernels.quantized_gemm_packed(pack_codes(weight), x, bias)
+    with on_threads(threads):
         want = kernels.gemm_bf16_packed(kernels.pack_bf16(weight.dequantize(torch.bfloat16)), x, n, bias)
     assert torch.equal(got, want), f"{scheme}: not the packed product on the bf16-dequantized weight"
     assert_within_the_bf16_dequantized_gemm(got, x, weight, bias)

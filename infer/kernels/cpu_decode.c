@@ -251,6 +251,97 @@ static inline void thread_rows(int64_t n, int64_t *r0, int64_t *r1) {
     if (*r1 > n) *r1 = n;
 }
 
+/* Work items [0, count) shared by the threads of a region, in contiguous ranges, one per thread (front | back << 32,
+ * a cache line each): a thread takes its own range from the front, in order (its weights streamed and prefetched
+ * ahead as with a static split), then, its range spent, the others' last items from their backs. On a shared 2-vCPU
+ * host the two threads ran equal halves of a product up to 1.2x apart, and the faster one waited at the region's end
+ * (an OpenMP barrier spin, a fifth of a worker thread's samples over prefill steps). INFER_BALANCE=0: no taking from
+ * the others' backs, the static split (the check: each item is computed the same whoever takes it). */
+typedef struct {
+    uint64_t v;
+    char pad[56];
+} work_range;
+
+/* `groups` sets of `threads` ranges over [0, count) (NULL without memory). */
+static work_range *work_ranges(int64_t groups, int threads, int64_t count) {
+    work_range *r = (work_range *)aligned_alloc(64, sizeof(work_range) * (size_t)(groups * threads));
+    for (int64_t g = 0; r && g < groups; g++)
+        for (int t = 0; t < threads; t++)
+            r[g * threads + t].v = (uint64_t)(count * t / threads) | (uint64_t)(count * (t + 1) / threads) << 32;
+    return r;
+}
+
+/* Takes from range r: from its front, a quarter of what is left (at least one item: few atomic instructions per
+ * range, each of which waits for this thread's stores to drain), or from its back, one item. The first item taken
+ * (the rest up to *end follow it), or -1 where the range is spent. */
+static inline int64_t work_take(work_range *r, int back, int64_t *end) {
+    uint64_t cur = __atomic_load_n(&r->v, __ATOMIC_RELAXED);
+    for (;;) {
+        uint64_t front = cur & 0xffffffffu, last = cur >> 32;
+        if (front >= last) return -1;
+        uint64_t take = back ? 1 : (last - front + 3) / 4;
+        uint64_t next = back ? front | (last - 1) << 32 : (front + take) | last << 32;
+        if (__atomic_compare_exchange_n(&r->v, &cur, next, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            *end = (int64_t)(back ? last : front + take);
+            return (int64_t)(back ? last - 1 : front);
+        }
+    }
+}
+
+/* This thread's walk over one set of `nr` ranges of [0, count): the fronts of its own (range t, and t + team, ...
+ * where the team came out smaller than the ranges asked for), then (balance) the others' backs. */
+typedef struct {
+    work_range *r;
+    int64_t count, next, end, lo, hi; /* next .. end: taken, not yet walked; lo .. hi: their range as set out */
+    int nr, t, team, balance, own, other, back;
+} work_walk;
+
+/* INFER_BALANCE: 1 (unset) the others' backs taken once a range is spent, 0 never, 2 first (see work_next). */
+static int work_balance(void) {
+    const char *v = getenv("INFER_BALANCE");
+    return v && v[0] == '0' ? 0 : v && v[0] == '2' ? 2 : 1;
+}
+
+static inline work_walk work_start(work_range *r, int nr, int64_t count, int balance) {
+    work_walk w = {r, count, 0, 0, 0, 0, nr, 0, 1, balance, 0, 1, 0};
+#ifdef _OPENMP
+    w.t = w.own = omp_get_thread_num();
+    w.team = omp_get_num_threads();
+#endif
+    return w;
+}
+
+/* The walk's next items from the front of its own ranges (back 0) or the back of the others' (back 1): the first,
+ * or -1 where they are spent; *at the range it came from. */
+static inline int64_t work_walk_take(work_walk *w, int back, int *at) {
+    int *cursor = back ? &w->other : &w->own;
+    while (*cursor < w->nr) {
+        *at = back ? (w->t + *cursor) % w->nr : *cursor;
+        int64_t i = work_take(w->r + *at, back, &w->end);
+        if (i >= 0) {
+            w->back = back;
+            return i;
+        }
+        *cursor += back ? 1 : w->team;
+    }
+    return -1;
+}
+
+/* The next item of the walk, -1 when none is left. Balance 2 (INFER_BALANCE=2, the tests' check of the taking from
+ * the backs) takes the others' backs first. */
+static inline int64_t work_next(work_walk *w) {
+    if (w->next < w->end) return w->next++;
+    int at = -1;
+    int64_t i = w->balance == 2 ? work_walk_take(w, 1, &at) : -1;
+    if (i < 0) i = work_walk_take(w, 0, &at);
+    if (i < 0 && w->balance == 1) i = work_walk_take(w, 1, &at);
+    if (i < 0) return -1;
+    w->next = i + 1;
+    w->lo = w->count * at / w->nr;
+    w->hi = w->count * (at + 1) / w->nr;
+    return i;
+}
+
 /* The instruction-set path this build took. */
 const char *infer_isa(void) { return ISA; }
 
@@ -3204,21 +3295,27 @@ int infer_gemm_bf16_packed(const uint16_t *p, const uint16_t *x_in, const uint16
     if (!x) return -4;
     int64_t rows_at_once = rows_in_l2(k);
 #endif
+    /* pairs of blocks shared by the threads (work_range), a set of ranges for each group of rows */
+    int64_t blocks = (n + 15) / 16, items = (blocks + PACK_BLOCKS - 1) / PACK_BLOCKS;
+    int nr = threads > 1 ? threads : 1, balance = work_balance();
+    work_range *ranges = work_ranges((m + rows_at_once - 1) / rows_at_once, nr, items);
+    if (!ranges) return -4;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        int64_t r0, r1;
-        thread_rows(n, &r0, &r1); /* (whole blocks of 16 rows) */
-        int64_t b0 = r0 / 16, b1 = (r1 + 15) / 16;
 #if defined(HAVE_AMX)
         if (amx) amx_configure();
 #endif
         for (int64_t j0 = 0; j0 < m; j0 += rows_at_once) {
             int64_t mc = m - j0 < rows_at_once ? m - j0 : rows_at_once, tiles = (mc + PACK_ROWS - 1) / PACK_ROWS;
             int64_t per_iter = (PACK_BLOCKS + tiles - 1) / tiles, ahead = packed_ahead; /* a block: a line a pair */
-            for (int64_t b = b0; b < b1; b += PACK_BLOCKS) {
-                int nb = b1 - b < PACK_BLOCKS ? (int)(b1 - b) : PACK_BLOCKS;
-                int64_t from = b + ahead * PACK_BLOCKS < b1 ? b + ahead * PACK_BLOCKS : b1;
-                int64_t to = b + (ahead + 1) * PACK_BLOCKS < b1 ? b + (ahead + 1) * PACK_BLOCKS : b1;
+            work_walk walk = work_start(ranges + j0 / rows_at_once * nr, nr, items, balance);
+            for (int64_t item; (item = work_next(&walk)) >= 0;) {
+                int64_t b = item * PACK_BLOCKS;
+                int nb = blocks - b < PACK_BLOCKS ? (int)(blocks - b) : PACK_BLOCKS;
+                /* the pair `ahead` further along the walk (within the range it came from) prefetched into L2 */
+                int64_t next = walk.back ? item - ahead : item + ahead;
+                int64_t from = next >= walk.lo && next < walk.hi ? next * PACK_BLOCKS : blocks;
+                int64_t to = from + PACK_BLOCKS < blocks ? from + PACK_BLOCKS : blocks;
                 const char *pf = (const char *)(p + from * pairs * 32), *pf_end = (const char *)(p + to * pairs * 32);
 #if defined(HAVE_AMX)
                 if (amx) {
@@ -3235,6 +3332,7 @@ int infer_gemm_bf16_packed(const uint16_t *p, const uint16_t *x_in, const uint16
         if (amx) _tile_release();
 #endif
     }
+    free(ranges);
     return 0;
 #else
     (void)p, (void)x_in, (void)bias, (void)y, (void)m, (void)n, (void)k, (void)threads;
@@ -4104,29 +4202,35 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
     const uint16_t *xt = amx ? amx_rows_as_tiles(x, m, k, threads) : NULL;
     if (amx && !xt) return -1;
 #endif
+    /* pairs of blocks shared by the threads, as infer_gemm_bf16_packed's (work_range) */
+    int64_t blocks = (n + 15) / 16, items = (blocks + PACK_BLOCKS - 1) / PACK_BLOCKS;
+    int nr = threads > 1 ? threads : 1;
+    work_range *ranges = work_ranges(1, nr, items);
+    if (!ranges) return -1;
+    int balance = work_balance();
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        int64_t r0, r1;
-        thread_rows(n, &r0, &r1); /* (whole blocks of 16 rows) */
-        int64_t b0 = r0 / 16, b1 = (r1 + 15) / 16, tiles = (m + PACK_ROWS - 1) / PACK_ROWS;
+        int64_t tiles = (m + PACK_ROWS - 1) / PACK_ROWS;
 #if defined(HAVE_AMX)
         if (amx) amx_configure();
 #endif
         uint16_t *buf = (uint16_t *)malloc((size_t)(PACK_BLOCKS * pairs * 32) * sizeof(uint16_t));
         if (!buf) {
-            b1 = b0;
 #pragma omp atomic write
             failed = 1;
         }
         /* the next pair's codes, spread over this pair's iterations (a line per pair of each block's codes) */
         int64_t per_iter = (PACK_BLOCKS * block_bytes / 64 + tiles * pairs - 1) / (tiles * pairs);
-        for (int64_t b = b0; b < b1; b += PACK_BLOCKS) {
-            int nb = b1 - b < PACK_BLOCKS ? (int)(b1 - b) : PACK_BLOCKS;
+        work_walk walk = work_start(ranges, nr, items, balance);
+        for (int64_t item; buf && (item = work_next(&walk)) >= 0;) {
+            int64_t b = item * PACK_BLOCKS;
+            int nb = blocks - b < PACK_BLOCKS ? (int)(blocks - b) : PACK_BLOCKS;
             for (int a = 0; a < nb; a++)
                 dequant_block_packed(fmt, codes + (b + a) * block_bytes, scales + (b + a) * groups * 16,
                                      mins ? mins + (b + a) * groups * 16 : NULL, buf + a * pairs * 32, pairs, group);
-            int64_t from = b + PACK_BLOCKS < b1 ? b + PACK_BLOCKS : b1;
-            int64_t to = b + 2 * PACK_BLOCKS < b1 ? b + 2 * PACK_BLOCKS : b1;
+            int64_t next = walk.back ? item - 1 : item + 1; /* the next pair along the walk */
+            int64_t from = next >= walk.lo && next < walk.hi ? next * PACK_BLOCKS : blocks;
+            int64_t to = from + PACK_BLOCKS < blocks ? from + PACK_BLOCKS : blocks;
             const char *pf = (const char *)(codes + from * block_bytes), *pf_end = (const char *)(codes + to * block_bytes);
 #if defined(HAVE_AMX)
             if (amx) {
@@ -4141,6 +4245,7 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
 #endif
         free(buf);
     }
+    free(ranges);
     return failed ? -1 : 0;
 #elif defined(HAVE_PACKED_BF16) /* AVX2: a block at a time into the buffer, for each group of rows whose x is in L2 */
     /* the channel form: q8 codes the tiles read as they are, q4 codes scaled a stretch at a time (scaled_block) */
