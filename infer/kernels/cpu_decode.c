@@ -2314,11 +2314,7 @@ static void amx_attn_tile(const uint16_t *q, uint16_t *out, const int64_t *lengt
     }
     for (int64_t r = 0; r < rows; r++) { /* the code rows' sums turned back (finish_heads' order), then stored */
         float *o = w->acc + r * d;
-        for (int64_t j = 0; passes == 2 && j < d; j++) {
-            float x = w->acc[(16 + r) * d + j];
-            if (x == 0.f) continue;
-            for (int64_t i = 0; i < d; i++) o[i] += x * cq->v_rot[j * d + i];
-        }
+        if (passes == 2) rotate_back(w->acc + (16 + r) * d, cq->v_rot, o, d);
         store_row(BF16, o, out + ((b0 + rt0 + r) * heads + qh) * d, d);
     }
 }
