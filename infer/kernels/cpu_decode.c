@@ -342,6 +342,15 @@ static inline int64_t work_next(work_walk *w) {
     return i;
 }
 
+/* Blocks from .. to of the item (`per_item` blocks each) `ahead` items further along the walk than `item` (forwards
+ * from a front, backwards from a back), for prefetching; empty (blocks .. blocks) past the range it came from. */
+static inline void work_ahead(const work_walk *w, int64_t item, int64_t ahead, int64_t per_item, int64_t blocks,
+                              int64_t *from, int64_t *to) {
+    int64_t next = w->back ? item - ahead : item + ahead;
+    *from = next >= w->lo && next < w->hi && per_item * next < blocks ? per_item * next : blocks;
+    *to = *from + per_item < blocks ? *from + per_item : blocks;
+}
+
 /* The instruction-set path this build took. */
 const char *infer_isa(void) { return ISA; }
 
@@ -963,7 +972,7 @@ static inline void widen(int scheme, const uint8_t *row, int64_t c, qv16 *a, qv1
 #if defined(__AVX512F__)
         /* each byte widened to a lane once; the permute reads only an index's low 4 bits, so the low nibble's
          * value is the table at the lane and the high one's at the lane shifted down 4 (int4's sign extension
-         * and conversion took three times the instructions, a fifth of an int4 pool's attention) */
+         * and conversion took three times the instructions, a quarter of an int4 pool's attention) */
         const __m512 table = _mm512_loadu_ps(scheme == Q_INT4 ? INT4_VALUES : FP4_VALUES);
         __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + 16 * c)));
         *a = (qv16)_mm512_permutexvar_ps(w, table);
@@ -1824,8 +1833,6 @@ static inline void add_value_tile(const float *tile, const float *sc, const floa
         for (; g < groups; g++) value_tile_heads(tv, sc, rs, out, g, 1, n, t, rows, nv);
 }
 
-/* The query heads' outputs, heads first .. first + groups - 1 of `out`: the code rows' sums back in the natural
- * order (fast path, through `row`) and rotated back (v_rot), added to the exact rows' sums, stored. */
 /* acc[0 .. 16 nv) += sum_j x[j] * rot[j * d + 0 .. 16 nv) in order of j (rows j with x[j] = 0 skipped), the sums
  * in nv registers, where the plain loop (rotate_back's last branch) kept them in memory, a store and a dependent
  * load a step (at head size 64, ~450 cycles a head, a tenth of an int4 pool's attention). The same products and
@@ -1863,6 +1870,8 @@ static void rotate_back(const float *x, const float *rot, float *acc, int64_t d)
     }
 }
 
+/* The query heads' outputs, heads first .. first + groups - 1 of `out`: the code rows' sums back in the natural
+ * order (fast path, through `row`) and rotated back (v_rot), added to the exact rows' sums, stored. */
 static void finish_heads(int dtype, int scheme, int fast, const float *v_rot, const float *accp, float *acc,
                          float *row, int64_t groups, int64_t d, void *out, int64_t first) {
     for (int64_t g = 0; g < groups; g++) {
@@ -3353,10 +3362,8 @@ int infer_gemm_bf16_packed(const uint16_t *p, const uint16_t *x_in, const uint16
             for (int64_t item; (item = work_next(&walk)) >= 0;) {
                 int64_t b = item * PACK_BLOCKS;
                 int nb = blocks - b < PACK_BLOCKS ? (int)(blocks - b) : PACK_BLOCKS;
-                /* the pair `ahead` further along the walk (within the range it came from) prefetched into L2 */
-                int64_t next = walk.back ? item - ahead : item + ahead;
-                int64_t from = next >= walk.lo && next < walk.hi ? next * PACK_BLOCKS : blocks;
-                int64_t to = from + PACK_BLOCKS < blocks ? from + PACK_BLOCKS : blocks;
+                int64_t from, to; /* the pair `ahead` further along the walk, prefetched into L2 */
+                work_ahead(&walk, item, ahead, PACK_BLOCKS, blocks, &from, &to);
                 const char *pf = (const char *)(p + from * pairs * 32), *pf_end = (const char *)(p + to * pairs * 32);
 #if defined(HAVE_AMX)
                 if (amx) {
@@ -4269,9 +4276,8 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
             for (int a = 0; a < nb; a++)
                 dequant_block_packed(fmt, codes + (b + a) * block_bytes, scales + (b + a) * groups * 16,
                                      mins ? mins + (b + a) * groups * 16 : NULL, buf + a * pairs * 32, pairs, group);
-            int64_t next = walk.back ? item - 1 : item + 1; /* the next pair along the walk */
-            int64_t from = next >= walk.lo && next < walk.hi ? next * PACK_BLOCKS : blocks;
-            int64_t to = from + PACK_BLOCKS < blocks ? from + PACK_BLOCKS : blocks;
+            int64_t from, to; /* the next pair along the walk */
+            work_ahead(&walk, item, 1, PACK_BLOCKS, blocks, &from, &to);
             const char *pf = (const char *)(codes + from * block_bytes), *pf_end = (const char *)(codes + to * block_bytes);
 #if defined(HAVE_AMX)
             if (amx) {
