@@ -499,6 +499,9 @@ def test_prompt_chunks_on_amx_tiles_are_the_formula(p: dict[str, Any]) -> None:
 @needs_amx
 @settings(max_examples=30, deadline=None)
 @given(p=chunk_batches(), staged=st.sampled_from([0.0, 0.3]), scheme=st.sampled_from(["int8", "int4", "fp4"]))
+# (always: 32 keys of codes alone, then codes and the staged newest block, in a 4-bit pool's two passes)
+@example(p={"kv_heads": 1, "heads": 2, "head_dim": 64, "block_size": 16, "segments": [(40, 12)], "softcap": None,
+            "window": None, "threads": 2, "seed": 3}, staged=0.0, scheme="int4")
 def test_prompt_chunks_over_codes_on_amx_tiles_are_the_formula(p: dict[str, Any], staged: float, scheme: str) -> None:
     """A quantized pool's prompt chunks on AMX tiles (codes times their scales split into two bf16 parts, exactly;
     the 4-bit pools' key offsets added to the scores per block, their rotated values summed apart from the staged

@@ -2250,14 +2250,16 @@ static void amx_attn_tile(const uint16_t *q, uint16_t *out, const int64_t *lengt
         else memset(w->qt + r * d, 0, 2 * (size_t)d);
     /* scores: 4 key tiles at a time, the query tile of each step loaded once for them */
     for (int64_t j = 0; j < n16 / 16; j += 4) {
-        int nt = n16 / 16 - j < 4 ? (int)(n16 / 16 - j) : 4;
+        int nt = n16 / 16 - j < 4 ? (int)(n16 / 16 - j) : 4, klo[4] = {0, 0, 0, 0};
+        for (int a = 0; coded && a < nt; a++) /* lo parts only where a tile holds code rows (exact rows' are 0) */
+            klo[a] = memchr(w->coded + (j + a) * 16, 1, 16) != NULL;
         AMX_UPTO(nt, AMX_ZERO);
         for (int64_t s = 0; s < steps; s++) {
             const uint16_t *kb = w->kt + ((j * steps + s) * 16) * 32, *klb = w->kl + ((j * steps + s) * 16) * 32;
             _tile_loadd(4, w->qt + 32 * s, 2 * d);
             /* key tile cn into sums cn: its hi part, and a pool of codes' lo part */
 #define AMX_KEYS(cn) do { _tile_loadd(6, kb + (cn) * steps * 512, 64); _tile_dpbf16ps(cn, 4, 6); \
-                          if (coded) { _tile_loadd(7, klb + (cn) * steps * 512, 64); _tile_dpbf16ps(cn, 4, 7); } \
+                          if (klo[cn]) { _tile_loadd(7, klb + (cn) * steps * 512, 64); _tile_dpbf16ps(cn, 4, 7); } \
                      } while (0)
             AMX_UPTO(nt, AMX_KEYS);
 #undef AMX_KEYS
@@ -2304,13 +2306,18 @@ static void amx_attn_tile(const uint16_t *q, uint16_t *out, const int64_t *lengt
             int nt = groups - c < 4 ? (int)(groups - c) : 4;
             AMX_UPTO(nt, AMX_ZERO);
             for (int64_t j = 0; j < n32 / 32; j++) {
+                /* a rotated pool's pass skips 32 keys with none of its kind (their probabilities are masked to 0), and
+                 * the values' lo parts are taken only where code rows are (exact rows' are 0): products of zeros
+                 * left out, which change no sum (the sums tiles start at +0 and are never subnormal) */
+                if (passes == 2 && !memchr(w->coded + 32 * j, pass, 32)) continue;
+                int lo = coded && (passes == 2 ? pass == 1 : memchr(w->coded + 32 * j, 1, 32) != NULL);
                 const uint16_t *vb = w->vp + ((j * groups + c) * 16) * 32, *vlb = w->vl + ((j * groups + c) * 16) * 32;
                 _tile_loadd(4, w->ph + 32 * j, 2 * npad);
                 _tile_loadd(5, w->pl + 32 * j, 2 * npad);
                 /* column group c + cn into sums cn: both parts of the probabilities against the values' hi part, the
                  * hi probabilities against a pool of codes' lo part (lo times lo is under 2^-16 of the product) */
 #define AMX_VALUES(cn) do { _tile_loadd(6, vb + (cn) * 512, 64); _tile_dpbf16ps(cn, 4, 6); _tile_dpbf16ps(cn, 5, 6); \
-                            if (coded) { _tile_loadd(7, vlb + (cn) * 512, 64); _tile_dpbf16ps(cn, 4, 7); } \
+                            if (lo) { _tile_loadd(7, vlb + (cn) * 512, 64); _tile_dpbf16ps(cn, 4, 7); } \
                        } while (0)
                 AMX_UPTO(nt, AMX_VALUES);
 #undef AMX_VALUES
