@@ -498,16 +498,21 @@ def test_prompt_chunks_on_amx_tiles_are_the_formula(p: dict[str, Any]) -> None:
 @needs_build
 @needs_amx
 @settings(max_examples=30, deadline=None)
-@given(p=chunk_batches(), staged=st.sampled_from([0.0, 0.3]), scheme=st.sampled_from(["int8", "int4", "fp4"]))
-# (always: 32 keys of codes alone, then codes and the staged newest block, in a 4-bit pool's two passes)
+@given(p=chunk_batches(), staged=st.sampled_from([0.0, 0.3, -1.0]), scheme=st.sampled_from(["int8", "int4", "fp4"]))
+# (always: 32 keys of codes alone, then codes and the staged newest block, in a 4-bit pool's two passes; and 16
+# staged keys before codes in one group of key tiles)
 @example(p={"kv_heads": 1, "heads": 2, "head_dim": 64, "block_size": 16, "segments": [(40, 12)], "softcap": None,
             "window": None, "threads": 2, "seed": 3}, staged=0.0, scheme="int4")
+@example(p={"kv_heads": 1, "heads": 2, "head_dim": 64, "block_size": 16, "segments": [(40, 12)], "softcap": None,
+            "window": None, "threads": 1, "seed": 4}, staged=-1.0, scheme="int8")
 def test_prompt_chunks_over_codes_on_amx_tiles_are_the_formula(p: dict[str, Any], staged: float, scheme: str) -> None:
     """A quantized pool's prompt chunks on AMX tiles (codes times their scales split into two bf16 parts, exactly;
     the 4-bit pools' key offsets added to the scores per block, their rotated values summed apart from the staged
     rows' and turned back): every row the fp64 formula over the pool's dequantizing gather, rounded once, as the row
-    kernel's (INFER_AMX=0) also is; each sequence's newest block staged (older ones too where drawn), each row's
-    table its own blocks padded with another block, so the tiles read the run's last row's."""
+    kernel's (INFER_AMX=0) also is, and the tiles' rows bit for bit with every tile product taken
+    (INFER_AMX_SKIP_ZEROS=0: the products of zeros left out change nothing); each sequence's newest block staged
+    (older ones too where drawn; `staged` -1: its first block too, exact keys before codes), each row's table its own
+    blocks padded with another block, so the tiles read the run's last row's."""
     from infer.ragged import DecodeGroup
 
     p = {**p, "scheme": scheme, "dtype": torch.bfloat16}
@@ -517,8 +522,8 @@ def test_prompt_chunks_over_codes_on_amx_tiles_are_the_formula(p: dict[str, Any]
     order, stage = torch.randperm(pool.num_blocks, generator=gen).tolist(), torch.rand(sum(spans), generator=gen)
     tables, lengths, used = [], [], 0
     for (prefix, rows), span in zip(p["segments"], spans, strict=True):
-        blocks = [pool.num_blocks + used + j if j == span - 1 or stage[used + j] < staged else order[used + j]
-                  for j in range(span)]
+        blocks = [pool.num_blocks + used + j if j == span - 1 or stage[used + j] < staged or (staged < 0 and j == 0)
+                  else order[used + j] for j in range(span)]
         used += span
         for n in range(prefix + 1, prefix + rows + 1):
             own = -(-n // bs)
@@ -537,7 +542,10 @@ def test_prompt_chunks_over_codes_on_amx_tiles_are_the_formula(p: dict[str, Any]
     before = kernels.amx_attention_rows()
     with amx_switched(True):
         tiles = attend()
-    assert kernels.amx_attention_rows() - before == sum(rows for _, rows in p["segments"] if rows >= AMX_RUN_ROWS)
+        with amx_switched(False, "INFER_AMX_SKIP_ZEROS"):
+            every_product = attend()
+    assert kernels.amx_attention_rows() - before == 2 * sum(rows for _, rows in p["segments"] if rows >= AMX_RUN_ROWS)
+    assert torch.equal(tiles, every_product), "leaving out the tile products of zeros changed the rows"
     with amx_switched(False):
         alone = attend()
     pool.dtype = torch.float32  # the gather dequantizes into fp32: the kernel sums the codes in fp32

@@ -2178,6 +2178,7 @@ typedef struct {
     const float *v_rot;                           /* [d, d] or NULL */
     int64_t num_blocks; /* table entries from here on are staged rows (stage slot = entry - this) */
     int scheme;
+    int skip_zeros; /* tile products of zeros left out (amx_attn_tile; INFER_AMX_SKIP_ZEROS=0: every one taken) */
 } amx_codes;
 
 /* Key t's d keys and values of KV head h as fp32 hi/lo bf16 parts into kh, kl, vh, vl (the run's table, keys from
@@ -2252,7 +2253,7 @@ static void amx_attn_tile(const uint16_t *q, uint16_t *out, const int64_t *lengt
     for (int64_t j = 0; j < n16 / 16; j += 4) {
         int nt = n16 / 16 - j < 4 ? (int)(n16 / 16 - j) : 4, klo[4] = {0, 0, 0, 0};
         for (int a = 0; coded && a < nt; a++) /* lo parts only where a tile holds code rows (exact rows' are 0) */
-            klo[a] = memchr(w->coded + (j + a) * 16, 1, 16) != NULL;
+            klo[a] = !cq->skip_zeros || memchr(w->coded + (j + a) * 16, 1, 16) != NULL;
         AMX_UPTO(nt, AMX_ZERO);
         for (int64_t s = 0; s < steps; s++) {
             const uint16_t *kb = w->kt + ((j * steps + s) * 16) * 32, *klb = w->kl + ((j * steps + s) * 16) * 32;
@@ -2309,8 +2310,9 @@ static void amx_attn_tile(const uint16_t *q, uint16_t *out, const int64_t *lengt
                 /* a rotated pool's pass skips 32 keys with none of its kind (their probabilities are masked to 0), and
                  * the values' lo parts are taken only where code rows are (exact rows' are 0): products of zeros
                  * left out, which change no sum (the sums tiles start at +0 and are never subnormal) */
-                if (passes == 2 && !memchr(w->coded + 32 * j, pass, 32)) continue;
-                int lo = coded && (passes == 2 ? pass == 1 : memchr(w->coded + 32 * j, 1, 32) != NULL);
+                int skip = cq->skip_zeros;
+                if (skip && passes == 2 && !memchr(w->coded + 32 * j, pass, 32)) continue;
+                int lo = coded && (!skip || (passes == 2 ? pass == 1 : memchr(w->coded + 32 * j, 1, 32) != NULL));
                 const uint16_t *vb = w->vp + ((j * groups + c) * 16) * 32, *vlb = w->vl + ((j * groups + c) * 16) * 32;
                 _tile_loadd(4, w->ph + 32 * j, 2 * npad);
                 _tile_loadd(5, w->pl + 32 * j, 2 * npad);
@@ -2347,7 +2349,8 @@ static int amx_chunk_attention(const uint16_t *q, const uint16_t *ks, const uint
                                float scale, float softcap, int64_t window, const int64_t *first, const int64_t *count,
                                int64_t runs, int threads) {
     int failed = 0, per = (int)(heads / kv_heads);
-    amx_codes cq = {k_codes, v_codes, k_scale, v_scale, k_offset, v_rot, num_blocks, scheme};
+    amx_codes cq = {k_codes, v_codes, k_scale, v_scale, k_offset, v_rot, num_blocks, scheme,
+                    switched_on("INFER_AMX_SKIP_ZEROS")};
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         amx_attn_buf w = {0};
