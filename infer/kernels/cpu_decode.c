@@ -2245,6 +2245,7 @@ static void amx_attn_tile(const uint16_t *q, uint16_t *out, const int64_t *lengt
                           int64_t bs, amx_attn_buf *w) {
     int64_t n = lengths[b0 + rt0 + rows - 1] - start, n16 = (n + 15) / 16 * 16, n32 = (n + 31) / 32 * 32;
     int coded = cq->k_codes != NULL, passes = cq->v_rot ? 2 : 1; /* rotated values: the staged rows, the code rows */
+    int skip = cq->skip_zeros; /* tile products of zeros left out */
     int64_t steps = d / 32, groups = d / 16, npad = w->npad;
     for (int64_t r = 0; r < 16; r++) /* the rows' queries, zero past the run */
         if (r < rows) memcpy(w->qt + r * d, q + ((b0 + rt0 + r) * heads + qh) * d, 2 * (size_t)d);
@@ -2253,7 +2254,7 @@ static void amx_attn_tile(const uint16_t *q, uint16_t *out, const int64_t *lengt
     for (int64_t j = 0; j < n16 / 16; j += 4) {
         int nt = n16 / 16 - j < 4 ? (int)(n16 / 16 - j) : 4, klo[4] = {0, 0, 0, 0};
         for (int a = 0; coded && a < nt; a++) /* lo parts only where a tile holds code rows (exact rows' are 0) */
-            klo[a] = !cq->skip_zeros || memchr(w->coded + (j + a) * 16, 1, 16) != NULL;
+            klo[a] = !skip || memchr(w->coded + (j + a) * 16, 1, 16) != NULL;
         AMX_UPTO(nt, AMX_ZERO);
         for (int64_t s = 0; s < steps; s++) {
             const uint16_t *kb = w->kt + ((j * steps + s) * 16) * 32, *klb = w->kl + ((j * steps + s) * 16) * 32;
@@ -2310,7 +2311,6 @@ static void amx_attn_tile(const uint16_t *q, uint16_t *out, const int64_t *lengt
                 /* a rotated pool's pass skips 32 keys with none of its kind (their probabilities are masked to 0), and
                  * the values' lo parts are taken only where code rows are (exact rows' are 0): products of zeros
                  * left out, which change no sum (the sums tiles start at +0 and are never subnormal) */
-                int skip = cq->skip_zeros;
                 if (skip && passes == 2 && !memchr(w->coded + 32 * j, pass, 32)) continue;
                 int lo = coded && (!skip || (passes == 2 ? pass == 1 : memchr(w->coded + 32 * j, 1, 32) != NULL));
                 const uint16_t *vb = w->vp + ((j * groups + c) * 16) * 32, *vlb = w->vl + ((j * groups + c) * 16) * 32;
