@@ -203,17 +203,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def ref_counts_count_block_tables(self) -> None:
         manager = self.manager
-        holders = [0] * manager.num_blocks
+        holders, filled = [0] * manager.num_blocks, [0] * manager.num_blocks
         for seq_id in manager.seq_ids:
             table = manager.block_table(seq_id)
             assert len(set(table)) == len(table)
             assert len(table) == math.ceil(manager.num_tokens(seq_id) / manager.block_size)
-            for b in table:
+            for i, b in enumerate(table):
                 holders[b] += 1
+                slots = min(manager.block_size, manager.num_tokens(seq_id) - i * manager.block_size)
+                filled[b] = max(filled[b], slots)  # a slot is filled if any holder's token is in it
         assert holders == [manager.ref_count(b) for b in range(manager.num_blocks)]
         stats = manager.stats()
         assert stats.blocks_shared == sum(1 for n in holders if n > 1)
-        assert stats.blocks_used == manager.num_used and stats.waste_slots >= 0
+        assert stats.blocks_used == manager.num_used
+        assert stats.waste_slots == manager.num_used * manager.block_size - sum(filled)
         free = manager.free_block_ids()
         assert stats.blocks_free == len(free) and stats.blocks_cached == sum(map(manager.is_cached, free))
         bs = manager.block_size

@@ -104,12 +104,18 @@ class BlockManager:
     @property
     def waste_slots(self) -> int:
         """Slots of used blocks that hold no live sequence's token (the unfilled tails)."""
-        filled: dict[int, int] = {}
+        # Every block of a table but its last is full (a table holds ceil(tokens / block_size) blocks), so only the
+        # last blocks are walked one by one: the engine reads this every step (a walk of every slot was 0.4 ms at
+        # 48 requests of ~200 tokens).
+        bs, full, tails = self.block_size, set[int](), dict[int, int]()
         for seq in self._seqs.values():
-            for i, block_id in enumerate(seq.block_table):
-                n = min(self.block_size, seq.num_tokens - i * self.block_size)
-                filled[block_id] = max(filled.get(block_id, 0), n)
-        return self.num_used * self.block_size - sum(filled.values())
+            table = seq.block_table
+            if table:
+                full.update(table[:-1])
+                tail = seq.num_tokens - (len(table) - 1) * bs
+                tails[table[-1]] = max(tails.get(table[-1], 0), tail)
+        filled = sum(bs if n >= bs or b in full else n for b, n in tails.items())
+        return self.num_used * bs - filled - bs * len(full - tails.keys())
 
     def stats(self) -> BlockStats:
         """Occupancy figures in one object."""
