@@ -782,7 +782,8 @@ def choose_chunk_attention(config: ModelConfig, dtype: torch.dtype, device: torc
     over a quantized pool's codes and staging too), or "sdpa", each chunk by SDPA over its gathered keys (a quantized
     pool's dequantized). A kernel needs the decode rows to attend by it; "auto" takes it where it is 5% faster than
     SDPA here on this model's head shapes (prompts of 128 tokens, 4 on a CPU and 32 on a GPU, timed alternately over
-    exact blocks; a quantized pool's gathers also dequantize, so the kernel gains there at least as much): on a 2-core
+    exact blocks; a quantized pool's gathers also dequantize, so the kernel gains there at least as much), and for a
+    bf16 model on the CPU unless SDPA is twice as fast (the kernel's steps run as one native call): on a 2-core
     EPYC at the 150M Llama's heads 2.03 vs 3.27 ms in bf16 (SDPA's CPU flash kernel ran such chunks at 30-70
     GFLOP/s), 3.27 vs 3.33 in fp32; on a 2-core Xeon with AMX, where an exact pool's chunks of 8 rows or more take
     the AMX tiles (a chunk's keys laid out once for 16 rows at a time), 1.27 vs 1.79 ms (the row kernel alone 3.26).
@@ -805,9 +806,15 @@ def choose_chunk_attention(config: ModelConfig, dtype: torch.dtype, device: torc
     prompts = 32 if device.type == "cuda" else 4
     times = _time_chunk_attention(config.num_attention_heads, config.num_key_value_heads, config.head_dim, dtype,
                                   str(device), kernel, prompts)
-    value = kernel if times[kernel] < 0.95 * times["sdpa"] else "sdpa"
+    # A bf16 model's steps whose every token is a row of the native kernel run as one native call
+    # (infer_batch_step); SDPA's chunks take the per-op path around their attention. On a 2-core Xeon the attention
+    # alone timed either way (the kernel 0.65-1.1x SDPA's time in eight runs: a coin toss) while whole prompt steps
+    # ran 1.36x faster with the kernel (1.38x over an int4 pool), so there SDPA must be twice as fast to be taken.
+    whole_steps = kernel == "native" and dtype == torch.bfloat16
+    value = kernel if times[kernel] < (2.0 if whole_steps else 0.95) * times["sdpa"] else "sdpa"
     return record(Choice(name, value, f"{prompts} prompts x 128 tokens: " + ", ".join(
-        f"{k} {t * 1e3:.2f} ms" for k, t in times.items()) + " (medians, alternately)"))
+        f"{k} {t * 1e3:.2f} ms" for k, t in times.items()) + " (medians, alternately)" +
+        ("; the kernel's steps run as one native call: taken unless SDPA is twice as fast" if whole_steps else "")))
 
 
 @functools.cache

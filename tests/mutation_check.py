@@ -2161,6 +2161,8 @@ MUTANTS = [
     Mutant("native prefetch: the measured choice reported but not applied", "infer/tuning.py",
            "    kernels.prefetch_level = PREFETCH_LEVELS[value]\n    megabytes",
            "    megabytes", ("tests/test_tuning.py",)),
+    Mutant("prompt chunk attention: a bf16 model's kernel held to the 5% rule (its whole native steps not credited)",
+           "infer/tuning.py", "(2.0 if whole_steps else 0.95)", "0.95", ("tests/test_tuning.py",)),
     Mutant("native prefetch: load_model times the level even where the caller forced it", "infer/loader.py",
            "choose_prefetch(dense_weights, native_prefetch)", "choose_prefetch(dense_weights)",
            ("tests/test_tuning.py",)),

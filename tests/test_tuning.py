@@ -550,6 +550,27 @@ def test_prompt_chunk_attention_is_measured_forced_or_sdpa() -> None:
         assert auto.value in ("native", "sdpa") and "native " in auto.reason and "sdpa " in auto.reason, auto.reason
 
 
+@pytest.mark.parametrize(("dtype", "native_ms", "value"), [
+    (torch.bfloat16, 1.9, "native"), (torch.bfloat16, 2.1, "sdpa"), (torch.float32, 0.9, "native"),
+    (torch.float32, 1.0, "sdpa")])
+def test_prompt_chunk_attention_credits_the_whole_native_step(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+                                                              native_ms: float, value: str) -> None:
+    """With the native kernel a bf16 model's steps run as one native call (SDPA's chunks take the per-op path: whole
+    prompt steps 1.36x slower on a 2-core Xeon where the attention alone timed either way), so "auto" takes the
+    kernel there unless SDPA's attention is twice as fast; elsewhere (fp32: per-op either way) at 5% faster. The
+    timings are stubbed: the rule, not this machine, is under test."""
+    import infer.tuning
+    from infer.config import ModelConfig
+
+    config = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    monkeypatch.setattr(infer.tuning, "_time_chunk_attention",
+                        lambda *args, **kw: {"native": native_ms * 1e-3, "sdpa": 1e-3})
+    chosen = infer.tuning.choose_chunk_attention(config, dtype, torch.device("cpu"), "native")
+    assert chosen.value == value, chosen.reason
+    assert ("one native call" in chosen.reason) == (dtype == torch.bfloat16)
+
+
 
 def test_the_kernels_rows_follow_the_summed_gains_not_the_first_loss(monkeypatch: pytest.MonkeyPatch) -> None:
     """`_rows_the_kernel_wins` keeps the kernel up to the row count where its relative gains summed from 2 rows are
