@@ -161,9 +161,17 @@ def run_bench(args: argparse.Namespace) -> int:
         model.fused_projections = True
     record(Choice("fused projections", "on" if args.fused_projections else "off",
                   "--fused-projections" if args.fused_projections else "the library default (oracle-exact)"))
-    choose_threads(model, forced=args.threads)
     if args.batched:
+        # Every contender runs on all cores unless told: the thread choice times one-token steps, and on a shared
+        # 2-core Xeon it once took one thread for a run whose steps are hundreds of rows (221 generated tok/s
+        # against 512 on two)
+        if args.threads > 0:
+            choose_threads(model, forced=args.threads)
+        else:
+            record(Choice("CPU threads", str(torch.get_num_threads()), "PyTorch's default: a batched step's rows "
+                          "use every core (the one-token choice is for single requests; --threads to force)"))
         return run_batched_bench(args, model, path, others)
+    choose_threads(model, forced=args.threads)
     config = model.config
     if args.cache_table:
         kinds = args.cache_table.split(",")

@@ -23,7 +23,7 @@ def add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
     p.add_argument("--compute-dtype", default="auto",
                    help="dtype of prefill matmuls: auto (float32 for half weights on CPU), exact, or a dtype")
     p.add_argument("--threads", type=int, default=0,
-                   help="CPU threads (0: the faster of 1 and all, timed on this model at load)")
+                   help="CPU threads (0: the faster of 1 and all, timed on this model at load; bench --batched: all)")
     p.add_argument("--decode-gemv", default="auto", choices=["auto", "linear", "mv", "native", "triton"],
                    help="kernel of one-token products (auto: the fastest, timed on this model's weights at load)")
     p.add_argument("--native-prefetch", default="auto", choices=["auto", "l1", "l2"],

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from infer.__main__ import main
 from infer.bench import speed_ratio
@@ -40,9 +41,17 @@ def test_json_report_names_machine_choices_units_and_raw_trials(tmp_path: Path,
     assert len(trials) == 2 and all(len(t["step_times_s"]) == 3 for t in trials), trials[0].keys()
 
 
-def test_batched_workload_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_batched_workload_report(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """`bench --batched`: the engine, one by one and HF static batches over the same requests; every contender
-    produces the workload's tokens; the pool figures and the per-request times are reported."""
+    produces the workload's tokens; the pool figures and the per-request times are reported. The threads stay
+    PyTorch's default (the one-token timing once took one thread for a run of hundred-row steps)."""
+    import infer.bench
+
+    def no_timing(model: object, forced: int = 0) -> None:
+        raise AssertionError("bench --batched timed the one-token thread choice")
+    monkeypatch.setattr(infer.bench, "choose_threads", no_timing)
+    threads = torch.get_num_threads()
     out = tmp_path / "batched.json"
     argv = ["bench", "--batched", "--model", str(build_checkpoint("llama")), "--requests", "5",
             "--batched-prompt-lens", "3-12", "--batched-new-tokens", "2-6", "--batch-size", "2", "--shared-prefix",
@@ -50,6 +59,7 @@ def test_batched_workload_report(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "throughput" in printed and "prefix hit rate" in printed and "batched decode attention" in printed
+    assert f"CPU threads: {threads};" in printed and torch.get_num_threads() == threads
     report = json.loads(out.read_text())
     wanted = sum(r["max_new_tokens"] for r in report["workload"])
     names = {row["name"] for row in report["results"]}
