@@ -114,7 +114,7 @@ class BlockManager:
                 full.update(table[:-1])
                 tail = seq.num_tokens - (len(table) - 1) * bs
                 tails[table[-1]] = max(tails.get(table[-1], 0), tail)
-        filled = sum(bs if n >= bs or b in full else n for b, n in tails.items())
+        filled = sum(bs if b in full else n for b, n in tails.items())  # (a tail holds 1 .. bs tokens)
         return self.num_used * bs - filled - bs * len(full - tails.keys())
 
     def stats(self) -> BlockStats:
