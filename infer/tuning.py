@@ -809,7 +809,8 @@ def choose_chunk_attention(config: ModelConfig, dtype: torch.dtype, device: torc
     # A bf16 model's steps whose every token is a row of the native kernel run as one native call
     # (infer_batch_step); SDPA's chunks take the per-op path around their attention. On a 2-core Xeon the attention
     # alone timed either way (the kernel 0.89-1.52x SDPA's time in eight runs: a coin toss) while whole prompt steps
-    # ran 1.36x faster with the kernel (1.38x over an int4 pool), so there SDPA must be twice as fast to be taken.
+    # ran 1.19-1.36x faster with the kernel in two runs (1.38x over an int4 pool), so there SDPA must be twice as fast
+    # to be taken.
     whole_steps = kernel == "native" and dtype == torch.bfloat16
     value = kernel if times[kernel] < (2.0 if whole_steps else 0.95) * times["sdpa"] else "sdpa"
     return record(Choice(name, value, f"{prompts} prompts x 128 tokens: " + ", ".join(
