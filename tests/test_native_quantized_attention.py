@@ -553,3 +553,69 @@ def test_prompt_chunks_over_codes_on_amx_tiles_are_the_formula(p: dict[str, Any]
     want, size = chunk_formula(p, q, keys, values, lengths_t, 0.3, rotated=pool.rotation is not None)
     assert_chunk_rows("tiles", tiles, want, size)
     assert_chunk_rows("row kernel", alone, want, size)
+
+
+@needs_build
+@settings(max_examples=40, deadline=None)
+@given(p=chunk_batches(), staged=st.sampled_from([0.0, 0.3, -1.0]), scheme=st.sampled_from(["int8", "int4", "fp4"]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]), form=st.sampled_from(TILE_FORMS), cut=st.booleans())
+# (always: a run of 40 rows in three parts of up to 16 over 16-key blocks, and one over 32-key blocks, two tiles each,
+# its table cut under a window)
+@example(p={"kv_heads": 2, "heads": 6, "head_dim": 64, "block_size": 16, "segments": [(20, 40), (3, 1)],
+            "softcap": None, "window": None, "threads": 2, "seed": 5}, staged=0.3, scheme="int4", dtype=torch.bfloat16,
+         form=TILE_FORMS[0], cut=False)
+@example(p={"kv_heads": 1, "heads": 3, "head_dim": 128, "block_size": 32, "segments": [(150, 21)], "softcap": 5.0,
+            "window": 50, "threads": 1, "seed": 6}, staged=0.0, scheme="int8", dtype=torch.float32, form=TILE_FORMS[1],
+         cut=True)
+def test_prompt_chunks_over_codes_as_runs_are_the_row_kernel_bit_for_bit(p: dict[str, Any], staged: float,
+                                                                         scheme: str, dtype: torch.dtype,
+                                                                         form: dict[str, str], cut: bool) -> None:
+    """Without AMX tiles (INFER_AMX=0, and every CPU without them), a quantized pool's prompt chunks are taken as runs:
+    each tile of codes decoded once for up to 16 of a run's rows, which score it and sum its values in turn. Every row
+    bit for bit what the row kernel gives it alone (INFER_QATTN_RUNS=0), on the drawn tile form; the rows of every
+    run of 2 or more taken so (the kernel's count), none by the row kernel; both within the fp64 formula over the
+    pool's dequantizing gather (tables from the first block: with `cut` each sequence's table starts at a later block,
+    as a sliding layer's in the pool do, held to the row kernel alone). Each sequence's newest block staged (older
+    ones too where drawn; `staged` -1: its first block too), each row's table its own blocks padded with another."""
+    from infer.ragged import DecodeGroup
+
+    p = {**p, "scheme": scheme, "dtype": dtype}
+    bs = p["block_size"]
+    spans = [-(-(prefix + rows) // bs) for prefix, rows in p["segments"]]
+    pool, gen = random_pool(p, sum(spans), "cpu")
+    order, stage = torch.randperm(pool.num_blocks, generator=gen).tolist(), torch.rand(sum(spans), generator=gen)
+    tables, lengths, starts, used = [], [], [], 0
+    for (prefix, rows), span in zip(p["segments"], spans, strict=True):
+        blocks = [pool.num_blocks + used + j if j == span - 1 or stage[used + j] < staged or (staged < 0 and j == 0)
+                  else order[used + j] for j in range(span)]
+        used += span
+        first = prefix // bs // 2 if cut else 0  # the table starts at this block of the sequence
+        for n in range(prefix + 1, prefix + rows + 1):
+            own = -(-n // bs)
+            tables.append(blocks[first:own] + [order[-1]] * (max(spans) - own + first))
+            lengths.append(n)
+            starts.append(first * bs)
+    table, lengths_t = torch.tensor(tables), torch.tensor(lengths)
+    group = DecodeGroup("native", torch.arange(len(tables)), table, lengths_t, {}, torch.tensor(starts))
+    q = torch.randn(len(tables), p["heads"], p["head_dim"], generator=gen).to(dtype)
+    kernels = native_kernels()
+    assert kernels is not None
+
+    def attend() -> torch.Tensor:
+        with on_threads(p["threads"]), amx_switched(False), mock.patch.dict("os.environ", form):
+            return pool.layers[0].decode_attention(group, q, 0.3, p["softcap"], p["window"])
+
+    before = kernels.qattn_run_rows()
+    runs = attend()
+    taken = kernels.qattn_run_rows() - before
+    assert taken == sum(rows for _, rows in p["segments"] if rows >= 2), f"{taken} rows taken as runs"
+    with mock.patch.dict("os.environ", {"INFER_QATTN_RUNS": "0"}):
+        alone = attend()
+    assert kernels.qattn_run_rows() - before == taken, "INFER_QATTN_RUNS=0 still took runs"
+    assert torch.equal(runs, alone), f"{p}: the runs changed a row's sums"
+    if any(starts):
+        return
+    pool.dtype = torch.float32  # the gather dequantizes into fp32: the kernel sums the codes in fp32
+    keys, values = pool.layers[0].gather(table)
+    want, size = chunk_formula(p, q, keys, values, lengths_t, 0.3, rotated=pool.rotation is not None)
+    assert_chunk_rows("runs", runs, want, size)

@@ -1396,20 +1396,29 @@ static inline qv16 tile_scores(const float *q, const float *tile, int64_t d, int
     return tile_dots((const qv16 *)q, (const qv16 *)tile, d / 16);
 }
 
-/* Score 16 consecutive code rows at once (fast path; `rscale` their 16 row scales, or NULL for channel-scaled
- * keys): decoded into `tile`, summed by tile_scores. */
-static inline void score_code_tile(int scheme, int64_t dp, const uint8_t *codes, const float *qp, const float *qo,
-                                   const uint16_t *rscale, float *tile, float *sc, int64_t groups, int64_t n,
-                                   int64_t t, int64_t d, int avx2) {
+/* 16 consecutive code rows decoded into `tile` (fast path). */
+static inline void decode_code_tile(int scheme, int64_t dp, const uint8_t *codes, float *tile, int64_t d) {
+    for (int j = 0; j < 16; j++) decode_row(scheme, 1, codes + j * dp, tile + j * d, d);
+}
+
+/* Score 16 decoded code rows at once (`rscale` their 16 row scales, or NULL for channel-scaled keys), summed by
+ * tile_scores. */
+static inline void score_decoded_tile(const float *tile, const float *qp, const float *qo, const uint16_t *rscale,
+                                      float *sc, int64_t groups, int64_t n, int64_t t, int64_t d, int avx2) {
     qv16 rsv;
-    for (int j = 0; j < 16; j++) {
-        decode_row(scheme, 1, codes + j * dp, tile + j * d, d);
-        rsv[j] = rscale ? bf16_to_f32(rscale[j]) : 1.f;
-    }
+    for (int j = 0; j < 16; j++) rsv[j] = rscale ? bf16_to_f32(rscale[j]) : 1.f;
     for (int64_t g = 0; g < groups; g++) {
         qv16 scores = tile_scores(qp + g * d, tile, d, avx2) * rsv + qo[g];
         memcpy(sc + g * n + t, &scores, 64);
     }
+}
+
+/* Score 16 consecutive code rows at once: decoded into `tile`, then score_decoded_tile. */
+static inline void score_code_tile(int scheme, int64_t dp, const uint8_t *codes, const float *qp, const float *qo,
+                                   const uint16_t *rscale, float *tile, float *sc, int64_t groups, int64_t n,
+                                   int64_t t, int64_t d, int avx2) {
+    decode_code_tile(scheme, dp, codes, tile, d);
+    score_decoded_tile(tile, qp, qo, rscale, sc, groups, n, t, d, avx2);
 }
 
 typedef uint16_t qu16x16 __attribute__((vector_size(32)));
@@ -2402,13 +2411,241 @@ static int64_t chunk_runs(const int64_t *tables, const int64_t *lengths, const i
     return runs;
 }
 
+/* ---- the paged kernel's steps for one row (a query position) and one block of one KV head ----
+ * qattn_paged's work items (a row's KV heads) and its prompt chunks' runs (qattn_run_rows: a block at a time for
+ * several rows) both take these, so each row's scores and sums are the same operations on the same values either
+ * way. `qattn_pool`: what they read of the pool and the call's constants. */
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+typedef struct {
+    int dtype, scheme, fast, tiles, split, several, avx2;
+    const uint8_t *k_codes, *v_codes;
+    const uint16_t *k_scale, *v_scale, *k_offset;
+    const char *k_stage, *v_stage;
+    int64_t kv_heads, groups, d, dp, bs, esize, num_blocks;
+    float scale;
+} qattn_pool;
+
+/* A tile of decoded code rows read by each row of a run in turn (qattn_run_rows): `src` the codes it holds (NULL:
+ * none), `rs` their row scales (values). A row path's call passes NULL: each decodes into its own scratch. */
+typedef struct {
+    const uint8_t *src;
+    float *tile;
+    float rs[16];
+} shared_tile;
+
+/* Row b's query heads of KV heads h0 .. (`all` of them) into w: natural and scaled (qf), and in the split form
+ * (score_bf16_tile's) where bf16 rows are read in registers. */
+static inline void load_queries(const qattn_pool *P, const void *q, int64_t b, int64_t heads, int64_t h0,
+                                int64_t all, const qattn_scratch *w) {
+    int64_t d = P->d;
+    load_row(P->dtype, (const char *)q + (b * heads + h0 * P->groups) * d * P->esize, w->qf, all * d);
+    for (int64_t i = 0; i < all * d; i++) w->qf[i] *= P->scale;
+    for (int64_t g = 0; P->split && g < all; g++)
+#if defined(HAVE_DOT_BF16)
+        memcpy(w->qsplit + g * d, (const uint16_t *)q + (b * heads + h0 * P->groups + g) * d, 2 * (size_t)d);
+#else
+        permute(Q_INT4, w->qf + g * d, w->qsplit + g * d, d);
+#endif
+}
+
+/* Scores of one row's query heads o .. o + groups - 1 (of its item) against block `id`'s keys of KV head h, its
+ * keys t0 .. t0 + rows - 1 of n: staged exact rows, or codes (their channel scales folded into the queries). */
+static inline void block_scores(const qattn_pool *P, const qattn_scratch *w, int64_t o, int64_t id, int64_t h,
+                                int64_t n, int64_t t0, int64_t rows, shared_tile *shared) {
+    int64_t groups = P->groups, d = P->d, esize = P->esize;
+    float *sch = w->sc + o * n, *qfh = w->qf + o * d;
+    if (id >= P->num_blocks) { /* staged: exact rows */
+        const char *ks = P->k_stage + ((id - P->num_blocks) * P->kv_heads + h) * P->bs * d * esize;
+        int64_t r = 0;
+        if (P->split) /* a block's last rows too where it has 16 slots from r to read (the scores past `rows` are
+                       * not kept) */
+            for (; r < rows && r + 16 <= P->bs; r += 16)
+                score_bf16_tile(ks + r * d * esize, w->qsplit + o * d, P->scale, sch, groups, n, t0 + r, d,
+                                rows - r < 16 ? rows - r : 16);
+        if (P->fast && P->tiles)
+            for (; r + 16 <= rows; r += 16)
+                score_exact_tile(P->dtype, ks + r * d * esize, esize, qfh, w->tile, sch, groups, n, t0 + r, d,
+                                 P->avx2);
+        for (; r < rows; r++) {
+            load_row(P->dtype, ks + r * d * esize, w->row, d);
+            for (int64_t g = 0; g < groups; g++) sch[g * n + t0 + r] = dot_f32(qfh + g * d, w->row, d);
+        }
+        return;
+    }
+    fold_key_scales(P->scheme, P->fast, qfh, P->k_scale + (id * P->kv_heads + h) * d,
+                    P->k_offset ? P->k_offset + (id * P->kv_heads + h) * d : 0, w->qs, w->qp, w->qo, groups, d);
+    const uint8_t *codes = P->k_codes + (id * P->kv_heads + h) * P->bs * P->dp;
+    int64_t r = 0;
+    if (P->fast && P->tiles)
+        for (; r + 16 <= rows; r += 16) {
+            const uint8_t *c = codes + r * P->dp;
+            float *tile = shared ? shared->tile : w->tile;
+            if (!shared || shared->src != c) decode_code_tile(P->scheme, P->dp, c, tile, d);
+            if (shared) shared->src = c;
+            score_decoded_tile(tile, w->qp, w->qo, NULL, sch, groups, n, t0 + r, d, P->avx2);
+        }
+    for (; r < rows; r++)
+        score_code_row(P->scheme, P->fast, codes + r * P->dp, w->qp, w->qs, w->qo, 1.f, w->row, sch, groups, n,
+                       t0 + r, d);
+}
+
+/* Block `id`'s values of KV head h (its keys t0 .. t0 + rows - 1 of n) into one row's sums of query heads o ..:
+ * exact rows into acc (bf16 ones widened in registers: accsplit), code rows into accp. A shared tile holds every row
+ * of a tile of codes (decoded once for the run's rows, each of which reads its first `rt`). */
+static inline void block_values(const qattn_pool *P, const qattn_scratch *w, int64_t o, int64_t id, int64_t h,
+                                int64_t n, int64_t t0, int64_t rows, shared_tile *shared) {
+    int64_t groups = P->groups, d = P->d, esize = P->esize, bs = P->bs, dp = P->dp;
+    int coded = id < P->num_blocks;
+    float *sch = w->sc + o * n, *acch = w->acc + o * d, *accph = w->accp + o * d;
+    const char *vs = coded ? 0 : P->v_stage + ((id - P->num_blocks) * P->kv_heads + h) * bs * d * esize;
+    const uint8_t *codes = coded ? P->v_codes + (id * P->kv_heads + h) * bs * dp : 0;
+    const uint16_t *vsc = coded ? P->v_scale + (id * P->kv_heads + h) * bs : 0;
+    int64_t r = 0;
+    if (P->split && !coded)
+        for (; r < rows; r += 16)
+            add_bf16_value_tile(vs + r * d * esize, sch, w->accsplit + o * d, groups, n, t0 + r,
+                                rows - r < 16 ? rows - r : 16, d);
+    if (P->fast && P->tiles && d <= 256) /* up to 16 rows at once, the sums in registers */
+        for (; r < rows; r += 16) {
+            int64_t rt = rows - r < 16 ? rows - r : 16;
+            float own[16], *rs = own, *tile = w->tile;
+            if (coded && shared) {
+                if (shared->src != codes + r * dp)
+                    for (int64_t k = 0; k < 16 && r + k < bs; k++) {
+                        decode_row(P->scheme, P->fast, codes + (r + k) * dp, shared->tile + k * d, d);
+                        shared->rs[k] = bf16_to_f32(vsc[r + k]);
+                    }
+                shared->src = codes + r * dp;
+                tile = shared->tile, rs = shared->rs;
+            } else {
+                for (int64_t k = 0; k < rt; k++) {
+                    rs[k] = 1.f;
+                    if (coded) {
+                        decode_row(P->scheme, P->fast, codes + (r + k) * dp, tile + k * d, d);
+                        rs[k] = bf16_to_f32(vsc[r + k]);
+                    } else {
+                        load_row(P->dtype, vs + (r + k) * d * esize, tile + k * d, d);
+                    }
+                }
+            }
+            add_value_tile(tile, sch, rs, coded ? accph : acch, groups, n, t0 + r, rt, d, P->several, P->avx2);
+        }
+    for (; r < rows; r++) {
+        float rs = 1.f;
+        if (coded) {
+            decode_row(P->scheme, P->fast, codes + r * dp, w->row, d);
+            rs = bf16_to_f32(vsc[r]);
+        } else {
+            load_row(P->dtype, vs + r * d * esize, w->row, d);
+        }
+        add_value_row(coded, P->fast, w->row, sch, rs, acch, accph, groups, n, t0 + r, d);
+    }
+}
+
+/* One row's `all` query heads finished and stored from out's head `first` on (finish_heads). */
+static inline void finish_row(const qattn_pool *P, const float *v_rot, const qattn_scratch *w, int64_t all,
+                              void *out, int64_t first) {
+    for (int64_t g = 0; P->split && g < all; g++)
+        unpermute_add(Q_INT4, w->accsplit + g * P->d, w->acc + g * P->d, P->d);
+    /* an exact pool has no code rows: nothing in accp to put back in order */
+    finish_heads(P->dtype, P->scheme, P->fast && P->v_codes, v_rot, w->accp, w->acc, w->row, all, P->d, out, first);
+}
+
+/* ---- a prompt chunk's rows a run at a time, without AMX ----
+ * The work items take each row of a prompt chunk on its own, so each decodes the same code blocks again (an int8
+ * pool's 8 x 512-token prompts 1.13x the bf16 pool's time on a 2-core Zen 3, int4's 1.28x). A run of a chunk's rows
+ * (chunk_runs, QATTN_RUN_ROWS at a time) is taken here per KV head, a block at a time for all its rows, each tile of
+ * codes decoded once into a shared tile that every row then scores or sums as its own (block_scores, block_values):
+ * the same operations on the same values as the row path, so the same bits. INFER_QATTN_RUNS=0: each row alone. */
+#define QATTN_RUN_ROWS 16
+
+static int qattn_runs(void) { return switched_on("INFER_QATTN_RUNS"); }
+
+static int64_t qattn_run_rows_taken = 0; /* rows taken as runs since the process began (infer_qattn_run_rows) */
+
+/* How many rows of prompt chunks over a quantized pool the paged attention has taken as runs (qattn_run_all) in this
+ * process: the tests' witness that a chunk took them. */
+int64_t infer_qattn_run_rows(void) { return __atomic_load_n(&qattn_run_rows_taken, __ATOMIC_RELAXED); }
+
+/* Rows b0 .. b0 + rn - 1 (rn <= QATTN_RUN_ROWS) of one run, KV head h; bufs: QATTN_RUN_ROWS qattn_alloc buffers of
+ * one head's queries for their keys, `tile` 16 rows of d. */
+static void qattn_run_rows(const qattn_pool *P, const void *q, const float *v_rot, const int64_t *tables,
+                           const int64_t *lengths, const int64_t *starts, void *out, int64_t b0, int64_t rn, int64_t h,
+                           int64_t heads, int64_t nb, float softcap, int64_t window, float *const *bufs, float *tile) {
+    qattn_scratch w[QATTN_RUN_ROWS];
+    int64_t n[QATTN_RUN_ROWS], groups = P->groups, d = P->d, bs = P->bs;
+    const int64_t *table = tables + (b0 + rn - 1) * nb; /* the last row's: every row's blocks are a prefix of it */
+    shared_tile sh = {NULL, tile, {0}};
+    for (int64_t i = 0; i < rn; i++) {
+        n[i] = lengths[b0 + i] - starts[b0 + i];
+        w[i] = qattn_carve(bufs[i], groups, d, n[i]);
+        load_queries(P, q, b0 + i, heads, h, groups, &w[i]);
+    }
+    for (int64_t j = 0; j * bs < n[rn - 1]; j++) /* (the rows' keys in this block: up to bs) */
+        for (int64_t i = 0; i < rn; i++)
+            if (n[i] > j * bs) block_scores(P, &w[i], 0, table[j], h, n[i], j * bs, min64(n[i] - j * bs, bs), &sh);
+    sh.src = NULL;
+    for (int64_t i = 0; i < rn; i++) {
+        softmax_heads(w[i].sc, groups, n[i], 0, starts[b0 + i], lengths[b0 + i] - 1, softcap, window);
+        memset(w[i].acc, 0, sizeof(float) * (size_t)(groups * d));
+        memset(w[i].accp, 0, sizeof(float) * (size_t)(groups * d));
+        if (P->split) memset(w[i].accsplit, 0, sizeof(float) * (size_t)(groups * d));
+    }
+    for (int64_t j = 0; j * bs < n[rn - 1]; j++)
+        for (int64_t i = 0; i < rn; i++)
+            if (n[i] > j * bs) block_values(P, &w[i], 0, table[j], h, n[i], j * bs, min64(n[i] - j * bs, bs), &sh);
+    for (int64_t i = 0; i < rn; i++) finish_row(P, v_rot, &w[i], groups, out, (b0 + i) * heads + h * groups);
+}
+
+/* The runs (run u: rows first[u] .. first[u] + count[u] - 1) by qattn_run_rows, QATTN_RUN_ROWS rows and one KV head a
+ * work item, the longest (the last rows of a run) first; -1 without memory. */
+static int qattn_run_all(const qattn_pool *P, const void *q, const float *v_rot, const int64_t *tables,
+                         const int64_t *lengths, const int64_t *starts, void *out, int64_t heads, int64_t nb,
+                         float softcap, int64_t window, const int64_t *first, const int64_t *count, int64_t runs,
+                         int threads) {
+    int64_t parts = 0, nmax = 1;
+    for (int64_t u = 0; u < runs; u++) {
+        parts += (count[u] + QATTN_RUN_ROWS - 1) / QATTN_RUN_ROWS;
+        int64_t last = first[u] + count[u] - 1;
+        if (lengths[last] - starts[last] > nmax) nmax = lengths[last] - starts[last];
+    }
+    int64_t *part_b0 = (int64_t *)malloc(2 * sizeof(int64_t) * (size_t)parts), *part_rn = part_b0 + parts;
+    if (!part_b0) return -1;
+    for (int64_t u = 0, p = 0; u < runs; u++)
+        for (int64_t r = 0; r < count[u]; r += QATTN_RUN_ROWS, p++)
+            part_b0[p] = first[u] + r, part_rn[p] = count[u] - r < QATTN_RUN_ROWS ? count[u] - r : QATTN_RUN_ROWS;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float *bufs[QATTN_RUN_ROWS], *tile = (float *)aligned_alloc(64, sizeof(float) * 16 * (size_t)P->d);
+        int ok = tile != NULL;
+        for (int i = 0; i < QATTN_RUN_ROWS; i++) ok &= (bufs[i] = qattn_alloc(P->groups, P->d, nmax)) != NULL;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t unit = parts * P->kv_heads - 1; unit >= 0; unit--)
+            if (ok)
+                qattn_run_rows(P, q, v_rot, tables, lengths, starts, out, part_b0[unit / P->kv_heads],
+                               part_rn[unit / P->kv_heads], unit % P->kv_heads, heads, nb, softcap, window, bufs, tile);
+        for (int i = 0; i < QATTN_RUN_ROWS; i++) free(bufs[i]);
+        free(tile);
+    }
+    free(part_b0);
+    for (int64_t u = 0; !failed && u < runs; u++) __atomic_fetch_add(&qattn_run_rows_taken, count[u], __ATOMIC_RELAXED);
+    return failed ? -1 : 0;
+}
+
 /* The engine's quantized pool (infer/cache/paged_quantized.py), one-token queries of B sequences read through
  * their block tables: q [B, H, D]; a full block's codes [N, Hkv, bs, D or D/2] with channel scales (and offsets)
  * [N, Hkv, D] for keys and row scales [N, Hkv, bs] for values (rows stored rotated with v_rot); a table entry
  * >= num_blocks names a staged block, exact in stage [P, Hkv, bs, D] at slot entry - num_blocks. Sequence b's keys
  * are positions starts[b] .. lengths[b] - 1, its table's blocks in order; the query sits at the last. In bf16,
- * a prompt chunk's rows (chunk_runs) take the AMX tiles where the build and the CPU have them (amx_chunk_attention),
- * and the work items below skip them. */
+ * a prompt chunk's rows (chunk_runs) take the AMX tiles where the build and the CPU have them (amx_chunk_attention);
+ * else, over a quantized pool, runs of them each code tile decoded once (qattn_run_all); the work items below skip
+ * the rows either took. */
 static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_codes, const uint8_t *v_codes,
                        const uint16_t *k_scale, const uint16_t *v_scale, const uint16_t *k_offset,
                        const float *v_rot, const void *k_stage, const void *v_stage, const int64_t *tables,
@@ -2427,8 +2664,11 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
     int64_t hs = batch >= 2 * threads && !scratch && qattn_heads_at_once() ? kv_heads : 1, items = kv_heads / hs;
     for (int64_t b = 0; b < batch; b++)
         if (lengths[b] - starts[b] > nmax) nmax = lengths[b] - starts[b];
+    qattn_pool P = {dtype, scheme, fast, tiles, split, several, avx2, k_codes, v_codes, k_scale, v_scale, k_offset,
+                    (const char *)k_stage, (const char *)v_stage, kv_heads, groups, d, dp, bs, esize, num_blocks,
+                    scale};
     int failed = 0;
-    unsigned char *done = NULL; /* rows of prompt chunks taken on AMX tiles */
+    unsigned char *done = NULL; /* rows of prompt chunks taken on AMX tiles, or as runs (qattn_run_all) */
 #if defined(HAVE_AMX)
     if (dtype == BF16 && !scratch && batch >= AMX_RUN_ROWS && d % 32 == 0 && d <= 256 && amx_takes(d)) {
         int64_t *first = (int64_t *)malloc(2 * sizeof(int64_t) * (size_t)batch);
@@ -2452,6 +2692,22 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
         }
     }
 #endif
+    /* a quantized pool's prompt chunks without AMX: runs of rows, each code tile decoded once for a run */
+    if (!done && k_codes && num_blocks > 0 && !scratch && batch >= 2 && fast && tiles && d <= 256 && qattn_runs()) {
+        int64_t *first = (int64_t *)malloc(2 * sizeof(int64_t) * (size_t)batch);
+        done = (unsigned char *)calloc((size_t)batch, 1);
+        int64_t runs = first && done ? chunk_runs(tables, lengths, starts, batch, nb, bs, 2, first, first + batch, done)
+                                     : -1;
+        if (runs > 0 && qattn_run_all(&P, q, v_rot, tables, lengths, starts, out, heads, nb, softcap, window, first,
+                                      first + batch, runs, threads))
+            runs = -1;
+        free(first);
+        if (runs <= 0) {
+            free(done);
+            done = NULL;
+            if (runs < 0) return -1;
+        }
+    }
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int thread = 0;
@@ -2477,103 +2733,26 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
             }
             int64_t all = hs * groups; /* the item's query heads: KV head h0 + g / groups for query head g */
             qattn_scratch w = qattn_carve(buf, all, d, n);
-            float *qp = w.qp, *accp = w.accp, *row = w.row, *qf = w.qf, *qs = w.qs, *acc = w.acc, *tile = w.tile;
-            float *sc = w.sc, *qo = w.qo, *qsplit = w.qsplit, *accsplit = w.accsplit;
             const int64_t *table = tables + b * nb;
-            load_row(dtype, (const char *)q + (b * heads + h0 * groups) * d * esize, qf, all * d);
-            for (int64_t i = 0; i < all * d; i++) qf[i] *= scale;
-            for (int64_t g = 0; split && g < all; g++) /* the queries in score_bf16_tile's form */
-#if defined(HAVE_DOT_BF16)
-                memcpy(qsplit + g * d, (const uint16_t *)q + (b * heads + h0 * groups + g) * d, 2 * (size_t)d);
-#else
-                permute(Q_INT4, qf + g * d, qsplit + g * d, d);
-#endif
+            load_queries(&P, q, b, heads, h0, all, &w);
             /* scores, block by block, each block's KV heads in turn */
-            for (int64_t j = 0; j * bs < n; j++) {
-                int64_t id = table[j], rows = n - j * bs < bs ? n - j * bs : bs, t0 = j * bs;
+            for (int64_t j = 0; j * bs < n; j++)
                 for (int64_t h = h0; h < h0 + hs; h++) {
-                    int64_t o = (h - h0) * groups; /* this KV head's first query head in the item */
-                    float *sch = sc + o * n, *qfh = qf + o * d;
-                    kv_stream_ahead(&reads, kv_stream_bytes(&reads, id));
-                    if (id >= num_blocks) { /* staged: exact rows */
-                        const char *ks = (const char *)k_stage + ((id - num_blocks) * kv_heads + h) * bs * d * esize;
-                        int64_t r = 0;
-                        if (split) /* a block's last rows too where it has 16 slots from r to read (the scores
-                                    * past `rows` are not kept) */
-                            for (; r < rows && r + 16 <= bs; r += 16)
-                                score_bf16_tile(ks + r * d * esize, qsplit + o * d, scale, sch, groups, n, t0 + r, d,
-                                                rows - r < 16 ? rows - r : 16);
-                        if (fast && tiles)
-                            for (; r + 16 <= rows; r += 16)
-                                score_exact_tile(dtype, ks + r * d * esize, esize, qfh, tile, sch, groups, n, t0 + r,
-                                                 d, avx2);
-                        for (; r < rows; r++) {
-                            load_row(dtype, ks + r * d * esize, row, d);
-                            for (int64_t g = 0; g < groups; g++) sch[g * n + t0 + r] = dot_f32(qfh + g * d, row, d);
-                        }
-                        continue;
-                    }
-                    fold_key_scales(scheme, fast, qfh, k_scale + (id * kv_heads + h) * d,
-                                    k_offset ? k_offset + (id * kv_heads + h) * d : 0, qs, qp, qo, groups, d);
-                    const uint8_t *codes = k_codes + (id * kv_heads + h) * bs * dp;
-                    int64_t r = 0;
-                    if (fast && tiles)
-                        for (; r + 16 <= rows; r += 16)
-                            score_code_tile(scheme, dp, codes + r * dp, qp, qo, 0, tile, sch, groups, n, t0 + r, d, avx2);
-                    for (; r < rows; r++)
-                        score_code_row(scheme, fast, codes + r * dp, qp, qs, qo, 1.f, row, sch, groups, n, t0 + r, d);
+                    kv_stream_ahead(&reads, kv_stream_bytes(&reads, table[j]));
+                    block_scores(&P, &w, (h - h0) * groups, table[j], h, n, j * bs, n - j * bs < bs ? n - j * bs : bs,
+                                 NULL);
                 }
-            }
-            softmax_heads(sc, all, n, 0, starts[b], qpos, softcap, window); /* key t at position starts[b] + t */
-            /* values: exact rows into acc (bf16 ones widened in registers: accsplit), code rows into accp */
-            memset(acc, 0, sizeof(float) * (size_t)(all * d));
-            memset(accp, 0, sizeof(float) * (size_t)(all * d));
-            if (split) memset(accsplit, 0, sizeof(float) * (size_t)(all * d));
-            for (int64_t j = 0; j * bs < n; j++) {
-                int64_t id = table[j], rows = n - j * bs < bs ? n - j * bs : bs, t0 = j * bs;
-                int coded = id < num_blocks;
+            softmax_heads(w.sc, all, n, 0, starts[b], qpos, softcap, window); /* key t at position starts[b] + t */
+            memset(w.acc, 0, sizeof(float) * (size_t)(all * d));
+            memset(w.accp, 0, sizeof(float) * (size_t)(all * d));
+            if (split) memset(w.accsplit, 0, sizeof(float) * (size_t)(all * d));
+            for (int64_t j = 0; j * bs < n; j++)
                 for (int64_t h = h0; h < h0 + hs; h++) {
-                    int64_t o = (h - h0) * groups;
-                    float *sch = sc + o * n, *acch = acc + o * d, *accph = accp + o * d;
-                    const char *vs =
-                        coded ? 0 : (const char *)v_stage + ((id - num_blocks) * kv_heads + h) * bs * d * esize;
-                    kv_stream_ahead(&reads, kv_stream_bytes(&reads, id));
-                    int64_t r = 0;
-                    if (split && !coded)
-                        for (; r < rows; r += 16)
-                            add_bf16_value_tile(vs + r * d * esize, sch, accsplit + o * d, groups, n, t0 + r,
-                                                rows - r < 16 ? rows - r : 16, d);
-                    if (fast && tiles && d <= 256) /* up to 16 rows at once, the sums in registers */
-                        for (; r < rows; r += 16) {
-                            int64_t rt = rows - r < 16 ? rows - r : 16;
-                            float rs[16];
-                            for (int64_t k = 0; k < rt; k++) {
-                                rs[k] = 1.f;
-                                if (coded) {
-                                    decode_row(scheme, fast, v_codes + ((id * kv_heads + h) * bs + r + k) * dp,
-                                               tile + k * d, d);
-                                    rs[k] = bf16_to_f32(v_scale[(id * kv_heads + h) * bs + r + k]);
-                                } else {
-                                    load_row(dtype, vs + (r + k) * d * esize, tile + k * d, d);
-                                }
-                            }
-                            add_value_tile(tile, sch, rs, coded ? accph : acch, groups, n, t0 + r, rt, d, several, avx2);
-                        }
-                    for (; r < rows; r++) {
-                        float rs = 1.f;
-                        if (coded) {
-                            decode_row(scheme, fast, v_codes + ((id * kv_heads + h) * bs + r) * dp, row, d);
-                            rs = bf16_to_f32(v_scale[(id * kv_heads + h) * bs + r]);
-                        } else {
-                            load_row(dtype, vs + r * d * esize, row, d);
-                        }
-                        add_value_row(coded, fast, row, sch, rs, acch, accph, groups, n, t0 + r, d);
-                    }
+                    kv_stream_ahead(&reads, kv_stream_bytes(&reads, table[j]));
+                    block_values(&P, &w, (h - h0) * groups, table[j], h, n, j * bs, n - j * bs < bs ? n - j * bs : bs,
+                                 NULL);
                 }
-            }
-            for (int64_t g = 0; split && g < all; g++) unpermute_add(Q_INT4, accsplit + g * d, acc + g * d, d);
-            /* an exact pool has no code rows: nothing in accp to put back in order */
-            finish_heads(dtype, scheme, fast && v_codes, v_rot, accp, acc, row, all, d, out, b * heads + h0 * groups);
+            finish_row(&P, v_rot, &w, all, out, b * heads + h0 * groups);
         }
         if (!scratch) free(buf);
     }

@@ -212,6 +212,9 @@ class NativeKernels:
         lib.infer_amx_attention_rows.argtypes = []
         lib.infer_amx_attention_rows.restype = ctypes.c_int64
         self._amx_attention_rows = lib.infer_amx_attention_rows
+        lib.infer_qattn_run_rows.argtypes = []
+        lib.infer_qattn_run_rows.restype = ctypes.c_int64
+        self._qattn_run_rows = lib.infer_qattn_run_rows
         lib.infer_quantize_blocks.argtypes = [ctypes.c_int, ctypes.c_int, *[ctypes.c_void_p] * 4, ctypes.c_int64,
                                               *[ctypes.c_void_p] * 6, *[ctypes.c_int64] * 3, ctypes.c_int]
         lib.infer_quantize_blocks.restype = ctypes.c_int
@@ -322,6 +325,13 @@ class NativeKernels:
         positions over one table, bf16 (an exact pool or a quantized one), head size a multiple of 32 up to 256, where
         `amx_takes` holds (the rest take the row kernel)."""
         return int(self._amx_attention_rows())
+
+    def qattn_run_rows(self) -> int:
+        """How many query rows of prompt chunks over a quantized pool the paged attention has taken as runs in this
+        process, each call's: 2 or more rows of one sequence's consecutive positions over one table, each tile of codes
+        decoded once for 16 rows (head size a multiple of 32 up to 256, INFER_QATTN_RUNS not 0), where the AMX tiles
+        took none of the call's rows."""
+        return int(self._qattn_run_rows())
 
     def gemm_bf16_packed(self, packed: torch.Tensor, x: torch.Tensor, n: int, bias: torch.Tensor | None = None
                          ) -> torch.Tensor:
