@@ -2543,6 +2543,13 @@ static inline void block_values(const qattn_pool *P, const qattn_scratch *w, int
     }
 }
 
+/* One row's sums of `all` query heads zeroed before its values. */
+static inline void clear_sums(const qattn_pool *P, const qattn_scratch *w, int64_t all) {
+    memset(w->acc, 0, sizeof(float) * (size_t)(all * P->d));
+    memset(w->accp, 0, sizeof(float) * (size_t)(all * P->d));
+    if (P->split) memset(w->accsplit, 0, sizeof(float) * (size_t)(all * P->d));
+}
+
 /* One row's `all` query heads finished and stored from out's head `first` on (finish_heads). */
 static inline void finish_row(const qattn_pool *P, const float *v_rot, const qattn_scratch *w, int64_t all,
                               void *out, int64_t first) {
@@ -2588,9 +2595,7 @@ static void qattn_run_rows(const qattn_pool *P, const void *q, const float *v_ro
     sh.src = NULL;
     for (int64_t i = 0; i < rn; i++) {
         softmax_heads(w[i].sc, groups, n[i], 0, starts[b0 + i], lengths[b0 + i] - 1, softcap, window);
-        memset(w[i].acc, 0, sizeof(float) * (size_t)(groups * d));
-        memset(w[i].accp, 0, sizeof(float) * (size_t)(groups * d));
-        if (P->split) memset(w[i].accsplit, 0, sizeof(float) * (size_t)(groups * d));
+        clear_sums(P, &w[i], groups);
     }
     for (int64_t j = 0; j * bs < n[rn - 1]; j++)
         for (int64_t i = 0; i < rn; i++)
@@ -2614,7 +2619,7 @@ static int qattn_run_all(const qattn_pool *P, const void *q, const float *v_rot,
     if (!part_b0) return -1;
     for (int64_t u = 0, p = 0; u < runs; u++)
         for (int64_t r = 0; r < count[u]; r += QATTN_RUN_ROWS, p++)
-            part_b0[p] = first[u] + r, part_rn[p] = count[u] - r < QATTN_RUN_ROWS ? count[u] - r : QATTN_RUN_ROWS;
+            part_b0[p] = first[u] + r, part_rn[p] = min64(count[u] - r, QATTN_RUN_ROWS);
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
@@ -2739,18 +2744,14 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
             for (int64_t j = 0; j * bs < n; j++)
                 for (int64_t h = h0; h < h0 + hs; h++) {
                     kv_stream_ahead(&reads, kv_stream_bytes(&reads, table[j]));
-                    block_scores(&P, &w, (h - h0) * groups, table[j], h, n, j * bs, n - j * bs < bs ? n - j * bs : bs,
-                                 NULL);
+                    block_scores(&P, &w, (h - h0) * groups, table[j], h, n, j * bs, min64(n - j * bs, bs), NULL);
                 }
             softmax_heads(w.sc, all, n, 0, starts[b], qpos, softcap, window); /* key t at position starts[b] + t */
-            memset(w.acc, 0, sizeof(float) * (size_t)(all * d));
-            memset(w.accp, 0, sizeof(float) * (size_t)(all * d));
-            if (split) memset(w.accsplit, 0, sizeof(float) * (size_t)(all * d));
+            clear_sums(&P, &w, all);
             for (int64_t j = 0; j * bs < n; j++)
                 for (int64_t h = h0; h < h0 + hs; h++) {
                     kv_stream_ahead(&reads, kv_stream_bytes(&reads, table[j]));
-                    block_values(&P, &w, (h - h0) * groups, table[j], h, n, j * bs, n - j * bs < bs ? n - j * bs : bs,
-                                 NULL);
+                    block_values(&P, &w, (h - h0) * groups, table[j], h, n, j * bs, min64(n - j * bs, bs), NULL);
                 }
             finish_row(&P, v_rot, &w, all, out, b * heads + h0 * groups);
         }
