@@ -261,6 +261,30 @@ def random_pool(p: dict[str, Any], blocks: int, device: str) -> tuple[Any, torch
     return pool, gen
 
 
+def chunks_over_codes(p: dict[str, Any], staged: float, cut: bool = False
+                      ) -> tuple[Any, torch.Generator, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A pool drawn as `random_pool` does and the rows of `p["segments"]` over it: each sequence's newest block staged
+    (older ones too where `stage` < `staged`; `staged` -1: its first block too), each row's table its own blocks padded
+    with another block; with `cut`, each sequence's table from a later block on (a sliding layer's in the pool). The
+    pool, the generator to draw on from, tables, lengths and starts."""
+    bs = p["block_size"]
+    spans = [-(-(prefix + rows) // bs) for prefix, rows in p["segments"]]
+    pool, gen = random_pool(p, sum(spans), "cpu")
+    order, stage = torch.randperm(pool.num_blocks, generator=gen).tolist(), torch.rand(sum(spans), generator=gen)
+    tables, lengths, starts, used = [], [], [], 0
+    for (prefix, rows), span in zip(p["segments"], spans, strict=True):
+        blocks = [pool.num_blocks + used + j if j == span - 1 or stage[used + j] < staged or (staged < 0 and j == 0)
+                  else order[used + j] for j in range(span)]
+        used += span
+        first = prefix // bs // 2 if cut else 0  # the table starts at this block of the sequence
+        for n in range(prefix + 1, prefix + rows + 1):
+            own = -(-n // bs)
+            tables.append(blocks[first:own] + [order[-1]] * (max(spans) - own + first))
+            lengths.append(n)
+            starts.append(first * bs)
+    return pool, gen, torch.tensor(tables), torch.tensor(lengths), torch.tensor(starts)
+
+
 def check_pool_kernel(p: dict[str, Any], kernel: str, fp32_ulp: float, half_ulp: float, device: str) -> None:
     """A pool drawn as `pool_layouts` describes, its decode group read in place by `kernel` ("native" or
     "triton"), against the pool's dequantizing gather and the formula in fp32: within `fp32_ulp` (relative to the
@@ -516,22 +540,9 @@ def test_prompt_chunks_over_codes_on_amx_tiles_are_the_formula(p: dict[str, Any]
     from infer.ragged import DecodeGroup
 
     p = {**p, "scheme": scheme, "dtype": torch.bfloat16}
-    bs = p["block_size"]
-    spans = [-(-(prefix + rows) // bs) for prefix, rows in p["segments"]]
-    pool, gen = random_pool(p, sum(spans), "cpu")
-    order, stage = torch.randperm(pool.num_blocks, generator=gen).tolist(), torch.rand(sum(spans), generator=gen)
-    tables, lengths, used = [], [], 0
-    for (prefix, rows), span in zip(p["segments"], spans, strict=True):
-        blocks = [pool.num_blocks + used + j if j == span - 1 or stage[used + j] < staged or (staged < 0 and j == 0)
-                  else order[used + j] for j in range(span)]
-        used += span
-        for n in range(prefix + 1, prefix + rows + 1):
-            own = -(-n // bs)
-            tables.append(blocks[:own] + [order[-1]] * (max(spans) - own))
-            lengths.append(n)
-    table, lengths_t = torch.tensor(tables), torch.tensor(lengths)
-    group = DecodeGroup("native", torch.arange(len(tables)), table, lengths_t, {}, torch.zeros_like(lengths_t))
-    q = torch.randn(len(tables), p["heads"], p["head_dim"], generator=gen).bfloat16()
+    pool, gen, table, lengths_t, starts = chunks_over_codes(p, staged)
+    group = DecodeGroup("native", torch.arange(len(table)), table, lengths_t, {}, starts)
+    q = torch.randn(len(table), p["heads"], p["head_dim"], generator=gen).bfloat16()
     kernels = native_kernels()
     assert kernels is not None
 
@@ -580,24 +591,9 @@ def test_prompt_chunks_over_codes_as_runs_are_the_row_kernel_bit_for_bit(p: dict
     from infer.ragged import DecodeGroup
 
     p = {**p, "scheme": scheme, "dtype": dtype}
-    bs = p["block_size"]
-    spans = [-(-(prefix + rows) // bs) for prefix, rows in p["segments"]]
-    pool, gen = random_pool(p, sum(spans), "cpu")
-    order, stage = torch.randperm(pool.num_blocks, generator=gen).tolist(), torch.rand(sum(spans), generator=gen)
-    tables, lengths, starts, used = [], [], [], 0
-    for (prefix, rows), span in zip(p["segments"], spans, strict=True):
-        blocks = [pool.num_blocks + used + j if j == span - 1 or stage[used + j] < staged or (staged < 0 and j == 0)
-                  else order[used + j] for j in range(span)]
-        used += span
-        first = prefix // bs // 2 if cut else 0  # the table starts at this block of the sequence
-        for n in range(prefix + 1, prefix + rows + 1):
-            own = -(-n // bs)
-            tables.append(blocks[first:own] + [order[-1]] * (max(spans) - own + first))
-            lengths.append(n)
-            starts.append(first * bs)
-    table, lengths_t = torch.tensor(tables), torch.tensor(lengths)
-    group = DecodeGroup("native", torch.arange(len(tables)), table, lengths_t, {}, torch.tensor(starts))
-    q = torch.randn(len(tables), p["heads"], p["head_dim"], generator=gen).to(dtype)
+    pool, gen, table, lengths_t, starts = chunks_over_codes(p, staged, cut)
+    group = DecodeGroup("native", torch.arange(len(table)), table, lengths_t, {}, starts)
+    q = torch.randn(len(table), p["heads"], p["head_dim"], generator=gen).to(dtype)
     kernels = native_kernels()
     assert kernels is not None
 
@@ -613,7 +609,7 @@ def test_prompt_chunks_over_codes_as_runs_are_the_row_kernel_bit_for_bit(p: dict
         alone = attend()
     assert kernels.qattn_run_rows() - before == taken, "INFER_QATTN_RUNS=0 still took runs"
     assert torch.equal(runs, alone), f"{p}: the runs changed a row's sums"
-    if any(starts):
+    if bool(starts.any()):
         return
     pool.dtype = torch.float32  # the gather dequantizes into fp32: the kernel sums the codes in fp32
     keys, values = pool.layers[0].gather(table)
