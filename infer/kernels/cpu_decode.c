@@ -2965,6 +2965,28 @@ static const uint32_t odd_halves[8] __attribute__((aligned(32))) = {0xffff0000u,
  * 2-core Zen 3 EPYC), and which loops spilled moved with unrelated changes (a helper inlined, a parameter added).
  * No switch turns it off: a run-time one in the tile moved gcc's allocation back to the spill (0.998x). Each of
  * its rows is held bit for bit to that row alone, which the C loop's 1-row tile computes (the tests). */
+/* Six rows' input at byte offset OFF (0: the even input, 4: the odd one) broadcast into ymm13, times the weights in
+ * ymm14 (outputs 0-7) and ymm15 (8-15), added into each row's two sums. */
+#define SIX_ROWS_FMA(OFF)                                                                                              \
+    "vbroadcastss " OFF "(%[x]), %%ymm13\n\t"                                                                        \
+    "vfmadd231ps %%ymm14, %%ymm13, %[a00]\n\t"                                                                       \
+    "vfmadd231ps %%ymm15, %%ymm13, %[a01]\n\t"                                                                       \
+    "vbroadcastss " OFF "(%[x],%[s]), %%ymm13\n\t"                                                                   \
+    "vfmadd231ps %%ymm14, %%ymm13, %[a10]\n\t"                                                                       \
+    "vfmadd231ps %%ymm15, %%ymm13, %[a11]\n\t"                                                                       \
+    "vbroadcastss " OFF "(%[x],%[s],2), %%ymm13\n\t"                                                                 \
+    "vfmadd231ps %%ymm14, %%ymm13, %[a20]\n\t"                                                                       \
+    "vfmadd231ps %%ymm15, %%ymm13, %[a21]\n\t"                                                                       \
+    "vbroadcastss " OFF "(%[x3]), %%ymm13\n\t"                                                                       \
+    "vfmadd231ps %%ymm14, %%ymm13, %[a30]\n\t"                                                                       \
+    "vfmadd231ps %%ymm15, %%ymm13, %[a31]\n\t"                                                                       \
+    "vbroadcastss " OFF "(%[x3],%[s]), %%ymm13\n\t"                                                                  \
+    "vfmadd231ps %%ymm14, %%ymm13, %[a40]\n\t"                                                                       \
+    "vfmadd231ps %%ymm15, %%ymm13, %[a41]\n\t"                                                                       \
+    "vbroadcastss " OFF "(%[x3],%[s],2), %%ymm13\n\t"                                                                \
+    "vfmadd231ps %%ymm14, %%ymm13, %[a50]\n\t"                                                                       \
+    "vfmadd231ps %%ymm15, %%ymm13, %[a51]\n\t"
+
 static inline __attribute__((always_inline)) void packed_pair_six_rows(const uint16_t *w, const float *x,
                                                                        int64_t row_bytes, __m256 acc[PACK_ROWS][2]) {
     const float *x3 = (const float *)(const void *)((const char *)x + 3 * row_bytes);
@@ -2972,46 +2994,12 @@ static inline __attribute__((always_inline)) void packed_pair_six_rows(const uin
             "vmovdqu 32(%[w]), %%ymm15\n\t"
             "vpslld $16, %%ymm14, %%ymm14\n\t"
             "vpslld $16, %%ymm15, %%ymm15\n\t"
-            "vbroadcastss (%[x]), %%ymm13\n\t"
-            "vfmadd231ps %%ymm14, %%ymm13, %[a00]\n\t"
-            "vfmadd231ps %%ymm15, %%ymm13, %[a01]\n\t"
-            "vbroadcastss (%[x],%[s]), %%ymm13\n\t"
-            "vfmadd231ps %%ymm14, %%ymm13, %[a10]\n\t"
-            "vfmadd231ps %%ymm15, %%ymm13, %[a11]\n\t"
-            "vbroadcastss (%[x],%[s],2), %%ymm13\n\t"
-            "vfmadd231ps %%ymm14, %%ymm13, %[a20]\n\t"
-            "vfmadd231ps %%ymm15, %%ymm13, %[a21]\n\t"
-            "vbroadcastss (%[x3]), %%ymm13\n\t"
-            "vfmadd231ps %%ymm14, %%ymm13, %[a30]\n\t"
-            "vfmadd231ps %%ymm15, %%ymm13, %[a31]\n\t"
-            "vbroadcastss (%[x3],%[s]), %%ymm13\n\t"
-            "vfmadd231ps %%ymm14, %%ymm13, %[a40]\n\t"
-            "vfmadd231ps %%ymm15, %%ymm13, %[a41]\n\t"
-            "vbroadcastss (%[x3],%[s],2), %%ymm13\n\t"
-            "vfmadd231ps %%ymm14, %%ymm13, %[a50]\n\t"
-            "vfmadd231ps %%ymm15, %%ymm13, %[a51]\n\t"
+            SIX_ROWS_FMA("0")
             "vmovdqu (%[w]), %%ymm14\n\t"
             "vmovdqu 32(%[w]), %%ymm15\n\t"
             "vpand %[high], %%ymm14, %%ymm14\n\t"
             "vpand %[high], %%ymm15, %%ymm15\n\t"
-            "vbroadcastss 4(%[x]), %%ymm13\n\t"
-            "vfmadd231ps %%ymm14, %%ymm13, %[a00]\n\t"
-            "vfmadd231ps %%ymm15, %%ymm13, %[a01]\n\t"
-            "vbroadcastss 4(%[x],%[s]), %%ymm13\n\t"
-            "vfmadd231ps %%ymm14, %%ymm13, %[a10]\n\t"
-            "vfmadd231ps %%ymm15, %%ymm13, %[a11]\n\t"
-            "vbroadcastss 4(%[x],%[s],2), %%ymm13\n\t"
-            "vfmadd231ps %%ymm14, %%ymm13, %[a20]\n\t"
-            "vfmadd231ps %%ymm15, %%ymm13, %[a21]\n\t"
-            "vbroadcastss 4(%[x3]), %%ymm13\n\t"
-            "vfmadd231ps %%ymm14, %%ymm13, %[a30]\n\t"
-            "vfmadd231ps %%ymm15, %%ymm13, %[a31]\n\t"
-            "vbroadcastss 4(%[x3],%[s]), %%ymm13\n\t"
-            "vfmadd231ps %%ymm14, %%ymm13, %[a40]\n\t"
-            "vfmadd231ps %%ymm15, %%ymm13, %[a41]\n\t"
-            "vbroadcastss 4(%[x3],%[s],2), %%ymm13\n\t"
-            "vfmadd231ps %%ymm14, %%ymm13, %[a50]\n\t"
-            "vfmadd231ps %%ymm15, %%ymm13, %[a51]"
+            SIX_ROWS_FMA("4")
             : [a00] "+x"(acc[0][0]), [a01] "+x"(acc[0][1]),
               [a10] "+x"(acc[1][0]), [a11] "+x"(acc[1][1]),
               [a20] "+x"(acc[2][0]), [a21] "+x"(acc[2][1]),
@@ -3022,6 +3010,7 @@ static inline __attribute__((always_inline)) void packed_pair_six_rows(const uin
               [high] "m"(*(const __m256i *)(const void *)odd_halves)
             : "xmm13", "xmm14", "xmm15", "memory");
 }
+#undef SIX_ROWS_FMA
 
 static inline __attribute__((always_inline)) void packed_tile_bf16(int mr, const uint16_t *pb, int64_t pairs,
                                                                    const float *x, int64_t k,
