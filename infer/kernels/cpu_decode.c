@@ -2958,13 +2958,6 @@ static inline void store_sums_bf16(__m256 v, const uint16_t *bias, uint16_t *row
 static const uint32_t odd_halves[8] __attribute__((aligned(32))) = {0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u,
                                                                     0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u};
 
-/* Pair q of a 6-row tile (inputs 2q, 2q + 1; x at input 2q, rows `row_bytes` apart): packed_tile_bf16's loop body
- * below, the same instructions in the same order, written out so that the 12 sums stay in registers. 12 sums, 2
- * weights and a broadcast leave one of the 16 registers; left to gcc, the loop kept the mask there and spilled a
- * sum, a store and a reload in its chain every pair (0.8x at 16 and 64 rows of a 150M Llama's products on a
- * 2-core Zen 3 EPYC), and which loops spilled moved with unrelated changes (a helper inlined, a parameter added).
- * No switch turns it off: a run-time one in the tile moved gcc's allocation back to the spill (0.998x). Each of
- * its rows is held bit for bit to that row alone, which the C loop's 1-row tile computes (the tests). */
 /* Six rows' input at byte offset OFF (0: the even input, 4: the odd one) broadcast into ymm13, times the weights in
  * ymm14 (outputs 0-7) and ymm15 (8-15), added into each row's two sums. */
 #define SIX_ROWS_FMA(OFF)                                                                                              \
@@ -2987,6 +2980,13 @@ static const uint32_t odd_halves[8] __attribute__((aligned(32))) = {0xffff0000u,
     "vfmadd231ps %%ymm14, %%ymm13, %[a50]\n\t"                                                                       \
     "vfmadd231ps %%ymm15, %%ymm13, %[a51]\n\t"
 
+/* Pair q of a 6-row tile (inputs 2q, 2q + 1; x at input 2q, rows `row_bytes` apart): packed_tile_bf16's loop body
+ * below, the same instructions in the same order, written out so that the 12 sums stay in registers. 12 sums, 2
+ * weights and a broadcast leave one of the 16 registers; left to gcc, the loop kept the mask there and spilled a
+ * sum, a store and a reload in its chain every pair (0.8x at 16 and 64 rows of a 150M Llama's products on a
+ * 2-core Zen 3 EPYC), and which loops spilled moved with unrelated changes (a helper inlined, a parameter added).
+ * No switch turns it off: a run-time one in the tile moved gcc's allocation back to the spill (0.998x). Each of
+ * its rows is held bit for bit to that row alone, which the C loop's 1-row tile computes (the tests). */
 static inline __attribute__((always_inline)) void packed_pair_six_rows(const uint16_t *w, const float *x,
                                                                        int64_t row_bytes, __m256 acc[PACK_ROWS][2]) {
     const float *x3 = (const float *)(const void *)((const char *)x + 3 * row_bytes);
