@@ -10,7 +10,7 @@ import ctypes
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from infer.families import ARCHITECTURES
@@ -415,14 +415,19 @@ PACKED_FLAVOURS = [f for f in FLAVOURS_HERE if getattr(native_kernels(f), "packe
 @given(m=st.integers(1, 21), n=st.integers(1, 70), pairs=st.integers(1, 150), with_bias=st.booleans(),
        threads=st.integers(1, 3), ahead=st.sampled_from([1, 2]), seed=st.integers(0, 2**16),
        flavour=st.sampled_from(PACKED_FLAVOURS or ["native"]), amx=st.booleans())
+# one tile (two prefetch lines a pair) whose next pair of blocks is a lone block of an odd number of pairs: its last
+# line prefetched alone
+@example(m=3, n=40, pairs=7, with_bias=False, threads=1, ahead=1, seed=0,
+         flavour=(PACKED_FLAVOURS or ["native"])[0], amx=False)
 def test_the_packed_bf16_product_is_the_formula(m: int, n: int, pairs: int, with_bias: bool, threads: int,
                                                 ahead: int, seed: int, flavour: str, amx: bool) -> None:
     """`gemm_bf16_packed` on a weight `pack_bf16` packed (blocks of 16 rows, the last one padded; tiles of 8 input
     rows by 2 blocks for the pair instruction, 6 by 1 for AVX2's FMAs, rows shared evenly over the tiles; row and
     block tails; on an AMX host its tiles for k a multiple of 32 or, INFER_AMX=0, the pair instruction's for every
     k), prefetching either pair of blocks ahead (`packed_ahead`): every output within the rounding of fp32
-    sums rounded once to bf16, bit for bit what that input row alone gives and what the other prefetch distance
-    gives, and packing leaves the weight as it was."""
+    sums rounded once to bf16, bit for bit what that input row alone gives, what the other prefetch distance
+    gives and what the tiles give testing the prefetch range in every pair (INFER_PREFETCH_LOOPS=0, the first form
+    of their loop), and packing leaves the weight as it was."""
     kernels = native_kernels(flavour)
     assert kernels is not None
     gen = torch.Generator().manual_seed(seed)
@@ -440,11 +445,14 @@ def test_the_packed_bf16_product_is_the_formula(m: int, n: int, pairs: int, with
             assert kernels.packed_ahead == ahead
             y = kernels.gemm_bf16_packed(packed, x, n, bias)
             alone = [kernels.gemm_bf16_packed(packed, x[j : j + 1], n, bias)[0] for j in range(m)]
+            with amx_switched(False, "INFER_PREFETCH_LOOPS"):
+                tested = kernels.gemm_bf16_packed(packed, x, n, bias)
     finally:
         kernels.packed_ahead = before
     assert torch.equal(w, w_before) and torch.equal(x, x_before), "the caller's tensors changed"
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     assert torch.equal(y, other), "the prefetch distance moved a value"
+    assert torch.equal(y, tested), "the tiles' loops over the pairs that prefetch moved a value"
     assert_rows_are_the_formula(y, alone, w, x, bias)
 
 
