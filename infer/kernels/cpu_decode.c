@@ -1590,6 +1590,10 @@ static inline void score_bf16_tile(const char *rows, const float *qsplit, float 
 #if defined(HAVE_DOT_BF16)
         const uint16_t *q = (const uint16_t *)(qsplit + g * d);
         qv16 scores = (d == 64 ? pair_tile_dots_n(q, rows, 2) : pair_tile_dots_n(q, rows, 4)) * scale;
+        /* the first rt lanes by a masked store: the memcpy of a variable length below compiled to a string move,
+         * a third of this function's time at 16 sequences of 400-530 keys on a 2-core Zen 4 EPYC */
+        _mm512_mask_storeu_ps(sc + g * n + t, (__mmask16)(rt >= 16 ? 0xffffu : (1u << rt) - 1), (__m512)scores);
+        continue;
 #elif defined(HAVE_AVX2_ROWS)
         (void)scale;
         __m256 scores[2] = {bf16_rows8_dots(qsplit + g * d, rows, d), bf16_rows8_dots(qsplit + g * d, rows + 16 * d, d)};
