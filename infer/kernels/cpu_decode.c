@@ -2894,9 +2894,9 @@ void infer_pack_bf16(const uint16_t *w, uint16_t *p, int64_t n, int64_t k, int t
         }
 }
 
-/* Whether the packed product's tiles run their pairs that prefetch as a loop of their own (1, INFER_PREFETCH_LOOPS
- * unset: packed_tile_bf16) or test the prefetch range in every pair (0, the first form: the same sums, only the loop
- * differs). */
+/* Whether the pair instruction's packed tiles (packed_tile_bf16, AVX512-BF16) run their pairs that prefetch as a loop
+ * of their own (1, INFER_PREFETCH_LOOPS unset) or test the prefetch range in every pair (0, the first form: the same
+ * sums, only the loop differs). AVX2's tiles keep one loop: gcc splits it there itself. */
 static int prefetch_loops(void) { return switched_on("INFER_PREFETCH_LOOPS"); }
 
 #if defined(HAVE_DOT_BF16)
@@ -2922,8 +2922,8 @@ static int prefetch_loops(void) { return switched_on("INFER_PREFETCH_LOOPS"); }
  * c .. c + 16 nb - 1 (+ bias), masked past n. `pf` .. `pf_end`: bytes prefetched into L2 while the tile runs,
  * `per_iter` (1 or 2) lines a pair until they are out. Its first pairs, one line (or two) each, then the rest, as
  * two loops (`loops`): tested in every pair, the range and its count took 19 of the 16-row tile's 51 instructions a
- * pair (gcc kept 6 of its pointers in vector registers), and the tile ran at 0.86x from L2 and 0.87-0.91x over a
- * 150M Llama's decode-step weights from DRAM (a 2-core Zen 4 EPYC). */
+ * pair (gcc kept 6 of its pointers in vector registers), and the product ran at 0.87x from L2 and 0.87-0.91x over
+ * a 150M Llama's decode-step weights from DRAM at 16 rows (a 2-core Zen 4 EPYC). */
 static inline __attribute__((always_inline)) void packed_tile_bf16(int mr, const uint16_t *pb, int64_t pairs,
                                                                    const uint16_t *x, int64_t k,
                                                                    const uint16_t *bias, uint16_t *y, int64_t n,
