@@ -64,13 +64,19 @@ def test_a_paged_pool_is_zeroed_and_on_huge_pages_where_asked(huge: bool) -> Non
     from tests.helpers import tiny_config
 
     config = tiny_config()
-    # Enough blocks for the lazy map (16 MiB and more per tensor): the path a real pool takes.
+    # Enough blocks for the lazy map (16 MiB and more per tensor): the path a real pool takes; 3 more, so that a
+    # layer's blocks are not a whole number of huge pages (a real pool's seldom are).
     per_block = config.num_hidden_layers * config.num_key_value_heads * 16 * config.head_dim * 4
-    pool = PagedKVPool(config, num_blocks=-(-32 * 2**20 // per_block), huge_pages=huge)
+    pool = PagedKVPool(config, num_blocks=-(-32 * 2**20 // per_block) + 3, huge_pages=huge)
     for blocks in (pool.k_blocks, pool.v_blocks):
         assert blocks.nbytes >= 16 * 2**20
         if huge and THP_HERE:  # (an ordinary map may start on a 2 MiB boundary by chance)
             assert blocks.data_ptr() % HUGE_PAGE == 0, "a huge page maps only from a 2 MiB boundary"
+            # each layer's blocks from a boundary of their own: a layer's first blocks fault one page, not two
+            assert all(blocks[layer].data_ptr() % HUGE_PAGE == 0 for layer in range(blocks.shape[0])), \
+                "a layer's blocks start inside a huge page"
+        assert all(blocks[layer].is_contiguous() for layer in range(blocks.shape[0])), "a layer's blocks not in order"
         assert not blocks.any(), "a fresh pool reads as zeros"
         blocks[0, -1].fill_(1.5)  # writable, and private to this pool
         assert blocks[0, -1].eq(1.5).all()
+        assert not blocks[1:].any(), "a write to one layer's last block reached the next layer"

@@ -17,7 +17,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from infer.errors import CacheFullError
-from infer.memory import check_fits, empty_on_huge_pages, huge_pages_fit, resolve_device
+from infer.memory import check_fits, huge_pages_fit, layers_on_huge_pages, resolve_device
 
 
 @runtime_checkable
@@ -125,8 +125,9 @@ LAZY_ZEROS_BYTES = 16 * 2**20  # below this, torch.zeros is as quick
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = False) -> torch.Tensor:
     nbytes = math.prod(shape) * dtype.itemsize
     if huge_pages and huge_pages_fit(nbytes):
-        # A fresh private anonymous map: zero until written, 2 MiB faulted in at a time, not 4 KiB.
-        return empty_on_huge_pages(shape, dtype)
+        # A fresh private anonymous map: zero until written, 2 MiB faulted in at a time, not 4 KiB; each index of the
+        # first dimension (a pool's layer) from a page boundary.
+        return layers_on_huge_pages(shape, dtype)
     # The tensor keeps the map alive (torch.frombuffer holds a reference to its buffer).
     buffer = mmap.mmap(-1, nbytes)
     return torch.frombuffer(buffer, dtype=dtype).view(shape)
