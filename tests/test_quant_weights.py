@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -543,16 +543,18 @@ PACKED_CODES = [f for f in RUNNABLE if getattr(native_kernels(f), "packed_codes_
 def test_the_quantized_packed_product_is_the_packed_product_on_the_bf16_dequantized_weight(
         scheme: str, n: int, flavour: str, balance: str, runs: int, group: int, m: int, with_bias: bool,
         threads: int, seed: int) -> None:
-    """`quantized_gemm_packed` on `pack_codes`' layout (each block of 16 weight rows dequantized once to bf16 in cache)
-    is the bf16 packed product on the weight `dequantize(bf16)` gives, bit for bit (last blocks part-filled, threads
-    splitting the blocks unevenly and taking each other's, INFER_BALANCE 1 / 2 / 0; every flavour that has it), and
-    so within fp32 summation and one bf16 rounding of `x @ dequantize(bf16).T`; the weight and x are left as they
-    were."""
+    """`quantized_gemm_packed` on `pack_codes`' layout (each block of 16 weight rows dequantized once to bf16 in cache;
+    q8 codes too with the codes form off, INFER_PACKED_CODE_SUMS=0) is the bf16 packed product on the weight
+    `dequantize(bf16)` gives, bit for bit (last blocks part-filled, threads splitting the blocks unevenly and taking
+    each other's, INFER_BALANCE 1 / 2 / 0; every flavour that has it), and so within fp32 summation and one bf16
+    rounding of `x @ dequantize(bf16).T`; the weight and x are left as they were."""
     kernels = native_kernels(flavour)
     assert kernels is not None
     weight, x, bias = bf16_product_case(scheme, n, runs, group, m, with_bias, seed)
     before, x_before = [t.clone() for t in weight.tensors()], x.clone()
-    with on_threads(threads), env_set("INFER_BALANCE", balance):
+    code_sums = kernels.code_sums(weight.unfactored().fmt, x.shape[1])  # (q8 codes: that form off)
+    with on_threads(threads), env_set("INFER_BALANCE", balance), \
+            env_set("INFER_PACKED_CODE_SUMS", "0" if code_sums else "1"):
         got = kernels.quantized_gemm_packed(pack_codes(weight), x, bias)
     with on_threads(threads):
         want = kernels.gemm_bf16_packed(kernels.pack_bf16(weight.dequantize(torch.bfloat16)), x, n, bias)
@@ -567,13 +569,78 @@ def test_the_quantized_packed_product_is_the_packed_product_on_the_bf16_dequanti
 def test_the_quantized_packed_product_passes_many_rows_in_groups(flavour: str, scheme: str) -> None:
     """Rows past what one pass keeps in cache (AVX2's widened rows, 192 KiB: 16 rows of k = 3072) go through the
     blocks in groups, each block dequantized again for each: still the bf16 packed product on the dequantized weight,
-    bit for bit."""
+    bit for bit (q8 codes with the codes form off)."""
     kernels = native_kernels(flavour)
     assert kernels is not None
     weight, x, bias = bf16_product_case(scheme, 37, 96, 32, 70, True, 5)
-    got = kernels.quantized_gemm_packed(pack_codes(weight), x, bias)
+    code_sums = kernels.code_sums(weight.unfactored().fmt, x.shape[1])  # (q8 codes: that form off)
+    with env_set("INFER_PACKED_CODE_SUMS", "0" if code_sums else "1"):
+        got = kernels.quantized_gemm_packed(pack_codes(weight), x, bias)
     want = kernels.gemm_bf16_packed(kernels.pack_bf16(weight.dequantize(torch.bfloat16)), x, 37, bias)
     assert x.shape[1] == 3072 and torch.equal(got, want), f"{scheme}: rows past the first group parted"
+
+
+# (AVX512-BF16 builds: q8 codes multiplied as exact bf16 operands, each group's sum times its scale)
+CODE_SUMS = [f for f in PACKED_CODES if native_kernels(f).code_sums("q8", 64)]  # type: ignore[union-attr]
+Q8_SCHEMES = ["int8", "Q8_0", "Q6_K", "Q6_K-factored"]
+
+
+@pytest.mark.skipif(not CODE_SUMS, reason="the codes form of q8 codes is AVX512-BF16's (and needs a build)")
+@given(n=st.integers(1, 80), runs=st.integers(1, 13), m=st.integers(1, 40), with_bias=st.booleans(),
+       threads=st.integers(1, 3), balance=st.sampled_from(["1", "0"]), scheme=st.sampled_from(Q8_SCHEMES),
+       seed=st.integers(0, 2**31), flavour=st.sampled_from(CODE_SUMS or ["native"]))
+@settings(max_examples=50, deadline=None)
+def test_q8_codes_in_the_codes_form_are_the_unrounded_product_row_by_row(
+        scheme: str, n: int, runs: int, m: int, with_bias: bool, threads: int, balance: str, seed: int,
+        flavour: str) -> None:
+    """`quantized_gemm_packed` on q8 codes where `code_sums` holds (int8 per channel, GGUF's Q8_0 in groups of 32,
+    Q6_K's in 16, factored scales): no weight rounded to bf16, so every output is within fp32 summation and one
+    bf16 rounding of the quantized model's unrounded product (scale * q: what the dequantizing path misses by a bf16
+    rounding of each weight); each row bit for bit what it gives alone (up to 16 rows the codes widen in every
+    tile, past that once into a buffer: both give the same sums), whatever the threads and their split (last
+    blocks part-filled); the weight and x are left as they were."""
+    kernels = native_kernels(flavour)
+    assert kernels is not None
+    weight, x, bias = bf16_product_case(scheme, n, runs, 32, m, with_bias, seed)
+    k = x.shape[1]
+    assert kernels.code_sums(weight.unfactored().fmt, k)
+    before, x_before = [t.clone() for t in weight.tensors()], x.clone()
+    packed = pack_codes(weight)
+    with on_threads(threads), env_set("INFER_BALANCE", balance):
+        got = kernels.quantized_gemm_packed(packed, x, bias)
+        alone = [kernels.quantized_gemm_packed(packed, x[j : j + 1], bias)[0] for j in range(m)]
+    with on_threads(1):
+        serial = kernels.quantized_gemm_packed(packed, x, bias)
+    dense, magnitudes = unrounded_weight(weight)
+    assert_within_rounding_of(got, x, dense, bias, f"{scheme}'s unrounded product", magnitudes)
+    assert all(torch.equal(got[j], alone[j]) for j in range(m)), "a row depends on the other rows of the call"
+    assert torch.equal(got, serial), "the threads' split moved a value"
+    assert torch.equal(x, x_before) and all(torch.equal(a, b) for a, b in zip(weight.tensors(), before, strict=True))
+
+
+@pytest.mark.skipif(not CODE_SUMS, reason="the codes form of q8 codes is AVX512-BF16's (and needs a build)")
+@pytest.mark.parametrize("m", [3, 16, 17, 40])
+@pytest.mark.parametrize("group", [16, 32, 256])
+def test_q8_codes_in_the_codes_form_are_exact_where_every_sum_is(m: int, group: int) -> None:
+    """Where no sum can round (small integer inputs, codes of 8 bits, power-of-two scales that differ by group and
+    row, a bias of quarters: every partial sum well inside float32's 24 bits), the codes form's output is the exact
+    product rounded once to bf16, bit for bit, for codes in one group and in several, rows widened in every tile
+    and through the buffer: the codes, the scales and the rows each reach the right output."""
+    kernels = native_kernels(CODE_SUMS[0])
+    assert kernels is not None
+    g = torch.Generator().manual_seed(m * 1000 + group)
+    n, k = 37, 512
+    codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    if group == k:
+        codes[:, 0] = 127  # (one group a row: the int8 quantizer's form)
+    scales = 2.0 ** -torch.randint(1, 5, (n, k // group), generator=g).float()
+    weight = QuantizedWeight("q8", codes, scales, None, group)
+    x = torch.randint(-4, 5, (m, k), generator=g).bfloat16()
+    bias = (torch.randint(-64, 65, (n,), generator=g) / 4).bfloat16()
+    got = kernels.quantized_gemm_packed(pack_codes(weight), x, bias)
+    dense = codes.double() * scales.double().repeat_interleave(group, dim=1)
+    exact = x.double() @ dense.T + bias.double()
+    assert torch.equal(got, exact.float().bfloat16()), "not the exact product rounded once"
 
 
 def scaled_sums(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -665,6 +732,9 @@ CHANNEL_SCHEMES = ["int8", "int4", "Q8_0", "Q4_K", "Q6_K", "Q4_K-factored", "Q6_
        threads=st.integers(1, 3), flavour=st.sampled_from(CHANNEL_CODES or ["native"]), seed=st.integers(0, 2**31),
        scheme=st.sampled_from(CHANNEL_SCHEMES), group=st.sampled_from([32, 64, 128]))
 @settings(max_examples=60, deadline=None)
+# int4 on 7 rows: two tiles of the scaled form's buffer, 4 rows and 3 (the remainder's row)
+@example(scheme="int4", n=20, runs=4, group=32, m=7, with_bias=True, threads=1,
+         flavour=(CHANNEL_CODES or ["native"])[0], seed=1)
 def test_codes_in_the_channel_form_give_each_groups_scaled_sums(scheme: str, n: int, runs: int, group: int, m: int,
                                                                 with_bias: bool, threads: int, flavour: str,
                                                                 seed: int) -> None:

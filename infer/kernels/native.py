@@ -206,6 +206,9 @@ class NativeKernels:
         lib.infer_set_prefetch.argtypes = [ctypes.c_int]
         lib.infer_set_prefetch.restype = None
         self._set_prefetch, self._prefetch_level = lib.infer_set_prefetch, lib.infer_prefetch_level
+        lib.infer_packed_code_sums.argtypes = [ctypes.c_int, ctypes.c_int64]
+        lib.infer_packed_code_sums.restype = ctypes.c_int
+        self._code_sums = lib.infer_packed_code_sums
         lib.infer_amx_takes.argtypes = [ctypes.c_int64]
         lib.infer_amx_takes.restype = ctypes.c_int
         self._amx_takes = lib.infer_amx_takes
@@ -314,6 +317,12 @@ class NativeKernels:
         self._pack_bf16(weight.data_ptr(), packed.data_ptr(), n, k, torch.get_num_threads())
         return packed
 
+    def code_sums(self, fmt: str, k: int) -> bool:
+        """Whether `quantized_gemm_packed` multiplies codes of format `fmt` ("q8", "q6", "q4") with inner size `k`
+        in the codes form (q8 codes on AVX512-BF16 off AMX tiles, INFER_PACKED_CODE_SUMS not 0): each code exact as
+        a bf16, each group's sum times its scale."""
+        return bool(self._code_sums(QFORMATS[fmt], k))
+
     def amx_takes(self, k: int) -> bool:
         """Whether packed products of inner size `k` run on AMX tiles (an Intel Xeon's AMX-BF16, granted by the
         kernel, k a multiple of 32, INFER_AMX not 0); else the pair instruction's tiles."""
@@ -373,10 +382,13 @@ class NativeKernels:
                               ) -> torch.Tensor:
         """`x @ W.T (+ bias)` for bf16 rows `x` `[..., k]` and a quantized weight laid out by `pack_codes`: each pair
         of blocks dequantized once to bf16 in cache, then `gemm_bf16_packed`'s tiles (its values bit for bit, on the
-        weight `dequantize(bf16)` gives); codes in the channel form (`channel_codes`) without rounding any weight
-        to bf16: q8 each group's fp32 sum in order times its scale, summed over the groups in order; q4 each
-        weight's fp32 scale * code times x by fused multiply-adds over the row in order, plus each group's min
-        times x's group sum (+ bias), rounded once. Needs `packed_codes_available`."""
+        weight `dequantize(bf16)` gives); q8 codes where `code_sums` holds (AVX512-BF16) without rounding any
+        weight: each code exact as a bf16 operand of the pair instruction, each group's sum times its scale added
+        into the total in group order by fused multiply-adds, then the bias, rounded once; codes in the channel
+        form (`channel_codes`, AVX2) without rounding any weight to bf16: q8 each group's fp32 sum in order times
+        its scale, summed over the groups in order; q4 each weight's fp32 scale * code times x by fused
+        multiply-adds over the row in order, plus each group's min times x's group sum (+ bias), rounded once.
+        Needs `packed_codes_available`."""
         n, k = packed.shape
         rows, bias, out = _bf16_operands(x, k, n, bias)
         code = self._qgemm_packed(QFORMATS[packed.fmt], packed.codes.data_ptr(), packed.scales.data_ptr(),
