@@ -265,15 +265,17 @@ def test_quantized_weights_in_the_engine_stay_near_the_fp32_model(weights: str, 
     """int8 per channel, or the file's codes as stored (Q4_1 in groups of 32 with mins, its Q8_0 table), bf16
     activations, through the engine on packed codes: in the channel form where the build has it (AVX2: no weight
     rounded to bf16; q8 each group's sum times its scale, q4 each weight's fp32 scale * code by fused multiply-adds,
-    plus its group's min times x's group sum) and, for int8, in the pairs form (each block dequantized to bf16
-    first; the stored codes' pairs form is the dense bf16 model bit for bit, above, and that model is held to the
-    fp32 one above), each step's log-probabilities against the fp32 model fed the same tokens. The bounds are this
+    plus its group's min times x's group sum), in the codes form where it has that (AVX512-BF16: q8 codes, int8's
+    and the stored Q8_0 table's, exact bf16 operands, each group's sum times its scale; q4 codes dequantized) and,
+    for int8, in the pairs form (each block dequantized to bf16 first; the stored codes' pairs form is the dense
+    bf16 model bit for bit, above, and that model is held to the fp32 one above), each step's log-probabilities
+    against the fp32 model fed the same tokens. The bounds are this
     test's figures on a 2-core AMD EPYC (Zen 3) on 2026-11-29 with a margin (int8 channel, its LM head's codes per
     32 inputs too: mean KL 4.76e-3, top-1 0.981, worst 2.23; int8 pairs: 5.23e-3, 0.975, 2.08; stored channel:
     1.03e-3, 0.969, 0.69, where the dense bf16 model gave 1.24e-3, 0.975, 1.12; with q4's group sums scaled after
-    them, before, 1.23e-3, 0.975, 0.82); int8's channel form, which rounds no weight to bf16, is no further from
-    the fp32 model than its pairs form by more than a near-tie's flip. The engine's kernels and token budget are
-    given, not timed (CI's minutes)."""
+    them, before, 1.23e-3, 0.975, 0.82); int8's channel and codes forms, which round no weight to bf16, are no
+    further from the fp32 model than its pairs form by more than a near-tie's flip. The engine's kernels and token
+    budget are given, not timed (CI's minutes)."""
     from infer.kernels.native import native_kernels
     from infer.models.transformer import QuantizedLinear, native_packing_unavailable
     from infer.quant_weights import PackedCodes
@@ -284,14 +286,18 @@ def test_quantized_weights_in_the_engine_stay_near_the_fp32_model(weights: str, 
     assert kernels is not None
     if not kernels.packed_codes_available:
         pytest.skip("no native packed product on codes in this build")
-    forms = {"channel": True} if kernels.channel_codes_available else {}
+    # form: (the channel form, INFER_PACKED_CODE_SUMS)
+    forms = {"channel": (True, "1")} if kernels.channel_codes_available else {}
+    if kernels.code_sums("q8", ours_fp32.embed_tokens.weight.shape[1]):
+        forms["codes"] = (False, "1")
     if weights == "int8":
-        forms["pairs"] = False
+        forms["pairs"] = (False, "0")
     if not forms:
-        pytest.skip("the stored codes' pairs form is the dense bf16 model (above); no channel form in this build")
+        pytest.skip("the stored codes' pairs form is the dense bf16 model (above); no channel or codes form here")
     figures = {}
-    for form, channels in forms.items():
+    for form, (channels, code_sums) in forms.items():
         monkeypatch.setattr(kernels, "channel_codes", channels)
+        monkeypatch.setenv("INFER_PACKED_CODE_SUMS", code_sums)
         model = infer.load_model(smollm2, dtype="bfloat16", weights=weights, decode_gemv="linear")
         engine = infer.Engine(model, tokenizer, num_blocks=256, keep_logits=True, packed_products="native",
                               max_num_batched_tokens=512, decode_attention="native", chunk_attention="native")
@@ -305,8 +311,9 @@ def test_quantized_weights_in_the_engine_stay_near_the_fp32_model(weights: str, 
         print(f"\n{weights} engine, {form} form: mean KL {kl:.2e}, top-1 {agree:.3f}, worst {worst:.2f}")
         bound_kl, bound_agree, bound_worst = NEAR_FP32[weights]
         assert kl < bound_kl and agree >= bound_agree and worst < bound_worst
-    if "channel" in figures and "pairs" in figures:
-        assert figures["channel"][0] <= 1.5 * figures["pairs"][0]
+    for form in ("channel", "codes"):
+        if form in figures and "pairs" in figures:
+            assert figures[form][0] <= 1.5 * figures["pairs"][0]
 
 
 def test_quantized_weights_in_the_engine_are_the_dequantized_bf16_model(smollm2: Path, tokenizer: infer.Tokenizer,
@@ -314,7 +321,8 @@ def test_quantized_weights_in_the_engine_are_the_dequantized_bf16_model(smollm2:
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The file's codes as stored (Q4_1, its Q8_0 table), bf16 activations, through the engine on packed codes in the
     pairs form (every product of 2 rows or more dequantizes a block of 16 rows to bf16 in cache, in the whole-step
-    call; AVX2's channel form, which rounds no weight to bf16, is held to the fp32 model below): each request's
+    call; AVX2's channel form and AVX512-BF16's codes form of q8 codes, INFER_PACKED_CODE_SUMS=0 here, which round no
+    weight to bf16, are held to the fp32 model below): each request's
     tokens and logits are the engine's on the dense bf16 model (the weights dequantized, then rounded once to bf16:
     the numbers the packed codes dequantize to), bit for bit; two chat requests of 16 greedy tokens (every step of
     two rows or more: no one-row product, whose kernels differ)."""
@@ -327,6 +335,7 @@ def test_quantized_weights_in_the_engine_are_the_dequantized_bf16_model(smollm2:
     if kernels is None or not kernels.packed_codes_available:
         pytest.skip("no native packed product on codes in this build")
     monkeypatch.setattr(kernels, "channel_codes", False)  # (the channel form, which dequantizes nothing: below)
+    monkeypatch.setenv("INFER_PACKED_CODE_SUMS", "0")  # (the codes form of q8 codes, likewise)
     prompts = [chat(tokenizer, q) for q in QUESTIONS[3:]]
     params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
     stored = infer.load_model(smollm2, dtype="bfloat16", weights="stored", decode_gemv="linear")

@@ -4503,6 +4503,20 @@ static void codes_block_bf16(const uint8_t *codes, uint16_t *out, int64_t pairs)
     }
 }
 
+/* This calling thread's buffer for x pair-major, `len` int32s (kept, as widened_rows' AVX2 buffer: a prompt chunk's
+ * 2048 rows of k = 3072 are 12 MiB, mapped and faulted afresh on every call otherwise); NULL without memory. */
+static int32_t *pair_major_buffer(int64_t len) {
+    static _Thread_local int32_t *kept = NULL;
+    static _Thread_local int64_t kept_len = 0;
+    if (len > kept_len) {
+        int32_t *grown = (int32_t *)realloc(kept, (size_t)len * sizeof(int32_t));
+        if (!grown) return NULL;
+        kept = grown;
+        kept_len = len;
+    }
+    return kept;
+}
+
 /* Pairs q0 .. q1 - 1 of x [m, k]'s rows, in the tiles of at most `rows` that codes_pass splits them into, each tile
  * pair-major: the tile of rows j0 .. j0 + mr - 1 at out + j0 * k / 2, its row j0 + j's pair q at [q * mr + j]. */
 static void pair_major_tiles(const uint16_t *x, int64_t m, int64_t k, int rows, int64_t q0, int64_t q1,
@@ -4720,7 +4734,7 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
 #if defined(HAVE_AMX)
     if (amx) code_sums = 0;
 #endif
-    int32_t *xpairs = code_sums ? (int32_t *)malloc((size_t)(m * pairs) * sizeof(int32_t)) : NULL;
+    int32_t *xpairs = code_sums ? pair_major_buffer(m * pairs) : NULL;
     if (code_sums && !xpairs) {
         free(ranges);
         return -1;
@@ -4778,7 +4792,6 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
         free(buf);
     }
     free(ranges);
-    free(xpairs);
     return failed ? -1 : 0;
 #elif defined(HAVE_PACKED_BF16) /* AVX2: a block at a time into the buffer, for each group of rows whose x is in L2 */
     /* the channel form: q8 codes the tiles read as they are, q4 codes scaled a stretch at a time (scaled_block) */
