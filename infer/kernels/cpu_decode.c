@@ -4479,7 +4479,7 @@ static void dequant_block_packed(int fmt, const uint8_t *codes, const float *sca
  * tile (pair_major_tiles): read by row, its 8 row pointers took the registers the loop needed, and gcc parked them
  * in vector registers, a move a row a pair. q4 codes stay with the dequantizing path: their groups of 32 inputs end
  * every 16 pairs in every tile, and at 64 rows that ran 0.80x (1.06x at 16). */
-#define CODE_ROWS 8
+#define CODE_ROWS PACK_ROWS /* (packed_tile_bf16's rows: the prefetch's share a pair is counted over its tiles) */
 #define CODE_TILES_IN_REGISTERS 2
 
 /* Pairs q and q + 1 of a block's q8 codes (`c` at the block, the pairs form: pair q's 16 rows' two codes side by
