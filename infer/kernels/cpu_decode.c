@@ -4471,14 +4471,15 @@ static void dequant_block_packed(int fmt, const uint8_t *codes, const float *sca
  * total in group order by one fused multiply-add (the first group's by a multiply), then the bias, rounded once to
  * bf16: scale * sum q x, infer_qgemv's sum. The dequantizing path wrote each pair of blocks as bf16 (48 KiB at
  * k = 768: past L1) and read it back in every tile; at 16 rows of a 150M Llama's int8 products (per output channel)
- * on a 2-core Zen 4 EPYC this form ran 1.26-1.30x its time, at 4 rows 1.36x. Past CODE_TILES_IN_REGISTERS tiles of
+ * on a 2-core Zen 4 EPYC this form ran 1.17-1.30x its speed, at 4 rows 1.36x. Past CODE_TILES_IN_REGISTERS tiles of
  * rows the widening in every tile costs more than a buffer: the codes are widened once into it (as the dequantizing
  * path's, without its multiplies) and every tile reads them there (64 rows: level with the dequantizing path, 0.94x
  * widening in every tile). A tile is 8 rows by 2 blocks, as packed_tile_bf16's; codes in groups (GGUF's Q8_0, Q6_K)
  * keep their totals in L1 (16 more registers would spill the sums), touched once a group. x comes pair-major per
  * tile (pair_major_tiles): read by row, its 8 row pointers took the registers the loop needed, and gcc parked them
- * in vector registers, a move a row a pair. q4 codes stay with the dequantizing path: their groups of 32 inputs end
- * every 16 pairs in every tile, and at 64 rows that ran 0.80x (1.06x at 16). */
+ * in vector registers, a move a row a pair. q4 codes stay with the dequantizing path: their mins' term (each
+ * group's min times x's group sum, fp32 lanes and a broadcast each) took ~10% of a tile, where the dequantizing folds
+ * each min into its weights once a block; the form ran 1.03-1.06x at 16 rows, 0.80-0.86x at 64. */
 #define CODE_ROWS PACK_ROWS /* (packed_tile_bf16's rows: the prefetch's share a pair is counted over its tiles) */
 #define CODE_TILES_IN_REGISTERS 2
 
