@@ -552,7 +552,8 @@ def test_the_quantized_packed_product_is_the_packed_product_on_the_bf16_dequanti
     assert kernels is not None
     weight, x, bias = bf16_product_case(scheme, n, runs, group, m, with_bias, seed)
     before, x_before = [t.clone() for t in weight.tensors()], x.clone()
-    code_sums = kernels.code_sums(weight.unfactored().fmt, x.shape[1])  # (q8 codes: that form off)
+    fmt = weight.unfactored().fmt  # (q8 codes where they take the codes form: that form off; q4 codes as they run)
+    code_sums = fmt in ("q8", "q6") and kernels.code_sums(fmt, x.shape[1])
     with on_threads(threads), env_set("INFER_BALANCE", balance), \
             env_set("INFER_PACKED_CODE_SUMS", "0" if code_sums else "1"):
         got = kernels.quantized_gemm_packed(pack_codes(weight), x, bias)
@@ -573,7 +574,8 @@ def test_the_quantized_packed_product_passes_many_rows_in_groups(flavour: str, s
     kernels = native_kernels(flavour)
     assert kernels is not None
     weight, x, bias = bf16_product_case(scheme, 37, 96, 32, 70, True, 5)
-    code_sums = kernels.code_sums(weight.unfactored().fmt, x.shape[1])  # (q8 codes: that form off)
+    fmt = weight.unfactored().fmt  # (q8 codes where they take the codes form: that form off; q4 codes as they run)
+    code_sums = fmt in ("q8", "q6") and kernels.code_sums(fmt, x.shape[1])
     with env_set("INFER_PACKED_CODE_SUMS", "0" if code_sums else "1"):
         got = kernels.quantized_gemm_packed(pack_codes(weight), x, bias)
     want = kernels.gemm_bf16_packed(kernels.pack_bf16(weight.dequantize(torch.bfloat16)), x, 37, bias)

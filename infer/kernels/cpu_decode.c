@@ -4480,6 +4480,12 @@ static void dequant_block_packed(int fmt, const uint8_t *codes, const float *sca
  * in vector registers, a move a row a pair. q4 codes stay with the dequantizing path: their mins' term (each
  * group's min times x's group sum, fp32 lanes and a broadcast each) took ~10% of a tile, where the dequantizing folds
  * each min into its weights once a block; the form ran 1.03-1.06x at 16 rows, 0.80-0.86x at 64. */
+/* Whether the codes form takes codes of format `fmt` at inner size k: q8 codes (Q6_K's are q8 codes),
+ * INFER_PACKED_CODE_SUMS not 0, k not on AMX tiles (they take the dequantized buffer). */
+static int code_sums_take(int fmt, int64_t k) {
+    return (fmt == Q8 || fmt == Q6) && switched_on("INFER_PACKED_CODE_SUMS") && !infer_amx_takes(k);
+}
+
 #define CODE_ROWS PACK_ROWS /* (packed_tile_bf16's rows: the prefetch's share a pair is counted over its tiles) */
 #define CODE_TILES_IN_REGISTERS 2
 
@@ -4730,11 +4736,7 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
     work_range *ranges = work_ranges(1, nr, items);
     if (!ranges) return -1;
     int balance = work_balance(), loops = prefetch_loops();
-    /* q8 codes in the codes form (above), where AMX's tiles do not take the dequantized buffer */
-    int code_sums = fmt == Q8 && switched_on("INFER_PACKED_CODE_SUMS");
-#if defined(HAVE_AMX)
-    if (amx) code_sums = 0;
-#endif
+    int code_sums = code_sums_take(fmt, k); /* q8 codes in the codes form (above) */
     int32_t *xpairs = code_sums ? pair_major_buffer(m * pairs) : NULL;
     if (code_sums && !xpairs) {
         free(ranges);
@@ -4856,12 +4858,11 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
 #endif
 }
 
-/* Whether infer_qgemm_packed multiplies codes of format `fmt` (Q8, Q6 or Q4) at inner size k in the codes form
- * (q8 codes, the pair instruction's build, INFER_PACKED_CODE_SUMS not 0, k not on AMX tiles): 1, else 0 (the
- * dequantizing path, or AVX2's forms). */
+/* Whether infer_qgemm_packed multiplies codes of format `fmt` (Q8, Q6 or Q4) at inner size k in the codes form:
+ * 1, else 0 (the dequantizing path, or AVX2's forms). */
 int infer_packed_code_sums(int fmt, int64_t k) {
 #if defined(HAVE_DOT_BF16)
-    return (fmt == Q8 || fmt == Q6) && switched_on("INFER_PACKED_CODE_SUMS") && !infer_amx_takes(k);
+    return code_sums_take(fmt, k);
 #else
     (void)fmt, (void)k;
     return 0;
