@@ -161,9 +161,16 @@ def pack_codes(weight: QuantizedWeight, channels: bool = False) -> PackedCodes:
     dequantizing a block gives `NativeKernels.pack_bf16(weight.dequantize(torch.bfloat16))`'s values. `channels`
     (AVX2's packed product: `NativeKernels.pack_codes` decides): the channel form instead, each block's codes
     input-major, which that product multiplies without rounding a weight to bf16 (q8: each group's sum times its
-    scale; q4: each weight's fp32 scale * code, plus each group's min times x's sum over the group)."""
+    scale; q4: each weight's fp32 scale * code, plus each group's min times x's sum over the group). q4 scales of
+    more than 20 significant bits (none that this package makes or reads: float16's have 11, Q4_K's d * sc 17) are
+    refused: the product forms scale * q + min by one fused multiply-add, `dequantize`'s two roundings only while
+    scale * q is exact."""
     w = weight.unfactored()
     n, k = w.shape
+    if w.fmt == "q4" and bool((w.scales.float().view(torch.int32) & 0xF).any()):
+        # (the product forms scale * q + min in one rounding: exact where scale * q is, q having 4 bits)
+        raise ValueError(f"a q4 weight's scales ({w.scheme}) must have at most 20 significant bits, as float16 "
+                         f"scales and Q4_K's d * sc have; these are float32 with more: store them as float16")
     blocks, spare = -(-n // 16), -n % 16
     q = unpack_q4(w.codes) if w.fmt == "q4" else w.codes
     q = torch.cat((q, q.new_zeros(spare, k)))

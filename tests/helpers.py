@@ -235,9 +235,9 @@ def weight_of(scheme: str, n: int, k: int, group: int, seed: int) -> QuantizedWe
     if scheme == "Q6_K":  # 6-bit codes in groups of 16 under fp32 scales of either sign
         codes = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
         return QuantizedWeight("Q6_K", codes, (torch.rand(n, k // 16, generator=g) - 0.5) / 10, None, 16)
-    q = quantize_int4(w, 32)
-    return QuantizedWeight("Q4_K", q.codes, q.scales.float() * 1.001, q.mins.float() * 0.999,  # type: ignore[union-attr]
-                           32)
+    q = quantize_int4(w, 32)  # float32 scales of 17 significant bits, as Q4_K's d * sc (float16 times 6 bits)
+    scales = ((q.scales.float() * 1.001).view(torch.int32) & ~0x7F).view(torch.float32)
+    return QuantizedWeight("Q4_K", q.codes, scales, q.mins.float() * 0.999, 32)  # type: ignore[union-attr]
 
 
 def fma32(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -153,7 +153,8 @@ def test_gguf_blocks_kept_as_stored_dequantize_as_llama_cpp(kind: str, rows: int
        n=st.integers(1, 40), runs=st.integers(1, 13),
        group=st.sampled_from([32, 64, 128]), m=st.integers(1, 9), dtype=st.sampled_from(["float32", "bfloat16"]),
        with_bias=st.booleans(), threads=st.integers(1, 3), seed=st.integers(0, 2**31))
-@settings(max_examples=40, deadline=None)
+@example(scheme="int4", n=17, runs=8, group=32, m=2, dtype="bfloat16", with_bias=False, threads=1, seed=0)
+@settings(max_examples=40, deadline=None)  # (the example: q4 codes' four-run path, which random draws can miss)
 def test_native_quantized_gemv_is_dequantize_then_matmul(flavour: str, four_runs: str, scheme: str, n: int,
                                                          runs: int, group: int, m: int, dtype: str, with_bias: bool,
                                                          threads: int, seed: int) -> None:
@@ -580,6 +581,42 @@ def test_the_quantized_packed_product_passes_many_rows_in_groups(flavour: str, s
         got = kernels.quantized_gemm_packed(pack_codes(weight), x, bias)
     want = kernels.gemm_bf16_packed(kernels.pack_bf16(weight.dequantize(torch.bfloat16)), x, 37, bias)
     assert x.shape[1] == 3072 and torch.equal(got, want), f"{scheme}: rows past the first group parted"
+
+
+def q4_weight_with_scale_bits(n: int, k: int, bits: int, seed: int) -> QuantizedWeight:
+    """A q4 weight (groups of 32) whose float32 scales, of either sign and spread over 2^-20 .. 2^4, have `bits`
+    significant bits (the first one's last kept bit set) and whose mins are any float32."""
+    g = torch.Generator().manual_seed(seed)
+    codes = pack_q4(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8))
+    magnitude = torch.exp2(torch.randint(-20, 5, (n, k // 32), generator=g).float())
+    sign = torch.randint(0, 2, (n, k // 32), generator=g) * 2 - 1
+    raw = (torch.rand(n, k // 32, generator=g) + 1) * magnitude * sign
+    kept = raw.view(torch.int32) & ~((1 << (24 - bits)) - 1)
+    kept[0, 0] |= 1 << (24 - bits)
+    mins = torch.randn(n, k // 32, generator=g) * 3
+    return QuantizedWeight("int4", codes, kept.view(torch.float32), mins, 32)
+
+
+@pytest.mark.skipif(not PACKED_CODES, reason="the quantized packed product needs AVX512-BF16 or AVX2 (and a build)")
+@given(n=st.integers(1, 40), runs=st.integers(1, 6), m=st.integers(1, 21), bits=st.integers(11, 20),
+       seed=st.integers(0, 2**31), flavour=st.sampled_from(PACKED_CODES or ["native"]))
+@settings(max_examples=30, deadline=None)
+def test_q4_scale_times_code_plus_min_rounds_as_dequantize_up_to_20_bit_scales(
+        n: int, runs: int, m: int, bits: int, seed: int, flavour: str) -> None:
+    """A q4 block's scale * q + min, formed in the packed product by one fused multiply-add, is `dequantize`'s
+    two roundings for scales of up to 20 significant bits (scale * q then exact, q < 16): the product is the bf16
+    packed product on `dequantize(bf16)`, bit for bit, with any float32 mins; scales of 21 or more bits are
+    refused by `pack_codes`, naming them."""
+    kernels = native_kernels(flavour)
+    assert kernels is not None
+    k = 32 * runs
+    weight = q4_weight_with_scale_bits(n, k, bits, seed)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
+    got = kernels.quantized_gemm_packed(pack_codes(weight), x)
+    want = kernels.gemm_bf16_packed(kernels.pack_bf16(weight.dequantize(torch.bfloat16)), x, n)
+    assert torch.equal(got, want), f"{bits}-bit scales: not dequantize's two roundings"
+    with pytest.raises(ValueError, match="scales .* at most 20 significant bits"):
+        pack_codes(q4_weight_with_scale_bits(n, k, 21 + bits % 4, seed))
 
 
 # (AVX512-BF16 builds: q8 codes multiplied as exact bf16 operands, each group's sum times its scale)

@@ -4428,7 +4428,12 @@ int infer_qgemm_bf16(int fmt, const uint8_t *codes, int sdtype, const void *scal
  * infer_gemm_bf16_packed on the dequantized weight packed, at a quarter (q8) or an eighth (q4) of the weight's bytes
  * plus the dequantizing (once per block, whatever the rows). */
 #if defined(HAVE_DOT_BF16)
-/* One block's `pairs` pairs of codes into `out` (32 bf16 values a pair: 16 rows' pair, side by side). */
+/* One block's `pairs` pairs of codes into `out` (32 bf16 values a pair: 16 rows' pair, side by side). A q4 code's
+ * scale * q + min takes one fused multiply-add, the same number as a multiply and an add: every q4 scale has at most
+ * 20 significant bits (float16's 11; Q4_K's d * sc 17; pack_codes refuses others) and q at most 4, so scale * q is
+ * exact in fp32 and only the sum rounds. With its two nibbles taken from one widened dword (2 widenings for 64
+ * codes, not 4), a 16-row block of q4 codes at k = 768 dequantized in 600 ns against 800 on a 2-core Zen 4 EPYC
+ * (a multiply, an add and 4 widenings: 15 cycles a 64 codes, where 16 rows' tiles take 32 pair instructions). */
 static void dequant_block_packed(int fmt, const uint8_t *codes, const float *scales, const float *mins, uint16_t *out,
                                  int64_t pairs, int64_t group) {
     const __m512i lo_rows = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
@@ -4444,19 +4449,23 @@ static void dequant_block_packed(int fmt, const uint8_t *codes, const float *sca
                 for (int v = 0; v < 4; v++)
                     w[v] = _mm512_cvtepi32_ps(
                         _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 32 * q + 16 * v))));
-            } else {
-                __m256i a = _mm256_loadu_si256((const __m256i *)(codes + 16 * q)), low = _mm256_set1_epi8(0x0f);
-                __m256i first = _mm256_and_si256(a, low), second = _mm256_and_si256(_mm256_srli_epi16(a, 4), low);
-                w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(first)));
-                w[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(first, 1)));
-                w[2] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(second)));
-                w[3] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(second, 1)));
+            } else { /* bytes 0-15, 16-31 widened once: each a dword holding pair q's code and pair q + 1's */
+                const __m512i low = _mm512_set1_epi32(0x0f);
+                __m512i d0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * q)));
+                __m512i d1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * q + 16)));
+                w[0] = _mm512_cvtepi32_ps(_mm512_and_si512(d0, low));
+                w[1] = _mm512_cvtepi32_ps(_mm512_and_si512(d1, low));
+                w[2] = _mm512_cvtepi32_ps(_mm512_srli_epi32(d0, 4));
+                w[3] = _mm512_cvtepi32_ps(_mm512_srli_epi32(d1, 4));
             }
             for (int v = 0; v < 2; v++) { /* pair q + v: rows 0-7 then 8-15 */
-                __m512 lo = _mm512_mul_ps(s_lo, w[2 * v]), hi = _mm512_mul_ps(s_hi, w[2 * v + 1]);
-                if (mins) {
-                    lo = _mm512_add_ps(lo, z_lo);
-                    hi = _mm512_add_ps(hi, z_hi);
+                __m512 lo, hi;
+                if (mins) { /* scale * q + min in one rounding: scale * q is exact (see above) */
+                    lo = _mm512_fmadd_ps(s_lo, w[2 * v], z_lo);
+                    hi = _mm512_fmadd_ps(s_hi, w[2 * v + 1], z_hi);
+                } else {
+                    lo = _mm512_mul_ps(s_lo, w[2 * v]);
+                    hi = _mm512_mul_ps(s_hi, w[2 * v + 1]);
                 }
                 _mm512_storeu_si512(out + 32 * (q + v), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
             }
