@@ -167,8 +167,7 @@ def pack_codes(weight: QuantizedWeight, channels: bool = False) -> PackedCodes:
     scale * q is exact."""
     w = weight.unfactored()
     n, k = w.shape
-    if w.fmt == "q4" and bool((w.scales.float().view(torch.int32) & 0xF).any()):
-        # (the product forms scale * q + min in one rounding: exact where scale * q is, q having 4 bits)
+    if w.fmt == "q4" and bool((w.scales.float().view(torch.int32) & 0xF).any()):  # (see the docstring)
         raise ValueError(f"a q4 weight's scales ({w.scheme}) must have at most 20 significant bits, as float16 "
                          f"scales and Q4_K's d * sc have; these are float32 with more: store them as float16")
     blocks, spare = -(-n // 16), -n % 16

@@ -236,8 +236,13 @@ def weight_of(scheme: str, n: int, k: int, group: int, seed: int) -> QuantizedWe
         codes = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
         return QuantizedWeight("Q6_K", codes, (torch.rand(n, k // 16, generator=g) - 0.5) / 10, None, 16)
     q = quantize_int4(w, 32)  # float32 scales of 17 significant bits, as Q4_K's d * sc (float16 times 6 bits)
-    scales = ((q.scales.float() * 1.001).view(torch.int32) & ~0x7F).view(torch.float32)
+    scales = with_significant_bits(q.scales.float() * 1.001, 17)
     return QuantizedWeight("Q4_K", q.codes, scales, q.mins.float() * 0.999, 32)  # type: ignore[union-attr]
+
+
+def with_significant_bits(t: torch.Tensor, bits: int) -> torch.Tensor:
+    """float32 `t` cut to its first `bits` significant bits (the rest of the significand cleared)."""
+    return (t.float().view(torch.int32) & ~((1 << (24 - bits)) - 1)).view(torch.float32)
 
 
 def fma32(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

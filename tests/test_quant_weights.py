@@ -46,6 +46,7 @@ from tests.helpers import (
     on_threads,
     reference_product,
     weight_of,
+    with_significant_bits,
 )
 from tests.test_gguf import random_blocks
 
@@ -591,7 +592,7 @@ def q4_weight_with_scale_bits(n: int, k: int, bits: int, seed: int) -> Quantized
     magnitude = torch.exp2(torch.randint(-20, 5, (n, k // 32), generator=g).float())
     sign = torch.randint(0, 2, (n, k // 32), generator=g) * 2 - 1
     raw = (torch.rand(n, k // 32, generator=g) + 1) * magnitude * sign
-    kept = raw.view(torch.int32) & ~((1 << (24 - bits)) - 1)
+    kept = with_significant_bits(raw, bits).view(torch.int32)
     kept[0, 0] |= 1 << (24 - bits)
     mins = torch.randn(n, k // 32, generator=g) * 3
     return QuantizedWeight("int4", codes, kept.view(torch.float32), mins, 32)
