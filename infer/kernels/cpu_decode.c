@@ -1019,8 +1019,10 @@ static inline float hsum16(qv16 v) {
 #endif
 
 /* Sixteen vectors' lane sums at once, lane j the sum of v[j]: a transposing tree (pairs of vectors fold halves
- * into one vector, four times), 15 adds and 30 shuffles where 16 horizontal sums take about 64 dependent ops. */
-static inline qv16 sum16x16(const qv16 *v) {
+ * into one vector, four times), 15 adds and 30 shuffles where 16 horizontal sums take about 64 dependent ops.
+ * Always inlined: gcc 12 called it, its 16 vectors stored and reloaded through memory (a fifth of the paged
+ * attention's time; inlined, the attention ran 1.05-1.12x on a 2-core Zen 4 at 16-144 keys, the same bits). */
+static inline __attribute__((always_inline)) qv16 sum16x16(const qv16 *v) {
     qv16 r[8], s[4], u[2];
     for (int j = 0; j < 8; j++) /* lanes 0-7: v[2j]'s 8 partial sums, 8-15: v[2j+1]'s */
         r[j] = SHUFFLE2(v[2 * j], v[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
@@ -2068,7 +2070,10 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
  * ahead of the reads, a head's worth for each head of a block read, so DRAM works while the tiles are scored instead
  * of after: blocks lie anywhere in the pool, and the hardware's prefetcher restarts at every block (random 8 KB
  * blocks read at 12 GB/s on a 2-core EPYC, 28 with this). */
-#define KV_STREAM_AHEAD 65536 /* bytes: 32-128 KB measured alike (random 8 KB blocks: 4-8 blocks ahead best) */
+/* bytes: 32-128 KB measured alike on a Zen 3 (random 8 KB blocks: 4-8 blocks ahead best); on a 2-core Zen 4 a call's
+ * first burst of 64 KB stalled on prefetches with nothing to compute (12 layers of 16 sequences, huge pages, caches
+ * evicted, builds alternating in one process: 16 KB 1.02-1.10x 64 KB's time at 16-400 keys, 32 KB 0.98-1.05x) */
+#define KV_STREAM_AHEAD 16384
 
 typedef struct {
     const int64_t *tables, *lengths, *starts;
