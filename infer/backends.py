@@ -248,7 +248,7 @@ class PagedBackend(AttentionBackend):
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:
         """The sampled rows `[S, hidden]`."""
-        return x[0, self.batch.sample_rows]
+        return x[0] if self.batch.every_row_samples else x[0, self.batch.sample_rows]
 
 
 def paged_attention(
