@@ -629,6 +629,8 @@ Q8_SCHEMES = ["int8", "Q8_0", "Q6_K", "Q6_K-factored"]
 @given(n=st.integers(1, 80), runs=st.integers(1, 13), m=st.integers(1, 40), with_bias=st.booleans(),
        threads=st.integers(1, 3), balance=st.sampled_from(["1", "0"]), scheme=st.sampled_from(Q8_SCHEMES),
        seed=st.integers(0, 2**31), flavour=st.sampled_from(CODE_SUMS or ["native"]))
+@example(scheme="Q8_0", n=40, runs=4, m=13, with_bias=True, threads=2, balance="1", seed=3,
+         flavour=(CODE_SUMS or ["native"])[0])  # (9-16 rows: one tall tile a block, against each row's 1-row tile)
 @settings(max_examples=50, deadline=None)
 def test_q8_codes_in_the_codes_form_are_the_unrounded_product_row_by_row(
         scheme: str, n: int, runs: int, m: int, with_bias: bool, threads: int, balance: str, seed: int,
@@ -637,8 +639,8 @@ def test_q8_codes_in_the_codes_form_are_the_unrounded_product_row_by_row(
     Q6_K's in 16, factored scales): no weight rounded to bf16, so every output is within fp32 summation and one
     bf16 rounding of the quantized model's unrounded product (scale * q: what the dequantizing path misses by a bf16
     rounding of each weight); each row bit for bit what it gives alone (up to 16 rows the codes widen in every
-    tile, past that once into a buffer: both give the same sums), whatever the threads and their split (last
-    blocks part-filled); the weight and x are left as they were."""
+    tile, 9-16 rows in one tall tile a block, past that once into a buffer: all give the same sums), whatever the
+    threads and their split (last blocks part-filled); the weight and x are left as they were."""
     kernels = native_kernels(flavour)
     assert kernels is not None
     weight, x, bias = bf16_product_case(scheme, n, runs, 32, m, with_bias, seed)
