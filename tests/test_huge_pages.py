@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from infer.kernels.native import native_kernels
 from infer.memory import HUGE_PAGE, empty_on_huge_pages, huge_pages_fit, huge_pages_mode, on_huge_pages
 
 THP_HERE = huge_pages_fit(HUGE_PAGE)
@@ -80,3 +81,34 @@ def test_a_paged_pool_is_zeroed_and_on_huge_pages_where_asked(huge: bool) -> Non
         blocks[0, -1].fill_(1.5)  # writable, and private to this pool
         assert blocks[0, -1].eq(1.5).all()
         assert not blocks[1:].any(), "a write to one layer's last block reached the next layer"
+
+
+@pytest.mark.parametrize("huge", [False, True])
+def test_a_quantized_models_packed_codes_go_where_its_weights_go(huge: bool) -> None:
+    """The packed copies a quantized model's engine streams each step (its codes in the native packed layout) lie on
+    huge pages where the model's weights do, and give the same tokens and logits either way."""
+    import infer
+    from infer.engine import Engine
+    from infer.models.transformer import QuantizedLinear
+    from infer.sampling import SamplingParams
+    from reference import build_checkpoint
+
+    kernels = native_kernels()
+    if kernels is None or not kernels.packed_codes_available:
+        pytest.skip("no native packed product on codes in this build")
+    path = build_checkpoint("llama", hidden_size=512, intermediate_size=2560, vocab_size=2560)  # gate/up: 2.5 MiB
+    model = infer.load_model(path, dtype="bfloat16", weights="int8", huge_pages=huge)
+    model.pack_products(True, layout="native")
+    products = [p for p in model.packable_products() if isinstance(p, QuantizedLinear)]
+    big = [p.packed for p in products if p.packed is not None and p.packed.codes.nbytes >= HUGE_PAGE]
+    assert big, "no packed codes of a huge page or more: the test's model is too small"
+    assert all((packed.codes.data_ptr() % HUGE_PAGE == 0) == (huge and THP_HERE) for packed in big)
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    prompts = [[5, 9, 2, 7], [3, 3, 8]]
+    engine = Engine(model, None, num_blocks=16, packed_products="native", keep_logits=True)
+    results = engine.generate(prompts, params)
+    other = infer.load_model(path, dtype="bfloat16", weights="int8", huge_pages=not huge)
+    again = Engine(other, None, num_blocks=16, packed_products="native", keep_logits=True).generate(prompts, params)
+    for a, b in zip(results, again, strict=True):
+        assert a.token_ids == b.token_ids and a.logits is not None and b.logits is not None
+        assert torch.equal(a.logits, b.logits), "the pages moved a logit"

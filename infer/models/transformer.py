@@ -16,7 +16,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -769,12 +769,18 @@ class Transformer(nn.Module):
                 def pack(weight: torch.Tensor) -> torch.Tensor:  # (streamed each step, as the weights are: same pages)
                     packed = kernels.pack_bf16(weight)
                     return on_huge_pages(packed) if self.huge_pages else packed
+
+                # The codes on the same pages: a 150M Llama's 12 layers of int8 / int4 products at 16 rows ran
+                # 1.05x / 1.01x by medians on a 2-core Zen 4 (level at 64 rows; bf16's packed copies 1.17x at 16)
+                def pack_coded(weight: QuantizedWeight) -> PackedCodes:
+                    packed = kernels.pack_codes(weight)
+                    return replace(packed, codes=on_huge_pages(packed.codes)) if self.huge_pages else packed
             else:  # (in the dtype the products upcast to, if they do)
                 def pack(weight: torch.Tensor) -> torch.Tensor:
                     return pack_weight(weight if upcast is None else weight.to(upcast))
             for product in products:
                 if isinstance(product, QuantizedLinear):
-                    product.packed, product.packed_from = kernels.pack_codes(product.qweight), rows  # (layout native)
+                    product.packed, product.packed_from = pack_coded(product.qweight), rows  # (layout native)
                 else:
                     product.packed, product.packed_from, product.packed_layout = pack(product.weight), rows, layout
                 product.packed_upto = upto
