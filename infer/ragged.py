@@ -77,9 +77,6 @@ class RaggedBatch:
     block_size: int
     fresh_blocks: torch.Tensor  # blocks this step starts (writes slot 0 of): zeroed before the writes
     decode: DecodeGroup | None = None  # the one-token sequences, attended in one call
-    # Every row samples (a pure-decode step): sample_rows is 0 .. N-1, and the rows go on as they are, with no
-    # gather (after a native step the gather cost ~0.1 ms: its first torch op finds torch's code evicted).
-    every_row_samples: bool = False
 
 
 def build_ragged_batch(
@@ -164,8 +161,7 @@ def build_ragged_batch(
                                windows, device, decode_kernel, table_reach)
         decode.all_rows = len(decoding) == len(chunks)  # every chunk one token: rows 0 .. B-1
     return RaggedBatch(as_tensor(positions), as_tensor(slot_blocks), as_tensor(slot_offsets), seqs,
-                       as_tensor(sample_rows), block_size, as_tensor(fresh), decode,
-                       every_row_samples=len(sample_rows) == len(positions))
+                       as_tensor(sample_rows), block_size, as_tensor(fresh), decode)
 
 
 def _decode_group(chunks: Sequence[SeqChunk], rows: Sequence[int], block_size: int,

@@ -4565,10 +4565,10 @@ static void pair_major_tiles(const uint16_t *x, int64_t m, int64_t k, int rows, 
     }
 }
 
-/* A tile's rows (`xt`: their pairs, pair-major) against a pair of blocks' q8 codes (`codes` at the first, nb of
- * them, block_bytes apart; spare block lanes repeat block 0) and their scales [nb][groups][16]: into y's columns
- * c .. c + 16 nb - 1 (+ bias), masked past n. The codes widened here, or read widened from `pb` (codes_block_bf16's,
- * the blocks pairs * 32 values apart) where given. `pf` .. `pf_end` prefetched meanwhile, `per_iter` lines a pair
+/* A tile's rows (`xt`: their pairs, pair-major) against `bk` blocks' q8 codes (PACK_BLOCKS, or 1: the tall tile;
+ * `codes` at the first, nb of them, block_bytes apart; spare block lanes repeat block 0) and their scales
+ * [nb][groups][16]: into y's columns c .. c + 16 nb - 1 (+ bias), masked past n. The codes widened here, or read
+ * widened from `pb` (codes_block_bf16's, the blocks pairs * 32 values apart) where given. `pf` .. `pf_end` prefetched meanwhile, `per_iter` lines a pair
  * (the first pairs, that prefetch, a loop of their own, as packed_tile_bf16's). */
 static inline __attribute__((always_inline)) void codes_tile(int mr, int bk, int one_group, const uint8_t *codes,
                                                              const uint16_t *pb, int64_t block_bytes, int64_t pairs,
