@@ -1260,7 +1260,7 @@ MUTANTS = [
            "const float *sa = scales + a * groups * 16;", "const float *sa = scales;",
            ("tests/test_quant_weights.py",)),
     Mutant("q8 codes form: x laid out in 8-row tiles for the tall tile's 9-12 rows", NATIVE_C,
-           "int tile_rows = codes_tall_takes(m) ? CODE_TALL_ROWS : CODE_ROWS;", "int tile_rows = CODE_ROWS;",
+           "int tile_rows = tall ? CODE_TALL_ROWS : CODE_ROWS;", "int tile_rows = CODE_ROWS;",
            ("tests/test_quant_weights.py",)),
     Mutant("q8 codes form: the tall tile's blocks written one block apart less (the second over the first)", NATIVE_C,
            "sa, xt, bias, y, n, 16 * (b + a), 1,", "sa, xt, bias, y, n, 16 * b, 1,",

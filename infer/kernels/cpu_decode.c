@@ -4630,16 +4630,17 @@ static inline __attribute__((always_inline)) void codes_tile(int mr, int bk, int
     store_tile_bf16(mr, tot, nb, bias, y, n, c);
 }
 
-/* A pair of blocks' q8 codes against every tile of x (packed_pass's split of the rows and of the prefetching),
- * inlined for codes in one group (int8 per output channel) and in several. */
-static inline __attribute__((always_inline)) void codes_pass_as(int one_group, const uint8_t *codes,
+/* A pair of blocks' q8 codes against every tile of x (packed_pass's split of the rows and of the prefetching), or
+ * (`tall`: codes_tall_takes, x laid out as one tile) against the tall tile a block; inlined for codes in one group
+ * (int8 per output channel) and in several. */
+static inline __attribute__((always_inline)) void codes_pass_as(int one_group, int tall, const uint8_t *codes,
                                                                 const uint16_t *pb, int64_t block_bytes,
                                                                 int64_t pairs, int64_t group, const float *scales,
                                                                 const int32_t *xt, int64_t m, const uint16_t *bias,
                                                                 uint16_t *y, int64_t n, int64_t b, int nb,
                                                                 const char *pf, const char *pf_end, int64_t per_iter) {
-    if (codes_tall_takes(m)) { /* one tile of all m rows a block, each block's codes widened once */
-        int64_t chunk = ((pf_end - pf + nb - 1) / nb + 63) / 64 * 64, groups = pairs / (one_group ? pairs : group / 2);
+    if (tall) { /* one tile of all m rows a block, each block's codes widened once */
+        int64_t chunk = ((pf_end - pf + nb - 1) / nb + 63) / 64 * 64, groups = 2 * pairs / group;
         for (int a = 0; a < nb; a++) {
             const char *end = pf + chunk < pf_end ? pf + chunk : pf_end;
             const uint8_t *ca = codes + a * block_bytes;
@@ -4677,14 +4678,16 @@ static inline __attribute__((always_inline)) void codes_pass_as(int one_group, c
     }
 }
 
-static void codes_pass(const uint8_t *codes, const uint16_t *pb, int64_t block_bytes, int64_t pairs, int64_t group,
-                       const float *scales, const int32_t *xt, int64_t m, int64_t k, const uint16_t *bias,
-                       uint16_t *y, int64_t n, int64_t b, int nb, const char *pf, const char *pf_end,
-                       int64_t per_iter) {
+static void codes_pass(int tall, const uint8_t *codes, const uint16_t *pb, int64_t block_bytes, int64_t pairs,
+                       int64_t group, const float *scales, const int32_t *xt, int64_t m, int64_t k,
+                       const uint16_t *bias, uint16_t *y, int64_t n, int64_t b, int nb, const char *pf,
+                       const char *pf_end, int64_t per_iter) {
     if (group == k)
-        codes_pass_as(1, codes, pb, block_bytes, pairs, group, scales, xt, m, bias, y, n, b, nb, pf, pf_end, per_iter);
+        codes_pass_as(1, tall, codes, pb, block_bytes, pairs, group, scales, xt, m, bias, y, n, b, nb, pf, pf_end,
+                      per_iter);
     else
-        codes_pass_as(0, codes, pb, block_bytes, pairs, group, scales, xt, m, bias, y, n, b, nb, pf, pf_end, per_iter);
+        codes_pass_as(0, tall, codes, pb, block_bytes, pairs, group, scales, xt, m, bias, y, n, b, nb, pf, pf_end,
+                      per_iter);
 }
 
 #elif defined(HAVE_PACKED_BF16)
@@ -4782,6 +4785,7 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
     if (!ranges) return -1;
     int balance = work_balance(), loops = prefetch_loops();
     int code_sums = code_sums_take(fmt, k); /* q8 codes in the codes form (above) */
+    int tall = code_sums && codes_tall_takes(m); /* (decided once: x's layout and the tiles must agree) */
     int32_t *xpairs = code_sums ? pair_major_buffer(m * pairs) : NULL;
     if (code_sums && !xpairs) {
         free(ranges);
@@ -4792,7 +4796,7 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
         int64_t tiles = (m + PACK_ROWS - 1) / PACK_ROWS;
         if (code_sums) { /* x pair-major for the code tiles, each thread a share of its pairs */
             int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-            int tile_rows = codes_tall_takes(m) ? CODE_TALL_ROWS : CODE_ROWS;
+            int tile_rows = tall ? CODE_TALL_ROWS : CODE_ROWS;
             pair_major_tiles(x, m, k, tile_rows, pairs * tid / nt, pairs * (tid + 1) / nt, xpairs);
 #pragma omp barrier
         }
@@ -4820,8 +4824,8 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
                         codes_block_bf16(codes + (b + a) * block_bytes, buf + a * pairs * 32, pairs);
                     pb = buf;
                 }
-                codes_pass(codes + b * block_bytes, pb, block_bytes, pairs, group, scales + b * groups * 16, xpairs,
-                           m, k, bias, y, n, b, nb, pf, pf_end, per_iter);
+                codes_pass(tall, codes + b * block_bytes, pb, block_bytes, pairs, group, scales + b * groups * 16,
+                           xpairs, m, k, bias, y, n, b, nb, pf, pf_end, per_iter);
                 continue;
             }
             for (int a = 0; a < nb; a++)
