@@ -77,6 +77,7 @@ class RaggedBatch:
     block_size: int
     fresh_blocks: torch.Tensor  # blocks this step starts (writes slot 0 of): zeroed before the writes
     decode: DecodeGroup | None = None  # the one-token sequences, attended in one call
+    end: int | None = None  # 1 + the furthest position (None: not known without reading `positions`)
 
 
 def build_ragged_batch(
@@ -161,7 +162,8 @@ def build_ragged_batch(
                                windows, device, decode_kernel, table_reach)
         decode.all_rows = len(decoding) == len(chunks)  # every chunk one token: rows 0 .. B-1
     return RaggedBatch(as_tensor(positions), as_tensor(slot_blocks), as_tensor(slot_offsets), seqs,
-                       as_tensor(sample_rows), block_size, as_tensor(fresh), decode)
+                       as_tensor(sample_rows), block_size, as_tensor(fresh), decode,
+                       max((c.start + c.num_tokens for c in chunks), default=0))
 
 
 def _decode_group(chunks: Sequence[SeqChunk], rows: Sequence[int], block_size: int,

@@ -330,6 +330,38 @@ def test_a_failed_call_leaves_the_engine_as_it_was(monkeypatch: pytest.MonkeyPat
     assert_it_serves(engine, ids, want)
 
 
+def test_positions_past_the_first_rope_tables_grow_them() -> None:
+    """Requests whose positions pass the first RoPE tables the call reads (256 positions: a 250-token prompt and 12
+    new tokens, and a short one beside it): the tables grow, and every token and logit is the per-op path's, bit for
+    bit (which computes each step's tables afresh)."""
+    prompts = [[(7 * i) % 250 + 1 for i in range(250)], [5, 9, 2]]
+    fast = serve("llama", prompts, 12, native_step=True, chunk_attention="native")
+    slow = serve("llama", prompts, 12, native_step=False, chunk_attention="native")
+    for (tokens, logits), (want_tokens, want_logits) in zip(fast, slow, strict=True):
+        assert tokens == want_tokens and torch.equal(logits, want_logits), "past 256 positions the call parted"
+
+
+def test_a_position_past_the_rope_tables_is_refused_and_the_step_undone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tables too short for a row's position (a bug in growing them) are refused by the call before anything is
+    written: one ValueError naming the tables, the step undone, and the engine then serves what one that never failed
+    serves."""
+    from infer.models.transformer import Transformer
+
+    prompts = [[5, 9, 2, 8, 4, 4], [7, 7, 1]]
+    want = serve("llama", prompts, 5, native_step=True)
+    engine, ids = after_the_prompts(prompts, 5)
+    grow = Transformer._rope_tables
+
+    def short(self: Transformer, end: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {lt: (cos[:4], sin[:4]) for lt, (cos, sin) in grow(self, end).items()}
+
+    monkeypatch.setattr(Transformer, "_rope_tables", short)
+    with pytest.raises(ValueError, match="RoPE tables"):
+        engine.step()
+    monkeypatch.setattr(Transformer, "_rope_tables", grow)
+    assert_it_serves(engine, ids, want)
+
+
 def test_a_failed_quantizing_call_back_leaves_the_engine_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
     """An error in a quantized pool's call back (the second layer's quantizing of the blocks the step fills) stops the
     whole-step call, reaches the caller as itself, and the step is undone: the requests then serve the tokens and

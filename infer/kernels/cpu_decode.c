@@ -560,12 +560,15 @@ void infer_rope(int dtype, const void *x, const void *cos, const void *sin, void
  * x + t * token_stride + h * head_stride (elements; a view of the step's q or k), each token rotated by its own
  * row of cos/sin [tokens, d], into out [tokens, heads, d]: the same formula and roundings, bit for bit (bf16 with
  * half of d a multiple of 16: 16 lanes at a time). Tokens split over `threads` where there are many. */
-void infer_rope_rows(int dtype, const void *x, int64_t token_stride, int64_t head_stride, const void *cos,
-                     const void *sin, void *out, int64_t tokens, int64_t heads, int64_t d, int threads) {
+/* (`at`: NULL, or each token's row of cos/sin, tables of every position: the batched whole step's) */
+static void rope_rows_at(int dtype, const void *x, int64_t token_stride, int64_t head_stride, const void *cos,
+                         const void *sin, const int64_t *at, void *out, int64_t tokens, int64_t heads, int64_t d,
+                         int threads) {
     int64_t esize = dtype == F32 ? 4 : 2, half = d / 2;
 #pragma omp parallel for num_threads(threads) if (threads > 1 && tokens >= 64) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
-        const char *ct = (const char *)cos + t * d * esize, *st = (const char *)sin + t * d * esize;
+        int64_t row = at ? at[t] : t;
+        const char *ct = (const char *)cos + row * d * esize, *st = (const char *)sin + row * d * esize;
         for (int64_t h = 0; h < heads; h++) {
             const char *xr = (const char *)x + (t * token_stride + h * head_stride) * esize;
             char *outr = (char *)out + (t * heads + h) * d * esize;
@@ -604,6 +607,11 @@ void infer_rope_rows(int dtype, const void *x, int64_t token_stride, int64_t hea
             infer_rope(dtype, xr, ct, st, outr, 1, d);
         }
     }
+}
+
+void infer_rope_rows(int dtype, const void *x, int64_t token_stride, int64_t head_stride, const void *cos,
+                     const void *sin, void *out, int64_t tokens, int64_t heads, int64_t d, int threads) {
+    rope_rows_at(dtype, x, token_stride, head_stride, cos, sin, NULL, out, tokens, heads, d, threads);
 }
 
 /* Where token n's head h lies in blocks [N, Hkv, bs, d] (bytes from the start; `row`: d elements' bytes). */
@@ -5289,6 +5297,22 @@ static int batch_product_run(const batch_product *p, const uint16_t *x, uint16_t
     return code == 0 || code == -2 || code == -3 ? code : -1;
 }
 
+/* The step's two ends, done in the call where the caller can (a NULL field: the caller did it): the rows embedded
+ * (`embed` [vocab, hidden] bf16 read at each row's id, times `embed_scale` rounded once where it is not 0: Gemma's
+ * x * sqrt(hidden) in bf16, as PyTorch multiplies), every layer's RoPE read at each row's position (`positions`: the
+ * layers' cos/sin are tables of `table_rows` positions, not [rows, d]), and the final norm (`final_norm`) on every
+ * row. Each was a few PyTorch ops between steps, run with their code evicted by the step's weights (~0.1 ms each at
+ * 16 rows). Ids and positions are checked before anything is written: -5 one out of its table. */
+typedef struct {
+    const uint16_t *embed;
+    const int64_t *ids;
+    int64_t vocab;
+    float embed_scale;
+    const int64_t *positions;
+    int64_t table_rows;
+    const void *final_norm;
+} batch_ends;
+
 typedef struct {
     const void *attn_norm, *mlp_norm;                            /* [hidden] */
     const void *attn_out, *mlp_out;                              /* [hidden] (Gemma 3's post-norms) or NULL */
@@ -5296,7 +5320,8 @@ typedef struct {
     const batch_tables *batch;                                   /* the batch this layer's pool reads */
     batch_product qkv, o, gate_up, down;
     void *k_blocks, *v_blocks;                                   /* [num_blocks, kv_heads, bs, d] */
-    const void *cos, *sin;                                       /* [rows, d]: the layer's RoPE at each row */
+    const void *cos, *sin;                                       /* [rows, d]: the layer's RoPE at each row (or
+                                                                  * tables read at batch_ends' positions) */
     int64_t window;                                              /* 0: none */
     float scale, softcap;
     /* A quantized pool (infer/cache/paged_quantized.py), or NULL codes: an exact one. Its K/V rows go to staging
@@ -5328,10 +5353,24 @@ static void add_bf16(const uint16_t *a, const uint16_t *b, uint16_t *out, int64_
 
 int infer_batch_step(const batch_layer *layers, int64_t n_layers, uint16_t *x, int64_t rows, int64_t heads,
                      int64_t kv_heads, int64_t d, int64_t hidden, int64_t inter, float eps, int gemma, int gelu,
-                     int64_t bs, int threads, int (*quantize_filled)(int64_t layer)) {
+                     int64_t bs, int threads, int (*quantize_filled)(int64_t layer), const batch_ends *ends) {
 #if defined(HAVE_PACKED_BF16) /* (AVX2 builds: bf16 products; packed codes need the pair instruction: -2) */
     int64_t qkv_n = (heads + 2 * kv_heads) * d, wide = qkv_n > 2 * inter ? qkv_n : 2 * inter;
     if (d % 2 || hidden % 2 || inter % 2 || (heads * d) % 2) return -3;
+    const int64_t *at = ends ? ends->positions : NULL;
+    for (int64_t r = 0; r < rows; r++)
+        if ((at && (at[r] < 0 || at[r] >= ends->table_rows)) ||
+            (ends && ends->embed && (ends->ids[r] < 0 || ends->ids[r] >= ends->vocab)))
+            return -5;
+    if (ends && ends->embed)
+        for (int64_t r = 0; r < rows; r++) {
+            const uint16_t *e = ends->embed + ends->ids[r] * hidden;
+            uint16_t *xr = x + r * hidden;
+            if (ends->embed_scale == 0.0f)
+                memcpy(xr, e, (size_t)hidden * sizeof(uint16_t));
+            else
+                for (int64_t i = 0; i < hidden; i++) xr[i] = f32_to_bf16(bf16_to_f32(e[i]) * ends->embed_scale);
+        }
     /* scratch, taken before anything is written: h, the products' outputs, q and k rotated, attention, o, gated (the
      * attention's own buffers are taken in each call: a failure there leaves the step's slots written, which the
      * engine's abort of the step discards) */
@@ -5351,8 +5390,8 @@ int infer_batch_step(const batch_layer *layers, int64_t n_layers, uint16_t *x, i
                 infer_rms_norm(BF16, row, L->q_norm, row, heads, d, eps, gemma, 1);
                 infer_rms_norm(BF16, row + heads * d, L->k_norm, row + heads * d, kv_heads, d, eps, gemma, 1);
             }
-        infer_rope_rows(BF16, big, qkv_n, d, L->cos, L->sin, q, rows, heads, d, threads);
-        infer_rope_rows(BF16, big + heads * d, qkv_n, d, L->cos, L->sin, k, rows, kv_heads, d, threads);
+        rope_rows_at(BF16, big, qkv_n, d, L->cos, L->sin, at, q, rows, heads, d, threads);
+        rope_rows_at(BF16, big + heads * d, qkv_n, d, L->cos, L->sin, at, k, rows, kv_heads, d, threads);
         /* a quantized pool's rows go to its staging, and the callback quantizes the blocks they fill */
         int quantized = L->k_codes != NULL;
         infer_write_kv(k, kv_heads * d, d, big + (heads + kv_heads) * d, qkv_n, d,
@@ -5390,11 +5429,13 @@ int infer_batch_step(const batch_layer *layers, int64_t n_layers, uint16_t *x, i
         if (L->mlp_out) infer_rms_norm(BF16, o, L->mlp_out, o, rows, hidden, eps, gemma, threads);
         add_bf16(x, o, x, rows * hidden);
     }
+    if (code == 0 && ends && ends->final_norm)
+        infer_rms_norm(BF16, x, ends->final_norm, x, rows, hidden, eps, gemma, threads);
     free(mem);
     return code;
 #else
     (void)layers, (void)n_layers, (void)x, (void)rows, (void)heads, (void)kv_heads, (void)d, (void)hidden, (void)inter;
-    (void)eps, (void)gemma, (void)gelu, (void)bs, (void)threads, (void)quantize_filled;
+    (void)eps, (void)gemma, (void)gelu, (void)bs, (void)threads, (void)quantize_filled, (void)ends;
     return -2;
 #endif
 }

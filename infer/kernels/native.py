@@ -110,6 +110,16 @@ class BatchLayer(ctypes.Structure):
                 ("scheme", ctypes.c_int64), ("num_blocks", ctypes.c_int64), ("n_fill", ctypes.c_int64)]
 
 
+class BatchEnds(ctypes.Structure):
+    """cpu_decode.c's batch_ends: the step's rows embedded in the call (`embed` [vocab, hidden] bf16 at each row's id,
+    times `embed_scale` unless 0), its layers' RoPE tables read at each row's position (`positions`; `table_rows`
+    positions a table), the final norm (`final_norm`) on every row; a NULL field: not done in the call."""
+
+    _fields_ = [("embed", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("vocab", ctypes.c_int64),
+                ("embed_scale", ctypes.c_float), ("positions", ctypes.c_void_p), ("table_rows", ctypes.c_int64),
+                ("final_norm", ctypes.c_void_p)]
+
+
 # The whole step's call back into Python after a quantized pool's layer staged its rows: quantize the blocks they fill.
 QUANTIZE_FILLED = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64)
 
@@ -176,10 +186,11 @@ class NativeKernels:
         lib.infer_decode_step.argtypes = step_args
         lib.infer_decode_step.restype = ctypes.c_int
         self._decode_step = lib.infer_decode_step
-        # layers, n_layers, x, rows, heads, kv_heads, d, hidden, inter, eps, gemma, gelu, bs, threads, quantize_filled
+        # layers, n_layers, x, rows, heads, kv_heads, d, hidden, inter, eps, gemma, gelu, bs, threads, quantize_filled,
+        # ends
         batch_args: list[Any] = [ctypes.POINTER(BatchLayer), ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 6,
                                  ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
-                                 QUANTIZE_FILLED]
+                                 QUANTIZE_FILLED, ctypes.POINTER(BatchEnds)]
         lib.infer_batch_step.argtypes = batch_args
         lib.infer_batch_step.restype = ctypes.c_int
         self._batch_step = lib.infer_batch_step
@@ -701,13 +712,14 @@ class NativeKernels:
 
     def batch_step(self, layers: ctypes.Array[BatchLayer], shape: tuple[int, int, int, int, int], eps: float,
                    x: torch.Tensor, block_size: int, quantize_filled: Callable[[int], None] | None = None,
-                   gemma: bool = False, gelu: bool = False) -> None:
+                   gemma: bool = False, gelu: bool = False, ends: BatchEnds | None = None) -> None:
         """Every decoder layer of a batched engine step in one call (cpu_decode.c's infer_batch_step): `x` (contiguous
         bf16 `[rows, hidden]`) becomes the last layer's output; each layer's pool gets the rows' K/V at the slots of
         its batch (`BatchLayer.batch`; a quantized pool's layers: their own staging rows) and every row attends over
         its table there. `shape`: heads, KV heads, head size, hidden size, MLP size; `gemma`, `gelu`: Gemma's norms
         and activation. `quantize_filled(layer)`: called after a quantized pool's layer staged its rows (an exception
-        there stops the call and is raised)."""
+        there stops the call and is raised). `ends`: the embedding (x then written, not read), the RoPE tables read
+        at the rows' positions and the final norm, in the call (`BatchEnds`)."""
         heads, kv_heads, d, hidden, inter = shape
         rows = x.numel() // hidden
         failed: list[BaseException] = []
@@ -722,9 +734,13 @@ class NativeKernels:
 
         callback = QUANTIZE_FILLED() if quantize_filled is None else QUANTIZE_FILLED(call_back)  # (): NULL
         code = self._batch_step(layers, len(layers), x.data_ptr(), rows, heads, kv_heads, d, hidden, inter, eps,
-                                int(gemma), int(gelu), block_size, torch.get_num_threads(), callback)
+                                int(gemma), int(gelu), block_size, torch.get_num_threads(), callback,
+                                None if ends is None else ctypes.byref(ends))
         if failed:
             raise failed[0]
+        if code == -5:
+            raise ValueError("the native batched step was handed a token id past the vocabulary or a position past its "
+                             "RoPE tables")
         if code == -1:
             raise MemoryError("the native batched step could not allocate its scratch buffers")
         if code == -2:

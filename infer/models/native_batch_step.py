@@ -6,7 +6,11 @@ K/V writes, the paged attention, the gated activation, the residual adds): at 16
 in DecoderLayer's order, so a step's hidden states are the per-op path's bit for bit (tests/test_native_batch_step.py
 holds it to that). This module describes the model to it once (`NativeBatchStep`: each layer's packed products,
 norms and attention traits as ctypes structures holding the tensors' addresses) and fills in each step's pools and
-RoPE tables; the embedding, the final norm and the LM head stay in Python.
+RoPE tables. The step's ends are done in the call too where it can (`BatchEnds`): the rows embedded from a bf16
+embedding table (a quantized one's rows come embedded from Python), each row's RoPE read from tables of every position
+(`Transformer._rope_tables`, built by the per-op path's own `rope_cos_sin`), and the final norm; the LM head stays in
+Python. Each of those ends was a few PyTorch ops between two native calls, run with their code evicted by the step's
+weights: about 0.1 ms each at 16 rows.
 
 Taken only where it applies (`Transformer._native_batch_step_for`): the engine's steps (`StepKernels.rows`), every token
 of the step attending in the native paged kernel in one call (`DecodeGroup.all_rows`) over exact bf16 pools or a
@@ -24,13 +28,14 @@ stays the check (`Transformer.native_step = False` turns both whole-step calls o
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 import torch
 
 from infer.cache.paged_quantized import QuantizedPagedPool, QuantizedPoolLayer, StepPlan
 from infer.config import ModelConfig
-from infer.kernels.native import QFORMATS, QSCHEMES, BatchLayer, BatchProduct, BatchTables, NativeKernels
+from infer.kernels.native import QFORMATS, QSCHEMES, BatchEnds, BatchLayer, BatchProduct, BatchTables, NativeKernels
 from infer.quant_weights import PackedCodes
 from infer.ragged import RaggedBatch
 
@@ -39,6 +44,11 @@ class BatchModel(Protocol):
     """What this module reads of a Transformer (which imports this module, not the reverse)."""
 
     config: ModelConfig
+    embed_scale: float | None
+    norm: Any
+
+    @property
+    def embed_tokens(self) -> torch.nn.Module: ...
 
     @property
     def dtype(self) -> torch.dtype: ...
@@ -119,6 +129,14 @@ class NativeBatchStep:
                       config.intermediate_size)
         self.eps = config.rms_norm_eps
         self.rotation: tuple[torch.Tensor | None, torch.Tensor | None] | None = None  # a pool's, and its fp32 copy
+        # The step's ends (BatchEnds): the final norm, and the embedding where it is a plain table (a quantized
+        # embedding's rows are dequantized in Python); Gemma's scale rounded to bf16 first, as the per-op path's.
+        self.final_norm = self._address(model.norm.weight)
+        table = model.embed_tokens.weight if type(model.embed_tokens) is torch.nn.Embedding else None
+        self.embed = None if table is None or table.dtype != torch.bfloat16 else self._address(table)
+        self.vocab = config.vocab_size if table is None else table.shape[0]
+        scale = model.embed_scale
+        self.embed_scale = 0.0 if scale is None else float(torch.tensor(scale, dtype=torch.bfloat16))
 
     def _describe_product(self, desc: BatchProduct, product: Any) -> None:
         """Point `desc` at `product`'s packed copy: a bf16 weight (fmt -1) or a quantized weight's packed codes; and
@@ -146,25 +164,35 @@ class NativeBatchStep:
         self.keep.append(t)
         return t.data_ptr()
 
-    def __call__(self, x: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    def __call__(self, input_ids: torch.Tensor, embed: Callable[[torch.Tensor], torch.Tensor],
+                 rope: dict[str, tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor,
                  pools: list[tuple[torch.Tensor, torch.Tensor] | QuantizedPoolLayer], batches: list[BatchTables],
                  block_size: int) -> torch.Tensor:
-        """The step's hidden states after every layer, from the embedded `x` `[1, N, hidden]` (a new tensor; `x` is
-        left as it was): `rope` the RoPE tables by layer type (`[N, D]` each), `pools` each layer's K and V blocks
-        or its layer of a quantized pool, `batches` each layer's batch (`describe_batch`; kept alive by the caller
-        through the call)."""
-        tables = {lt: (cos.contiguous(), sin.contiguous()) for lt, (cos, sin) in rope.items()}
+        """The step's hidden states after every layer and the final norm `[1, N, hidden]`, from its token ids
+        `input_ids` `[1, N]` (embedded in the call, or by `embed` where the call cannot: `self.embed` None): `rope` the
+        RoPE tables by layer type (`[P, D]` each, contiguous, positions 0 .. P - 1) read at each row's `positions`
+        (`[N]` int64), `pools` each layer's K and V blocks or its layer of a quantized pool, `batches` each layer's
+        batch (`describe_batch`; kept alive by the caller through the call)."""
+        tokens, hidden = input_ids.shape[1], self.shape[3]
         for desc, layer_type, batch in zip(self.layers, self.layer_types, batches, strict=True):
-            cos, sin = tables[layer_type]
+            cos, sin = rope[layer_type]
             desc.cos, desc.sin = cos.data_ptr(), sin.data_ptr()
             desc.batch = ctypes.pointer(batch)
+        table_rows = next(iter(rope.values()))[0].shape[0]
+        ends = BatchEnds(final_norm=self.final_norm, positions=positions.data_ptr(), table_rows=table_rows)
+        if self.embed is not None:
+            ids = input_ids.reshape(tokens).to(torch.int64).contiguous()  # (alive through the call)
+            out = torch.empty(1, tokens, hidden, dtype=torch.bfloat16)
+            ends.embed, ends.ids, ends.vocab = self.embed, ids.data_ptr(), self.vocab
+            ends.embed_scale = self.embed_scale
+        else:
+            out = embed(input_ids).to(torch.bfloat16).contiguous().clone()
         rows = self._describe_pools(pools)  # (a quantized pool's staging rows: alive through the call)
         quantize_filled = None
         if rows is not None and rows[2].plan.quantizes and rows[2].quantizer is None:  # (else quantized in the call)
             quantize_filled = lambda layer: cast(QuantizedPoolLayer, pools[layer]).quantize_filled()  # noqa: E731
-        out = x.contiguous().clone()
         self.kernels.batch_step(self.layers, self.shape, self.eps, out, block_size, quantize_filled, self.gemma,
-                                self.gelu)
+                                self.gelu, ends)
         del rows
         return out
 

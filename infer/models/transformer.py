@@ -865,18 +865,23 @@ class Transformer(nn.Module):
         capture): the logits of the rows that backend keeps.
         """
         backend = self._backend_for(input_ids, kv_cache, all_logits)
-        x = self._embed(input_ids)
         kernels = self.step_kernels(input_ids, backend)
+        whole = self._native_step_for(backend, kernels)  # (the step, positions read as codes) or None
+        batched = None if whole is not None else self._native_batch_step_for(backend, kernels, input_ids.numel())
+        if batched is not None:  # (embedding, RoPE tables and final norm in the call: NativeBatchStep)
+            try:
+                x = batched(input_ids)
+            except BaseException:
+                backend.abort()
+                raise
+            return self._logits(backend.finish(x), normed=True)
+        x = self._embed(input_ids)
         rope = {lt: rope_cos_sin(self._inv_freq_on(lt, input_ids.device), backend.positions, x.dtype)
                 for lt in self.inv_freq}
         ctx = StepContext(rope, backend, kernels)
-        whole = self._native_step_for(backend, kernels)  # (the step, positions read as codes) or None
-        batched = None if whole is not None else self._native_batch_step_for(backend, kernels, input_ids.numel())
         try:
             if whole is not None:
                 x = whole[0](x, rope, whole[1])
-            elif batched is not None:
-                x = batched(x, rope)
             else:
                 with sdpa_backends(x.device, self.cudnn_attention):
                     for layer in self.layers:
@@ -953,10 +958,9 @@ class Transformer(nn.Module):
         return (step, quantized) if step and step.bind(cache) else None
 
     def _native_batch_step_for(self, backend: AttentionBackend, kernels: StepKernels, tokens: int
-                               ) -> Callable[[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]],
-                                             torch.Tensor] | None:
-        """The batched whole-step native call for this forward (`x`, rope tables -> hidden states), or None for the
-        per-op path: an engine step (`StepKernels.rows`) without reference attention whose every token attends in
+                               ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The batched whole-step native call for this forward (token ids -> final-normed hidden states), or None for
+        the per-op path: an engine step (`StepKernels.rows`) without reference attention whose every token attends in
         the native paged kernel in one call (`DecodeGroup.all_rows`) in each layer's batch (the pool's; Gemma 3's
         sliding layers' rings have their own), over exact bf16 blocks or a quantized pool with bf16 staging, on a
         model `batch_step_unavailable` takes; a step of one token (`tokens`) where every one-row product is the
@@ -995,8 +999,29 @@ class Transformer(nn.Module):
             return None
         described = {key: describe_batch(batch, plans[key]) for key, batch in batches.items()}
         layer_batches = [described[id(batch)] for batch, _, _ in backend.layers]
-        block_size = backend.layers[0][0].block_size
-        return lambda x, rope: step(x, rope, pools, layer_batches, block_size)
+        batch = backend.batch
+        block_size, end = batch.block_size, batch.end
+        if end is None:  # (a batch built elsewhere: graphs.py's padded steps)
+            end = int(batch.positions.max()) + 1 if batch.positions.numel() else 0
+        return lambda ids: step(ids, self._embed, self._rope_tables(end), batch.positions, pools, layer_batches,
+                                block_size)
+
+    def _rope_tables(self, end: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer type's RoPE tables `[P, D]` (CPU, the model's dtype) of positions 0 .. P - 1, P >= `end`: kept,
+        and grown by doubling, for the batched whole step to read at each row's position. Built by the per-op path's
+        own `rope_cos_sin`, 256 positions a call: each value computed as a step's tables compute it (the same
+        vectorized loop over a row's D values, no split between threads)."""
+        kept = self.__dict__.get("_rope_table_cache")
+        if kept is not None and kept[0] >= end and kept[1] == self.dtype:
+            return kept[2]
+        rows = max(256, 1 << max(end - 1, 0).bit_length())
+        tables = {}
+        for lt in self.inv_freq:
+            freq = self._inv_freq_on(lt, torch.device("cpu"))
+            parts = [rope_cos_sin(freq, torch.arange(p, min(p + 256, rows)), self.dtype) for p in range(0, rows, 256)]
+            tables[lt] = (torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts]))
+        self.__dict__["_rope_table_cache"] = (rows, self.dtype, tables)
+        return tables
 
     def forget_native_step(self) -> None:
         """Drop the whole-step descriptions (they hold the weights' addresses): rebuilt at the next step. Called
@@ -1040,8 +1065,8 @@ class Transformer(nn.Module):
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         return x
 
-    def _logits(self, x: torch.Tensor, native: NativeKernels | None = None) -> torch.Tensor:
-        logits = self.lm_head(self.norm(x, native))
+    def _logits(self, x: torch.Tensor, native: NativeKernels | None = None, normed: bool = False) -> torch.Tensor:
+        logits = self.lm_head(x if normed else self.norm(x, native))
         if self.config.final_logit_softcapping is not None:
             cap = self.config.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
