@@ -156,7 +156,7 @@ def build_ragged_batch(
     # The Triton kernel over exact blocks reads each table from position 0 (it masks the window by position).
     table_reach = None if decode_kernel == "triton" else reach
     if every_token and chunks:
-        decode = _every_token_group(chunks, as_tensor(positions), block_size, table_reach, device, decode_kernel)
+        decode = _every_token_group(chunks, positions, block_size, table_reach, device, decode_kernel)
     elif decoding:
         decode = _decode_group([chunks[i] for i in decoding], [starts[i] for i in decoding], block_size,
                                windows, device, decode_kernel, table_reach)
@@ -193,7 +193,7 @@ def _decode_group(chunks: Sequence[SeqChunk], rows: Sequence[int], block_size: i
                        torch.tensor(firsts, dtype=torch.long, device=device) * block_size)
 
 
-def _every_token_group(chunks: Sequence[SeqChunk], positions: torch.Tensor, block_size: int, reach: int | None,
+def _every_token_group(chunks: Sequence[SeqChunk], positions: Sequence[int], block_size: int, reach: int | None,
                        device: torch.device, kernel: str = "native") -> DecodeGroup:
     """Every token of `chunks` a row of one in-place kernel call, rows 0 .. N-1 in order: a token at position p
     sees its sequence's keys up to p (its length p + 1; the step's later keys are written but masked), its table
@@ -204,13 +204,15 @@ def _every_token_group(chunks: Sequence[SeqChunk], positions: torch.Tensor, bloc
              for c, first in zip(chunks, firsts, strict=True)]
     width = max(len(span) for span in spans)
     tables = torch.tensor([padded_table(span, width) for span in spans], dtype=torch.long, device=device)
-    starts = torch.tensor(firsts, dtype=torch.long, device=device) * block_size
-    if positions.shape[0] > len(chunks):  # each chunk's row for each of its tokens (a CPU repeat_interleave costs
+    # (lists made into tensors, not tensors of them multiplied or added to: each torch op after a native step runs
+    # with its code evicted)
+    starts = torch.tensor([f * block_size for f in firsts], dtype=torch.long, device=device)
+    if len(positions) > len(chunks):  # each chunk's row for each of its tokens (a CPU repeat_interleave costs
         # ~0.3 ms a call even where every chunk is one token: a pure decode step's every table)
         rows = torch.tensor([i for i, c in enumerate(chunks) for _ in range(c.num_tokens)], device=device)
         tables, starts = tables[rows], starts[rows]
-    return DecodeGroup(kernel, torch.arange(positions.shape[0], device=device), tables, positions + 1, {}, starts,
-                       all_rows=True)
+    lengths = torch.tensor([p + 1 for p in positions], dtype=torch.long, device=device)
+    return DecodeGroup(kernel, torch.arange(len(positions), device=device), tables, lengths, {}, starts, all_rows=True)
 
 
 def padded_table(blocks: Sequence[int], width: int) -> list[int]:

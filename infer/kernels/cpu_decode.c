@@ -5298,13 +5298,18 @@ static int batch_product_run(const batch_product *p, const uint16_t *x, uint16_t
 }
 
 /* The step's two ends, done in the call where the caller can (a NULL field: the caller did it): the rows embedded
- * (`embed` [vocab, hidden] bf16 read at each row's id, times `embed_scale` rounded once where it is not 0: Gemma's
- * x * sqrt(hidden) in bf16, as PyTorch multiplies), every layer's RoPE read at each row's position (`positions`: the
- * layers' cos/sin are tables of `table_rows` positions, not [rows, d]), and the final norm (`final_norm`) on every
- * row. Each was a few PyTorch ops between steps, run with their code evicted by the step's weights (~0.1 ms each at
- * 16 rows). Ids and positions are checked before anything is written: -5 one out of its table. */
+ * (`embed` [vocab, hidden] bf16 read at each row's id, or a quantized table's row dequantized as infer_qdequant
+ * dequantizes it: `embed_codes`, its scales and mins, format, scales' dtype and group; times `embed_scale` rounded once
+ * where it is not 0: Gemma's x * sqrt(hidden) in bf16, as PyTorch multiplies), every layer's RoPE read at each row's
+ * position (`positions`: the layers' cos/sin are tables of `table_rows` positions, not [rows, d]), and the final norm
+ * (`final_norm`) on every row. Each was a few PyTorch ops between steps, run with their code evicted by the step's
+ * weights (~0.1 ms each at 16 rows). Ids and positions are checked before anything is written: -5 one out of its
+ * table (-3 a quantized table of a shape the dequantizer cannot take). */
 typedef struct {
     const uint16_t *embed;
+    const uint8_t *embed_codes;
+    const void *embed_scales, *embed_mins;
+    int64_t embed_fmt, embed_sdtype, embed_group;
     const int64_t *ids;
     int64_t vocab;
     float embed_scale;
@@ -5312,6 +5317,23 @@ typedef struct {
     int64_t table_rows;
     const void *final_norm;
 } batch_ends;
+
+/* Row r of x: the embedding of ids[r] (a table's row, or a quantized one's dequantized), scaled where Gemma scales. */
+static void embed_row(const batch_ends *e, int64_t r, uint16_t *x, int64_t hidden) {
+    int64_t id = e->ids[r];
+    uint16_t *xr = x + r * hidden;
+    if (e->embed) {
+        memcpy(xr, e->embed + id * hidden, (size_t)hidden * sizeof(uint16_t));
+    } else {
+        int fmt = e->embed_fmt == Q6 ? Q8 : (int)e->embed_fmt, sdtype = (int)e->embed_sdtype;
+        int64_t groups = hidden / e->embed_group, row_bytes = fmt == Q8 ? hidden : hidden / 2;
+        dequant_row(fmt, e->embed_codes + id * row_bytes, scale_row_of(sdtype, e->embed_scales, id, groups, hidden),
+                    scale_row_of(sdtype, e->embed_mins, id, groups, hidden), e->embed_mins != NULL, BF16, xr, hidden,
+                    e->embed_group);
+    }
+    if (e->embed_scale != 0.0f)
+        for (int64_t i = 0; i < hidden; i++) xr[i] = f32_to_bf16(bf16_to_f32(xr[i]) * e->embed_scale);
+}
 
 typedef struct {
     const void *attn_norm, *mlp_norm;                            /* [hidden] */
@@ -5358,19 +5380,17 @@ int infer_batch_step(const batch_layer *layers, int64_t n_layers, uint16_t *x, i
     int64_t qkv_n = (heads + 2 * kv_heads) * d, wide = qkv_n > 2 * inter ? qkv_n : 2 * inter;
     if (d % 2 || hidden % 2 || inter % 2 || (heads * d) % 2) return -3;
     const int64_t *at = ends ? ends->positions : NULL;
+    int embeds = ends && (ends->embed || ends->embed_codes);
+    if (ends && ends->embed_codes) {
+        int fmt = ends->embed_fmt == Q6 ? Q8 : (int)ends->embed_fmt;
+        if (!qshape_ok(fmt, hidden, ends->embed_group) || (ends->embed_sdtype == FK && hidden % 256)) return -3;
+    }
     for (int64_t r = 0; r < rows; r++)
         if ((at && (at[r] < 0 || at[r] >= ends->table_rows)) ||
-            (ends && ends->embed && (ends->ids[r] < 0 || ends->ids[r] >= ends->vocab)))
+            (embeds && (ends->ids[r] < 0 || ends->ids[r] >= ends->vocab)))
             return -5;
-    if (ends && ends->embed)
-        for (int64_t r = 0; r < rows; r++) {
-            const uint16_t *e = ends->embed + ends->ids[r] * hidden;
-            uint16_t *xr = x + r * hidden;
-            if (ends->embed_scale == 0.0f)
-                memcpy(xr, e, (size_t)hidden * sizeof(uint16_t));
-            else
-                for (int64_t i = 0; i < hidden; i++) xr[i] = f32_to_bf16(bf16_to_f32(e[i]) * ends->embed_scale);
-        }
+    if (embeds)
+        for (int64_t r = 0; r < rows; r++) embed_row(ends, r, x, hidden);
     /* scratch, taken before anything is written: h, the products' outputs, q and k rotated, attention, o, gated (the
      * attention's own buffers are taken in each call: a failure there leaves the step's slots written, which the
      * engine's abort of the step discards) */

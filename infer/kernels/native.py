@@ -112,10 +112,13 @@ class BatchLayer(ctypes.Structure):
 
 class BatchEnds(ctypes.Structure):
     """cpu_decode.c's batch_ends: the step's rows embedded in the call (`embed` [vocab, hidden] bf16 at each row's id,
-    times `embed_scale` unless 0), its layers' RoPE tables read at each row's position (`positions`; `table_rows`
-    positions a table), the final norm (`final_norm`) on every row; a NULL field: not done in the call."""
+    or a quantized table's rows dequantized: `embed_codes`, its scales and mins, QFORMATS format, SCALE_CODES dtype and
+    group; times `embed_scale` unless 0), its layers' RoPE tables read at each row's position (`positions`;
+    `table_rows` positions a table), the final norm (`final_norm`) on every row; a NULL field: not done in the call."""
 
-    _fields_ = [("embed", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("vocab", ctypes.c_int64),
+    _fields_ = [("embed", ctypes.c_void_p), ("embed_codes", ctypes.c_void_p), ("embed_scales", ctypes.c_void_p),
+                ("embed_mins", ctypes.c_void_p), ("embed_fmt", ctypes.c_int64), ("embed_sdtype", ctypes.c_int64),
+                ("embed_group", ctypes.c_int64), ("ids", ctypes.c_void_p), ("vocab", ctypes.c_int64),
                 ("embed_scale", ctypes.c_float), ("positions", ctypes.c_void_p), ("table_rows", ctypes.c_int64),
                 ("final_norm", ctypes.c_void_p)]
 

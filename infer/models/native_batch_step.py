@@ -7,7 +7,8 @@ in DecoderLayer's order, so a step's hidden states are the per-op path's bit for
 holds it to that). This module describes the model to it once (`NativeBatchStep`: each layer's packed products,
 norms and attention traits as ctypes structures holding the tensors' addresses) and fills in each step's pools and
 RoPE tables. The step's ends are done in the call too where it can (`BatchEnds`): the rows embedded from a bf16
-embedding table (a quantized one's rows come embedded from Python), each row's RoPE read from tables of every position
+embedding table or a quantized one's rows dequantized (as the native dequantizer does: `QuantizedEmbedding`'s values;
+other tables' rows come embedded from Python), each row's RoPE read from tables of every position
 (`Transformer._rope_tables`, built by the per-op path's own `rope_cos_sin`), and the final norm; the LM head stays in
 Python. Each of those ends was a few PyTorch ops between two native calls, run with their code evicted by the step's
 weights: about 0.1 ms each at 16 rows.
@@ -35,8 +36,17 @@ import torch
 
 from infer.cache.paged_quantized import QuantizedPagedPool, QuantizedPoolLayer, StepPlan
 from infer.config import ModelConfig
-from infer.kernels.native import QFORMATS, QSCHEMES, BatchEnds, BatchLayer, BatchProduct, BatchTables, NativeKernels
-from infer.quant_weights import PackedCodes
+from infer.kernels.native import (
+    QFORMATS,
+    QSCHEMES,
+    SCALE_CODES,
+    BatchEnds,
+    BatchLayer,
+    BatchProduct,
+    BatchTables,
+    NativeKernels,
+)
+from infer.quant_weights import PackedCodes, QuantizedWeight
 from infer.ragged import RaggedBatch
 
 
@@ -129,14 +139,35 @@ class NativeBatchStep:
                       config.intermediate_size)
         self.eps = config.rms_norm_eps
         self.rotation: tuple[torch.Tensor | None, torch.Tensor | None] | None = None  # a pool's, and its fp32 copy
-        # The step's ends (BatchEnds): the final norm, and the embedding where it is a plain table (a quantized
-        # embedding's rows are dequantized in Python); Gemma's scale rounded to bf16 first, as the per-op path's.
+        # The step's ends (BatchEnds): the final norm, and the embedding where it is a bf16 table or a quantized one
+        # the native dequantizer takes (else its rows come embedded from Python); Gemma's scale rounded to bf16 first,
+        # as the per-op path's.
         self.final_norm = self._address(model.norm.weight)
-        table = model.embed_tokens.weight if type(model.embed_tokens) is torch.nn.Embedding else None
-        self.embed = None if table is None or table.dtype != torch.bfloat16 else self._address(table)
-        self.vocab = config.vocab_size if table is None else table.shape[0]
+        self.embed_table = self._embedding_table(model.embed_tokens)
         scale = model.embed_scale
         self.embed_scale = 0.0 if scale is None else float(torch.tensor(scale, dtype=torch.bfloat16))
+
+    def _embedding_table(self, embedding: torch.nn.Module) -> BatchEnds | None:
+        """The embedding's table as `BatchEnds` reads it (its ids, scale, tables and norm filled in at each step), or
+        None where the call cannot read it: not a bf16 `nn.Embedding` nor a bf16 model's QuantizedEmbedding (its
+        `qweight`) of a format and shape the native dequantizer takes (the groups rule of cpu_decode.c's qshape_ok)."""
+        if type(embedding) is torch.nn.Embedding:
+            table = embedding.weight
+            if table.dtype != torch.bfloat16:
+                return None
+            return BatchEnds(embed=self._address(table), vocab=table.shape[0])
+        weight = getattr(embedding, "qweight", None)
+        if not isinstance(weight, QuantizedWeight) or getattr(embedding, "dtype", None) != torch.bfloat16:
+            return None
+        fmt, _, sdtype, _, _, vocab, k, group = weight.kernel_args
+        takes_group = group % 32 == 0 or (group == 16 and fmt != "q4")
+        if (fmt not in QFORMATS or sdtype not in SCALE_CODES or k % 32 or k % group or not takes_group
+                or (weight.factored and k % 256)):
+            return None
+        self.keep += [t for t in (weight.codes, weight.scales, weight.mins) if t is not None]
+        return BatchEnds(embed_codes=weight.codes.data_ptr(), embed_scales=weight.scales.data_ptr(),
+                         embed_mins=None if weight.mins is None else weight.mins.data_ptr(), embed_fmt=QFORMATS[fmt],
+                         embed_sdtype=SCALE_CODES[sdtype], embed_group=group, vocab=vocab)
 
     def _describe_product(self, desc: BatchProduct, product: Any) -> None:
         """Point `desc` at `product`'s packed copy: a bf16 weight (fmt -1) or a quantized weight's packed codes; and
@@ -178,13 +209,13 @@ class NativeBatchStep:
             cos, sin = rope[layer_type]
             desc.cos, desc.sin = cos.data_ptr(), sin.data_ptr()
             desc.batch = ctypes.pointer(batch)
-        table_rows = next(iter(rope.values()))[0].shape[0]
-        ends = BatchEnds(final_norm=self.final_norm, positions=positions.data_ptr(), table_rows=table_rows)
-        if self.embed is not None:
+        ends = BatchEnds() if self.embed_table is None else self.embed_table
+        ends.final_norm, ends.positions = self.final_norm, positions.data_ptr()
+        ends.table_rows = next(iter(rope.values()))[0].shape[0]
+        if self.embed_table is not None:
             ids = input_ids.reshape(tokens).to(torch.int64).contiguous()  # (alive through the call)
             out = torch.empty(1, tokens, hidden, dtype=torch.bfloat16)
-            ends.embed, ends.ids, ends.vocab = self.embed, ids.data_ptr(), self.vocab
-            ends.embed_scale = self.embed_scale
+            ends.ids, ends.embed_scale = ids.data_ptr(), self.embed_scale
         else:
             out = embed(input_ids).to(torch.bfloat16).contiguous().clone()
         rows = self._describe_pools(pools)  # (a quantized pool's staging rows: alive through the call)
