@@ -257,6 +257,31 @@ def test_native_rope_of_every_row_is_the_formula_bit_for_bit(dtype: torch.dtype,
 
 
 @needs_build
+@pytest.mark.parametrize("flavour", FLAVOURS_HERE or ["native"])
+def test_rounding_to_bf16_keeps_subnormals_and_nans_as_pytorch_does(flavour: str) -> None:
+    """The rows ops' rounding to bf16 (an instruction where the build has AVX512-BF16, which flushes subnormals; the
+    formula for a vector holding one): RoPE of rows whose products land below fp32's normal range, beside zeros,
+    infinities, NaNs and large values in the same vectors, bit for bit the formula's (NaNs where it has them)."""
+    from infer.rope import apply_rope
+
+    kernels = native_kernels(flavour)
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(5)
+    specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 3e38, -3e38, 1.0])
+    x = (torch.randn(1, 4, 8, 64, generator=gen) * 2.0**-128).bfloat16()  # products of ~2^-128: subnormal in fp32
+    x[0, 1, :, :8] = specials.bfloat16()  # (rows with no subnormal lane at all too: the instruction's vectors)
+    x[0, 2] = (torch.randn(8, 64, generator=gen) * 4).bfloat16()
+    x[0, 3, :, 3::16] = specials[:4].repeat(2)[:, None].expand(8, 4).reshape(8, 4).bfloat16()
+    angles = torch.randn(8, 64, generator=gen) * 100
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    got, want = kernels.rope_rows(x, cos, sin), apply_rope(x, cos, sin)
+    assert torch.equal(got.isnan(), want.isnan()), f"{flavour}: NaNs where the formula has none, or none where it has"
+    assert torch.equal(got.nan_to_num(), want.nan_to_num()), f"{flavour}: a rounding parted from the formula's"
+    tiny = want.float().abs()
+    assert ((tiny > 0) & (tiny < 2.0**-126)).any(), "no subnormal result: the test lost its point"
+
+
+@needs_build
 @settings(max_examples=30, deadline=None)
 @given(dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
        rows=st.integers(1, 12) | st.integers(64, 90),  # 64 and more: split over threads (the engine's steps)
