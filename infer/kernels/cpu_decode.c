@@ -5279,7 +5279,8 @@ int infer_quantize_blocks(int dtype, int scheme, const void *k_stage, const void
  * the native packed product (Transformer.pack_products(layout="native")): norm, q/k/v, RoPE of each row by its
  * own position, the rows' K/V into their slots (fresh blocks zeroed first), paged attention, o, residual, norm,
  * gate/up, SiLU(gate) * up, down, residual; every value as the per-op path computes it (its residual adds are
- * PyTorch's bf16 adds: fp32 sums rounded once). x [rows, hidden] bf16 becomes the last layer's output. A quantized
+ * PyTorch's bf16 adds: fp32 sums rounded once). x [rows, hidden] bf16 becomes the last layer's output (`ends`, where
+ * given: x embedded here first, each row's RoPE read at its position, the final norm last; see batch_ends). A quantized
  * pool's layers stage their rows and quantize the blocks the rows fill (infer_quantize_blocks, as the per-op path on
  * a CPU does; or, with the pool's torch quantizer, by calling `quantize_filled(layer)` back, whose non-zero return
  * stops the call: -4) before attending over codes and staging. A quantized model's products run the packed product
