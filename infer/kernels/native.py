@@ -36,6 +36,13 @@ SCALE_CODES = {torch.float32: 0, torch.float16: 2, torch.int8: 3}  # quantized s
 # QuantizedWeight.kernel_args' format (and PackedCodes' channel form) -> cpu_decode.c's Q8 / Q4 / Q6 / Q8C / Q4C
 QFORMATS = {"q8": 0, "q4": 1, "q6": 2, "q8c": 3, "q4c": 4}
 
+
+def codes_shape_taken(fmt: str, k: int, group: int) -> bool:
+    """Whether cpu_decode.c's kernels on codes (its qshape_ok) take a QuantizedWeight's codes of format `fmt` (its
+    `kernel_args`' format) at inner size `k` in groups of `group`: whole runs of 32 inputs, groups of whole runs (or,
+    q8 codes, of 16)."""
+    return fmt in QFORMATS and k % 32 == 0 and k % group == 0 and (group % 32 == 0 or (group == 16 and fmt != "q4"))
+
 # Compiler flags per flavour: "native" is the widest path the CPU has; the others switch paths off (x86).
 FLAVOURS: dict[str, tuple[str, ...]] = {
     "native": (),

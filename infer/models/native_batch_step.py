@@ -45,6 +45,7 @@ from infer.kernels.native import (
     BatchProduct,
     BatchTables,
     NativeKernels,
+    codes_shape_taken,
 )
 from infer.quant_weights import PackedCodes, QuantizedWeight
 from infer.ragged import RaggedBatch
@@ -160,9 +161,7 @@ class NativeBatchStep:
         if not isinstance(weight, QuantizedWeight) or getattr(embedding, "dtype", None) != torch.bfloat16:
             return None
         fmt, _, sdtype, _, _, vocab, k, group = weight.kernel_args
-        takes_group = group % 32 == 0 or (group == 16 and fmt != "q4")
-        if (fmt not in QFORMATS or sdtype not in SCALE_CODES or k % 32 or k % group or not takes_group
-                or (weight.factored and k % 256)):
+        if not codes_shape_taken(fmt, k, group) or sdtype not in SCALE_CODES or (weight.factored and k % 256):
             return None
         self.keep += [t for t in (weight.codes, weight.scales, weight.mins) if t is not None]
         return BatchEnds(embed_codes=weight.codes.data_ptr(), embed_scales=weight.scales.data_ptr(),
@@ -200,7 +199,7 @@ class NativeBatchStep:
                  pools: list[tuple[torch.Tensor, torch.Tensor] | QuantizedPoolLayer], batches: list[BatchTables],
                  block_size: int) -> torch.Tensor:
         """The step's hidden states after every layer and the final norm `[1, N, hidden]`, from its token ids
-        `input_ids` `[1, N]` (embedded in the call, or by `embed` where the call cannot: `self.embed` None): `rope` the
+        `input_ids` `[1, N]` (embedded in the call, or by `embed` where it cannot: `embed_table` None): `rope` the
         RoPE tables by layer type (`[P, D]` each, contiguous, positions 0 .. P - 1) read at each row's `positions`
         (`[N]` int64), `pools` each layer's K and V blocks or its layer of a quantized pool, `batches` each layer's
         batch (`describe_batch`; kept alive by the caller through the call)."""
@@ -210,6 +209,7 @@ class NativeBatchStep:
             desc.cos, desc.sin = cos.data_ptr(), sin.data_ptr()
             desc.batch = ctypes.pointer(batch)
         ends = BatchEnds() if self.embed_table is None else self.embed_table
+        positions = positions.to(torch.int64).contiguous()  # (alive through the call)
         ends.final_norm, ends.positions = self.final_norm, positions.data_ptr()
         ends.table_rows = next(iter(rope.values()))[0].shape[0]
         if self.embed_table is not None:

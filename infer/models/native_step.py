@@ -26,7 +26,7 @@ from typing import Any, Protocol, cast
 import torch
 
 from infer.config import ModelConfig
-from infer.kernels.native import QFORMATS, QSCHEMES, SCALE_CODES, NativeKernels, StepLayer, StepProj
+from infer.kernels.native import QSCHEMES, SCALE_CODES, NativeKernels, StepLayer, StepProj, codes_shape_taken
 
 QUANTIZED_KINDS = {"q8": 1, "q4": 2, "q6": 3}  # QuantizedWeight.kernel_args' format -> step_proj.kind (0: dense)
 
@@ -228,8 +228,7 @@ def takes_model(model: StepModel, kernels: NativeKernels) -> bool:
                 return False
             if hasattr(module, "qweight"):
                 fmt, _, _, _, _, _, k, group = module.qweight.kernel_args
-                takes_group = group % 32 == 0 or (group == 16 and fmt != "q4")  # cpu_decode.c's qshape_ok
-                if fmt not in QFORMATS or k % 32 or k % group or not takes_group:
+                if not codes_shape_taken(fmt, k, group):
                     return False
             elif module.weight.dtype != model.dtype:
                 return False
