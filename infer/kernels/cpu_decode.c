@@ -4920,31 +4920,34 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
     /* (the scaled form reads x a stretch of SCALED_INPUTS inputs at a time: its rows' stretches in L2) */
     int64_t pairs = k / 2, groups = k / group, block_bytes = fmt == Q8 ? 16 * k : 8 * k;
     int64_t rows_at_once = scaled ? rows_in_l2(SCALED_INPUTS) : rows_in_l2(k);
-    int failed = 0, loops = prefetch_loops();
+    /* the blocks shared by the threads (work_range: each its own from the front, then the others' from the back),
+     * a set of ranges for each group of rows, as the bf16 packed product shares them */
+    int64_t blocks = (n + 15) / 16, row_groups = (m + rows_at_once - 1) / rows_at_once;
+    int failed = 0, loops = prefetch_loops(), nr = threads > 1 ? threads : 1, balance = work_balance();
+    work_range *ranges = work_ranges(row_groups, nr, blocks);
+    if (!ranges) return -1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        int64_t r0, r1;
-        thread_rows(n, &r0, &r1); /* (whole blocks of 16 rows) */
-        int64_t b0 = r0 / 16, b1 = (r1 + 15) / 16;
         /* the dequantized block (pairs form), or the scaled stretch and each row's 16 sums (scaled form) */
         size_t scratch = channels ? (scaled ? (size_t)(16 * SCALED_INPUTS + 16 * rows_at_once) * sizeof(float) : 0)
                                   : (size_t)(pairs * 32) * sizeof(uint16_t);
         void *buf = scratch ? malloc(scratch) : NULL;
         if (scratch && !buf) {
-            b1 = b0;
 #pragma omp atomic write
             failed = 1;
         }
         /* the codes prefetched a block ahead of the one dequantizing; in the channel form, whose tiles read them
          * as they run, a block ahead of that */
         int64_t ahead = channels ? 2 : 1;
-        for (int64_t j0 = 0; j0 < m; j0 += rows_at_once) {
+        for (int64_t j0 = 0; j0 < m && !(scratch && !buf); j0 += rows_at_once) {
             int64_t mc = m - j0 < rows_at_once ? m - j0 : rows_at_once, tiles = (mc + PACK_ROWS - 1) / PACK_ROWS;
             int64_t per_iter = (block_bytes / 64 + tiles * pairs - 1) / (tiles * pairs);
-            for (int64_t b = b0; b < b1; b++) {
+            work_walk walk = work_start(ranges + j0 / rows_at_once * nr, nr, blocks, balance);
+            for (int64_t b; (b = work_next(&walk)) >= 0;) {
                 const uint8_t *bc = codes + b * block_bytes;
                 const float *bs = scales + b * groups * 16, *bm = mins ? mins + b * groups * 16 : NULL;
-                int64_t from = b + ahead < b1 ? b + ahead : b1, to = b + ahead + 1 < b1 ? b + ahead + 1 : b1;
+                int64_t from, to; /* the block `ahead` further along the walk, prefetched into L2 */
+                work_ahead(&walk, b, ahead, 1, blocks, &from, &to);
                 const char *pf = (const char *)(codes + from * block_bytes);
                 const char *pf_end = (const char *)(codes + to * block_bytes);
                 if (scaled) {
@@ -4961,6 +4964,7 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
         }
         free(buf);
     }
+    free(ranges);
     return failed ? -1 : 0;
 #else
     (void)fmt, (void)codes, (void)scales, (void)mins, (void)x, (void)bias, (void)y, (void)m, (void)n, (void)k;
