@@ -4932,14 +4932,15 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
         size_t scratch = channels ? (scaled ? (size_t)(16 * SCALED_INPUTS + 16 * rows_at_once) * sizeof(float) : 0)
                                   : (size_t)(pairs * 32) * sizeof(uint16_t);
         void *buf = scratch ? malloc(scratch) : NULL;
-        if (scratch && !buf) {
+        int ready = !scratch || buf; /* (a thread without its buffer takes no blocks; the call fails) */
+        if (!ready) {
 #pragma omp atomic write
             failed = 1;
         }
         /* the codes prefetched a block ahead of the one dequantizing; in the channel form, whose tiles read them
          * as they run, a block ahead of that */
         int64_t ahead = channels ? 2 : 1;
-        for (int64_t j0 = 0; j0 < m && !(scratch && !buf); j0 += rows_at_once) {
+        for (int64_t j0 = 0; ready && j0 < m; j0 += rows_at_once) {
             int64_t mc = m - j0 < rows_at_once ? m - j0 : rows_at_once, tiles = (mc + PACK_ROWS - 1) / PACK_ROWS;
             int64_t per_iter = (block_bytes / 64 + tiles * pairs - 1) / (tiles * pairs);
             work_walk walk = work_start(ranges + j0 / rows_at_once * nr, nr, blocks, balance);
