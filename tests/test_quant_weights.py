@@ -771,23 +771,30 @@ CHANNEL_SCHEMES = ["int8", "int4", "Q8_0", "Q4_K", "Q6_K", "Q4_K-factored", "Q6_
 
 
 @pytest.mark.skipif(not CHANNEL_CODES, reason="the channel form of codes is AVX2's (and needs a build)")
-@given(n=st.integers(1, 80), runs=st.integers(1, 13), m=st.integers(1, 21), with_bias=st.booleans(),
-       threads=st.integers(1, 3), flavour=st.sampled_from(CHANNEL_CODES or ["native"]), seed=st.integers(0, 2**31),
-       scheme=st.sampled_from(CHANNEL_SCHEMES), group=st.sampled_from([32, 64, 128]),
-       balance=st.sampled_from(["1", "2", "0"]))
-@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 80), runs=st.integers(1, 13), m=st.one_of(st.integers(1, 3), st.integers(1, 21)),
+       with_bias=st.booleans(), threads=st.integers(1, 3), flavour=st.sampled_from(CHANNEL_CODES or ["native"]),
+       seed=st.integers(0, 2**31), scheme=st.sampled_from(CHANNEL_SCHEMES), group=st.sampled_from([32, 64, 128]),
+       balance=st.sampled_from(["1", "2", "0"]), few=st.sampled_from(["1", "0"]))
+@settings(max_examples=80, deadline=None)
 # int4 on 7 rows: two tiles of the scaled form's buffer, 4 rows and 3 (the remainder's row)
 @example(scheme="int4", n=20, runs=4, group=32, m=7, with_bias=True, threads=1,
-         flavour=(CHANNEL_CODES or ["native"])[0], seed=1, balance="1")
+         flavour=(CHANNEL_CODES or ["native"])[0], seed=1, balance="1", few="1")
+# one row over four blocks a tile, the last item three blocks (one part-filled); two rows over two, grouped codes
+@example(scheme="int8", n=100, runs=3, group=32, m=1, with_bias=True, threads=2,
+         flavour=(CHANNEL_CODES or ["native"])[0], seed=2, balance="1", few="1")
+@example(scheme="Q8_0", n=40, runs=4, group=32, m=2, with_bias=False, threads=1,
+         flavour=(CHANNEL_CODES or ["native"])[0], seed=3, balance="0", few="1")
+@example(scheme="int4", n=40, runs=9, group=32, m=1, with_bias=True, threads=2,
+         flavour=(CHANNEL_CODES or ["native"])[0], seed=4, balance="1", few="1")
 def test_codes_in_the_channel_form_give_each_groups_scaled_sums(scheme: str, n: int, runs: int, group: int, m: int,
                                                                 with_bias: bool, threads: int, flavour: str,
-                                                                seed: int, balance: str) -> None:
+                                                                seed: int, balance: str, few: str) -> None:
     """`quantized_gemm_packed` on a weight packed in the channel form (no dequantizing; int8 per channel, int4 in
     groups with mins, GGUF's grouped q8 and q4 codes, factored scales) is `scaled_sums`' formula bit for bit (last
     blocks part-filled, threads splitting the blocks unevenly and taking each other's, INFER_BALANCE 1 / 2 / 0, q4's
-    one tile of rows scaled in registers and more through the buffer, k past its 256-input stretches), and so within
-    fp32 summation and one bf16 rounding of the quantized model's unrounded product; the weight and x are left as
-    they were."""
+    one tile of rows scaled in registers and more through the buffer, k past its 256-input stretches, one or two rows
+    over several blocks a tile or one, INFER_FEW_ROWS_BLOCKS 1 / 0), and so within fp32 summation and one bf16
+    rounding of the quantized model's unrounded product; the weight and x are left as they were."""
     kernels = native_kernels(flavour)
     assert kernels is not None
     weight, x, bias = bf16_product_case(scheme, n, runs, group, m, with_bias, seed)
@@ -796,7 +803,7 @@ def test_codes_in_the_channel_form_give_each_groups_scaled_sums(scheme: str, n: 
     assert packed.fmt == fmt + "c"
     assert packed.codes.shape == (-(-n // 16), k, 16 if fmt == "q8" else 8)
     before, x_before = [t.clone() for t in weight.tensors()], x.clone()
-    with on_threads(threads), env_set("INFER_BALANCE", balance):
+    with on_threads(threads), env_set("INFER_BALANCE", balance), env_set("INFER_FEW_ROWS_BLOCKS", few):
         got = kernels.quantized_gemm_packed(packed, x, bias)
     assert torch.equal(got, scaled_sums(x, weight, bias)), f"{scheme}: not each group's scaled fp32 sums"
     dense, magnitudes = unrounded_weight(weight)

@@ -3059,6 +3059,16 @@ typedef uint16_t packed_x; /* the tiles read x as it is, bf16 pairs for the pair
 #define PACK_BLOCKS 1
 typedef float packed_x;
 
+/* Few rows of codes in the channel form (a mixed workload's last decode steps, one request or two) take several
+ * blocks a tile (few_rows_blocks): a tile of one row by one block has two sums, each a chain of fused multiply-adds
+ * waiting on the last (4 cycles on a Zen 3), and at one row q8 codes streamed at 14.0 GB/s where bf16 weights
+ * stream at 19-22 from DRAM (a 2-core Zen 3 EPYC, 24 products of 6144 x 768 in turn). q8: four blocks at one row
+ * (8 chains) 1.27x, two at two rows 1.32x; q4, whose weights are also scaled in the tile, two blocks at one row
+ * 1.10x. Slower where the sums and the blocks' scales outgrow the 16 registers: q4 at two rows (0.90x), either at
+ * three (0.72-0.89x): a block a tile there. Each output is the same sums in the same order as in a tile of one
+ * block (bit for bit). INFER_FEW_ROWS_BLOCKS=0: a block a tile (the check). */
+#define FEW_ROWS_BLOCKS 4 /* (the most) */
+
 /* 8 sums of columns c .. c + 7 (+ bias) rounded into y's row, masked past n. Whole vectors 8 lanes at a time (the
  * same fp32 add and rounding: the scalar loop was 3% of a 16-request decode step on a Zen 3 EPYC). */
 static inline void store_sums_bf16(__m256 v, const uint16_t *bias, uint16_t *row, int64_t c, int64_t n) {
@@ -3185,43 +3195,55 @@ static inline __attribute__((always_inline)) void packed_tile_bf16(int mr, const
  * at 16 rows of a 150M Llama's products on a 2-core Zen 3 EPYC, 1.0-1.1x the bf16 packed product (0.9-1.0x at 64)
  * and 1.2-1.5x the dequantizing path. Grouped codes keep them on the stack, in L1: a group's end costs a few
  * operations a row against its 16 pairs of multiply-adds. (q4 codes take scaled_tile below.) */
-static inline __attribute__((always_inline)) void channel_tile(int one_group, int mr, const int8_t *pb, int64_t pairs,
-                                                               const float *x, int64_t k, int64_t group,
-                                                               const float *scales, const uint16_t *bias, uint16_t *y,
-                                                               int64_t n, int64_t c, const char *pf,
-                                                               const char *pf_end, int64_t per_iter) {
-    int64_t per_group = one_group ? pairs : group / 2, groups = pairs / per_group;
-    __m256 tot[PACK_ROWS][2];
+static inline __attribute__((always_inline)) void channel_tile(int one_group, int mr, int bk, int nb,
+                                                               const int8_t *pb, int64_t pairs, const float *x,
+                                                               int64_t k, int64_t group, const float *scales,
+                                                               const uint16_t *bias, uint16_t *y, int64_t n, int64_t c,
+                                                               const char *pf, const char *pf_end, int64_t per_iter) {
+    /* bk blocks side by side (FEW_ROWS_BLOCKS), nb of them real: a spare one repeats the first, never stored */
+    int64_t per_group = one_group ? pairs : group / 2, groups = pairs / per_group, block_bytes = 16 * k;
+    __m256 tot[FEW_ROWS_BLOCKS * PACK_ROWS][2];
     for (int64_t g = 0; g < groups; g++) {
-        __m256 acc[PACK_ROWS][2];
-        for (int j = 0; j < mr; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+        __m256 acc[FEW_ROWS_BLOCKS * PACK_ROWS][2];
+        for (int s = 0; s < bk * mr; s++) acc[s][0] = acc[s][1] = _mm256_setzero_ps();
         for (int64_t q = g * per_group; q < (g + 1) * per_group; q++) { /* inputs 2q and 2q + 1: 32 codes */
             for (int64_t t = 0; t < per_iter && pf < pf_end; t++, pf += 64) __builtin_prefetch(pf, 0, 2);
             for (int e = 0; e < 2; e++) {
-                const int8_t *w = pb + q * 32 + 16 * e;
-                __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
-                __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + 8))));
+                __m256 xv[PACK_ROWS];
 #pragma GCC unroll 6
-                for (int j = 0; j < mr; j++) {
-                    __m256 xv = _mm256_broadcast_ss(x + j * k + 2 * q + e);
-                    acc[j][0] = _mm256_fmadd_ps(w0, xv, acc[j][0]);
-                    acc[j][1] = _mm256_fmadd_ps(w1, xv, acc[j][1]);
+                for (int j = 0; j < mr; j++) xv[j] = _mm256_broadcast_ss(x + j * k + 2 * q + e);
+#pragma GCC unroll 4
+                for (int a = 0; a < bk; a++) {
+                    const int8_t *w = pb + (a < nb ? a : 0) * block_bytes + q * 32 + 16 * e;
+                    __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
+                    __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + 8))));
+#pragma GCC unroll 6
+                    for (int j = 0; j < mr; j++) {
+                        acc[a * mr + j][0] = _mm256_fmadd_ps(w0, xv[j], acc[a * mr + j][0]);
+                        acc[a * mr + j][1] = _mm256_fmadd_ps(w1, xv[j], acc[a * mr + j][1]);
+                    }
                 }
             }
         }
-        __m256 s0 = _mm256_loadu_ps(scales + 16 * g), s1 = _mm256_loadu_ps(scales + 16 * g + 8);
+#pragma GCC unroll 4
+        for (int a = 0; a < bk; a++) {
+            const float *sa = scales + (a < nb ? a : 0) * groups * 16 + 16 * g;
+            __m256 s0 = _mm256_loadu_ps(sa), s1 = _mm256_loadu_ps(sa + 8);
 #pragma GCC unroll 6 /* (every loop over the sums unrolled: one left rolled keeps them in memory, 0.7x) */
-        for (int j = 0; j < mr; j++) {
-            __m256 a0 = _mm256_mul_ps(acc[j][0], s0), a1 = _mm256_mul_ps(acc[j][1], s1);
-            tot[j][0] = g ? _mm256_add_ps(tot[j][0], a0) : a0;
-            tot[j][1] = g ? _mm256_add_ps(tot[j][1], a1) : a1;
+            for (int j = 0; j < mr; j++) {
+                __m256 a0 = _mm256_mul_ps(acc[a * mr + j][0], s0), a1 = _mm256_mul_ps(acc[a * mr + j][1], s1);
+                tot[a * mr + j][0] = g ? _mm256_add_ps(tot[a * mr + j][0], a0) : a0;
+                tot[a * mr + j][1] = g ? _mm256_add_ps(tot[a * mr + j][1], a1) : a1;
+            }
         }
     }
+#pragma GCC unroll 4
+    for (int a = 0; a < nb; a++)
 #pragma GCC unroll 6
-    for (int j = 0; j < mr; j++) {
-        store_sums_bf16(tot[j][0], bias, y + j * n, c, n);
-        store_sums_bf16(tot[j][1], bias, y + j * n, c + 8, n);
-    }
+        for (int j = 0; j < mr; j++) {
+            store_sums_bf16(tot[a * mr + j][0], bias, y + j * n, c + 16 * a, n);
+            store_sums_bf16(tot[a * mr + j][1], bias, y + j * n, c + 16 * a + 8, n);
+        }
 }
 
 /* x's sums over each group of `group` inputs, in order in fp32, into this calling thread's buffer ([m][k / group]:
@@ -3307,32 +3329,43 @@ static inline __attribute__((always_inline)) void finish_scaled(int mr, __m256 s
 }
 
 /* One tile alone (the call's rows fit one): the codes scaled in registers as it runs, the whole row at once (the
- * same weights and sums as the buffer's; a mask or shift, a conversion and a multiply for 8 weights in the tile). */
-static inline __attribute__((always_inline)) void scaled_tile_codes(int mr, const uint8_t *codes, const float *scales,
-                                                                    int64_t group, const float *x, int64_t k,
-                                                                    const float *mins, const float *xsums,
+ * same weights and sums as the buffer's; a mask or shift, a conversion and a multiply for 8 weights in the tile).
+ * bk blocks side by side (FEW_ROWS_BLOCKS; `codes`, `scales` and `mins` block b's, the rest following it), nb of them
+ * real: a spare one repeats the first, never stored. */
+static inline __attribute__((always_inline)) void scaled_tile_codes(int mr, int bk, int nb, const uint8_t *codes,
+                                                                    const float *scales, int64_t group, const float *x,
+                                                                    int64_t k, const float *mins, const float *xsums,
                                                                     const uint16_t *bias, uint16_t *y, int64_t n,
                                                                     int64_t c, const char *pf, const char *pf_end,
                                                                     int64_t per_iter) {
-    __m256 acc[PACK_ROWS][2];
-    for (int j = 0; j < mr; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < k / group; g++) {
-        __m256 s0 = _mm256_loadu_ps(scales + 16 * g), s1 = _mm256_loadu_ps(scales + 16 * g + 8);
+    int64_t groups = k / group;
+    __m256 acc[FEW_ROWS_BLOCKS * PACK_ROWS][2];
+    for (int s = 0; s < bk * mr; s++) acc[s][0] = acc[s][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
         for (int64_t i = g * group; i < (g + 1) * group; i += 2) { /* (a pair a prefetch, as the other tiles) */
             for (int64_t t = 0; t < per_iter && pf < pf_end; t++, pf += 64) __builtin_prefetch(pf, 0, 2);
             for (int h = 0; h < 2; h++) {
-                __m256 w[2];
-                scale_input_q4c(codes + (i + h) * 8, s0, s1, w);
+                __m256 xv[PACK_ROWS];
 #pragma GCC unroll 6
-                for (int j = 0; j < mr; j++) {
-                    __m256 xv = _mm256_broadcast_ss(x + j * k + i + h);
-                    acc[j][0] = _mm256_fmadd_ps(w[0], xv, acc[j][0]);
-                    acc[j][1] = _mm256_fmadd_ps(w[1], xv, acc[j][1]);
+                for (int j = 0; j < mr; j++) xv[j] = _mm256_broadcast_ss(x + j * k + i + h);
+#pragma GCC unroll 4
+                for (int a = 0; a < bk; a++) {
+                    int64_t at = a < nb ? a : 0;
+                    const float *sa = scales + (at * groups + g) * 16;
+                    __m256 w[2];
+                    scale_input_q4c(codes + at * 8 * k + (i + h) * 8, _mm256_loadu_ps(sa), _mm256_loadu_ps(sa + 8), w);
+#pragma GCC unroll 6
+                    for (int j = 0; j < mr; j++) {
+                        acc[a * mr + j][0] = _mm256_fmadd_ps(w[0], xv[j], acc[a * mr + j][0]);
+                        acc[a * mr + j][1] = _mm256_fmadd_ps(w[1], xv[j], acc[a * mr + j][1]);
+                    }
                 }
             }
         }
     }
-    finish_scaled(mr, acc, k / group, mins, xsums, bias, y, n, c);
+#pragma GCC unroll 4
+    for (int a = 0; a < nb; a++)
+        finish_scaled(mr, acc + a * mr, groups, mins ? mins + a * groups * 16 : NULL, xsums, bias, y, n, c + 16 * a);
 }
 
 /* `len` scaled inputs `w` (scale_codes_q4c's) against rows x[0 .. mr-1] (x at the first of them, rows k apart): the
@@ -3384,7 +3417,7 @@ static void scaled_block(const uint8_t *codes, const float *scales, const float 
         switch (m) {
 #define CODES_TILE(M)                                                                                          \
     case M:                                                                                                    \
-        scaled_tile_codes(M, codes, scales, group, x, k, mins, xsums, bias, y, n, 16 * b, pf, pf_end, per_iter); \
+        scaled_tile_codes(M, 1, 1, codes, scales, group, x, k, mins, xsums, bias, y, n, 16 * b, pf, pf_end, per_iter); \
         break;
             CODES_TILE(1) CODES_TILE(2) CODES_TILE(3) CODES_TILE(4) CODES_TILE(5) CODES_TILE(6)
 #undef CODES_TILE
@@ -3417,6 +3450,33 @@ static void scaled_block(const uint8_t *codes, const float *scales, const float 
 }
 #endif
 
+#if defined(HAVE_CHANNEL_CODES)
+/* Blocks a tile for m rows of codes in the channel form (q4: `scaled`): FEW_ROWS_BLOCKS above. */
+static int few_rows_blocks(int scaled, int64_t m) {
+    if (m > 2 || !switched_on("INFER_FEW_ROWS_BLOCKS")) return 1;
+    return scaled ? (m == 1 ? 2 : 1) : (m == 1 ? 4 : 2);
+}
+
+/* Blocks b .. b + nb - 1 of codes in the channel form (q8, or q4: `scaled`) against m rows of x, bk blocks a tile
+ * (few_rows_blocks). */
+static void few_rows_pass(int scaled, int bk, int nb, const uint8_t *codes, const float *scales, const float *mins,
+                          int64_t group, const float *xsums, const float *x, int64_t m, int64_t k, const uint16_t *bias,
+                          uint16_t *y, int64_t n, int64_t b, const char *pf, const char *pf_end, int64_t per_iter) {
+    const int8_t *q8 = (const int8_t *)codes;
+    int64_t c = 16 * b;
+    if (scaled && m == 1 && bk == 2)
+        scaled_tile_codes(1, 2, nb, codes, scales, group, x, k, mins, xsums, bias, y, n, c, pf, pf_end, per_iter);
+#define Q8_TILE(M, BK)                                                                                                 \
+    else if (!scaled && m == M && bk == BK && group == k)                                                             \
+        channel_tile(1, M, BK, nb, q8, k / 2, x, k, k, scales, bias, y, n, c, pf, pf_end, per_iter);                  \
+    else if (!scaled && m == M && bk == BK)                                                                           \
+        channel_tile(0, M, BK, nb, q8, k / 2, x, k, group, scales, bias, y, n, c, pf, pf_end, per_iter);
+    Q8_TILE(1, FEW_ROWS_BLOCKS)
+    Q8_TILE(2, 2)
+#undef Q8_TILE
+}
+#endif
+
 #if defined(HAVE_PACKED_BF16)
 /* A block of q8 codes in the channel form (AVX2's): their group and the block's scales [groups][16]. */
 typedef struct {
@@ -3435,9 +3495,9 @@ static inline __attribute__((always_inline)) void pass_tile(int mr, const void *
     if (cb) {
         const int8_t *codes = (const int8_t *)pb;
         if (cb->group == k)
-            channel_tile(1, mr, codes, pairs, x, k, k, cb->scales, bias, y, n, c, pf, pf_end, per_iter);
+            channel_tile(1, mr, 1, 1, codes, pairs, x, k, k, cb->scales, bias, y, n, c, pf, pf_end, per_iter);
         else
-            channel_tile(0, mr, codes, pairs, x, k, cb->group, cb->scales, bias, y, n, c, pf, pf_end, per_iter);
+            channel_tile(0, mr, 1, 1, codes, pairs, x, k, cb->group, cb->scales, bias, y, n, c, pf, pf_end, per_iter);
         return;
     }
 #endif
@@ -4924,7 +4984,10 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
      * a set of ranges for each group of rows, as the bf16 packed product shares them */
     int64_t blocks = (n + 15) / 16, row_groups = (m + rows_at_once - 1) / rows_at_once;
     int failed = 0, loops = prefetch_loops(), nr = threads > 1 ? threads : 1, balance = work_balance();
-    work_range *ranges = work_ranges(row_groups, nr, blocks);
+    /* few rows: blocks side by side, an item of the walk `bk` of them */
+    int bk = channels ? few_rows_blocks(scaled, m) : 1;
+    int64_t items = (blocks + bk - 1) / bk;
+    work_range *ranges = work_ranges(row_groups, nr, items);
     if (!ranges) return -1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
@@ -4942,15 +5005,22 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
         int64_t ahead = channels ? 2 : 1;
         for (int64_t j0 = 0; ready && j0 < m; j0 += rows_at_once) {
             int64_t mc = m - j0 < rows_at_once ? m - j0 : rows_at_once, tiles = (mc + PACK_ROWS - 1) / PACK_ROWS;
-            int64_t per_iter = (block_bytes / 64 + tiles * pairs - 1) / (tiles * pairs);
-            work_walk walk = work_start(ranges + j0 / rows_at_once * nr, nr, blocks, balance);
-            for (int64_t b; (b = work_next(&walk)) >= 0;) {
+            int64_t per_iter = (bk * block_bytes / 64 + tiles * pairs - 1) / (tiles * pairs);
+            work_walk walk = work_start(ranges + j0 / rows_at_once * nr, nr, items, balance);
+            for (int64_t item; (item = work_next(&walk)) >= 0;) {
+                int64_t b = item * bk;
                 const uint8_t *bc = codes + b * block_bytes;
                 const float *bs = scales + b * groups * 16, *bm = mins ? mins + b * groups * 16 : NULL;
-                int64_t from, to; /* the block `ahead` further along the walk, prefetched into L2 */
-                work_ahead(&walk, b, ahead, 1, blocks, &from, &to);
+                int64_t from, to; /* the item `ahead` further along the walk, prefetched into L2 */
+                work_ahead(&walk, item, ahead, bk, blocks, &from, &to);
                 const char *pf = (const char *)(codes + from * block_bytes);
                 const char *pf_end = (const char *)(codes + to * block_bytes);
+                if (bk > 1) {
+                    few_rows_pass(scaled, bk, blocks - b < bk ? (int)(blocks - b) : bk, bc, bs, bm, group,
+                                  xsums ? xsums + j0 * groups : NULL, xw + j0 * k, mc, k, bias, y + j0 * n, n, b,
+                                  pf, pf_end, per_iter);
+                    continue;
+                }
                 if (scaled) {
                     scaled_block(bc, bs, bm, group, xsums ? xsums + j0 * groups : NULL, xw + j0 * k, mc, k, bias,
                                  y + j0 * n, n, b, (float *)buf, (float *)buf + 16 * SCALED_INPUTS, pf, pf_end,
