@@ -211,7 +211,7 @@ class Engine:
         # F.linear here: in oneDNN's layout past the few-row kernel's rows, or in the native packed product's.
         packing = choose_packed_products(model, max_num_batched_tokens, packed_products)
         if packing.on or model.packed_products:
-            model.pack_products(packing.on, packing.native_rows, packing.layout, packing.upto)
+            model.pack_products(packing.on, packing.native_rows, packing.layout, packing.upto, packing.one_row)
         if packing.on and packing.layout == "native":
             choose_packed_ahead(model)
         # Pure-decode steps at padded static shapes, replayed from CUDA graphs on CUDA (infer/graphs.py); with

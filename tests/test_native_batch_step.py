@@ -41,10 +41,11 @@ def count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def serve(arch: str, prompts: list[list[int]], new: int | list[int], native_step: bool, packed: str | bool = "native",
-          weights: str | None = None, decode_gemv: str = "auto", **engine_args: object
+          weights: str | None = None, decode_gemv: str = "auto", one_row: bool = False, **engine_args: object
           ) -> list[tuple[list[int], torch.Tensor]]:
     """Each request's greedy tokens and logits through a bf16 engine on `arch`'s test checkpoint (its weights
-    quantized under `weights`; `new`: every request's new tokens, or each one's)."""
+    quantized under `weights`, their packed codes taking one-row products too under `one_row`; `new`: every
+    request's new tokens, or each one's)."""
     import infer
     from infer.engine import Engine
     from infer.sampling import SamplingParams
@@ -54,6 +55,8 @@ def serve(arch: str, prompts: list[list[int]], new: int | list[int], native_step
     model.native_step = native_step
     engine = Engine(model, None, num_blocks=64, keep_logits=True, packed_products=packed,  # type: ignore[arg-type]
                     decode_attention="native", **engine_args)  # type: ignore[arg-type]
+    if one_row:  # (as the engine packs where the choice times the packed codes faster at one row)
+        model.pack_products(True, layout="native", one_row=True)
     news = new if isinstance(new, list) else [new] * len(prompts)
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=n, temperature=0.0)) for p, n in zip(prompts, news,
                                                                                                       strict=True)]
@@ -101,6 +104,24 @@ def test_one_row_steps_take_the_whole_step_bit_for_bit(arch: str) -> None:
         assert rows.count(1) >= 5, f"the one-row steps did not take the whole-step call: {rows}"
         rows.clear()
         slow = serve(arch, prompts, [9, 3], native_step=False, decode_gemv="native")
+        assert not rows
+    for (tokens, logits), (want_tokens, want_logits) in zip(fast, slow, strict=True):
+        assert tokens == want_tokens and torch.equal(logits, want_logits), "a one-row step parted from the per-op path"
+
+
+@needs_codes
+@pytest.mark.parametrize(("arch", "weights"), [("llama", "int8"), ("qwen2", "int4"), ("gemma3_text", "int8")])
+def test_one_row_steps_on_packed_codes_take_the_whole_step_bit_for_bit(arch: str, weights: str) -> None:
+    """Where the quantized products' packed codes take one-row products too (the packing choice's `one_row`: faster
+    than the codes kernel there), steps of one token take the call, its products the packed codes the per-op path's
+    one-row products then are: tokens and logits equal the per-op path's (Qwen 2's biases, Gemma 3's rings)."""
+    prompts = [[3, 14, 15, 9, 2, 6], [5, 3, 5]]
+    with pytest.MonkeyPatch.context() as patch:
+        rows = count_calls(patch)
+        fast = serve(arch, prompts, [9, 3], native_step=True, weights=weights, one_row=True)
+        assert rows.count(1) >= 5, f"the one-row steps did not take the whole-step call: {rows}"
+        rows.clear()
+        slow = serve(arch, prompts, [9, 3], native_step=False, weights=weights, one_row=True)
         assert not rows
     for (tokens, logits), (want_tokens, want_logits) in zip(fast, slow, strict=True):
         assert tokens == want_tokens and torch.equal(logits, want_logits), "a one-row step parted from the per-op path"
@@ -221,11 +242,12 @@ def test_quantized_weights_in_the_whole_step_are_the_per_op_path_bit_for_bit(arc
 
 
 @needs_codes
+@pytest.mark.parametrize("one_row", [False, True])
 @pytest.mark.parametrize("weights", ["int8", "int4"])
-def test_quantized_weights_in_the_engine_answer_to_the_solo_runs(weights: str) -> None:
+def test_quantized_weights_in_the_engine_answer_to_the_solo_runs(weights: str, one_row: bool) -> None:
     """A quantized model's requests through the engine on its packed codes (every product of 2 rows or more, in the
-    whole-step call) within bf16 rounding of each one's solo run (the codes kernel's one-row products), and the
-    packed products' copies counted."""
+    whole-step call; with `one_row`, one-row products too) within bf16 rounding of each one's solo run (the codes
+    kernel's one-row products), and the packed products' copies counted."""
     import infer
     from infer.engine import Engine
     from infer.sampling import SamplingParams
@@ -236,8 +258,12 @@ def test_quantized_weights_in_the_engine_answer_to_the_solo_runs(weights: str) -
     engine = Engine(model, None, num_blocks=32, keep_logits=True, packed_products="native",
                     decode_attention="native")
     assert model.packed_layout == "native" and model.packed_bytes > 0
+    if one_row:
+        model.pack_products(True, layout="native", one_row=True)
     prompts = [[5, 9, 2, 8, 8, 1], [7, 7, 1, 3], [11], [4, 4, 4, 4, 4, 4, 4]]
-    ids = [engine.add_request(p, SamplingParams(max_new_tokens=6, temperature=0.0)) for p in prompts]
+    # (the last request alone for its last 4 steps: one-row steps)
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=n, temperature=0.0))
+           for p, n in zip(prompts, [6, 3, 10, 6], strict=True)]
     while engine.has_unfinished():
         engine.step()
     assert_within_rounding_of_solo_runs(engine, model, prompts, ids)

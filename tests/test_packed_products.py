@@ -324,8 +324,8 @@ def test_packed_copies_are_taken_up_to_the_first_count_they_lose_by_10_percent(
 @pytest.mark.skipif(NATIVE_PACKING is not None, reason=f"no native packed product here: {NATIVE_PACKING}")
 def test_products_past_the_packed_rows_take_the_unpacked_form() -> None:
     """A model packed with `upto=4`: inside the engine's steps, products of 2-4 rows are the native packed product's
-    and of 5 or more F.linear's on the weight, bit for bit (and counted: on AMX both may give the same bits); `upto`
-    at or below the few-row kernel's rows refused."""
+    and of 5 or more F.linear's on the weight (upcast where the model's products upcast), bit for bit (and counted:
+    on AMX both may give the same bits); `upto` at or below the few-row kernel's rows refused."""
     import infer
     from infer.models.transformer import Linear, few_row_products
     from reference import build_checkpoint
@@ -337,14 +337,17 @@ def test_products_past_the_packed_rows_take_the_unpacked_form() -> None:
     model.pack_products(True, 1, "native", upto=4)
     product = next(p for p in model.packable_products() if isinstance(p, Linear))
     assert product.packed_upto == 4 and product.packed is not None
+    up = product.upcast or torch.bfloat16  # (a CPU without bf16 units: its unpacked products upcast)
+    g = torch.Generator().manual_seed(0)
     for rows in (2, 4, 5, 9):
-        x = torch.randn(rows, product.in_features).bfloat16()
+        x = torch.randn(rows, product.in_features, generator=g).bfloat16()
         with pytest.MonkeyPatch.context() as patch, few_row_products():
             counted = count_packed(patch)
             got = product(x)
         assert counted == ([rows] if rows <= 4 else []), f"{rows} rows: packed products {counted}"
+        bias = None if product.bias is None else product.bias.to(up)
         want = (kernels.gemm_bf16_packed(product.packed, x, product.out_features, product.bias) if rows <= 4
-                else torch.nn.functional.linear(x, product.weight, product.bias))
+                else torch.nn.functional.linear(x.to(up), product.weight.to(up), bias).bfloat16())
         assert torch.equal(got, want), f"{rows} rows: not the {'packed' if rows <= 4 else 'unpacked'} product"
     with pytest.raises(ValueError, match="upto must be None or an int above native_rows"):
         model.pack_products(True, 1, "native", upto=1)
@@ -390,20 +393,24 @@ def test_a_quantized_model_packs_its_codes_or_names_why() -> None:
     assert not model.packed_products and model.packed_bytes == 0
 
 
-@pytest.mark.parametrize(("ratios", "want", "upto"), [
-    ((0.7, 0.9, 0.99), "native", None),  # faster on the whole
-    ((0.99, 0.98, 0.99), "off", None),  # not 3% faster on the whole
-    ((0.5, 0.6, 1.15), "native", 64),  # 10% slower at the budget's rows: the quantized kernels past 64
-    ((1.15, 0.6, 0.5), "off", None),  # 10% slower at 16 rows: never taken
+@pytest.mark.parametrize(("ratios", "want", "upto", "one_row"), [
+    ((0.7, 0.9, 0.99, 0.6), "native", None, True),  # faster on the whole, and at one row
+    ((0.99, 0.98, 0.99, 0.5), "off", None, False),  # not 3% faster on the whole (one row alone does not pack)
+    ((0.5, 0.6, 1.15, 0.98), "native", 64, False),  # 10% slower at the budget's rows: the quantized kernels past 64;
+    # one row not 3% faster: the codes kernel there
+    ((1.15, 0.6, 0.5, 0.5), "off", None, False),  # 10% slower at 16 rows: never taken
 ])
 def test_a_quantized_model_packs_where_the_packed_codes_are_faster(ratios: tuple[float, ...], want: str,
-                                                                   upto: int | None,
+                                                                   upto: int | None, one_row: bool,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The quantized choice's rule on scripted timings (the packed codes' time over the quantized kernels' at 16 rows,
-    64 and the budget): taken up to the count before the first at which they are 10% slower, on where 3% faster on
-    the whole then; the model's own products are timed unpacked and left as they were."""
+    64 and the budget, then one row): taken up to the count before the first at which they are 10% slower, on where
+    3% faster on the whole then, and for one-row products where 3% faster at one row (against the codes kernel);
+    the model's own products are timed unpacked and left as they were, and the engine packs as the choice says."""
     import infer
+    import infer.engine as engine_module
     import infer.tuning as tuning
+    from infer.engine import Engine
     from infer.models.transformer import QuantizedLinear
     from reference import build_checkpoint
 
@@ -412,18 +419,29 @@ def test_a_quantized_model_packs_where_the_packed_codes_are_faster(ratios: tuple
     model = infer.load_model(build_checkpoint("qwen2"), dtype="bfloat16", weights="int8")
     model.pack_products(True, layout="native")
     before = [p.packed for p in model.packable_products()]
-    calls = iter(range(3))
+    calls = iter(range(4))
+    rows_timed: list[int] = []
 
     def scripted(forms: dict[str, Callable[[], object]], device: torch.device, repeats: int) -> dict[str, float]:
         assert all(p.packed is None for p in model.packable_products() if isinstance(p, QuantizedLinear))
         forms["own"]()  # (the quantized kernels run)
+        rows_timed.append(next(iter(forms["own"].args[1].values())).shape[0])  # type: ignore[attr-defined]
         return {"own": 1.0, "native": ratios[next(calls)]}
 
+    timed_alternately = tuning._time_alternately
     monkeypatch.setattr(tuning, "_time_alternately", scripted)
     choice = tuning._choose_packing(model, 128, None)
+    monkeypatch.setattr(tuning, "_time_alternately", timed_alternately)  # (the engine's other choices time)
+    assert rows_timed == [16, 64, 128, 1], rows_timed
     assert choice.choice.value == want and choice.on == (want != "off") and choice.upto == upto
+    assert choice.one_row == one_row
     assert "16 rows: " in choice.choice.reason and "128 rows: " in choice.choice.reason
     assert all(p.packed is c for p, c in zip(model.packable_products(), before, strict=True))
+    monkeypatch.setattr(engine_module, "choose_packed_products", lambda *args: choice)
+    Engine(model, None, num_blocks=16)
+    coded = [p for p in model.packable_products() if isinstance(p, QuantizedLinear)]
+    assert {p.packed_from for p in coded} == ({0} if one_row else {1})
+    assert all(p.takes_packed(1) == one_row for p in coded)
 
 
 def test_the_quantized_choice_times_more_rows_over_fewer_weights(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -453,7 +471,8 @@ def test_the_quantized_choice_times_more_rows_over_fewer_weights(monkeypatch: py
 
     monkeypatch.setattr(tuning, "_time_alternately", scripted)
     choice = tuning._choose_packing(model, 128, None)
-    assert choice.choice.value == "native" and len(counted) == 3
+    assert choice.choice.value == "native" and len(counted) == 4 and counted[3] == len(coded)  # (1 row: every weight)
+    counted = counted[:3]
     rows, cuts = (16, 64, 128), [sum(2 * p.in_features * p.out_features for p in coded[:n]) for n in counted]
     assert counted[0] == len(coded) and counted[2] < counted[0]
     for m, n, cut in zip(rows, counted, cuts, strict=True):  # the shortest prefix reaching 16 rows' arithmetic

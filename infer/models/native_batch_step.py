@@ -114,7 +114,8 @@ class NativeBatchStep:
         self.kernels = kernels
         self.keep: list[torch.Tensor] = []  # every tensor a descriptor points into
         # Whether one-row steps can take the call: every product's one-row form is the native GEMV on a bf16 weight
-        # (not a quantized one's codes GEMV, nor another kernel), which the call then runs (`_describe_product`).
+        # or the packed codes (not a quantized one's codes GEMV, nor another kernel), which the call then runs
+        # (`_describe_product`).
         self.one_row = True
         layers = model._decoder_layers()
         self.layer_types = [layer.self_attn.layer_type for layer in layers]
@@ -171,14 +172,15 @@ class NativeBatchStep:
     def _describe_product(self, desc: BatchProduct, product: Any) -> None:
         """Point `desc` at `product`'s packed copy: a bf16 weight (fmt -1) or a quantized weight's packed codes; and
         at its row-major bf16 weight where the per-op path's one-row product is the native GEMV on it (then a
-        one-row step runs the same GEMV: `one_row`)."""
+        one-row step runs the same GEMV: `one_row`). Packed codes that take one-row products too
+        (`Transformer.pack_products`' `one_row`) run them in the call as the per-op path does."""
         packed = product.packed
         desc.bias = None if product.bias is None else self._address(product.bias)
         weight = getattr(product, "weight", None)
         if (getattr(product, "gemv", None) == "native" and isinstance(weight, torch.Tensor)
                 and weight.dtype == torch.bfloat16 and weight.is_contiguous()):
             desc.rows_w = self._address(weight)
-        else:
+        elif not (isinstance(packed, PackedCodes) and product.takes_packed(1)):
             self.one_row = False
         if isinstance(packed, PackedCodes):
             self.keep += [t for t in (packed.codes, packed.scales, packed.mins) if t is not None]

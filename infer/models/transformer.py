@@ -249,8 +249,9 @@ class QuantizedLinear(ProjectionTraits, nn.Module):
     `few_row_products()` (the batched engine's steps) bf16 inputs of up to `tile_rows` rows take the native tile
     kernel (each tile of 4 weight rows dequantized to bf16 in cache: the GEMM's numbers, the weight never written
     out whole), or, packed for the engine (`Transformer.pack_products(layout="native")`: `packed`, the codes in the
-    native packed product's layout), every bf16 input of 2 rows or more the native packed product on them (each
-    block of 16 weight rows dequantized to bf16 in cache once per call). "triton" runs the Triton kernel
+    native packed product's layout), every bf16 input of 2 rows or more (of one row too where packed with
+    `one_row`: `packed_from` 0) the native packed product on them (each block of 16 weight rows dequantized to bf16
+    in cache once per call, or multiplied as codes). "triton" runs the Triton kernel
     (infer/kernels/qgemv.py) on as many rows."""
 
     codes: torch.Tensor
@@ -715,15 +716,20 @@ class Transformer(nn.Module):
         packed = [m for m in self._linears() if m.packed is not None]
         return packed[0].packed_layout if packed else None
 
-    def pack_products(self, on: bool, native_rows: int = 1, layout: str = "onednn", upto: int | None = None) -> None:
+    def pack_products(self, on: bool, native_rows: int = 1, layout: str = "onednn", upto: int | None = None,
+                      one_row: bool = False) -> None:
         """Pack the engine's products (`packed_products`) in `layout` ("onednn": oneDNN's blocked layout for its GEMM;
         "native": 16 rows a block, pairs of inputs interleaved, for the native packed product, which then takes every
         product of 2 rows or more), or drop the packed copies. `native_rows`: with "onednn", the rows of input up to
         which the native few-row kernel keeps them (it must be within `gemm_rows` to run). `upto`: the rows of input
         up to which the steps take the copies (None: all; past them the unpacked products, and the per-op path for
-        a step of more tokens, whose one native call would run every product packed)."""
+        a step of more tokens, whose one native call would run every product packed). `one_row`: with "native", the
+        quantized products' packed codes take one-row products too (the engine's steps of one request, then one
+        native call as a bf16 model's are), not the codes kernel (`choose_packed_products` times the two)."""
         if not isinstance(on, bool):
             raise TypeError(f"on must be True or False, got {on!r}")
+        if not isinstance(one_row, bool):
+            raise TypeError(f"one_row must be True or False, got {one_row!r}")
         if isinstance(native_rows, bool) or not isinstance(native_rows, int) or native_rows < 1:
             raise ValueError(f"native_rows must be an int >= 1, got {native_rows!r}")
         if upto is not None and (isinstance(upto, bool) or not isinstance(upto, int) or upto <= native_rows):
@@ -756,7 +762,7 @@ class Transformer(nn.Module):
                       and (layout != "onednn" or isinstance(p.packed, torch.Tensor)
                            and p.packed.dtype == (upcast or p.weight.dtype)) for p in products):
             for product in products:  # packed already: only the rows the native kernel keeps, and the rows taken
-                product.packed_from, product.packed_upto = rows, upto
+                product.packed_from, product.packed_upto = self._packed_from(product, rows, one_row), upto
             return
         for module in self._linears():
             module.packed, module.packed_from, module.packed_upto = None, 1, None
@@ -779,11 +785,18 @@ class Transformer(nn.Module):
                 def pack(weight: torch.Tensor) -> torch.Tensor:
                     return pack_weight(weight if upcast is None else weight.to(upcast))
             for product in products:
-                if isinstance(product, QuantizedLinear):
-                    product.packed, product.packed_from = pack_coded(product.qweight), rows  # (layout native)
+                if isinstance(product, QuantizedLinear):  # (layout native)
+                    product.packed, product.packed_from = pack_coded(product.qweight), self._packed_from(product, rows,
+                                                                                                        one_row)
                 else:
                     product.packed, product.packed_from, product.packed_layout = pack(product.weight), rows, layout
                 product.packed_upto = upto
+
+    @staticmethod
+    def _packed_from(product: Projection, rows: int, one_row: bool) -> int:
+        """The rows of input past which `product`'s packed copy is taken (`ProjectionTraits.packed_from`): `rows`, or
+        0 for quantized codes packed natively that take one-row products too (`pack_products`' `one_row`)."""
+        return 0 if one_row and isinstance(product, QuantizedLinear) and product.packed_layout == "native" else rows
 
     @property
     def packed_bytes(self) -> int:
