@@ -3208,22 +3208,21 @@ static inline __attribute__((always_inline)) void channel_tile(int one_group, in
         for (int s = 0; s < bk * mr; s++) acc[s][0] = acc[s][1] = _mm256_setzero_ps();
         for (int64_t q = g * per_group; q < (g + 1) * per_group; q++) { /* inputs 2q and 2q + 1: 32 codes */
             for (int64_t t = 0; t < per_iter && pf < pf_end; t++, pf += 64) __builtin_prefetch(pf, 0, 2);
-            for (int e = 0; e < 2; e++) {
-                __m256 xv[PACK_ROWS];
-#pragma GCC unroll 6
-                for (int j = 0; j < mr; j++) xv[j] = _mm256_broadcast_ss(x + j * k + 2 * q + e);
+            for (int e = 0; e < 2; e++)
 #pragma GCC unroll 4
                 for (int a = 0; a < bk; a++) {
                     const int8_t *w = pb + (a < nb ? a : 0) * block_bytes + q * 32 + 16 * e;
                     __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
                     __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + 8))));
+                    /* (each row's x broadcast as its sums take it: 6 rows' broadcasts held across the blocks spilled
+                     * the 6-row tile's sums, 0.5x) */
 #pragma GCC unroll 6
                     for (int j = 0; j < mr; j++) {
-                        acc[a * mr + j][0] = _mm256_fmadd_ps(w0, xv[j], acc[a * mr + j][0]);
-                        acc[a * mr + j][1] = _mm256_fmadd_ps(w1, xv[j], acc[a * mr + j][1]);
+                        __m256 xv = _mm256_broadcast_ss(x + j * k + 2 * q + e);
+                        acc[a * mr + j][0] = _mm256_fmadd_ps(w0, xv, acc[a * mr + j][0]);
+                        acc[a * mr + j][1] = _mm256_fmadd_ps(w1, xv, acc[a * mr + j][1]);
                     }
                 }
-            }
         }
 #pragma GCC unroll 4
         for (int a = 0; a < bk; a++) {
@@ -3342,25 +3341,27 @@ static inline __attribute__((always_inline)) void scaled_tile_codes(int mr, int 
     __m256 acc[FEW_ROWS_BLOCKS * PACK_ROWS][2];
     for (int s = 0; s < bk * mr; s++) acc[s][0] = acc[s][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
+        __m256 s[FEW_ROWS_BLOCKS][2];
+#pragma GCC unroll 4
+        for (int a = 0; a < bk; a++) {
+            const float *sa = scales + ((a < nb ? a : 0) * groups + g) * 16;
+            s[a][0] = _mm256_loadu_ps(sa);
+            s[a][1] = _mm256_loadu_ps(sa + 8);
+        }
         for (int64_t i = g * group; i < (g + 1) * group; i += 2) { /* (a pair a prefetch, as the other tiles) */
             for (int64_t t = 0; t < per_iter && pf < pf_end; t++, pf += 64) __builtin_prefetch(pf, 0, 2);
-            for (int h = 0; h < 2; h++) {
-                __m256 xv[PACK_ROWS];
-#pragma GCC unroll 6
-                for (int j = 0; j < mr; j++) xv[j] = _mm256_broadcast_ss(x + j * k + i + h);
+            for (int h = 0; h < 2; h++)
 #pragma GCC unroll 4
                 for (int a = 0; a < bk; a++) {
-                    int64_t at = a < nb ? a : 0;
-                    const float *sa = scales + (at * groups + g) * 16;
                     __m256 w[2];
-                    scale_input_q4c(codes + at * 8 * k + (i + h) * 8, _mm256_loadu_ps(sa), _mm256_loadu_ps(sa + 8), w);
-#pragma GCC unroll 6
+                    scale_input_q4c(codes + (a < nb ? a : 0) * 8 * k + (i + h) * 8, s[a][0], s[a][1], w);
+#pragma GCC unroll 6 /* (each row's x broadcast as its sums take it, as channel_tile's) */
                     for (int j = 0; j < mr; j++) {
-                        acc[a * mr + j][0] = _mm256_fmadd_ps(w[0], xv[j], acc[a * mr + j][0]);
-                        acc[a * mr + j][1] = _mm256_fmadd_ps(w[1], xv[j], acc[a * mr + j][1]);
+                        __m256 xv = _mm256_broadcast_ss(x + j * k + i + h);
+                        acc[a * mr + j][0] = _mm256_fmadd_ps(w[0], xv, acc[a * mr + j][0]);
+                        acc[a * mr + j][1] = _mm256_fmadd_ps(w[1], xv, acc[a * mr + j][1]);
                     }
                 }
-            }
         }
     }
 #pragma GCC unroll 4
