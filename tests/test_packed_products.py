@@ -442,6 +442,9 @@ def test_a_quantized_model_packs_where_the_packed_codes_are_faster(ratios: tuple
     coded = [p for p in model.packable_products() if isinstance(p, QuantizedLinear)]
     assert {p.packed_from for p in coded} == ({0} if one_row else {1})
     assert all(p.takes_packed(1) == one_row for p in coded)
+    with pytest.raises(TypeError, match="one_row must be True or False, got 1"):
+        model.pack_products(True, layout="native", one_row=1)  # type: ignore[arg-type]
+    assert {p.packed_from for p in coded} == ({0} if one_row else {1}), "a refused call changed the packing"
 
 
 def test_the_quantized_choice_times_more_rows_over_fewer_weights(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3063,8 +3063,8 @@ typedef float packed_x;
  * blocks a tile (few_rows_blocks): a tile of one row by one block has two sums, each a chain of fused multiply-adds
  * waiting on the last (4 cycles on a Zen 3), and at one row q8 codes streamed at 14.0 GB/s where bf16 weights
  * stream at 19-22 from DRAM (a 2-core Zen 3 EPYC, 24 products of 6144 x 768 in turn). q8: four blocks at one row
- * (8 chains) 1.27x, two at two rows 1.32x; q4, whose weights are also scaled in the tile, two blocks at one row
- * 1.10x. Slower where the sums and the blocks' scales outgrow the 16 registers: q4 at two rows (0.90x), either at
+ * (8 chains) 1.27-1.66x, two at two rows 1.32x; q4, whose weights are also scaled in the tile, two blocks at one row
+ * 1.08-1.10x. Slower where the sums and the blocks' scales outgrow the 16 registers: q4 at two rows (0.90x), either at
  * three (0.72-0.89x): a block a tile there. Each output is the same sums in the same order as in a tile of one
  * block (bit for bit). INFER_FEW_ROWS_BLOCKS=0: a block a tile (the check). */
 #define FEW_ROWS_BLOCKS 4 /* (the most) */
