@@ -556,7 +556,7 @@ def _choose_quantized_packing(model: Transformer, coded: list[QuantizedLinear], 
             ratios.append(times["native"] / times["own"])
             timed.append(f"{m} rows: {times['native'] * 1e3:.1f} / {times['own'] * 1e3:.1f} ms over {part} weights")
         # one row (the engine's steps of one request): the packed codes against the codes kernel (the GEMV)
-        one_row, timed_one = _packed_one_row_wins(kernels, sweep, packed, limit)
+        one_row, timed_one = _packed_one_row_wins(kernels, sweep, packed)
     finally:
         for module, copy_before in zip(sweep, own, strict=True):
             module.packed = copy_before
@@ -576,21 +576,19 @@ def _choose_quantized_packing(model: Transformer, coded: list[QuantizedLinear], 
     return PackingChoice(Choice(name, "native" if on else "off", reason), 1, upto if on else None, one_row)
 
 
-def _packed_one_row_wins(kernels: NativeKernels, sweep: list[QuantizedLinear], packed: list[PackedCodes],
-                         limit: int) -> tuple[bool, str]:
+def _packed_one_row_wins(kernels: NativeKernels, sweep: list[QuantizedLinear], packed: list[PackedCodes]
+                         ) -> tuple[bool, str]:
     """Whether the packed codes run one row of input 3% or more faster than the products' own one-row kernel (the
-    codes kernel, `quantized_gemv`) over the sweep (as much of it as 4 x last-level cache, the weights streamed from
-    memory as in a step): on a 2-core Zen 3 the packed codes' few-row tiles streamed q8 codes 1.3x and q4 codes 2.3x
-    as fast as the codes kernel; AVX512 builds' codes kernel has the pair instruction. Also the timing, for the
-    choice's reason."""
-    part = len(_first_within(sweep, limit))
-    inputs = {k: _random(1, k).to(torch.bfloat16) for k in {p.shape[1] for p in packed[:part]}}
+    codes kernel, `quantized_gemv`) over the sweep (its weights streamed from memory, as in a step): over a 150M
+    Llama's int8 products on a 2-core Zen 3 the packed codes' few-row tiles ran 1.12-1.17x; AVX512 builds' codes
+    kernel has the pair instruction. Also the timing, for the choice's reason."""
+    inputs = {k: _random(1, k).to(torch.bfloat16) for k in {p.shape[1] for p in packed}}
     times = _time_alternately({
-        "native": functools.partial(_quantized_packed_products, kernels, packed[:part], inputs),
-        "own": functools.partial(_own_products, sweep[:part], inputs),
+        "native": functools.partial(_quantized_packed_products, kernels, packed, inputs),
+        "own": functools.partial(_own_products, sweep, inputs),
     }, torch.device("cpu"), repeats=3)
     return (times["native"] <= 0.97 * times["own"],
-            f"1 row: {times['native'] * 1e3:.2f} / {times['own'] * 1e3:.2f} ms over {part} weights")
+            f"1 row: {times['native'] * 1e3:.2f} / {times['own'] * 1e3:.2f} ms over {len(sweep)} weights")
 
 
 def _first_within(modules: list[QuantizedLinear], limit: int) -> list[QuantizedLinear]:

@@ -3067,6 +3067,9 @@ typedef float packed_x;
  * 1.08-1.10x. Slower where the sums and the blocks' scales outgrow the 16 registers: q4 at two rows (0.90x), either at
  * three (0.72-0.89x): a block a tile there. Each output is the same sums in the same order as in a tile of one
  * block (bit for bit). INFER_FEW_ROWS_BLOCKS=0: a block a tile (the check). */
+#define FEW_ROWS_Q8_ONE 4 /* blocks a tile: q8 codes at one row, */
+#define FEW_ROWS_Q8_TWO 2 /* q8 at two rows, */
+#define FEW_ROWS_Q4_ONE 2 /* q4 at one row */
 #define FEW_ROWS_BLOCKS 4 /* (the most) */
 
 /* 8 sums of columns c .. c + 7 (+ bias) rounded into y's row, masked past n. Whole vectors 8 lanes at a time (the
@@ -3452,29 +3455,32 @@ static void scaled_block(const uint8_t *codes, const float *scales, const float 
 #endif
 
 #if defined(HAVE_CHANNEL_CODES)
-/* Blocks a tile for m rows of codes in the channel form (q4: `scaled`): FEW_ROWS_BLOCKS above. */
+/* Blocks a tile for m rows of codes in the channel form (q4: `scaled`): FEW_ROWS_BLOCKS above; 1 where none is
+ * taken (few_rows_pass runs the rest). */
 static int few_rows_blocks(int scaled, int64_t m) {
-    if (m > 2 || !switched_on("INFER_FEW_ROWS_BLOCKS")) return 1;
-    return scaled ? (m == 1 ? 2 : 1) : (m == 1 ? 4 : 2);
+    if (m > 2 || (scaled && m == 2) || !switched_on("INFER_FEW_ROWS_BLOCKS")) return 1;
+    return scaled ? FEW_ROWS_Q4_ONE : m == 1 ? FEW_ROWS_Q8_ONE : FEW_ROWS_Q8_TWO;
 }
 
-/* Blocks b .. b + nb - 1 of codes in the channel form (q8, or q4: `scaled`) against m rows of x, bk blocks a tile
- * (few_rows_blocks). */
-static void few_rows_pass(int scaled, int bk, int nb, const uint8_t *codes, const float *scales, const float *mins,
+/* Blocks b .. b + nb - 1 of codes in the channel form (q8, or q4: `scaled`) against m rows of x, as many blocks a
+ * tile as few_rows_blocks takes for them. */
+static void few_rows_pass(int scaled, int nb, const uint8_t *codes, const float *scales, const float *mins,
                           int64_t group, const float *xsums, const float *x, int64_t m, int64_t k, const uint16_t *bias,
                           uint16_t *y, int64_t n, int64_t b, const char *pf, const char *pf_end, int64_t per_iter) {
     const int8_t *q8 = (const int8_t *)codes;
     int64_t c = 16 * b;
-    if (scaled && m == 1 && bk == 2)
-        scaled_tile_codes(1, 2, nb, codes, scales, group, x, k, mins, xsums, bias, y, n, c, pf, pf_end, per_iter);
-#define Q8_TILE(M, BK)                                                                                                 \
-    else if (!scaled && m == M && bk == BK && group == k)                                                             \
-        channel_tile(1, M, BK, nb, q8, k / 2, x, k, k, scales, bias, y, n, c, pf, pf_end, per_iter);                  \
-    else if (!scaled && m == M && bk == BK)                                                                           \
-        channel_tile(0, M, BK, nb, q8, k / 2, x, k, group, scales, bias, y, n, c, pf, pf_end, per_iter);
-    Q8_TILE(1, FEW_ROWS_BLOCKS)
-    Q8_TILE(2, 2)
-#undef Q8_TILE
+    int one = group == k; /* (int8 per channel: one group a row) */
+    if (scaled)
+        scaled_tile_codes(1, FEW_ROWS_Q4_ONE, nb, codes, scales, group, x, k, mins, xsums, bias, y, n, c, pf, pf_end,
+                          per_iter);
+    else if (m == 1 && one)
+        channel_tile(1, 1, FEW_ROWS_Q8_ONE, nb, q8, k / 2, x, k, k, scales, bias, y, n, c, pf, pf_end, per_iter);
+    else if (m == 1)
+        channel_tile(0, 1, FEW_ROWS_Q8_ONE, nb, q8, k / 2, x, k, group, scales, bias, y, n, c, pf, pf_end, per_iter);
+    else if (one)
+        channel_tile(1, 2, FEW_ROWS_Q8_TWO, nb, q8, k / 2, x, k, k, scales, bias, y, n, c, pf, pf_end, per_iter);
+    else
+        channel_tile(0, 2, FEW_ROWS_Q8_TWO, nb, q8, k / 2, x, k, group, scales, bias, y, n, c, pf, pf_end, per_iter);
 }
 #endif
 
@@ -5017,7 +5023,7 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
                 const char *pf = (const char *)(codes + from * block_bytes);
                 const char *pf_end = (const char *)(codes + to * block_bytes);
                 if (bk > 1) {
-                    few_rows_pass(scaled, bk, blocks - b < bk ? (int)(blocks - b) : bk, bc, bs, bm, group,
+                    few_rows_pass(scaled, blocks - b < bk ? (int)(blocks - b) : bk, bc, bs, bm, group,
                                   xsums ? xsums + j0 * groups : NULL, xw + j0 * k, mc, k, bias, y + j0 * n, n, b,
                                   pf, pf_end, per_iter);
                     continue;
