@@ -648,6 +648,21 @@ MUTANTS = [
     Mutant("quantized packed product (AVX2): q4's rows 4-7 of a pair read as rows 0-3", NATIVE_C,
            "eight[4 * p + 1] = _mm_srli_si128(first, 8);", "eight[4 * p + 1] = first;",
            ("tests/test_quant_weights.py",)),
+    Mutant("quantized GEMV (AVX2): rows of codes four at once all under the first row's scales", NATIVE_C,
+           "        TOTAL[j] = qfma(qset1(scales[j][R]), a, TOTAL[j]);",
+           "        TOTAL[j] = qfma(qset1(scales[0][R]), a, TOTAL[j]);", ("tests/test_quant_weights.py",)),
+    Mutant("quantized GEMV (AVX2): rows of codes four at once take the first row's mins", NATIVE_C,
+           "rm[j] = scale_row_of(sdtype, mins, r + j, groups, k), msum[j] = 0.f;",
+           "rm[j] = scale_row_of(sdtype, mins, r, groups, k), msum[j] = 0.f;", ("tests/test_quant_weights.py",)),
+    Mutant("quantized GEMV (AVX2): float16 scales of four rows widened into one row's place", NATIVE_C,
+           "                        _mm256_storeu_ps(wide + j * groups + g,",
+           "                        _mm256_storeu_ps(wide + g,", ("tests/test_quant_weights.py",)),
+    Mutant("quantized GEMV (AVX2): q4 codes widened from bytes, the high nibbles of the first half and the low of "
+           "the second swapped", NATIVE_C,
+           "        w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, low));\n"
+           "        w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));",
+           "        w[2] = _mm256_cvtepi32_ps(_mm256_and_si256(b, low));\n"
+           "        w[1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));", ("tests/test_quant_weights.py",)),
     Mutant("quantized packed product (AVX2): q8's second pair read from the first pair's codes", NATIVE_C,
            "eight[v] = _mm_loadl_epi64((const __m128i *)(codes + 32 * q + 8 * v));",
            "eight[v] = _mm_loadl_epi64((const __m128i *)(codes + 32 * q + 8 * (v % 4)));",

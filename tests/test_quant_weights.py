@@ -31,6 +31,7 @@ from infer.quant_weights import (
     from_gguf,
     pack_codes,
     pack_q4,
+    quantize,
     quantize_int4,
     quantize_int8,
     unpack_q4,
@@ -147,8 +148,9 @@ def test_gguf_blocks_kept_as_stored_dequantize_as_llama_cpp(kind: str, rows: int
 # The native kernels, every path this CPU runs, against dequantize-then-matmul.
 
 @pytest.mark.parametrize("flavour", RUNNABLE)
-# INFER_QGEMV_FOUR_RUNS, INFER_QGEMV_Q6_PAIRS, INFER_QGEMV_Q8_PAIRS and INFER_QGEMV_WIDEN_SCALES: the bf16 q4,
-# Q6_K and q8 fast paths and Q8_0's float32 copy of a row's scales, and their checks
+# INFER_QGEMV_FOUR_RUNS, INFER_QGEMV_Q6_PAIRS, INFER_QGEMV_Q8_PAIRS, INFER_QGEMV_WIDEN_SCALES and INFER_QGEMV_ROWS:
+# the bf16 q4, Q6_K and q8 fast paths, Q8_0's float32 copy of a row's scales and AVX2's rows of codes four at once,
+# and their checks
 @pytest.mark.parametrize("four_runs", ["1", "0"])
 @given(scheme=st.sampled_from(["int8", "int4", "Q8_0", "Q4_K", "Q6_K", "Q4_K-factored", "Q6_K-factored"]),
        n=st.integers(1, 40), runs=st.integers(1, 13),
@@ -164,6 +166,7 @@ def test_native_quantized_gemv_is_dequantize_then_matmul(flavour: str, four_runs
     os.environ["INFER_QGEMV_Q6_PAIRS"] = four_runs
     os.environ["INFER_QGEMV_Q8_PAIRS"] = four_runs
     os.environ["INFER_QGEMV_WIDEN_SCALES"] = four_runs
+    os.environ["INFER_QGEMV_ROWS"] = four_runs
     group = group if scheme == "int4" else 16 if scheme.startswith("Q6_K") else 32
     k = max(runs * 32 // group, 1) * group
     if scheme.endswith("-factored"):  # a k-quant's rows are whole super-blocks of 256
@@ -179,7 +182,36 @@ def test_native_quantized_gemv_is_dequantize_then_matmul(flavour: str, four_runs
     os.environ.pop("INFER_QGEMV_Q6_PAIRS")
     os.environ.pop("INFER_QGEMV_Q8_PAIRS")
     os.environ.pop("INFER_QGEMV_WIDEN_SCALES")
+    os.environ.pop("INFER_QGEMV_ROWS")
     assert_product_within_rounding(got, weight, x, bias, f"{flavour} {scheme}")
+
+
+@pytest.mark.parametrize("flavour", RUNNABLE)
+@given(scheme=st.sampled_from(["int4", "Q8_0", "Q4_K", "Q4_K-factored", "int8-g32"]), n=st.integers(1, 70),
+       runs=st.integers(1, 30), dtype=st.sampled_from(["float32", "bfloat16"]), with_bias=st.booleans(),
+       threads=st.integers(1, 3), seed=st.integers(0, 2**31))
+@example(scheme="int4", n=37, runs=24, dtype="bfloat16", with_bias=True, threads=2, seed=0)
+@settings(max_examples=30, deadline=None)
+def test_one_row_products_on_rows_of_codes_four_at_once_are_the_row_by_row_sums(
+        flavour: str, scheme: str, n: int, runs: int, dtype: str, with_bias: bool, threads: int, seed: int) -> None:
+    """One row of x against codes with a scale per run of 32 (int4 in groups of 32; Q4_0 / Q4_1 / Q8_0 / Q4_K files;
+    int8 in groups of 32, the LM head's): AVX2 takes each thread's rows four at once (`INFER_QGEMV_ROWS`, the rest
+    one by one), each row's sums in the one-row order, so bit for bit the row-by-row product; elsewhere the switch
+    changes nothing. Row counts that leave 0-3 rows over per thread, with and without a bias."""
+    kernels = kernels_or_skip(flavour)
+    k = 256 * (1 + runs % 2) if scheme.endswith("-factored") else runs * 32
+    g = torch.Generator().manual_seed(seed + 1)
+    weight = (quantize(torch.randn(n, k, generator=g), "int8-g32") if scheme == "int8-g32"
+              else weight_of(scheme, n, k, 32, seed))
+    x = torch.randn(1, k, generator=g).to(getattr(torch, dtype))
+    bias = torch.randn(n, generator=g).to(x.dtype) if with_bias else None
+    with on_threads(threads):
+        with env_set("INFER_QGEMV_ROWS", "0"):
+            row_by_row = kernels.quantized_gemv(weight, x, bias)
+        with env_set("INFER_QGEMV_ROWS", "1"):
+            four_at_once = kernels.quantized_gemv(weight, x, bias)
+    assert torch.equal(four_at_once, row_by_row), f"{scheme} n={n} k={k}"
+    assert_product_within_rounding(four_at_once, weight, x, bias, f"{flavour} {scheme}")
 
 
 def assert_product_within_rounding(got: torch.Tensor, weight: QuantizedWeight, x: torch.Tensor,

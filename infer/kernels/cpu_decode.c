@@ -3879,6 +3879,9 @@ static inline void qcodes(int fmt, const uint8_t *c, qvec w[2]) {
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define QLANES 8
+/* INFER_Q4_WIDEN_BYTES=0: q4 codes split into nibbles in bytes before widening (qcodes' check) */
+static int q4_widen_bytes = 1;
+__attribute__((constructor)) static void read_q4_widen_bytes(void) { q4_widen_bytes = switched_on("INFER_Q4_WIDEN_BYTES"); }
 typedef __m256 qvec;
 static inline qvec qzero(void) { return _mm256_setzero_ps(); }
 static inline qvec qset1(float v) { return _mm256_set1_ps(v); }
@@ -3889,6 +3892,15 @@ static inline void qcodes(int fmt, const uint8_t *c, qvec w[4]) {
     if (fmt == Q8) {
         for (int j = 0; j < 4; j++)
             w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8 * j))));
+    } else if (q4_widen_bytes) {
+        /* each half's 8 bytes widened once (a load and one shuffle), then both nibbles from the 32-bit lanes: two
+         * shuffles a run, where splitting the nibbles in bytes first took six (Zen 3's shuffle pipes the bound) */
+        __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
+        __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8))), low = _mm256_set1_epi32(0x0f);
+        w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, low));
+        w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, low));
+        w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+        w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
     } else {
         __m128i a = _mm_loadu_si128((const __m128i *)c), low = _mm_set1_epi8(0x0f);
         __m128i lo = _mm_and_si128(a, low), hi = _mm_and_si128(_mm_srli_epi16(a, 4), low);
@@ -4109,6 +4121,40 @@ static inline __attribute__((always_inline)) float qrow_dot1(int fmt, const uint
     return out;
 #endif
 }
+
+#if defined(QLANES) && QLANES == 8
+/* AVX2's one-row products, a scale per run (int4 in groups of 32; Q4_0, Q4_1 and Q8_0 files): qrow_dot1 over
+ * QROWS rows of codes at once, each row's sums in its order exactly (the same multiplies and adds per row, so
+ * every output is bit for bit qrow_dot1's), their chains interleaved. One row's run is a multiply and three
+ * dependent multiply-adds: alone it held a Zen 3 core to that latency (q4 codes at 1.4 weights a cycle, in L2).
+ * `scales`: each row's scales as float32 (widened once per row by the caller). */
+enum { QROWS = 4 };
+static inline __attribute__((always_inline)) void qrows_dot1_runs(int fmt, const uint8_t *codes, int64_t row_bytes,
+                                                                  const float *const *scales, int64_t k,
+                                                                  const float *x, float *out) {
+    int64_t run_bytes = fmt == Q8 ? QCHUNK : QCHUNK / 2, runs = k / QCHUNK, r = 0;
+    qvec even[QROWS], odd[QROWS], w[4];
+    for (int j = 0; j < QROWS; j++) even[j] = odd[j] = qzero();
+#define QROWS_RUN(R, TOTAL)                                                                                       \
+    for (int j = 0; j < QROWS; j++) {                                                                             \
+        const uint8_t *c = codes + j * row_bytes + (R) * run_bytes;                                               \
+        prefetch(c + PREFETCH_BYTES);                                                                             \
+        qcodes(fmt, c, w);                                                                                        \
+        qvec a = w[0] * qload(x + (R) * QCHUNK);                                                                  \
+        for (int v = 1; v < 4; v++) a = qfma(w[v], qload(x + (R) * QCHUNK + v * QLANES), a);                     \
+        TOTAL[j] = qfma(qset1(scales[j][R]), a, TOTAL[j]);                                                        \
+    }
+    for (; r + 2 <= runs; r += 2) { /* runs by parity, as qrow_dot1 sums them: even runs, then odd */
+        QROWS_RUN(r, even)
+        QROWS_RUN(r + 1, odd)
+    }
+    if (r < runs) {
+        QROWS_RUN(r, even)
+    }
+#undef QROWS_RUN
+    for (int j = 0; j < QROWS; j++) out[j] = qsum(even[j] + odd[j]);
+}
+#endif
 
 #if defined(HAVE_DOT_BF16)
 /* q4 against bf16 inputs by the bf16 pair instruction: a code q is exact as the bf16 of 128 + q (bits 0x4300 | q:
@@ -4332,9 +4378,14 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
                  (sdtype == F16 && fmt == Q8 && group == QCHUNK && switched_on("INFER_QGEMV_WIDEN_SCALES"));
     int failed = 0;
     int bf16_q6 = 0;                 /* Q6_K's codes the same way (codes carry +160) */
+    int several_rows = switched_on("INFER_QGEMV_ROWS"); /* AVX2: rows of codes QROWS at once (qrows_dot1_runs) */
+#if defined(QLANES) && QLANES == 8
+    q4_widen_bytes = switched_on("INFER_Q4_WIDEN_BYTES"); /* (read again here: a process can A/B it) */
+#endif
     int bf16_q8 = 0;                 /* q8 codes the same way, in groups of two or more runs */
     uint16_t *xp = NULL;
     (void)narrow;
+    (void)several_rows;
 #if defined(HAVE_DOT_BF16)
     bf16_q4 = fmt == Q4 && dtype == BF16;
     bf16_q6 = narrow && group == QCHUNK / 2 && dtype == BF16 && switched_on("INFER_QGEMV_Q6_PAIRS");
@@ -4362,7 +4413,47 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
 #pragma omp atomic write
             failed = 1;
         }
-        for (int64_t r = r0; r < r1; r++) {
+        int64_t r = r0;
+#if defined(QLANES) && QLANES == 8
+        /* one row of x, a scale per run: QROWS rows of codes at once (qrows_dot1_runs), their scales widened first */
+        float *wide = m == 1 && group == QCHUNK && several_rows ? (float *)malloc((size_t)(QROWS * groups) * sizeof(float))
+                                                                : NULL;
+        for (; wide && r + QROWS <= r1; r += QROWS) {
+            const float *sr[QROWS];
+            float out[QROWS];
+            for (int j = 0; j < QROWS; j++) {
+                scale_row rs = scale_row_of(sdtype, scales, r + j, groups, k);
+                if (sdtype == F32) {
+                    sr[j] = (const float *)rs.p;
+                    continue;
+                }
+                int64_t g = 0;
+                if (sdtype == F16) /* float16 to float32 is exact: the values scale_at reads */
+                    for (; g + 8 <= groups; g += 8)
+                        _mm256_storeu_ps(wide + j * groups + g,
+                                         _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)rs.p + g))));
+                for (; g < groups; g++) wide[j * groups + g] = scale_at(rs, g);
+                sr[j] = wide + j * groups;
+            }
+            if (fmt == Q4) qrows_dot1_runs(Q4, codes + r * row_bytes, row_bytes, sr, k, xf, out);
+            else qrows_dot1_runs(Q8, codes + r * row_bytes, row_bytes, sr, k, xf, out);
+            if (mins) { /* each row's sum over its groups in group_dot's order, the rows' chains side by side */
+                scale_row rm[QROWS];
+                float msum[QROWS];
+                for (int j = 0; j < QROWS; j++) rm[j] = scale_row_of(sdtype, mins, r + j, groups, k), msum[j] = 0.f;
+                for (int64_t g = 0; g < groups; g++)
+                    for (int j = 0; j < QROWS; j++) msum[j] += scale_at(rm[j], g) * xsum[g];
+                for (int j = 0; j < QROWS; j++) out[j] += msum[j];
+            }
+            for (int j = 0; j < QROWS; j++) {
+                float v = out[j];
+                v += bias ? load_scalar(dtype, bias, r + j) : 0.f;
+                store_scalar(dtype, y, r + j, v);
+            }
+        }
+        free(wide);
+#endif
+        for (; r < r1; r++) {
             const uint8_t *row = codes + r * row_bytes;
             scale_row rs = scale_row_of(sdtype, scales, r, groups, k);
             scale_row rm = scale_row_of(sdtype, mins, r, groups, k);
