@@ -4416,8 +4416,9 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
         int64_t r = r0;
 #if defined(QLANES) && QLANES == 8
         /* one row of x, a scale per run: QROWS rows of codes at once (qrows_dot1_runs), their scales widened first */
-        float *wide = m == 1 && group == QCHUNK && several_rows ? (float *)malloc((size_t)(QROWS * groups) * sizeof(float))
-                                                                : NULL;
+        float *wide = m == 1 && group == QCHUNK && several_rows
+                          ? (float *)malloc((size_t)(2 * QROWS * groups) * sizeof(float)) /* scales, then mins */
+                          : NULL;
         for (; wide && r + QROWS <= r1; r += QROWS) {
             const float *sr[QROWS];
             float out[QROWS];
@@ -4437,13 +4438,19 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
             }
             if (fmt == Q4) qrows_dot1_runs(Q4, codes + r * row_bytes, row_bytes, sr, k, xf, out);
             else qrows_dot1_runs(Q8, codes + r * row_bytes, row_bytes, sr, k, xf, out);
-            if (mins) { /* each row's sum over its groups in group_dot's order, the rows' chains side by side */
-                scale_row rm[QROWS];
-                float msum[QROWS];
-                for (int j = 0; j < QROWS; j++) rm[j] = scale_row_of(sdtype, mins, r + j, groups, k), msum[j] = 0.f;
+            if (mins) { /* each row's sum over its groups in group_dot's order (a multiply, then an add), the four
+                         * rows' sums in the lanes of one vector: their mins made float32 and laid out group-major */
+                float *mt = wide + QROWS * groups;
+                for (int j = 0; j < QROWS; j++) {
+                    scale_row rm = scale_row_of(sdtype, mins, r + j, groups, k);
+                    for (int64_t g = 0; g < groups; g++) mt[g * QROWS + j] = scale_at(rm, g);
+                }
+                __m128 msum = _mm_setzero_ps();
                 for (int64_t g = 0; g < groups; g++)
-                    for (int j = 0; j < QROWS; j++) msum[j] += scale_at(rm[j], g) * xsum[g];
-                for (int j = 0; j < QROWS; j++) out[j] += msum[j];
+                    msum = _mm_add_ps(msum, _mm_mul_ps(_mm_loadu_ps(mt + g * QROWS), _mm_set1_ps(xsum[g])));
+                float ms[QROWS];
+                _mm_storeu_ps(ms, msum);
+                for (int j = 0; j < QROWS; j++) out[j] += ms[j];
             }
             for (int j = 0; j < QROWS; j++) {
                 float v = out[j];
