@@ -733,3 +733,42 @@ def test_native_argmax_of_rows_is_torchs_index(dtype: torch.dtype, rows: int, n:
     assert torch.equal(x.nan_to_num(), before.nan_to_num())
     with pytest.raises(ValueError, match="argmax_rows takes fp32 or bf16 rows"):
         kernels.argmax_rows(x[0])
+
+
+# The machine kinds the kernels are built for (`-march=native` on each; `infer.kernels.native.FLAVOURS`): the
+# Intel Xeon with AMX-BF16 and AVX512-BF16, the same without AVX512-BF16 (the avx512f flavour), AVX512 without BF16,
+# the Zen 4 EPYC (AVX512-BF16, no AMX), AVX2 + FMA (Zen 3) and plain x86-64 (generic).
+MACHINE_KINDS = {
+    "amx": ("-march=sapphirerapids",),
+    "avx512f on the AMX Xeon": ("-march=sapphirerapids", "-mno-avx512bf16"),
+    "avx512 without bf16": ("-march=icelake-server",),
+    "zen 4": ("-march=znver3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"),
+    "avx2": ("-march=znver3",),
+    "generic": ("-march=x86-64",),
+}
+
+
+@pytest.mark.parametrize("kind", list(MACHINE_KINDS))
+def test_the_kernels_compile_for_every_machine_kind(kind: str) -> None:
+    """cpu_decode.c compiles (syntax and types, no code generated) for each machine kind it is built for, not only
+    the one at hand: a build that fails on another kind falls back there without a word (`native_kernels` tries
+    `-march=native` first, then plain flags), so an error inside an `#if defined(HAVE_AMX)` block would cost the
+    AMX Xeon its kernels with every test here green. (A redefined variable in the AMX path went unseen so.)"""
+    import platform
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    compiler = shutil.which("gcc")
+    if compiler is None or platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("needs gcc on x86-64")
+    source = Path(native.__file__).with_name("cpu_decode.c")
+    flags = MACHINE_KINDS[kind]
+    probe = subprocess.run([compiler, *flags, "-fsyntax-only", "-x", "c", "-"], input="", capture_output=True,
+                           text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"this gcc does not know {' '.join(flags)}: {probe.stderr.strip()[:120]}")
+    run = subprocess.run([compiler, *flags, "-fopenmp", "-ffp-contract=off", "-fsyntax-only", str(source)],
+                         capture_output=True, text=True)
+    errors = [line for line in run.stderr.splitlines() if "error" in line]
+    assert run.returncode == 0 and not errors, f"{kind}: " + "\n".join(errors[:5])

@@ -5000,7 +5000,7 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
     int64_t pairs = k / 2, groups = k / group, block_bytes = fmt == Q8 ? 16 * k : 8 * k;
     int failed = 0;
 #if defined(HAVE_AMX) /* the dequantized pair of blocks on AMX tiles, as infer_gemm_bf16_packed's */
-    int amx = amx_takes(k), tall = amx && switched_on("INFER_AMX_TALL");
+    int amx = amx_takes(k), amx_tall = amx && switched_on("INFER_AMX_TALL");
     const uint16_t *xt = amx ? amx_rows_as_tiles(x, m, k, threads) : NULL;
     if (amx && !xt) return -1;
 #endif
@@ -5059,7 +5059,7 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
                                      mins ? mins + (b + a) * groups * 16 : NULL, buf + a * pairs * 32, pairs, group);
 #if defined(HAVE_AMX)
             if (amx) {
-                amx_pass(buf, pairs, xt, m, k, bias, y, n, b, nb, pf, pf_end, tall);
+                amx_pass(buf, pairs, xt, m, k, bias, y, n, b, nb, pf, pf_end, amx_tall);
                 continue;
             }
 #endif
