@@ -4128,7 +4128,8 @@ static inline __attribute__((always_inline)) float qrow_dot1(int fmt, const uint
  * every output is bit for bit qrow_dot1's), their chains interleaved. One row's run is a multiply and three
  * dependent multiply-adds: alone it held a Zen 3 core to that latency (q4 codes at 1.4 weights a cycle, in L2).
  * `scales`: each row's scales as float32 (widened once per row by the caller). */
-enum { QROWS = 4 };
+enum { QROWS = 4 }; /* (the mins' sums below take the four rows in one 128-bit vector) */
+_Static_assert(QROWS == 4, "infer_qgemv sums the four rows' mins in one __m128");
 static inline __attribute__((always_inline)) void qrows_dot1_runs(int fmt, const uint8_t *codes, int64_t row_bytes,
                                                                   const float *const *scales, int64_t k,
                                                                   const float *x, float *out) {
@@ -4429,10 +4430,12 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
                     continue;
                 }
                 int64_t g = 0;
+#if defined(__F16C__)
                 if (sdtype == F16) /* float16 to float32 is exact: the values scale_at reads */
                     for (; g + 8 <= groups; g += 8)
                         _mm256_storeu_ps(wide + j * groups + g,
                                          _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)rs.p + g))));
+#endif
                 for (; g < groups; g++) wide[j * groups + g] = scale_at(rs, g);
                 sr[j] = wide + j * groups;
             }
