@@ -660,8 +660,8 @@ MUTANTS = [
            "                    scale_row rm = scale_row_of(sdtype, mins, r, groups, k);",
            ("tests/test_quant_weights.py",)),
     Mutant("quantized GEMV (AVX2): float16 scales of four rows widened into one row's place", NATIVE_C,
-           "                        _mm256_storeu_ps(wide + j * groups + g,",
-           "                        _mm256_storeu_ps(wide + g,", ("tests/test_quant_weights.py",)),
+           "sdtype == F16 ? widen_scale_row(rs, groups, wide + j * groups)",
+           "sdtype == F16 ? widen_scale_row(rs, groups, wide)", ("tests/test_quant_weights.py",)),
     Mutant("quantized GEMV (AVX2): q4 codes widened from bytes, the high nibbles of the first half and the low of "
            "the second swapped", NATIVE_C,
            "        w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, low));\n"

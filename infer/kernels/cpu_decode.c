@@ -3967,6 +3967,9 @@ static inline scale_row widen_scale_row(scale_row s, int64_t groups, float *out)
 #if defined(HAVE_AVX512)
     for (; g + 16 <= groups; g += 16)
         _mm512_storeu_ps(out + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s.p + g))));
+#elif defined(__F16C__) && defined(__AVX__)
+    for (; g + 8 <= groups; g += 8)
+        _mm256_storeu_ps(out + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)s.p + g))));
 #endif
     for (; g < groups; g++) out[g] = load_scale(F16, s.p, g);
     scale_row e = {F32, out, NULL, 0, 0};
@@ -4423,21 +4426,11 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
         for (; wide && r + QROWS <= r1; r += QROWS) {
             const float *sr[QROWS];
             float out[QROWS];
-            for (int j = 0; j < QROWS; j++) {
+            for (int j = 0; j < QROWS; j++) { /* (float16 and factored scales made float32: the values scale_at reads) */
                 scale_row rs = scale_row_of(sdtype, scales, r + j, groups, k);
-                if (sdtype == F32) {
-                    sr[j] = (const float *)rs.p;
-                    continue;
-                }
-                int64_t g = 0;
-#if defined(__F16C__)
-                if (sdtype == F16) /* float16 to float32 is exact: the values scale_at reads */
-                    for (; g + 8 <= groups; g += 8)
-                        _mm256_storeu_ps(wide + j * groups + g,
-                                         _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)rs.p + g))));
-#endif
-                for (; g < groups; g++) wide[j * groups + g] = scale_at(rs, g);
-                sr[j] = wide + j * groups;
+                sr[j] = sdtype == F32 ? (const float *)rs.p
+                        : (const float *)(sdtype == F16 ? widen_scale_row(rs, groups, wide + j * groups)
+                                                        : expand_scale_row(rs, groups, wide + j * groups)).p;
             }
             if (fmt == Q4) qrows_dot1_runs(Q4, codes + r * row_bytes, row_bytes, sr, k, xf, out);
             else qrows_dot1_runs(Q8, codes + r * row_bytes, row_bytes, sr, k, xf, out);
