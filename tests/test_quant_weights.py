@@ -214,6 +214,24 @@ def test_one_row_products_on_rows_of_codes_four_at_once_are_the_row_by_row_sums(
     assert_product_within_rounding(four_at_once, weight, x, bias, f"{flavour} {scheme}")
 
 
+@pytest.mark.real_model
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_real_models_products_on_rows_of_codes_four_at_once_are_the_row_by_row_sums(dtype: torch.dtype) -> None:
+    """SmolLM2's own Q4_1 and Q8_0 products (every layer's and the head's, as stored in its file) against one row of
+    x: bit for bit the row-by-row product with AVX2's four rows at once (`INFER_QGEMV_ROWS`) on and off."""
+    kernels = kernels_or_skip()
+    model = infer.load_model(None, dtype=str(dtype).removeprefix("torch."), weights="stored")
+    products = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert {p.qweight.scheme for p in products} == {"Q4_1", "Q8_0"}
+    g = torch.Generator().manual_seed(0)
+    for product in products:
+        x = torch.randn(1, product.in_features, generator=g).to(dtype)
+        with env_set("INFER_QGEMV_ROWS", "0"):
+            row_by_row = kernels.quantized_gemv(product.qweight, x)
+        with env_set("INFER_QGEMV_ROWS", "1"):
+            assert torch.equal(kernels.quantized_gemv(product.qweight, x), row_by_row), product.qweight.scheme
+
+
 def assert_product_within_rounding(got: torch.Tensor, weight: QuantizedWeight, x: torch.Tensor,
                                    bias: torch.Tensor | None, what: str) -> None:
     """`got` is dequantize-then-matmul within fp32 sums in another order (and, the bf16 pair paths of q4 and Q6_K,
