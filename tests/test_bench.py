@@ -24,7 +24,7 @@ def test_json_report_names_machine_choices_units_and_raw_trials(tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
     argv = ["bench", "--model", str(build_checkpoint("llama")), "--prompt-len", "6", "--max-new-tokens", "4",
-            "--trials", "2", "--warmup", "0", "--positions", "1", "--json", str(out)]
+            "--trials", "2", "--warmup", "0", "--positions", "1", "--no-memory", "--json", str(out)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "choices (threads" in printed and "prefill matmul dtype" in printed and "decode GEMV form" in printed

@@ -41,7 +41,7 @@ def test_bench_reports_per_contender_memory_unless_told_not_to(tmp_path: Path, n
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
     argv = ["bench", "--model", str(build_checkpoint("llama")), "--prompt-len", "4", "--max-new-tokens", "3",
-            "--trials", "1", "--warmup", "0", "--positions", "1", "--compare", "--json", str(out),
+            "--trials", "1", "--warmup", "0", "--positions", "1", "--compare", "--no-roofline", "--json", str(out),
             *(["--no-memory"] if no_memory else [])]
     assert main(argv) == 0
     report = json.loads(out.read_text())

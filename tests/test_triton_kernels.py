@@ -194,10 +194,12 @@ def test_the_kernel_over_a_contiguous_cache_reads_only_the_cached_positions(
         assert_close(got[b], want, 1e-5, f"row {b} of length {n} in a cache of {S} slots")
 
 
-@given(paged_problems(), st.integers(1, 40))
+@given(paged_problems(), st.integers(1, 40 if DEVICE == "cuda" else 8))
 def test_a_wider_padded_table_changes_nothing(p: dict, extra: int) -> None:
     """The batched engine's graph-captured shapes pad block tables to a width bucket: extra columns naming a
-    block of NaN (never a sequence's) leave every row as it was, whatever the split count."""
+    block of NaN (never a sequence's) leave every row as it was, whatever the split count. Interpreted on a CPU, up
+    to 8 columns (a wider table can take more splits, empty programs the interpreter runs in Python: 40 columns
+    took 30 s of a 2-core CI run); enough to move the split count the width chooses."""
     from infer.kernels.paged_attention import paged_decode_attention
 
     q, k_blocks, v_blocks, tables = build(p, torch.float32)
