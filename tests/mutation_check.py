@@ -15,6 +15,7 @@ Not collected by pytest (no `test_` prefix). Every new feature adds its own plan
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -85,7 +86,7 @@ MUTANTS = [
            "    double sum = 0;\n    int64_t m = 0;", "    float sum = 0;\n    int64_t m = 0;", TOP_P_TESTS),
     Mutant("native top-p: a tie across the boundary left to the values (all tied tokens kept)", NATIVE_C,
            "    while (below > 0 && sorted[below - 1] == kept) below--;\n", "", TOP_P_TESTS),
-    Mutant("native top-p: a block's tied tokens at the boundary removed from its highest lane", NATIVE_C,
+    Mutant("native top-p (AVX512 hosts): a block's tied tokens at the boundary removed from its highest lane", NATIVE_C,
            "            tied_gone |= eq & -eq;\n            eq &= eq - 1;",
            "            tied_gone |= (__mmask16)(1u << (31 - __builtin_clz((unsigned)eq)));\n"
            "            eq &= ~tied_gone;",
@@ -391,7 +392,7 @@ MUTANTS = [
     Mutant("AMX packed product (AMX hosts): 49-64 rows, the second pass over the first pass's rows", NATIVE_C,
            "amx_pass_tall(pb + a * pairs * 32, pairs, xt + (j / 16) * steps * 512,",
            "amx_pass_tall(pb + a * pairs * 32, pairs, xt,", ("tests/test_native_kernels.py",)),
-    Mutant("4-bit codes by table (AVX512): each byte's high nibble read as its low one", NATIVE_C,
+    Mutant("4-bit codes by table (AVX512 hosts): each byte's high nibble read as its low one", NATIVE_C,
            "*b = (qv16)_mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), table);",
            "*b = (qv16)_mm512_permutexvar_ps(w, table);", ("tests/test_native_quantized_attention.py",)),
     Mutant("4-bit codes by table (AVX512): int4's code -1 read as +1", NATIVE_C,
@@ -403,19 +404,23 @@ MUTANTS = [
     Mutant("4-bit values' rotation in registers: every 128 columns turned back by the first 128's", NATIVE_C,
            "rotate_sums(x, rot + c, acc + c, d, 8);", "rotate_sums(x, rot, acc + c, d, 8);",
            ("tests/test_native_quantized_attention.py",)),
-    Mutant("prompt chunks on AMX tiles over 4-bit pools: each row turned back from the first row's code sums",
+    Mutant("prompt chunks on AMX tiles over 4-bit pools (AMX hosts): each row turned back from the first "
+           "row's code sums",
            NATIVE_C, "if (passes == 2) rotate_back(w->acc + (16 + r) * d, cq->v_rot, o, d);",
            "if (passes == 2) rotate_back(w->acc + 16 * d, cq->v_rot, o, d);",
            ("tests/test_native_quantized_attention.py",)),
-    Mutant("prompt chunks on AMX tiles over 4-bit pools: the code rows' pass skips 32 keys without exact rows",
+    Mutant("prompt chunks on AMX tiles over 4-bit pools (AMX hosts): the code rows' pass skips 32 keys "
+           "without exact rows",
            NATIVE_C, "if (skip && passes == 2 && !memchr(w->coded + 32 * j, pass, 32)) continue;",
            "if (skip && passes == 2 && !memchr(w->coded + 32 * j, 0, 32)) continue;",
            ("tests/test_native_quantized_attention.py",)),
-    Mutant("prompt chunks on AMX tiles over int8 pools: the values' lo parts taken only where exact rows are",
+    Mutant("prompt chunks on AMX tiles over int8 pools (AMX hosts): the values' lo parts taken only where "
+           "exact rows are",
            NATIVE_C, "(!skip || (passes == 2 ? pass == 1 : memchr(w->coded + 32 * j, 1, 32) != NULL));",
            "(!skip || (passes == 2 ? pass == 1 : memchr(w->coded + 32 * j, 0, 32) != NULL));",
            ("tests/test_native_quantized_attention.py",)),
-    Mutant("prompt chunks on AMX tiles over code pools: every key tile takes its lo part by the group's first tile",
+    Mutant("prompt chunks on AMX tiles over code pools (AMX hosts): every key tile takes its lo part by the "
+           "group's first tile",
            NATIVE_C, "klo[a] = !skip || memchr(w->coded + (j + a) * 16, 1, 16) != NULL;",
            "klo[a] = !skip || memchr(w->coded + j * 16, 1, 16) != NULL;",
            ("tests/test_native_quantized_attention.py",)),
@@ -472,7 +477,7 @@ MUTANTS = [
     Mutant("prompt chunks on AMX tiles (AMX hosts): every row softmaxed over the tile's last row's keys", NATIVE_C,
            "int64_t nr = r < rows ? lengths[b0 + rt0 + r] - start : 0;", "int64_t nr = r < rows ? n : 0;",
            ("tests/test_native_quantized_attention.py",)),
-    Mutant("prompt chunks on AMX tiles (AMX hosts): rows of two sequences joined (tables not compared)", NATIVE_C,
+    Mutant("prompt chunks on AMX tiles: rows of two sequences joined (tables not compared)", NATIVE_C,
            "while (e < batch && starts[e] == starts[b] && lengths[e] == lengths[e - 1] + 1 &&\n"
            "               memcmp(",
            "while (e < batch && starts[e] == starts[b] && lengths[e] == lengths[e - 1] + 1 &&\n"
@@ -548,7 +553,7 @@ MUTANTS = [
     Mutant("native RMSNorm of bf16 rows (AVX2 hosts): the sum of squares keeps only the last 8 values",
            "infer/kernels/cpu_decode.c", "acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(v1, v1));",
            "acc1 = _mm256_mul_ps(v1, v1);", ("tests/test_native_kernels.py", "tests/test_engine.py")),
-    Mutant("vector bf16 rounding: ties rounded up, not to even", "infer/kernels/cpu_decode.c",
+    Mutant("vector bf16 rounding (AVX512 hosts): ties rounded up, not to even", "infer/kernels/cpu_decode.c",
            "_mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16), one))",
            "_mm512_add_epi32(_mm512_set1_epi32(0x7fff), one)",
            ("tests/test_native_kernels.py", "tests/test_engine.py")),
@@ -621,13 +626,13 @@ MUTANTS = [
     Mutant("native paged attention: a block's last bf16 rows scored as a whole tile, 16 scores kept",
            "infer/kernels/cpu_decode.c", "memcpy(sc + g * n + t, &scores, 4 * (size_t)rt);",
            "memcpy(sc + g * n + t, &scores, 64);", ("tests/test_native_quantized_attention.py",)),
-    Mutant("native paged attention (AVX512-BF16): a block's last bf16 rows' tile stores 16 scores",
+    Mutant("native paged attention (AVX512-BF16 hosts): a block's last bf16 rows' tile stores 16 scores",
            "infer/kernels/cpu_decode.c", "(__mmask16)(rt >= 16 ? 0xffffu : (1u << rt) - 1)", "(__mmask16)0xffffu",
            ("tests/test_native_quantized_attention.py",)),
     Mutant("native paged attention: a block's last bf16 rows scored past its slots (blocks under 16 rows)",
            "infer/kernels/cpu_decode.c", "for (; r < rows && r + 16 <= P->bs; r += 16)", "for (; r < rows; r += 16)",
            ("tests/test_native_quantized_attention.py",)),
-    Mutant("native paged attention: bf16 values' fused multiply-add weighted by the first key",
+    Mutant("native paged attention (AVX512 hosts): bf16 values' fused multiply-add weighted by the first key",
            "infer/kernels/cpu_decode.c", "_mm512_fmadd_ps(_mm512_set1_ps(w), (__m512)v[c],",
            "_mm512_fmadd_ps(_mm512_set1_ps(sc[(g0 + g) * n + t]), (__m512)v[c],",
            ("tests/test_native_quantized_attention.py",)),
@@ -655,7 +660,8 @@ MUTANTS = [
     Mutant("quantized packed product (AVX2): q4's rows 4-7 of a pair read as rows 0-3", NATIVE_C,
            "eight[4 * p + 1] = _mm_srli_si128(first, 8);", "eight[4 * p + 1] = first;",
            ("tests/test_quant_weights.py",)),
-    Mutant("native build: the AMX path's tile switch named as the codes form's (a redefinition only AMX builds see)",
+    Mutant("native build (AMX hosts): the AMX path's tile switch named as the codes form's (a redefinition "
+           "only AMX builds see)",
            NATIVE_C, '    int amx = amx_takes(k), amx_tall = amx && switched_on("INFER_AMX_TALL");',
            '    int amx = amx_takes(k), tall = amx && switched_on("INFER_AMX_TALL");',
            ("tests/test_native_kernels.py",)),
@@ -711,7 +717,7 @@ MUTANTS = [
            "    *even = (qv16)(x << 16);\n    *odd = (qv16)(x & (int32_t)-65536);",
            "    *odd = (qv16)(x << 16);\n    *even = (qv16)(x & (int32_t)-65536);",
            ("tests/test_native_quantized_attention.py",)),
-    Mutant("native paged attention: bf16 keys' pair-instruction scores not scaled", "infer/kernels/cpu_decode.c",
+    Mutant("native paged attention (AVX512-BF16 hosts): bf16 keys' pair-instruction scores not scaled", NATIVE_C,
            "pair_tile_dots_n(q, rows, 4)) * scale;", "pair_tile_dots_n(q, rows, 4));",
            ("tests/test_native_quantized_attention.py",)),
     Mutant("native paged attention: a pass of 4 heads over bf16 value rows sums 3",
@@ -721,7 +727,7 @@ MUTANTS = [
     Mutant("native paged attention: bf16 value sums put back in the int8 codes' order", "infer/kernels/cpu_decode.c",
            "unpermute_add(Q_INT4, w->accsplit + g * P->d", "unpermute_add(Q_INT8, w->accsplit + g * P->d",
            ("tests/test_native_quantized_attention.py",)),
-    Mutant("native attention: a head's bf16 outputs all stored over its first 16", "infer/kernels/cpu_decode.c",
+    Mutant("native attention (AVX512 hosts): a head's bf16 outputs all stored over its first 16", NATIVE_C,
            "_mm256_storeu_si256((__m256i *)((uint16_t *)dst + c), bf16x16_round(_mm512_loadu_ps(x + c)));",
            "_mm256_storeu_si256((__m256i *)((uint16_t *)dst), bf16x16_round(_mm512_loadu_ps(x + c)));",
            ("tests/test_native_quantized_attention.py",)),
@@ -1105,7 +1111,7 @@ MUTANTS = [
            "if self.all_rows or (self.gemv == \"native\" and self.one_row(x)):",
            "if self.all_rows or self.gemv == \"native\":",
            ("tests/test_tuning.py",)),
-    Mutant("native GEMV: the bf16 tail mask drops the last value", "infer/kernels/cpu_decode.c",
+    Mutant("native GEMV (AVX512-BF16 hosts): the bf16 tail mask drops the last value", "infer/kernels/cpu_decode.c",
            "__mmask32 m = (__mmask32)((1u << (k - i)) - 1);", "__mmask32 m = (__mmask32)((1u << (k - i - 1)) - 1);",
            ("tests/test_native_kernels.py",)),
     Mutant("native GEMV: rows past the last whole 16-row block dropped", "infer/kernels/cpu_decode.c",
@@ -1127,11 +1133,11 @@ MUTANTS = [
     Mutant("tuning: the few-row kernel's rows follow each count's own gain, not the gains summed from 2 rows",
            "infer/tuning.py", "gains += times[\"other\"] / times[\"kernel\"] - 1.0",
            "gains = times[\"other\"] / times[\"kernel\"] - 1.0", ("tests/test_tuning.py",)),
-    Mutant("argmax rows: a lane's equal maximum moves it to the later index", "infer/kernels/cpu_decode.c",
+    Mutant("argmax rows (AVX512 hosts): a lane's equal maximum moves it to the later index", NATIVE_C,
            "__mmask16 up = _mm512_cmp_ps_mask(v, m, _CMP_GT_OQ);",
            "__mmask16 up = _mm512_cmp_ps_mask(v, m, _CMP_GE_OQ);",
            ("tests/test_native_kernels.py",)),
-    Mutant("argmax rows: NaNs in the vector lanes ignored", "infer/kernels/cpu_decode.c",
+    Mutant("argmax rows (AVX512 hosts): NaNs in the vector lanes ignored", "infer/kernels/cpu_decode.c",
            "        if (nan) {\n            i = 0;", "        if (0) {\n            i = nan;",
            ("tests/test_native_kernels.py",)),
     Mutant("argmax rows: of the lanes' equal maxima the later index", "infer/kernels/cpu_decode.c",
@@ -1178,21 +1184,21 @@ MUTANTS = [
     Mutant("argmax rows (AVX2): the lanes' indices not moved on", "infer/kernels/cpu_decode.c",
            "idx = _mm256_add_epi32(idx, _mm256_set1_epi32(8));", "idx = _mm256_add_epi32(idx, _mm256_set1_epi32(16));",
            ("tests/test_native_kernels.py",)),
-    Mutant("attention softmax: the weights' sum misses the vector lanes' (AVX512)", "infer/kernels/cpu_decode.c",
+    Mutant("attention softmax (AVX512 hosts): the weights' sum misses the vector lanes'", "infer/kernels/cpu_decode.c",
            "            sums = _mm512_add_ps(sums, e);\n", "",
            ("tests/test_native_quantized_attention.py", "tests/test_native_kernels.py")),
-    Mutant("fused exp: 2^k taken as 2^(k-1)", "infer/kernels/cpu_decode.c",
+    Mutant("fused exp (AVX512 hosts): 2^k taken as 2^(k-1)", "infer/kernels/cpu_decode.c",
            "    return _mm512_scalef_ps(p, k);",
            "    return _mm512_scalef_ps(p, _mm512_sub_ps(k, _mm512_set1_ps(1.f)));",
            ("tests/test_native_kernels.py",)),
-    Mutant("gated rows: negative gates' SiLU as g / (1 + e^g)", "infer/kernels/cpu_decode.c",
+    Mutant("gated rows (AVX512 hosts): negative gates' SiLU as g / (1 + e^g)", "infer/kernels/cpu_decode.c",
            "_mm512_div_ps(_mm512_mask_mul_ps(g, neg, g, e), _mm512_add_ps(_mm512_set1_ps(1.f), e))",
            "_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e))",
            ("tests/test_native_kernels.py",)),
-    Mutant("gated rows: a gate of -inf gives -0, not the formula's NaN", "infer/kernels/cpu_decode.c",
+    Mutant("gated rows (AVX512 hosts): a gate of -inf gives -0, not the formula's NaN", "infer/kernels/cpu_decode.c",
            "_mm512_set1_ps(-INFINITY), _CMP_EQ_OQ)", "_mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ) & 0",
            ("tests/test_native_kernels.py",)),
-    Mutant("gated rows: GELU rows through the SiLU lanes", "infer/kernels/cpu_decode.c",
+    Mutant("gated rows (AVX512 hosts): GELU rows through the SiLU lanes", "infer/kernels/cpu_decode.c",
            "act[v] = gelu ? gelu16(g) : silu16(g);", "act[v] = silu16(g);",
            ("tests/test_native_kernels.py",)),
     Mutant("AVX2 rows: bf16 rounding truncates instead of rounding to nearest even", "infer/kernels/cpu_decode.c",
@@ -1218,27 +1224,27 @@ MUTANTS = [
     Mutant("AVX2 rows: GELU rows through the SiLU lanes", "infer/kernels/cpu_decode.c",
            "act[v] = gelu ? gelu8(g) : silu8(g);", "act[v] = silu8(g);",
            ("tests/test_native_kernels.py",)),
-    Mutant("few-row bf16 product: the values past the last 32 of a row dropped", "infer/kernels/cpu_decode.c",
+    Mutant("few-row bf16 product (AVX512-BF16 hosts): the values past the last 32 of a row dropped", NATIVE_C,
            "__mmask32 mask = (__mmask32)((1u << (k - i)) - 1);", "__mmask32 mask = 0;",
            ("tests/test_native_kernels.py",)),
-    Mutant("few-row bf16 product: a whole tile's sums stored without their transposition",
+    Mutant("few-row bf16 product (AVX512-BF16 hosts): a whole tile's sums stored without their transposition",
            "infer/kernels/cpu_decode.c",
            "_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15)",
            "_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)",
            ("tests/test_native_kernels.py",)),
-    Mutant("few-row bf16 product: a whole tile's outputs all take its first row's bias", "infer/kernels/cpu_decode.c",
+    Mutant("few-row bf16 product (AVX512-BF16 hosts): a whole tile's outputs all take its first row's bias", NATIVE_C,
            "bf16x16_widen(_mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(bias + r))))",
            "bf16x16_widen(_mm256_set1_epi16((short)bias[r]))",
            ("tests/test_native_kernels.py",)),
-    Mutant("few-row bf16 product: a partial tile's sums stored transposed", "infer/kernels/cpu_decode.c",
+    Mutant("few-row bf16 product (AVX512-BF16 hosts): a partial tile's sums stored transposed", NATIVE_C,
            "float v = sums[a * 4 + b] + (bias ? bf16_to_f32(bias[r + a]) : 0.f);",
            "float v = sums[b * 4 + a] + (bias ? bf16_to_f32(bias[r + a]) : 0.f);",
            ("tests/test_native_kernels.py",)),
-    Mutant("few-row bf16 product: a partial tile's bias of the input row's index", "infer/kernels/cpu_decode.c",
+    Mutant("few-row bf16 product (AVX512-BF16 hosts): a partial tile's bias of the input row's index", NATIVE_C,
            "float v = sums[a * 4 + b] + (bias ? bf16_to_f32(bias[r + a]) : 0.f);",
            "float v = sums[a * 4 + b] + (bias ? bf16_to_f32(bias[r + b]) : 0.f);",
            ("tests/test_native_kernels.py",)),
-    Mutant("few-row bf16 product: a thread's last rows dropped when they are not a whole tile",
+    Mutant("few-row bf16 product (AVX512-BF16 hosts): a thread's last rows dropped when they are not a whole tile",
            "infer/kernels/cpu_decode.c",
            "for (int64_t r = r0; r < r1; r += 4) {\n            int rt = r1 - r < 4 ? (int)(r1 - r) : 4;",
            "for (int64_t r = r0; r + 4 <= r1; r += 4) {\n            int rt = r1 - r < 4 ? (int)(r1 - r) : 4;",
@@ -1259,11 +1265,11 @@ MUTANTS = [
     Mutant("sampling params: changeable after validation", "infer/sampling.py",
            "@dataclass(frozen=True)\nclass SamplingParams:", "@dataclass\nclass SamplingParams:",
            ("tests/test_sampling_oracle.py",)),
-    Mutant("quantized tile kernel: mins left out of the tile's dequantized rows", "infer/kernels/cpu_decode.c",
+    Mutant("quantized tile kernel (AVX512-BF16 hosts): mins left out of the tile's dequantized rows", NATIVE_C,
            "scale_row_of(sdtype, mins, r, groups, k), mins != NULL, tile + a * k, k, group);",
            "scale_row_of(sdtype, mins, r, groups, k), 0, tile + a * k, k, group);",
            ("tests/test_quant_weights.py",)),
-    Mutant("quantized tile kernel: Q6_K's second 16 codes of a run under the first 16's scale",
+    Mutant("quantized tile kernel (AVX512-BF16 hosts): Q6_K's second 16 codes of a run under the first 16's scale",
            "infer/kernels/cpu_decode.c",
            "__m512 hi = _mm512_mul_ps(_mm512_set1_ps(scale_at(rs, g1)), w[1]);",
            "__m512 hi = _mm512_mul_ps(_mm512_set1_ps(scale_at(rs, g0)), w[1]);",
@@ -1310,7 +1316,7 @@ MUTANTS = [
            "infer/models/native_batch_step.py",
            'if (getattr(product, "gemv", None) == "native" and isinstance(weight, torch.Tensor)',
            "if (isinstance(weight, torch.Tensor)", ("tests/test_native_batch_step.py",)),
-    Mutant("GELU rows: the gate's sign read from the gate, not from tanh's argument", "infer/kernels/cpu_decode.c",
+    Mutant("GELU rows (AVX512 hosts): the gate's sign read from the gate, not from tanh's argument", NATIVE_C,
            "__mmask16 neg = _mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_LT_OQ);",
            "__mmask16 neg = _mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_GT_OQ);",
            ("tests/test_native_kernels.py",)),
@@ -1319,53 +1325,57 @@ MUTANTS = [
            "return self.down_proj(rows.gated_rows(gate, up, False))",
            ("tests/test_engine.py", "tests/property/test_engine_properties.py")),
     # q8 codes in the codes form (AVX512-BF16): exact bf16 operands, each group's sum times its scale.
-    Mutant("q8 codes form: every group scaled by the first group's scale", NATIVE_C,
+    Mutant("q8 codes form (AVX512-BF16 hosts): every group scaled by the first group's scale", NATIVE_C,
            "__m512 s = _mm512_loadu_ps(scales + ((a < nb ? a : 0) * groups + g) * 16);",
            "__m512 s = _mm512_loadu_ps(scales + ((a < nb ? a : 0) * groups + 0) * 16);",
            ("tests/test_quant_weights.py",)),
-    Mutant("q8 codes form: each tile's second pair of inputs against the first pair's x", NATIVE_C,
+    Mutant("q8 codes form (AVX512-BF16 hosts): each tile's second pair of inputs against the first pair's x", NATIVE_C,
            "_mm512_set1_epi32(xt[((q) + v) * mr + j])", "_mm512_set1_epi32(xt[(q) * mr + j])",
            ("tests/test_quant_weights.py",)),
-    Mutant("q8 codes form: codes widened into the buffer with two pairs swapped", NATIVE_C,
+    Mutant("q8 codes form (AVX512-BF16 hosts): codes widened into the buffer with two pairs swapped", NATIVE_C,
            "_mm512_storeu_si512(out + 32 * q, (__m512i)w[0]);\n"
            "        _mm512_storeu_si512(out + 32 * (q + 1), (__m512i)w[1]);",
            "_mm512_storeu_si512(out + 32 * q, (__m512i)w[1]);\n"
            "        _mm512_storeu_si512(out + 32 * (q + 1), (__m512i)w[0]);",
            ("tests/test_quant_weights.py",)),
-    Mutant("q8 codes form: each thread's last pair of x left out of the pair-major copy", NATIVE_C,
+    Mutant("q8 codes form (AVX512-BF16 hosts): each thread's last pair of x left out of the pair-major copy", NATIVE_C,
            "pairs * tid / nt, pairs * (tid + 1) / nt, xpairs);",
            "pairs * tid / nt, pairs * (tid + 1) / nt - 1, xpairs);",
            ("tests/test_quant_weights.py",)),
-    Mutant("q8 codes form: grouped codes' totals keeping only the last group", NATIVE_C,
+    Mutant("q8 codes form (AVX512-BF16 hosts): grouped codes' totals keeping only the last group", NATIVE_C,
            "__m512 t = g ? _mm512_fmadd_ps(acc[a][j], s, _mm512_load_ps(held[a][j])) : _mm512_mul_ps(acc[a][j], s);",
            "__m512 t = _mm512_mul_ps(acc[a][j], s);", ("tests/test_quant_weights.py",)),
-    Mutant("q8 codes form: the tall tile's second block scaled by the first block's scales", NATIVE_C,
+    Mutant("q8 codes form (AVX512-BF16 hosts): the tall tile's second block scaled by the first block's scales",
+           NATIVE_C,
            "const float *sa = scales + a * groups * 16;", "const float *sa = scales;",
            ("tests/test_quant_weights.py",)),
-    Mutant("q8 codes form: x laid out in 8-row tiles for the tall tile's 9-12 rows", NATIVE_C,
+    Mutant("q8 codes form (AVX512-BF16 hosts): x laid out in 8-row tiles for the tall tile's 9-12 rows", NATIVE_C,
            "int tile_rows = tall ? CODE_TALL_ROWS : CODE_ROWS;", "int tile_rows = CODE_ROWS;",
            ("tests/test_quant_weights.py",)),
-    Mutant("q8 codes form: the tall tile's blocks written one block apart less (the second over the first)", NATIVE_C,
+    Mutant("q8 codes form (AVX512-BF16 hosts): the tall tile's blocks written one block apart less "
+           "(the second over the first)",
+           NATIVE_C,
            "sa, xt, bias, y, n, 16 * (b + a), 1,", "sa, xt, bias, y, n, 16 * b, 1,",
            ("tests/test_quant_weights.py",)),
-    Mutant("q8 codes form: q4 codes taken for q8 ones", NATIVE_C,
+    Mutant("q8 codes form (AVX512-BF16 hosts): q4 codes taken for q8 ones", NATIVE_C,
            'return (fmt == Q8 || fmt == Q6) && switched_on("INFER_PACKED_CODE_SUMS") && !infer_amx_takes(k);',
            'return switched_on("INFER_PACKED_CODE_SUMS") && !infer_amx_takes(k);', ("tests/test_quant_weights.py",)),
-    Mutant("quantized packed product: the mins left out of a block's dequantized codes", "infer/kernels/cpu_decode.c",
+    Mutant("quantized packed product (AVX512-BF16 hosts): the mins left out of a block's dequantized codes", NATIVE_C,
            "z = mins ? _mm512_loadu_ps(mins + 16 * g) : _mm512_setzero_ps();", "z = _mm512_setzero_ps();",
            ("tests/test_quant_weights.py",)),
-    Mutant("quantized packed product: a q4 byte's nibbles read as the other pair's", "infer/kernels/cpu_decode.c",
+    Mutant("quantized packed product (AVX512-BF16 hosts): a q4 byte's nibbles read as the other pair's", NATIVE_C,
            "w[0] = _mm512_cvtepi32_ps(_mm512_and_si512(d0, low));",
            "w[0] = _mm512_cvtepi32_ps(_mm512_srli_epi32(d0, 4));", ("tests/test_quant_weights.py",)),
-    Mutant("quantized packed product: rows 8-15's q4 codes read from rows 0-7's bytes", "infer/kernels/cpu_decode.c",
+    Mutant("quantized packed product (AVX512-BF16 hosts): rows 8-15's q4 codes read from rows 0-7's bytes", NATIVE_C,
            "__m512i d1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * q + 16)));",
            "__m512i d1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * q)));",
            ("tests/test_quant_weights.py",)),
-    Mutant("quantized packed product: the second pair's q4 codes left 16 times too large (not shifted down)",
+    Mutant("quantized packed product (AVX512-BF16 hosts): the second pair's q4 codes left 16 times too large "
+           "(not shifted down)",
            "infer/kernels/cpu_decode.c", "w[3] = _mm512_cvtepi32_ps(_mm512_srli_epi32(d1, 4));",
            "w[3] = _mm512_cvtepi32_ps(_mm512_and_si512(d1, _mm512_set1_epi32(0xf0)));",
            ("tests/test_quant_weights.py",)),
-    Mutant("quantized packed product: rows 0-7 of a q4 block plus rows 8-15's mins", "infer/kernels/cpu_decode.c",
+    Mutant("quantized packed product (AVX512-BF16 hosts): rows 0-7 of a q4 block plus rows 8-15's mins", NATIVE_C,
            "lo = _mm512_fmadd_ps(s_lo, w[2 * v], z_lo);", "lo = _mm512_fmadd_ps(s_lo, w[2 * v], z_hi);",
            ("tests/test_quant_weights.py",)),
     Mutant("pack_codes: q4 scales of 21 significant bits let through to the one-rounding product",
@@ -1511,7 +1521,7 @@ MUTANTS = [
            "infer/ragged.py", "else CAUSAL if chunk.start == 0 and (w is None or w >= chunk.num_tokens)",
            "else CAUSAL if chunk.start == 0",
            ("tests/property/test_engine_properties.py", "tests/test_engine.py")),
-    Mutant("native packed product: the second block's outputs biased by the first block's bias",
+    Mutant("native packed product (AVX512-BF16 hosts): the second block's outputs biased by the first block's bias",
            "infer/kernels/cpu_decode.c",
            "__m512 bv = (bias) ? bf16x16_widen(_mm256_maskz_loadu_epi16(mask, (bias) + col)) : _mm512_setzero_ps();",
            "__m512 bv = (bias) ? bf16x16_widen(_mm256_maskz_loadu_epi16(mask, (bias) + (c))) : _mm512_setzero_ps();",
@@ -1648,7 +1658,7 @@ MUTANTS = [
            "pf + chunk : pf_end;\n        switch (mr) { /* each",
            "int mr = (int)(m / tiles);\n        const char *end = pf + chunk < pf_end ? "
            "pf + chunk : pf_end;\n        switch (mr) { /* each", ("tests/test_native_kernels.py",)),
-    Mutant("q8 codes form: rows shared over the tiles without the remainder", NATIVE_C,
+    Mutant("q8 codes form (AVX512-BF16 hosts): rows shared over the tiles without the remainder", NATIVE_C,
            "int mr = (int)(m / tiles + (t < m % tiles));\n        const char *end = pf + chunk < pf_end ? "
            "pf + chunk : pf_end;\n        switch (mr) {\n#define CODES_TILE",
            "int mr = (int)(m / tiles);\n        const char *end = pf + chunk < pf_end ? "
@@ -1664,10 +1674,10 @@ MUTANTS = [
     Mutant("packed products: a quantized model's packed codes left on ordinary pages", "infer/models/transformer.py",
            "return replace(packed, codes=on_huge_pages(packed.codes)) if self.huge_pages else packed",
            "return packed", ("tests/test_huge_pages.py",)),
-    Mutant("packed product (AVX512-BF16): a tile's pairs after its prefetching ones restarted from the first",
+    Mutant("packed product (AVX512-BF16 hosts): a tile's pairs after its prefetching ones restarted from the first",
            NATIVE_C, "        for (; q < pairs; q++) PACKED_PAIR_BF16(q);\n    } else {",
            "        for (q = 0; q < pairs; q++) PACKED_PAIR_BF16(q);\n    } else {", ("tests/test_native_kernels.py",)),
-    Mutant("packed product (AVX512-BF16): the pair of a tile's odd last prefetch line taken twice", NATIVE_C,
+    Mutant("packed product (AVX512-BF16 hosts): the pair of a tile's odd last prefetch line taken twice", NATIVE_C,
            "            PACKED_PAIR_BF16(q);\n            q++;\n", "            PACKED_PAIR_BF16(q);\n",
            ("tests/test_native_kernels.py",)),
     Mutant("packed product (AVX2): a 6-row tile's odd inputs' weights widened as the even ones", NATIVE_C,
@@ -1760,7 +1770,7 @@ MUTANTS = [
            "return load_scale(F16, s.super, i >> s.shift) * (float)((const int8_t *)s.p)[i];",
            "return load_scale(F16, s.super, i >> 3) * (float)((const int8_t *)s.p)[i];",
            ("tests/test_quant_weights.py",)),
-    Mutant("factored k-quant scales: the expansion's second super-scale never taken", "infer/kernels/cpu_decode.c",
+    Mutant("factored k-quant scales (AVX512 hosts): the expansion's second super-scale never taken", NATIVE_C,
            "if (s.shift == 3) d = _mm512_mask_mov_ps(d, 0xFF00,",
            "if (s.shift == -3) d = _mm512_mask_mov_ps(d, 0xFF00,",
            ("tests/test_quant_weights.py",)),
@@ -2134,10 +2144,10 @@ MUTANTS = [
     Mutant("Q5_0's fifth bit read one place off", "infer/gguf_quants.py",
            "return (qh >> torch.arange(32, dtype=torch.int32)) & 1",
            "return (qh >> torch.arange(1, 33, dtype=torch.int32)) & 1", ("tests/test_gguf.py",)),
-    Mutant("four-run q4 product: run scales in the wrong lanes", "infer/kernels/cpu_decode.c",
+    Mutant("four-run q4 product (AVX512-BF16 hosts): run scales in the wrong lanes", "infer/kernels/cpu_decode.c",
            "_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)",
            "_mm512_set_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)", ("tests/test_quant_weights.py",)),
-    Mutant("four-run q4 product: x permuted run-major", "infer/kernels/cpu_decode.c",
+    Mutant("four-run q4 product (AVX512-BF16 hosts): x permuted run-major", "infer/kernels/cpu_decode.c",
            "memcpy(xp + j * k + b + part * 32 + run * 8, x + j * k + b + run * 32 + part * 8, 16);",
            "memcpy(xp + j * k + b + part * 32 + run * 8, x + j * k + b + part * 32 + run * 8, 16);",
            ("tests/test_quant_weights.py",)),
@@ -2228,20 +2238,20 @@ MUTANTS = [
            "out[..., rows] = F.linear(x, dense, None if bias is None else bias[rows])",
            "out[..., rows] = F.linear(x, dense, None if bias is None else bias[: rows.stop - start])",
            ("tests/test_quant_weights.py",)),
-    Mutant("native dequantizer (vector path): bf16 rounded toward zero", "infer/kernels/cpu_decode.c",
+    Mutant("native dequantizer (vector path) (AVX512 hosts): bf16 rounded toward zero", "infer/kernels/cpu_decode.c",
            "_mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)", "_mm512_add_epi32(_mm512_set1_epi32(0), odd)",
            ("tests/test_quant_weights.py",)),
     Mutant("quantized one-row product: odd groups' sums dropped", "infer/kernels/cpu_decode.c",
            "        if (g & 1) odd = qfma(qset1(scale_at(scales, g)), a, odd);",
            "        if (g & 1) odd = odd;", ("tests/test_quant_weights.py",)),
-    Mutant("bf16 GEMV: the second register's sums dropped", "infer/kernels/cpu_decode.c",
+    Mutant("bf16 GEMV (AVX512-BF16 hosts): the second register's sums dropped", "infer/kernels/cpu_decode.c",
            "    acc = _mm512_add_ps(acc, other);\n", "", ("tests/test_native_kernels.py",)),
     # Q6_K run as stored: q8 codes in groups of 16.
     Mutant("Q6_K one-row product: both halves of a run under the first half's scale", "infer/kernels/cpu_decode.c",
            "qvec ws = w[v] * qset1(scale_at(scales, (i + v * QLANES) / group));\n                if (v & 1)",
            "qvec ws = w[v] * qset1(scale_at(scales, i / group));\n                if (v & 1)",
            ("tests/test_quant_weights.py",)),
-    Mutant("Q6_K dequantizer: a run's second 16 under the first 16's scale", "infer/kernels/cpu_decode.c",
+    Mutant("Q6_K dequantizer (AVX512 hosts): a run's second 16 under the first 16's scale", NATIVE_C,
            "int64_t g = (i + 16 * v) / group;", "int64_t g = i / group;",
            ("tests/test_quant_weights.py",)),
     Mutant("Q6_K codes: the high bits of the last two runs of a half swapped", "infer/gguf_quants.py",
@@ -2252,18 +2262,18 @@ MUTANTS = [
            "if (bf16_q6) v -= 160.f * group_dot(rs, xsum + (j0 + j) * groups, groups);",
            "if (bf16_q6) v -= 128.f * group_dot(rs, xsum + (j0 + j) * groups, groups);",
            ("tests/test_quant_weights.py",)),
-    Mutant("Q6_K bf16 pairs: both groups of a run under the first's scale", "infer/kernels/cpu_decode.c",
+    Mutant("Q6_K bf16 pairs (AVX512-BF16 hosts): both groups of a run under the first's scale", NATIVE_C,
            "_mm256_set1_ps(scale_at(scales, 2 * r + 1))", "_mm256_set1_ps(scale_at(scales, 2 * r))",
            ("tests/test_quant_weights.py",)),
     # q8 codes (int8, Q8_0) against bf16 inputs by the pair instruction.
-    Mutant("q8 bf16 pairs: a run's two halves packed in swapped order", "infer/kernels/cpu_decode.c",
+    Mutant("q8 bf16 pairs (AVX512-BF16 hosts): a run's two halves packed in swapped order", NATIVE_C,
            "    return _mm512_cvtne2ps_pbh(hi, lo);", "    return _mm512_cvtne2ps_pbh(lo, hi);",
            ("tests/test_quant_weights.py",)),
-    Mutant("q8 bf16 pairs: a run pair's second run read against the first run's inputs", "infer/kernels/cpu_decode.c",
+    Mutant("q8 bf16 pairs (AVX512-BF16 hosts): a run pair's second run read against the first run's inputs", NATIVE_C,
            "a1[j] = _mm512_dpbf16_ps(a1[j], w1, (__m512bh)_mm512_loadu_si512(x + j * ldx + i + QCHUNK));",
            "a1[j] = _mm512_dpbf16_ps(a1[j], w1, (__m512bh)_mm512_loadu_si512(x + j * ldx + i));",
            ("tests/test_quant_weights.py",)),
-    Mutant("q8 bf16 pairs: the second chain of a row of x dropped from its group", "infer/kernels/cpu_decode.c",
+    Mutant("q8 bf16 pairs (AVX512-BF16 hosts): the second chain of a row of x dropped from its group", NATIVE_C,
            "else even[j] = _mm512_fmadd_ps(s, _mm512_add_ps(a0[j], a1[j]), even[j]);",
            "else even[j] = _mm512_fmadd_ps(s, a0[j], even[j]);", ("tests/test_quant_weights.py",)),
     Mutant("Q8_0 scales widened per row: each vector of 16 read from the next group on", "infer/kernels/cpu_decode.c",
@@ -2273,7 +2283,7 @@ MUTANTS = [
     Mutant("Q8_0 scales widened per row: the last groups past the vectors' left at zero", "infer/kernels/cpu_decode.c",
            "    for (; g < groups; g++) out[g] = load_scale(F16, s.p, g);", "    for (; g < groups; g++) out[g] = 0.f;",
            ("tests/test_quant_weights.py",)),
-    Mutant("q4 four runs: the second chain of products dropped", "infer/kernels/cpu_decode.c",
+    Mutant("q4 four runs (AVX512-BF16 hosts): the second chain of products dropped", "infer/kernels/cpu_decode.c",
            "total[j] = _mm512_fmadd_ps(s, _mm512_add_ps(acc, other), total[j]);",
            "total[j] = _mm512_fmadd_ps(s, acc, total[j]);", ("tests/test_quant_weights.py",)),
     Mutant("saved Q6_K codes not range-checked", "infer/loader.py",
@@ -2350,6 +2360,68 @@ MUTANTS = [
 ]
 
 
+# The x86 host kinds a planted bug in the C kernels may need, each as the -march its builds take and the flavours
+# (infer.kernels.native.FLAVOURS) it runs: the tests run every flavour the host has, so a site counts as compiled
+# on a kind if any of its builds compiles it. A bug planted where none of this host's builds compiles it (an
+# AVX512 loop on an AVX2 host) cannot be caught here; its name says which hosts it needs, as "(AMX hosts)".
+HOST_KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "AVX2": (("-march=x86-64-v3",), ("native", "avx2", "generic")),
+    "AVX512": (("-march=x86-64-v4",), ("native", "avx512f", "avx2", "generic")),
+    "AVX512-BF16": (("-march=x86-64-v4", "-mavx512bf16"), ("native", "avx512f", "avx2", "generic")),
+    "AMX": (("-march=sapphirerapids",), ("native", "avx512f", "avx2", "generic")),
+}
+HOST_TAG = re.compile(r"\((AVX512|AVX512-BF16|AMX) hosts\)")
+
+
+def c_sites_compiled(mutants: list[Mutant], builds: list[tuple[str, ...]]) -> set[str]:
+    """The names of the C planted bugs whose site one of these builds (compiler flags) compiles: the kernel
+    source is preprocessed once per build with a marker before each site, and a site counts where its marker
+    survives the build's #if branches."""
+    from infer.kernels.native import SOURCE
+
+    text = SOURCE.read_text()
+    ours = [m for m in mutants if ROOT / m.path == SOURCE and text.count(m.before) == 1]
+    marked = text
+    for start, i in sorted(((text.index(m.before), i) for i, m in enumerate(ours)), reverse=True):
+        line_start = text.rfind("\n", 0, start) + 1
+        # Before a directive the marker takes a line of its own (a token ahead of "#" would unmake it).
+        directive = not text[line_start:start].strip() and text[start:].startswith("#")
+        at = line_start if directive else start
+        marked = marked[:at] + (f"infer_site_{i}\n" if directive else f" infer_site_{i} ") + marked[at:]
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
+    seen: set[int] = set()
+    for flags in dict.fromkeys(builds):
+        proc = subprocess.run([compiler, "-E", "-O3", "-fopenmp", "-ffp-contract=off", *flags, "-x", "c", "-"],
+                              input=marked, capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} -E {' '.join(flags)} failed: {proc.stderr.strip()[-300:]}")
+        seen |= {int(i) for i in re.findall(r"\binfer_site_(\d+)\b", proc.stdout)}
+    return {ours[i].name for i in seen}
+
+
+def builds_of(march: tuple[str, ...], flavours: tuple[str, ...] | list[str]) -> list[tuple[str, ...]]:
+    """The compiler flags of each flavour's build on a host whose widest build takes `march`."""
+    from infer.kernels.native import FLAVOURS
+
+    return [(*march, *FLAVOURS[f]) for f in flavours]
+
+
+def not_compiled_here(mutants: list[Mutant]) -> set[str]:
+    """The C planted bugs none of this host's builds compiles (empty off x86 or without a compiler: then every
+    bug is run and any such one reports as surviving)."""
+    from infer.tuning import flavours_for_this_cpu
+
+    c_bugs = [m for m in mutants if m.path.endswith(".c")]
+    if not c_bugs:
+        return set()
+    try:
+        compiled = c_sites_compiled(c_bugs, builds_of(("-march=native",), flavours_for_this_cpu()))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        print(f"(could not tell which C sites this host compiles: {exc})")
+        return set()
+    return {m.name for m in c_bugs} - compiled
+
+
 def run(mutant: Mutant, checkpoints: str, full: bool) -> tuple[bool, float, str]:
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / "repo"
@@ -2403,17 +2475,27 @@ def main() -> int:
         print(f"unmutated suite (pytest -n auto): passed in {suite_secs:.0f} s on {os.cpu_count()} cores\n")
     # Optional words pick mutants by a substring of their name: `python tests/mutation_check.py top-p`.
     chosen = [m for m in MUTANTS if not words or any(word in m.name for word in words)]
+    # A bug planted where no build of this host compiles it cannot fail a test here: listed, not counted.
+    elsewhere = not_compiled_here(chosen)
     print(f"{'mutant':58} {'caught':7} {'secs':>5}  first failing test")
     survivors = []
     start = time.perf_counter()
     for mutant in chosen:
+        if mutant.name in elsewhere:
+            print(f"{mutant.name:58} {'n/a':7} {0:5.0f}  not compiled by this host's builds (needs "
+                  f"{HOST_TAG.search(mutant.name).group(1) if HOST_TAG.search(mutant.name) else 'another host'})",
+                  flush=True)
+            continue
         caught, secs, detail = run(mutant, checkpoints, full="--full" in flags)
         if not caught:
             survivors.append(mutant.name)
         print(f"{mutant.name:58} {'yes' if caught else 'NO':7} {secs:5.0f}  {detail}", flush=True)
-    killed = len(chosen) - len(survivors)
-    print(f"\nkill rate: {killed}/{len(chosen)} ({100 * killed / max(len(chosen), 1):.0f}%) "
+    ran = len(chosen) - len(elsewhere)
+    killed = ran - len(survivors)
+    print(f"\nkill rate: {killed}/{ran} ({100 * killed / max(ran, 1):.0f}%) "
           f"in {time.perf_counter() - start:.0f} s" + (f"; suite time {suite_secs:.0f} s" if suite_secs else ""))
+    if elsewhere:
+        print(f"not run: {len(elsewhere)} planted in C that only other hosts' builds compile (their names say which)")
     for name in survivors:
         print(f"SURVIVED: {name}")
     return 1 if survivors else 0
