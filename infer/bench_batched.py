@@ -25,8 +25,6 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from infer.bench_common import format_table, machine_info, measure_read_bandwidth, percentile, speed_ratio
 from infer.cache.paged_quantized import KV_CACHE_DTYPES
 from infer.models import Transformer
@@ -298,9 +296,9 @@ def machine_limits(model: Transformer, max_rows: int) -> Limits:
 
 
 def native_contender(model: Transformer) -> NativeKernels | None:
-    """The kernels whose packed bf16 product contends for the limit of `model`'s products: bf16 weights, a CPU
+    """The kernels whose packed product contends for the limit of `model`'s products: bf16 or fp32 weights, a CPU
     build that has it."""
-    return native_product_kernels(model.device) if model.dtype == torch.bfloat16 else None
+    return native_product_kernels(model.device, model.dtype)
 
 
 def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: dict[str, Any], run: BatchedRun,

@@ -178,10 +178,10 @@ def measure_limits(dtypes: tuple[torch.dtype, ...], device: torch.device, inputs
     """`Limits` with matmul rates of `[rows, inputs] @ [inputs, outputs]` for rows 1, 4, 16, 64, 256, 512 and
     `max_rows` (the step's token budget), each the fastest of `dtypes` (the weights' dtype and the one the products
     compute in: on a CPU without bf16 units a bf16 matmul is emulated 10-100x below an fp32 one, which is then the
-    machine's real limit for the same math) and, with `native` kernels, of their packed bf16 product (where it runs
-    faster than the library's matmul, as on a Zen 3 EPYC, that is the machine's limit, not the slower library's: a
-    limit the engine beats is none): the peak is the machine's, not the budget's (a budget below 512 rows would
-    otherwise lower the bar)."""
+    machine's real limit for the same math) and, with `native` kernels, of their packed product in the weights' dtype
+    (`dtypes[0]`, bf16 or fp32; where it runs faster than the library's matmul, as on a Zen 3 EPYC, that is the
+    machine's limit, not the slower library's: a limit the engine beats is none): the peak is the machine's, not the
+    budget's (a budget below 512 rows would otherwise lower the bar)."""
     rows = sorted({1, 4, 16, 64, 256, 512, max_rows})
     rates: dict[int, float] = {}
     emulated: set[torch.dtype] = set()
@@ -190,7 +190,7 @@ def measure_limits(dtypes: tuple[torch.dtype, ...], device: torch.device, inputs
                        if dtype not in emulated}
         contenders = list(dtype_rates.values())
         if native is not None:
-            contenders.append(native_product_rate(native, r, inputs, outputs))
+            contenders.append(native_product_rate(native, r, inputs, outputs, dtype=dtypes[0]))
         rates[r] = max(contenders)
         if r >= 16:  # a dtype 10x behind from 16 rows on is emulated (bf16 on a CPU without its units: ~1 GFLOP/s
             # on a Zen 3, 25 of the 28 s the limits took there); the larger row counts skip it
@@ -198,26 +198,31 @@ def measure_limits(dtypes: tuple[torch.dtype, ...], device: torch.device, inputs
     return Limits(rates, bandwidth)
 
 
-def native_product_kernels(device: torch.device) -> NativeKernels | None:
-    """The native kernels where their packed bf16 product runs on `device` (a CPU build that has it), else None."""
-    if device.type != "cpu":
+def native_product_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> NativeKernels | None:
+    """The native kernels where their packed product of `dtype` weights (bf16 or fp32) runs on `device` (a CPU build
+    that has it), else None."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return None
     from infer.kernels.native import native_kernels
 
     kernels = native_kernels()
-    return kernels if kernels is not None and kernels.packed_bf16_available else None
+    if kernels is None:
+        return None
+    return kernels if (kernels.packed_f32_available if dtype == torch.float32 else kernels.packed_bf16_available) \
+        else None
 
 
-def native_product_rate(kernels: NativeKernels, m: int, k: int, n: int, repeats: int = 5) -> float:
-    """FLOP/s of the native packed bf16 product (`NativeKernels.gemm_bf16_packed`, the engine's batched products)
-    on `[m, k] @ [k, n]`, the best of `repeats` after a warm-up."""
-    packed = kernels.pack_bf16(torch.randn(n, k).to(torch.bfloat16))
-    x = torch.randn(m, k).to(torch.bfloat16)
-    kernels.gemm_bf16_packed(packed, x, n)
+def native_product_rate(kernels: NativeKernels, m: int, k: int, n: int, repeats: int = 5,
+                        dtype: torch.dtype = torch.bfloat16) -> float:
+    """FLOP/s of the native packed product of `dtype` weights (`NativeKernels.gemm_packed`, the engine's batched
+    products) on `[m, k] @ [k, n]`, the best of `repeats` after a warm-up."""
+    packed = kernels.pack(torch.randn(n, k).to(dtype))
+    x = torch.randn(m, k).to(dtype)
+    kernels.gemm_packed(packed, x, n)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        kernels.gemm_bf16_packed(packed, x, n)
+        kernels.gemm_packed(packed, x, n)
         best = min(best, time.perf_counter() - start)
     return 2.0 * m * k * n / best
 

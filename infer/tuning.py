@@ -399,7 +399,7 @@ def _choose_packing(model: Transformer, batch_rows: int, forced: bool | str | No
     kernels = native_kernels()
     packed = {"onednn": [pack_weight(w if upcast is None else w.to(upcast)) for w in sweep] if "onednn" in layouts
               else [],
-              "native": [kernels.pack_bf16(w) for w in sweep] if "native" in layouts and kernels else []}
+              "native": [kernels.pack(w) for w in sweep] if "native" in layouts and kernels else []}
     few_rows = kernels is not None and gemm_rows > 1
     megabytes = sum(w.nbytes for w in sweep) / 2**20
     timed: list[str] = []
@@ -484,7 +484,8 @@ def choose_packed_ahead(model: Transformer, forced: int | None = None) -> Choice
 def _choose_packed_ahead(model: Transformer, kernels: NativeKernels | None) -> Choice:
     name, labels = _AHEAD_NAME, _AHEAD_LABELS
     products = [m for m in model.packable_products()
-                if isinstance(m, Linear) and m.packed is not None and m.packed_layout == "native"]
+                if isinstance(m, Linear) and m.packed is not None and m.packed_layout == "native"
+                and m.packed.dtype == torch.bfloat16]  # (an fp32 copy's product prefetches the next block itself)
     if kernels is None or not products:
         return Choice(name, "none", "no bf16 product packed for the native packed product")
     kept = {w.data_ptr() for w in _sweep_weights([m.weight for m in products],
@@ -644,7 +645,7 @@ def _upcast_products(sweep: list[torch.Tensor], inputs: dict[int, torch.Tensor],
 
 def _native_packed_products(kernels: NativeKernels, sweep: list[torch.Tensor], packed: list[torch.Tensor],
                             inputs: dict[int, torch.Tensor]) -> list[object]:
-    return [kernels.gemm_bf16_packed(p, inputs[w.shape[1]], w.shape[0]) for w, p in zip(sweep, packed, strict=True)]
+    return [kernels.gemm_packed(p, inputs[w.shape[1]], w.shape[0]) for w, p in zip(sweep, packed, strict=True)]
 
 
 def choose_quantized_tile_rows(weight: QuantizedWeight, quantized_rows: int, forced: int | None = None) -> Choice:
@@ -1014,7 +1015,7 @@ def _time_product_rates(model: Transformer, rows: list[int]) -> dict[int, float]
     kernels, device = native_kernels(), model.device
     native: Callable[[dict[int, torch.Tensor]], object] | None = None
     if kernels is not None and len(dense) == len(sweep) and native_packing_unavailable(dense) is None:
-        native = functools.partial(_native_packed_products, kernels, dense, [kernels.pack_bf16(w) for w in dense])
+        native = functools.partial(_native_packed_products, kernels, dense, [kernels.pack(w) for w in dense])
     elif (kernels is not None and len(coded) == len(sweep) and model.dtype == torch.bfloat16
           and native_packing_unavailable([], coded) is None):
         native = functools.partial(_quantized_packed_products, kernels,

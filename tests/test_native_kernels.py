@@ -17,7 +17,7 @@ from infer.families import ARCHITECTURES
 from infer.kernels import native
 from infer.kernels.native import DTYPE_CODES, native_kernels, unavailable_reason
 from infer.tuning import build_native_kernels, flavours_for_this_cpu
-from tests.helpers import env_set, on_threads
+from tests.helpers import env_set, fma32, on_threads
 
 
 def runnable_flavours() -> list[str]:
@@ -612,9 +612,82 @@ def test_blocks_taken_from_other_threads_are_the_static_splits(m: int, blocks: i
     assert_rows_are_the_formula(got["2"], list(got["0"]), w, x, bias)
 
 
+F32_PACKED_FLAVOURS = [f for f in FLAVOURS_HERE if getattr(native_kernels(f), "packed_f32_available", False)]
+
+
+def fused_sums(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The fp32 packed product's formula: each output's sum over k in order, every step a fused multiply-add rounded
+    once to fp32 (from +0), then the bias added (one more rounding)."""
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for i in range(w.shape[1]):
+        acc = fma32(acc, x[:, i : i + 1], w[:, i][None, :])
+    return acc if bias is None else acc + bias
+
+
+@pytest.mark.skipif(not F32_PACKED_FLAVOURS, reason="the fp32 packed product needs AVX2 with FMA")
+@settings(max_examples=50, deadline=None)
+@given(m=st.integers(1, 21), n=st.integers(1, 70), k=st.integers(1, 150), with_bias=st.booleans(),
+       threads=st.integers(1, 3), seed=st.integers(0, 2**16),
+       flavour=st.sampled_from(F32_PACKED_FLAVOURS or ["native"]))
+def test_the_packed_f32_product_is_its_fused_sums_bit_for_bit(m: int, n: int, k: int, with_bias: bool, threads: int,
+                                                              seed: int, flavour: str) -> None:
+    """`gemm_f32_packed` on a weight `pack_f32` packed (blocks of 16 rows input-major, the last one padded; tiles of up
+    to 6 input rows, rows shared evenly over the tiles; row and column tails; any thread count): every output bit for
+    bit its fp32 fused multiply-adds over k in order plus the bias (so no row depends on the others), and neither
+    packing nor the product touches the caller's tensors."""
+    kernels = native_kernels(flavour)
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(seed)
+    w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    w_before, x_before = w.clone(), x.clone()
+    with on_threads(threads):
+        packed = kernels.pack_f32(w)
+        y = kernels.gemm_f32_packed(packed, x, n, bias)
+    assert torch.equal(w, w_before) and torch.equal(x, x_before), "the caller's tensors changed"
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    want = fused_sums(w, x, bias)
+    assert torch.equal(y, want), f"{(y - want).abs().max().item():.3g} from the fused sums in order"
+
+
+@pytest.mark.parametrize(("m", "k"), [(70, 3000), (9, 6000)])
+@pytest.mark.parametrize("flavour", F32_PACKED_FLAVOURS)
+def test_the_packed_f32_product_passes_many_rows_in_groups(m: int, k: int, flavour: str) -> None:
+    """Rows past what one pass keeps in L2 (192 KiB: 12 rows of k = 3000, 6 of 6000) go through the weights in groups
+    (and a 3-D input keeps its shape): every output still its fused sums bit for bit."""
+    kernels = native_kernels(flavour)
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(m)
+    w, x, bias = torch.randn(37, k, generator=gen), torch.randn(m, k, generator=gen), torch.randn(37, generator=gen)
+    y = kernels.gemm_f32_packed(kernels.pack_f32(w), x.view(1, m, k), 37, bias)
+    assert y.shape == (1, m, 37) and torch.equal(y[0], fused_sums(w, x, bias))
+
+
+@needs_build
+def test_the_packed_f32_product_refuses_what_it_cannot_take() -> None:
+    """A weight that is not fp32, a packed weight of another shape or dtype and inputs that are not fp32: one clear
+    error each; a build without AVX2 and FMA (the generic flavour) says it has no fp32 packed product."""
+    kernels = native_kernels()
+    assert kernels is not None
+    with pytest.raises(ValueError, match="pack_f32 takes a contiguous fp32 CPU weight"):
+        kernels.pack_f32(torch.zeros(4, 6, dtype=torch.bfloat16))
+    packed = kernels.pack_f32(torch.zeros(20, 8))
+    with pytest.raises(ValueError, match="is not \\[20, 6\\] packed by pack_f32"):
+        kernels.gemm_f32_packed(packed, torch.zeros(3, 6), 20)
+    with pytest.raises(ValueError, match="is not \\[20, 8\\] packed by pack_f32"):
+        kernels.gemm_f32_packed(packed.bfloat16(), torch.zeros(3, 8), 20)
+    with pytest.raises(ValueError, match="takes fp32 inputs and bias, got torch.bfloat16"):
+        kernels.gemm_f32_packed(packed, torch.zeros(3, 8, dtype=torch.bfloat16), 20)
+    generic = native_kernels("generic") if "generic" in FLAVOURS_HERE else None
+    if generic is not None:
+        assert not generic.packed_f32_available
+        with pytest.raises(ValueError, match="the fp32 packed product needs AVX2 with FMA"):
+            generic.gemm_f32_packed(generic.pack_f32(torch.zeros(20, 8)), torch.zeros(3, 8), 20)
+
+
 @needs_packed_bf16
 def test_the_packed_bf16_product_refuses_what_it_cannot_take() -> None:
-    """An odd k, a packed weight of another shape and a weight that is not bf16: one clear error each."""
+    """An odd k, a packed weight of another shape or dtype and a weight that is not bf16: one clear error each."""
     kernels = native_kernels()
     assert kernels is not None
     with pytest.raises(ValueError, match="k even"):
@@ -624,6 +697,8 @@ def test_the_packed_bf16_product_refuses_what_it_cannot_take() -> None:
     packed = kernels.pack_bf16(torch.zeros(20, 8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="is not \\[20, 6\\] packed"):
         kernels.gemm_bf16_packed(packed, torch.zeros(3, 6, dtype=torch.bfloat16), 20)
+    with pytest.raises(ValueError, match="torch.float32 values is not \\[20, 8\\] packed by pack_bf16"):
+        kernels.gemm_bf16_packed(packed.float(), torch.zeros(3, 8, dtype=torch.bfloat16), 20)  # (as many values)
 
 
 @needs_build

@@ -62,6 +62,7 @@ def count_packed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     rows: list[int] = []
     product, native = transformer.packed_linear, NativeKernels.gemm_bf16_packed
+    native_f32 = NativeKernels.gemm_f32_packed
 
     def counted(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows.append(x.numel() // x.shape[-1])
@@ -72,12 +73,19 @@ def count_packed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         rows.append(x.numel() // x.shape[-1])
         return native(self, packed, x, n, bias)
 
+    def counted_f32(self: NativeKernels, packed: torch.Tensor, x: torch.Tensor, n: int,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows.append(x.numel() // x.shape[-1])
+        return native_f32(self, packed, x, n, bias)
+
     monkeypatch.setattr(transformer, "packed_linear", counted)
     monkeypatch.setattr(NativeKernels, "gemm_bf16_packed", counted_native)
+    monkeypatch.setattr(NativeKernels, "gemm_f32_packed", counted_f32)
     return rows
 
 
 NATIVE_PACKING = native_packing_unavailable([torch.zeros(2, 2, dtype=torch.bfloat16)])
+NATIVE_F32_PACKING = native_packing_unavailable([torch.zeros(2, 2)])
 # (quantized codes pack wherever dense bf16 weights do: the pair instruction, or AVX2's FMA path on bf16 blocks)
 CODES_PACKING = NATIVE_PACKING or (None if native_kernels() is not None and native_kernels().packed_codes_available
                                    else "no native packed product on codes in this build")
@@ -136,7 +144,8 @@ def test_packed_products_run_past_the_native_rows_within_rounding(arch: str, lay
 
 
 def test_packing_is_refused_with_the_reason() -> None:
-    """fp32 weights (and a bad argument) get one clear error; the model is left unpacked."""
+    """fp32 weights in oneDNN's layout (and a bad argument) get one clear error; the model is left unpacked. The
+    native layout takes fp32 weights where the build has the fp32 packed product."""
     import infer
     from reference import build_checkpoint
 
@@ -150,14 +159,18 @@ def test_packing_is_refused_with_the_reason() -> None:
         model.pack_products(False, native_rows=0)
     with pytest.raises(ValueError, match="layout must be one of onednn, native"):
         model.pack_products(True, layout="blocked")
-    with pytest.raises(ValueError, match="native packed product: the weights are not bf16"):
+    if NATIVE_F32_PACKING is None:
         model.pack_products(True, layout="native")
+        assert model.packed_layout == "native" and all(
+            isinstance(p.packed, torch.Tensor) and p.packed.dtype == torch.float32 for p in model.packable_products())
+        model.pack_products(False)
     assert not model.packed_products
 
 
 def test_the_engine_chooses_packing_or_takes_the_callers_word() -> None:
     """`Engine(packed_products=None)` measures (recorded with its reason), True packs, False unpacks; fp32 weights
-    stay unpacked under auto and are refused under True, naming why."""
+    have no oneDNN layout (refused under True, naming why) and, where the build has the fp32 packed product, are
+    measured for the native one under auto and take it when asked (refused, naming why, where it has not)."""
     import infer
     from infer.engine import Engine
     from infer.tuning import CHOICES
@@ -166,15 +179,26 @@ def test_the_engine_chooses_packing_or_takes_the_callers_word() -> None:
     path = build_checkpoint("llama")
     fp32 = infer.load_model(path, dtype="float32")
     Engine(fp32, None, num_blocks=16)
-    assert not fp32.packed_products and "not bf16" in CHOICES["packed products"].reason
+    choice = CHOICES["packed products"]
+    if NATIVE_F32_PACKING is None:
+        assert choice.value in {"native", "off"} and "F.linear" in choice.reason, choice
+        assert (fp32.packed_layout or "off") == choice.value
+    else:
+        assert not fp32.packed_products and NATIVE_F32_PACKING in choice.reason
     with pytest.raises(ValueError, match="packed_products=True needs oneDNN's bf16 GEMM: the weights are not bf16"):
         Engine(fp32, None, num_blocks=16, packed_products=True)
     with pytest.raises(TypeError, match="packed_products must be True, False, None"):
         Engine(fp32, None, num_blocks=16, packed_products=1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"or a layout \(onednn, native\), got 'mkl'"):
         Engine(fp32, None, num_blocks=16, packed_products="mkl")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="packed_products='native' needs the native packed product: the weights"):
+    if NATIVE_F32_PACKING is None:
         Engine(fp32, None, num_blocks=16, packed_products="native")
+        assert fp32.packed_layout == "native"
+        # (how far ahead the bf16 packed product prefetches is timed on bf16 copies: an fp32 model has none)
+        assert CHOICES["packed product prefetch"].value == "none"
+    else:
+        with pytest.raises(ValueError, match="packed_products='native' needs the native packed product"):
+            Engine(fp32, None, num_blocks=16, packed_products="native")
     if PACKING is not None:
         return
     bf16 = infer.load_model(path, dtype="bfloat16")
@@ -232,6 +256,38 @@ def test_the_engine_with_packed_products_answers_to_the_solo_runs(layout: str, u
         engine.step()
     assert rows, "no step took the packed products"
     assert_within_rounding_of_solo_runs(engine, model, prompts, ids)
+
+
+@pytest.mark.skipif(NATIVE_F32_PACKING is not None, reason=f"no fp32 packed product: {NATIVE_F32_PACKING}")
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text"])
+def test_an_fp32_engine_on_packed_products_is_exact_to_the_solo_runs(arch: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fp32 model's engine with its products packed natively (every product of 2 rows or more: prefill chunks,
+    decode batches, the LM head; Qwen 2's q/k/v biases, Gemma 3's tied head): each request's greedy tokens those of
+    its solo run and its fp32 logits within 1e-5 of the solo run fed the same tokens (whose products are F.linear's
+    and the one-row kernel's: only the order of the fp32 sums differs)."""
+    import infer
+    from infer.engine import Engine
+    from infer.sampling import SamplingParams
+    from reference import build_checkpoint
+    from tests.helpers import assert_close, solo_logits
+
+    model = infer.load_model(build_checkpoint(arch), dtype="float32")
+    rows = count_packed(monkeypatch)
+    prompts = [[5, 9, 2, 8, 8, 1, 3, 3, 9], [7, 7, 1, 3], [11], [4, 4, 4, 4, 4, 4, 4], [6, 2]]
+    engine = Engine(model, None, num_blocks=32, keep_logits=True, packed_products="native")
+    assert model.packed_layout == "native"
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    ids = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    assert rows and max(rows) > 1, "no step took the packed products"
+    for prompt, rid in zip(prompts, ids, strict=True):
+        result = engine.result(rid)
+        assert result.token_ids == infer.generate(model, None, prompt, params).token_ids
+        solo = solo_logits(model, prompt, result.token_ids)
+        assert result.logits is not None
+        assert_close(result.logits, solo, 1e-5 * max(1.0, solo.abs().max().item()), f"request {rid} logits")
 
 
 @needs_packing

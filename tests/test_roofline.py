@@ -158,13 +158,24 @@ def test_the_limits_take_the_faster_of_the_weights_and_the_compute_dtype(monkeyp
 
 def test_the_limits_take_the_native_product_where_it_beats_the_library(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the native packed product runs a shape faster than the library's matmul (oneDNN's fp32 GEMM on a Zen 3
-    EPYC), the limit is its rate: a limit the engine's own products beat would put the engine above 1.0 of it."""
+    EPYC), the limit is its rate: a limit the engine's own products beat would put the engine above 1.0 of it. The
+    product timed is the weights' dtype's (an fp32 model's fp32 packed product, a bf16 model's bf16 one)."""
     import infer.roofline as roofline
 
+    asked: list[torch.dtype] = []
+
+    def native_rate(kernels: object, m: int, k: int, n: int, dtype: torch.dtype = torch.bfloat16) -> float:
+        asked.append(dtype)
+        return 50.0 * m if m >= 16 else 1.0
+
     monkeypatch.setattr(roofline, "matmul_rate", lambda dtype, device, m, k, n: 10.0 * m)
-    monkeypatch.setattr(roofline, "native_product_rate", lambda kernels, m, k, n: 50.0 * m if m >= 16 else 1.0)
+    monkeypatch.setattr(roofline, "native_product_rate", native_rate)
     native = object()
     limits = roofline.measure_limits((torch.float32,), torch.device("cpu"), 8, 8, 24, 1e9, native)  # type: ignore[arg-type]
+    assert set(asked) == {torch.float32}, "an fp32 model's limit timed another dtype's packed product"
+    asked.clear()
+    roofline.measure_limits((torch.bfloat16, torch.float32), torch.device("cpu"), 8, 8, 24, 1e9, native)  # type: ignore[arg-type]
+    assert set(asked) == {torch.bfloat16}, "a bf16 model's limit timed another dtype's packed product"
     assert limits.flops_by_rows[1] == 10.0 and limits.flops_by_rows[4] == 40.0
     assert limits.flops_by_rows[16] == 50.0 * 16 and limits.peak_flops == 50.0 * 512
     without = roofline.measure_limits((torch.float32,), torch.device("cpu"), 8, 8, 24, 1e9)
@@ -172,24 +183,26 @@ def test_the_limits_take_the_native_product_where_it_beats_the_library(monkeypat
     assert roofline.native_product_kernels(torch.device("meta")) is None
 
 
-def test_the_native_product_rate_times_the_product_it_names() -> None:
-    """The rate is the packed product's FLOPs over its time: a product of 4x the rows takes longer (the rate is not a
-    constant, nor the library's matmul timed under its name)."""
+@pytest.mark.parametrize(("dtype", "name"), [(torch.bfloat16, "gemm_bf16_packed"), (torch.float32, "gemm_f32_packed")])
+def test_the_native_product_rate_times_the_product_it_names(dtype: torch.dtype, name: str) -> None:
+    """The rate is the packed product's FLOPs over its time, the product of the dtype asked (the calls counted: not a
+    constant, nor the library's matmul or another dtype's product timed under its name)."""
     import infer.roofline as roofline
 
-    kernels = roofline.native_product_kernels(torch.device("cpu"))
+    kernels = roofline.native_product_kernels(torch.device("cpu"), dtype)
     if kernels is None:
-        pytest.skip("this build has no native packed bf16 product")
+        pytest.skip(f"this build has no native packed {dtype} product")
     calls: list[int] = []
-    product = type(kernels).gemm_bf16_packed
+    product = getattr(type(kernels), name)
 
-    def counted(self: object, packed: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
+    def counted(self: object, packed: torch.Tensor, x: torch.Tensor, n: int, bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
         calls.append(x.shape[0])
-        return product(self, packed, x, n)  # type: ignore[arg-type]
+        return product(self, packed, x, n, bias)  # type: ignore[no-any-return]
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(type(kernels), "gemm_bf16_packed", counted)
-        rate = roofline.native_product_rate(kernels, 64, 256, 512, repeats=3)
+        patch.setattr(type(kernels), name, counted)
+        rate = roofline.native_product_rate(kernels, 64, 256, 512, repeats=3, dtype=dtype)
     assert calls == [64] * 4 and rate > 0.0
 
 

@@ -213,6 +213,11 @@ class NativeKernels:
         lib.infer_pack_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
         lib.infer_pack_bf16.restype = None
         self._gemm_bf16_packed, self._pack_bf16 = lib.infer_gemm_bf16_packed, lib.infer_pack_bf16
+        lib.infer_gemm_f32_packed.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        lib.infer_gemm_f32_packed.restype = ctypes.c_int
+        lib.infer_pack_f32.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+        lib.infer_pack_f32.restype = None
+        self._gemm_f32_packed, self._pack_f32 = lib.infer_gemm_f32_packed, lib.infer_pack_f32
         # fmt, codes, scale dtype, scales, mins, x, bias, y, m, n, k, group, threads
         qgemm_args: list[Any] = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, *[ctypes.c_void_p] * 5,
                                  *[ctypes.c_int64] * 4, ctypes.c_int]
@@ -257,6 +262,8 @@ class NativeKernels:
         # The packed product runs on the pair instruction, or on AVX2's fp32 FMAs with the weights widened in
         # registers (CPUs without bf16 units).
         self.packed_bf16_available = lib.infer_gemm_bf16_packed(None, None, None, None, 0, 0, 0, 1) == 0
+        # The fp32 packed product (an fp32 model's batched products): AVX2 with FMA (AVX512 builds have them too).
+        self.packed_f32_available = lib.infer_gemm_f32_packed(None, None, None, None, 0, 0, 0, 1) == 0
         # The packed product on a quantized weight's packed codes: wherever the packed product runs (AVX2 dequantizes
         # each block into bf16 for its fp32 FMAs); a call on no rows of a valid shape asks.
         self.packed_codes_available = lib.infer_qgemm_packed(0, None, None, None, None, None, None, 0, 0, 32, 32,
@@ -338,6 +345,21 @@ class NativeKernels:
         self._pack_bf16(weight.data_ptr(), packed.data_ptr(), n, k, torch.get_num_threads())
         return packed
 
+    def pack_f32(self, weight: torch.Tensor) -> torch.Tensor:
+        """A copy of the fp32 weight `[n, k]` in the layout `gemm_f32_packed` reads: blocks of 16 rows, input-major
+        (input i's 16 weights of a block side by side; zero rows fill the last block). The weight is unchanged."""
+        if weight.dtype != torch.float32 or weight.dim() != 2 or not self.supports(weight):
+            raise ValueError(f"pack_f32 takes a contiguous fp32 CPU weight [n, k], got {weight.dtype} "
+                             f"{tuple(weight.shape)}")
+        n, k = weight.shape
+        packed = torch.empty(-(-n // 16) * 16 * k, dtype=torch.float32)
+        self._pack_f32(weight.data_ptr(), packed.data_ptr(), n, k, torch.get_num_threads())
+        return packed
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """`pack_bf16` or `pack_f32`, by the weight's dtype: the copy the packed product (`gemm_packed`) reads."""
+        return self.pack_f32(weight) if weight.dtype == torch.float32 else self.pack_bf16(weight)
+
     def code_sums(self, fmt: str, k: int) -> bool:
         """Whether `quantized_gemm_packed` multiplies codes of format `fmt` ("q8", "q6", "q4") with inner size `k`
         in the codes form (q8 codes on AVX512-BF16 off AMX tiles, INFER_PACKED_CODE_SUMS not 0): each code exact as
@@ -369,8 +391,9 @@ class NativeKernels:
         sums), each its own row's fp32 sum rounded once. Needs `packed_bf16_available` (AVX512-BF16's pair
         instruction, or AVX2 and FMA)."""
         k = x.shape[-1]
-        if packed.numel() != -(-n // 16) * 16 * k:
-            raise ValueError(f"a packed weight of {packed.numel()} values is not [{n}, {k}] packed")
+        if packed.dtype != torch.bfloat16 or packed.numel() != -(-n // 16) * 16 * k:
+            raise ValueError(f"a packed weight of {packed.numel()} {packed.dtype} values is not [{n}, {k}] packed "
+                             "by pack_bf16")
         rows, bias, out = _bf16_operands(x, k, n, bias)
         code = self._gemm_bf16_packed(packed.data_ptr(), rows.data_ptr(), None if bias is None else bias.data_ptr(),
                                       out.data_ptr(), rows.shape[0], n, k, torch.get_num_threads())
@@ -380,6 +403,34 @@ class NativeKernels:
             raise ValueError(f"the native packed product needs AVX512-BF16 or AVX2 with FMA (this build: "
                              f"{self.isa}) and an even k (k={k})")
         return out.view(*x.shape[:-1], n)
+
+    def gemm_f32_packed(self, packed: torch.Tensor, x: torch.Tensor, n: int, bias: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+        """x [..., k] (fp32) times a weight of `n` outputs that `pack_f32` packed (+ bias): 16 outputs in two
+        registers, each its own row's fp32 sum over k in order by fused multiply-adds, then the bias (never
+        depending on the call's other rows). Needs `packed_f32_available` (AVX2 and FMA)."""
+        k = x.shape[-1]
+        if packed.dtype != torch.float32 or packed.numel() != -(-n // 16) * 16 * k:
+            raise ValueError(f"a packed weight of {packed.numel()} {packed.dtype} values is not [{n}, {k}] packed "
+                             "by pack_f32")
+        if x.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
+            raise ValueError(f"gemm_f32_packed takes fp32 inputs and bias, got {x.dtype}"
+                             + ("" if bias is None else f" and {bias.dtype}"))
+        rows = x.reshape(-1, k).contiguous()
+        bias = None if bias is None else bias.contiguous()
+        out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+        code = self._gemm_f32_packed(packed.data_ptr(), rows.data_ptr(), None if bias is None else bias.data_ptr(),
+                                     out.data_ptr(), rows.shape[0], n, k, torch.get_num_threads())
+        if code:
+            raise ValueError(f"the fp32 packed product needs AVX2 with FMA (this build: {self.isa})")
+        return out.view(*x.shape[:-1], n)
+
+    def gemm_packed(self, packed: torch.Tensor, x: torch.Tensor, n: int, bias: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+        """`gemm_f32_packed` for an fp32 packed copy (`pack`), else `gemm_bf16_packed`."""
+        if packed.dtype == torch.float32:
+            return self.gemm_f32_packed(packed, x, n, bias)
+        return self.gemm_bf16_packed(packed, x, n, bias)
 
     def quantized_gemm_bf16(self, weight: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None = None
                             ) -> torch.Tensor:

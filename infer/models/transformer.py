@@ -67,7 +67,8 @@ class ProjectionTraits:
     # A fused Linear (fuse_linears) computes its parts' products: all of them, or only one-row native ones.
     all_rows: bool = True
     # A copy of the weight packed for the engine's steps (Transformer.pack_products), or None: in oneDNN's blocked
-    # layout (`pack_weight`) or in the native packed product's (`packed_layout` "native", NativeKernels.pack_bf16;
+    # layout (`pack_weight`) or in the native packed product's (`packed_layout` "native", NativeKernels.pack: bf16
+    # or fp32;
     # a quantized weight's codes: `pack_codes`); the rows of input past which the engine's steps take it (up to
     # them, the native few-row kernel), and up to which (None: every count; past them the unpacked form, where the
     # choice measured the packed product slower: infer.tuning.choose_packed_products).
@@ -120,8 +121,9 @@ class Linear(ProjectionTraits, nn.Linear):
             # F.linear packs it again on every call (as long as the product itself at a few dozen rows); or the
             # native packed product (16 outputs a register), which takes every row count from 2.
             if self.packed_layout == "native" and self.upcast in (None, torch.float32):
-                # (fp32 sums of the bf16 operands rounded once: what the products upcast to fp32 compute too)
-                return native_kernels_or_raise().gemm_bf16_packed(self.packed, x, self.out_features, self.bias)
+                # (fp32 sums of the bf16 operands rounded once: what the products upcast to fp32 compute too; an fp32
+                # weight's copy: its fp32 sums)
+                return native_kernels_or_raise().gemm_packed(self.packed, x, self.out_features, self.bias)
             if self.packed_layout == "onednn" and self.packed.dtype == self.weight.dtype and self.upcast is None:
                 return packed_linear(x, self.packed, self.bias)
             if self.packed_layout == "onednn" and self.packed.dtype == self.upcast:
@@ -183,18 +185,24 @@ def packing_unavailable(weights: list[torch.Tensor], upcast: torch.dtype | None 
 def native_packing_unavailable(weights: list[torch.Tensor], coded: list[QuantizedLinear] | None = None
                                ) -> str | None:
     """Why the native packed product cannot take these weights and quantized projections (`coded`; None: it can):
-    bf16 CPU weights of even inputs, CPU codes whose scales the native kernels take (`NativeKernels.takes`), and a
-    native build with the bf16 pair instruction (AVX512-BF16) or AVX2 with FMA."""
+    bf16 CPU weights of even inputs, or fp32 ones (an fp32 model's: `NativeKernels.pack_f32`, AVX2 with FMA), CPU
+    codes whose scales the native kernels take (`NativeKernels.takes`) beside bf16 weights, and a native build with
+    the bf16 pair instruction (AVX512-BF16) or AVX2 with FMA."""
     coded = coded or []
-    if (weights or not coded) and (why := _not_bf16_on_the_cpu(weights)) is not None:
+    fp32 = bool(weights) and not coded and all(w.dtype == torch.float32 for w in weights)
+    if fp32 and any(w.device.type != "cpu" for w in weights):
+        return "the weights are not on the CPU"
+    if not fp32 and (weights or not coded) and (why := _not_bf16_on_the_cpu(weights)) is not None:
         return why
     if any(m.codes.device.type != "cpu" for m in coded):
         return "the weights are not on the CPU"
-    if any(w.shape[1] % 2 for w in weights):
+    if not fp32 and any(w.shape[1] % 2 for w in weights):
         return "a projection has an odd number of inputs"
     kernels = native_kernels()
     if kernels is None:
         return f"no native kernels: {unavailable_reason()}"
+    if fp32:
+        return None if kernels.packed_f32_available else f"this build ({kernels.isa}) has no AVX2 with FMA"
     if (weights and not kernels.packed_bf16_available) or (coded and not kernels.packed_codes_available):
         return f"this build ({kernels.isa}) has neither AVX512-BF16 nor AVX2 with FMA"
     if not all(kernels.takes(m.qweight) for m in coded):
@@ -773,7 +781,7 @@ class Transformer(nn.Module):
                 kernels = native_kernels_or_raise()
 
                 def pack(weight: torch.Tensor) -> torch.Tensor:  # (streamed each step, as the weights are: same pages)
-                    packed = kernels.pack_bf16(weight)
+                    packed = kernels.pack(weight)
                     return on_huge_pages(packed) if self.huge_pages else packed
 
                 # The codes on the same pages: a 150M Llama's 12 layers of int8 / int4 products at 16 rows ran

@@ -18,6 +18,7 @@ import infer
 from infer.config import ModelConfig
 from infer.engine import Engine
 from infer.kernels import triton_available
+from infer.models.transformer import native_packing_unavailable
 from infer.ragged import DECODE_KERNELS, IN_PLACE_KERNELS
 from infer.sampling import SamplingParams
 from tests.helpers import TEST_DEVICE, assert_close, check_pool_invariants, random_model, solo_logits
@@ -27,6 +28,9 @@ from tests.property.strategies import model_configs
 # sets without a GPU); the native paged kernel is the CPU's alone.
 KERNELS = [k for k in DECODE_KERNELS if (k != "triton" or triton_available(torch.device(TEST_DEVICE).type))
            and (k != "native" or TEST_DEVICE == "cpu")]
+# The fp32 models' products as F.linear's, or packed for the native fp32 packed product where the build has it.
+PACKINGS: list[bool | str] = [False] + (["native"] if TEST_DEVICE == "cpu" and native_packing_unavailable(
+    [torch.zeros(2, 2)]) is None else [])
 
 
 @st.composite
@@ -75,6 +79,7 @@ def workloads(draw: st.DrawFn, config: ModelConfig) -> dict:
         # Pure-decode steps at padded static shapes (what CUDA graphs replay), run eagerly here.
         "decode_graphs": kernel != "per-sequence" and draw(st.booleans()),
         "mixed_graphs": False,
+        "packed_products": draw(st.sampled_from(PACKINGS)),
     }
     # With the padded path and every token a kernel row, steps carrying prompt chunks padded too (`mixed_graphs`).
     if w["decode_graphs"] and w["chunk_attention"] in IN_PLACE_KERNELS:
@@ -90,7 +95,8 @@ def test_each_request_equals_its_solo_run(data: st.DataObject, config: ModelConf
                     max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=w["budget"],
                     enable_prefix_caching=w["prefix_caching"], keep_logits=True,
                     decode_attention=w["decode_attention"], decode_graphs=w["decode_graphs"],
-                    chunk_attention=w["chunk_attention"], mixed_graphs=w["mixed_graphs"])
+                    chunk_attention=w["chunk_attention"], mixed_graphs=w["mixed_graphs"],
+                    packed_products=w["packed_products"])
     ids: dict[int, int] = {}  # request index -> engine id
     step = 0
     while step < 500 and (step <= 4 or engine.has_unfinished()):
@@ -110,6 +116,7 @@ def test_each_request_equals_its_solo_run(data: st.DataObject, config: ModelConf
     assert manager.num_free == manager.num_blocks, "blocks still held after every request ended"
     event(f"preempted: {engine.stats.preemptions > 0}")
     event(f"padded decode steps: {engine.stats.graph_steps > 0}")
+    event(f"products packed: {w['packed_products'] or 'no'}")
     event(f"padded steps with prompt tokens: {engine.stats.graph_prompt_steps > 0}")
     if engine.ring is not None:  # sliding layers in rings: did a ring wrap (a sequence outgrow its ring)?
         ring_slots = engine.ring.blocks_per_ring * w["block_size"]
