@@ -17,6 +17,7 @@ import infer
 from infer import SamplingParams
 from infer.kernels import triton_available
 from infer.kernels.native import native_kernels
+from infer.models.transformer import native_packing_unavailable
 from infer.quality import one_pass_logits
 from tests.helpers import TEST_DEVICE, assert_close, solo_logits
 
@@ -92,7 +93,11 @@ def test_the_engine_batches_chunks_and_matches_solo_runs_and_transformers(
     assert len(set(lengths)) == len(lengths) and max(lengths) > 64, lengths
     prompts.append(chat(tokenizer, "Tell me a short story about a robot who learns to paint."))
     params = [greedy] * (len(prompts) - 1) + [sampled]
-    engine = infer.Engine(ours_fp32, tokenizer, num_blocks=64, block_size=16, max_num_batched_tokens=64)
+    # The products of 2 rows or more on the fp32 packed product where the build has it (the padded run below keeps
+    # F.linear's): pinned, not measured, so every machine checks the same paths.
+    packing = "native" if native_packing_unavailable([ours_fp32.lm_head.weight]) is None else False
+    engine = infer.Engine(ours_fp32, tokenizer, num_blocks=64, block_size=16, max_num_batched_tokens=64,
+                          packed_products=packing)
     batched = engine.generate(prompts, params)
     # The same requests with every step at a padded shape, those carrying prompt chunks too (`mixed_graphs`: on
     # CUDA replayed from graphs, here the same padded steps run eagerly), every token a row of the in-place kernel.
@@ -100,7 +105,8 @@ def test_the_engine_batches_chunks_and_matches_solo_runs_and_transformers(
     padded = None
     if kernel == "triton" or native_kernels() is not None:
         padding = infer.Engine(ours_fp32, tokenizer, num_blocks=64, block_size=16, max_num_batched_tokens=64,
-                               decode_graphs=True, decode_attention=kernel, chunk_attention=kernel, mixed_graphs=True)
+                               decode_graphs=True, decode_attention=kernel, chunk_attention=kernel, mixed_graphs=True,
+                               packed_products=False)
         padded = padding.generate(prompts, params)
         assert padding.stats.graph_steps == padding.stats.steps and padding.stats.graph_prompt_steps > 0
     for i, (prompt, p, result) in enumerate(zip(prompts, params, batched, strict=True)):
