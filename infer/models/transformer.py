@@ -67,9 +67,8 @@ class ProjectionTraits:
     # A fused Linear (fuse_linears) computes its parts' products: all of them, or only one-row native ones.
     all_rows: bool = True
     # A copy of the weight packed for the engine's steps (Transformer.pack_products), or None: in oneDNN's blocked
-    # layout (`pack_weight`) or in the native packed product's (`packed_layout` "native", NativeKernels.pack: bf16
-    # or fp32;
-    # a quantized weight's codes: `pack_codes`); the rows of input past which the engine's steps take it (up to
+    # layout (`pack_weight`) or in the native packed product's (`packed_layout` "native", NativeKernels.pack: bf16 or
+    # fp32; a quantized weight's codes: `pack_codes`); the rows of input past which the engine's steps take it (up to
     # them, the native few-row kernel), and up to which (None: every count; past them the unpacked form, where the
     # choice measured the packed product slower: infer.tuning.choose_packed_products).
     packed: torch.Tensor | PackedCodes | None = None
