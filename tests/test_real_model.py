@@ -97,7 +97,7 @@ def test_the_engine_batches_chunks_and_matches_solo_runs_and_transformers(
     # F.linear's): pinned, not measured, so every machine checks the same paths.
     packing = "native" if native_packing_unavailable([ours_fp32.lm_head.weight]) is None else False
     engine = infer.Engine(ours_fp32, tokenizer, num_blocks=64, block_size=16, max_num_batched_tokens=64,
-                          packed_products=packing)
+                          packed_products=packing, keep_logits=True)
     batched = engine.generate(prompts, params)
     # The same requests with every step at a padded shape, those carrying prompt chunks too (`mixed_graphs`: on
     # CUDA replayed from graphs, here the same padded steps run eagerly), every token a row of the in-place kernel.
@@ -116,6 +116,10 @@ def test_the_engine_batches_chunks_and_matches_solo_runs_and_transformers(
         assert padded is None or padded[i].token_ids == solo, ("padded steps", tokenizer.decode(prompt), p)
         if p.temperature == 0.0:
             assert result.token_ids == hf_fp32.argmax_after_each(prompt, result.token_ids)
+            solo_rows = solo_logits(ours_fp32, prompt, result.token_ids)
+            assert result.logits is not None
+            assert_close(result.logits, solo_rows, 1e-5 * max(1.0, solo_rows.abs().max().item()),
+                         f"request {i}'s logits against its solo run")
 
 
 # ---------------------------------------------------------------------------------------------------------------
