@@ -2421,7 +2421,7 @@ def c_sites_compiled(mutants: list[Mutant], builds: list[tuple[str, ...]]) -> se
     """The names of the C planted bugs whose site one of these builds (compiler flags) compiles: the kernel
     source is preprocessed once per build with a marker before each site, and a site counts where its marker
     survives the build's #if branches."""
-    from infer.kernels.native import SOURCE
+    from infer.kernels.native import SOURCE, c_compiler
 
     text = SOURCE.read_text()
     ours = [m for m in mutants if ROOT / m.path == SOURCE and text.count(m.before) == 1]
@@ -2432,7 +2432,7 @@ def c_sites_compiled(mutants: list[Mutant], builds: list[tuple[str, ...]]) -> se
         directive = not text[line_start:start].strip() and text[start:].startswith("#")
         at = line_start if directive else start
         marked = marked[:at] + (f"infer_site_{i}\n" if directive else f" infer_site_{i} ") + marked[at:]
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
+    compiler = c_compiler() or "cc"
     seen: set[int] = set()
     for flags in dict.fromkeys(builds):
         proc = subprocess.run([compiler, "-E", "-O3", "-fopenmp", "-ffp-contract=off", *flags, "-x", "c", "-"],

@@ -3,12 +3,11 @@ ambiguous) silently turns a bug into one the measure cannot plant, and the kill 
 
 from __future__ import annotations
 
-import os
 import platform
-import shutil
 
 import pytest
 
+from infer.kernels.native import c_compiler
 from tests.mutation_check import HOST_KINDS, HOST_TAG, MUTANTS, ROOT, builds_of, c_sites_compiled
 
 
@@ -27,7 +26,7 @@ def test_every_planted_bug_names_tests_that_exist_and_a_change() -> None:
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the host kinds are x86's")
-@pytest.mark.skipif(not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
+@pytest.mark.skipif(c_compiler() is None, reason="no C compiler")
 def test_every_planted_bug_in_c_is_compiled_on_some_host_and_names_the_hosts_it_needs() -> None:
     # A site only AVX512 or AMX builds compile is never compiled on an AVX2 host, so no test can catch it there
     # (mutation_check lists it as not run); the name says so. A site no build compiles plants nothing anywhere.

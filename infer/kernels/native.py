@@ -859,7 +859,7 @@ def native_kernels(flavour: str = "native") -> NativeKernels | None:
         _reasons[flavour] = "turned off by INFER_NATIVE=0"
         return None
     named = os.environ.get("CC")
-    compiler = shutil.which(named) if named else shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    compiler = c_compiler()
     if compiler is None:
         _reasons[flavour] = f"CC={named} not found" if named else "no C compiler on PATH (cc, gcc or clang; or set CC)"
         return None
@@ -883,6 +883,12 @@ def native_kernels(flavour: str = "native") -> NativeKernels | None:
             errors.append(f"built but could not load: {exc}")
     _reasons[flavour] = f"{compiler} could not build {SOURCE.name}: {errors[-1] if errors else 'unknown error'}"
     return None
+
+
+def c_compiler() -> str | None:
+    """The C compiler the builds use: $CC where it names one on PATH, else cc, gcc or clang; None where none is."""
+    named = os.environ.get("CC")
+    return shutil.which(named) if named else shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
 def unavailable_reason(flavour: str = "native") -> str | None:
