@@ -322,6 +322,22 @@ def test_packing_names_why_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> Non
     assert packing_unavailable([bf16]) == "this PyTorch has no oneDNN"
 
 
+def test_the_native_layout_names_why_it_cannot_take_fp32_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 weights pack natively only all on the CPU, and only where the build has the fp32 packed product (a
+    build without AVX2 and FMA says so); mixed with bf16 ones, they are not one model's weights and are refused."""
+    import infer.models.transformer as transformer
+    from infer.kernels.native import FLAVOURS
+
+    fp32, bf16 = torch.zeros(4, 6), torch.zeros(4, 6, dtype=torch.bfloat16)
+    assert native_packing_unavailable([fp32, torch.zeros(4, 6, device="meta")]) == "the weights are not on the CPU"
+    assert native_packing_unavailable([fp32, bf16]) == "the weights are not bf16"
+    generic = native_kernels("generic") if "generic" in FLAVOURS else None
+    if generic is None:
+        pytest.skip("no generic build here")
+    monkeypatch.setattr(transformer, "native_kernels", lambda flavour="native": generic)
+    assert native_packing_unavailable([fp32]) == f"this build ({generic.isa}) has no AVX2 with FMA"
+
+
 @pytest.mark.parametrize(("ratios", "want", "upto"), [
     ({"onednn": (0.9, 0.9, 1.0), "native": (0.6, 0.8, 1.0)}, "native", None),  # the native products faster
     # oneDNN's more than 5% faster on the whole
