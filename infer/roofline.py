@@ -206,10 +206,9 @@ def native_product_kernels(device: torch.device, dtype: torch.dtype = torch.bflo
     from infer.kernels.native import native_kernels
 
     kernels = native_kernels()
-    if kernels is None:
-        return None
-    return kernels if (kernels.packed_f32_available if dtype == torch.float32 else kernels.packed_bf16_available) \
-        else None
+    runs = kernels is not None and (kernels.packed_f32_available if dtype == torch.float32
+                                    else kernels.packed_bf16_available)
+    return kernels if runs else None
 
 
 def native_product_rate(kernels: NativeKernels, m: int, k: int, n: int, repeats: int = 5,

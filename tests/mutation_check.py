@@ -2421,7 +2421,7 @@ def c_sites_compiled(mutants: list[Mutant], builds: list[tuple[str, ...]]) -> se
     """The names of the C planted bugs whose site one of these builds (compiler flags) compiles: the kernel
     source is preprocessed once per build with a marker before each site, and a site counts where its marker
     survives the build's #if branches."""
-    from infer.kernels.native import SOURCE, c_compiler
+    from infer.kernels.native import BUILD_FLAGS, SOURCE, c_compiler
 
     text = SOURCE.read_text()
     ours = [m for m in mutants if ROOT / m.path == SOURCE and text.count(m.before) == 1]
@@ -2435,7 +2435,7 @@ def c_sites_compiled(mutants: list[Mutant], builds: list[tuple[str, ...]]) -> se
     compiler = c_compiler() or "cc"
     seen: set[int] = set()
     for flags in dict.fromkeys(builds):
-        proc = subprocess.run([compiler, "-E", "-O3", "-fopenmp", "-ffp-contract=off", *flags, "-x", "c", "-"],
+        proc = subprocess.run([compiler, "-E", *BUILD_FLAGS, "-fopenmp", *flags, "-x", "c", "-"],
                               input=marked, capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} -E {' '.join(flags)} failed: {proc.stderr.strip()[-300:]}")
@@ -2526,9 +2526,9 @@ def main() -> int:
     start = time.perf_counter()
     for mutant in chosen:
         if mutant.name in elsewhere:
+            tag = HOST_TAG.search(mutant.name)
             print(f"{mutant.name:58} {'n/a':7} {0:5.0f}  not compiled by this host's builds (needs "
-                  f"{HOST_TAG.search(mutant.name).group(1) if HOST_TAG.search(mutant.name) else 'another host'})",
-                  flush=True)
+                  f"{tag.group(1) if tag else 'another host'})", flush=True)
             continue
         caught, secs, detail = run(mutant, checkpoints, full="--full" in flags)
         if not caught:

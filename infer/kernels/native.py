@@ -50,6 +50,9 @@ FLAVOURS: dict[str, tuple[str, ...]] = {
     "avx2": ("-mno-avx512f",),
     "generic": ("-mno-avx512f", "-mno-avx2", "-mno-fma"),
 }
+# Every build's own flags (-ffp-contract=off: the small ops round where PyTorch's formulas round, no fused
+# multiply-adds); then -march and OpenMP where they take, and the flavour's switches.
+BUILD_FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off")
 # The CPU flags a flavour's code needs (it is built with -march=native minus the flavour's switches).
 FLAVOUR_NEEDS: dict[str, tuple[str, ...]] = {
     "native": (), "avx512f": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2", "fma"), "generic": (),
@@ -870,8 +873,7 @@ def native_kernels(flavour: str = "native") -> NativeKernels | None:
     attempts = [("-march=native", "-fopenmp"), ("-fopenmp",), ("-march=native",), ()]
     errors = []
     for extra in attempts:
-        # -ffp-contract=off: the small ops round where PyTorch's formulas round (no fused multiply-adds).
-        flags = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", *extra, *FLAVOURS[flavour])
+        flags = (*BUILD_FLAGS, *extra, *FLAVOURS[flavour])
         try:
             path = _build(compiler, flags)
         except (OSError, subprocess.SubprocessError) as exc:
