@@ -374,7 +374,7 @@ def _choose_packing(model: Transformer, batch_rows: int, forced: bool | str | No
     # then made in it, against the products widening every weight on every call.
     upcast = model.compute_dtype
     unavailable = {"onednn": packing_unavailable(weights, upcast),
-                   "native": native_packing_unavailable(weights) if upcast in (None, torch.float32)
+                   "native": native_packing_unavailable(weights, dtype=model.dtype) if upcast in (None, torch.float32)
                    else f"the products upcast to {upcast}, and it sums in float32"}
     wanted = "onednn" if forced is True else forced if isinstance(forced, str) else None
     gemm_rows = model.gemm_rows
@@ -518,8 +518,7 @@ def _choose_quantized_packing(model: Transformer, coded: list[QuantizedLinear], 
     if forced is True or forced == "onednn":
         raise ValueError(f"packed_products={forced!r} needs oneDNN's bf16 GEMM, which has no layout for quantized "
                          "projections; leave it None, False or 'native'")
-    why = (f"the activations are {model.dtype}, not bf16" if model.dtype != torch.bfloat16
-           else native_packing_unavailable(weights, coded))
+    why = native_packing_unavailable(weights, coded, model.dtype)
     if forced == "native" and why is not None:
         raise ValueError(f"packed_products='native' needs the native packed product: {why}; leave it None or False")
     # the packed codes, float32 scales (at most twice the stored ones' bytes), and the dense products' copies
@@ -538,7 +537,7 @@ def _choose_quantized_packing(model: Transformer, coded: list[QuantizedLinear], 
     kernels = native_kernels()
     if kernels is None:  # (native_packing_unavailable found it)
         return PackingChoice(Choice(name, "off", f"no native kernels: {unavailable_reason()}"), 1)
-    packed = [kernels.pack_codes(m.qweight) for m in sweep]
+    packed = [kernels.pack_codes(m.qweight, model.dtype) for m in sweep]
     own, timed, ratios = [m.packed for m in sweep], [], []
     counts = (16, 64, max(batch_rows, 65))
     try:
@@ -549,7 +548,7 @@ def _choose_quantized_packing(model: Transformer, coded: list[QuantizedLinear], 
             # own (the token budget's rows over every weight took 11 of an int4 engine's 19 s of set-up on a 2-core
             # Zen 3)
             part = len(_first_within(sweep, max(limit * 16 // m, _PACKING_SWEEP_MIN_BYTES)))
-            inputs = {k: _random(m, k).to(torch.bfloat16) for k in {p.shape[1] for p in packed[:part]}}
+            inputs = {k: _random(m, k).to(model.dtype) for k in {p.shape[1] for p in packed[:part]}}
             times = _time_alternately({
                 "native": functools.partial(_quantized_packed_products, kernels, packed[:part], inputs),
                 "own": functools.partial(_own_products, sweep[:part], inputs),
@@ -557,7 +556,7 @@ def _choose_quantized_packing(model: Transformer, coded: list[QuantizedLinear], 
             ratios.append(times["native"] / times["own"])
             timed.append(f"{m} rows: {times['native'] * 1e3:.1f} / {times['own'] * 1e3:.1f} ms over {part} weights")
         # one row (the engine's steps of one request): the packed codes against the codes kernel (the GEMV)
-        one_row, timed_one = _packed_one_row_wins(kernels, sweep, packed)
+        one_row, timed_one = _packed_one_row_wins(kernels, sweep, packed, model.dtype)
     finally:
         for module, copy_before in zip(sweep, own, strict=True):
             module.packed = copy_before
@@ -566,7 +565,7 @@ def _choose_quantized_packing(model: Transformer, coded: list[QuantizedLinear], 
     one_row = on and one_row
     timed.append(timed_one)
     megabytes = sum(m.qweight.nbytes for m in sweep) / 2**20
-    form = "channel" if kernels.channel_codes else "pairs"  # (AVX2's codes multiplied without dequantizing)
+    form = "channel" if packed[0].fmt in ("q8c", "q4c") else "pairs"  # (AVX2's: codes multiplied as they are)
     reason = (f"native packed codes ({form} form) / the quantized kernels over {len(sweep)} quantized weights "
               f"({megabytes:.0f} MiB), {', '.join(timed)} (medians, alternately); packed copies up to "
               f"{copy / 2**20:.0f} MiB")
@@ -577,13 +576,13 @@ def _choose_quantized_packing(model: Transformer, coded: list[QuantizedLinear], 
     return PackingChoice(Choice(name, "native" if on else "off", reason), 1, upto if on else None, one_row)
 
 
-def _packed_one_row_wins(kernels: NativeKernels, sweep: list[QuantizedLinear], packed: list[PackedCodes]
-                         ) -> tuple[bool, str]:
+def _packed_one_row_wins(kernels: NativeKernels, sweep: list[QuantizedLinear], packed: list[PackedCodes],
+                         dtype: torch.dtype) -> tuple[bool, str]:
     """Whether the packed codes run one row of input 3% or more faster than the products' own one-row kernel (the
     codes kernel, `quantized_gemv`) over the sweep (its weights streamed from memory, as in a step): over a 150M
     Llama's int8 products on a 2-core Zen 3 the packed codes' few-row tiles ran 1.12-1.17x; AVX512 builds' codes
     kernel has the pair instruction. Also the timing, for the choice's reason."""
-    inputs = {k: _random(1, k).to(torch.bfloat16) for k in {p.shape[1] for p in packed}}
+    inputs = {k: _random(1, k).to(dtype) for k in {p.shape[1] for p in packed}}
     times = _time_alternately({
         "native": functools.partial(_quantized_packed_products, kernels, packed, inputs),
         "own": functools.partial(_own_products, sweep, inputs),
@@ -1014,12 +1013,12 @@ def _time_product_rates(model: Transformer, rows: list[int]) -> dict[int, float]
     coded = [p for p in sweep if isinstance(p, QuantizedLinear)]
     kernels, device = native_kernels(), model.device
     native: Callable[[dict[int, torch.Tensor]], object] | None = None
-    if kernels is not None and len(dense) == len(sweep) and native_packing_unavailable(dense) is None:
-        native = functools.partial(_native_packed_products, kernels, dense, [kernels.pack(w) for w in dense])
-    elif (kernels is not None and len(coded) == len(sweep) and model.dtype == torch.bfloat16
-          and native_packing_unavailable([], coded) is None):
-        native = functools.partial(_quantized_packed_products, kernels,
-                                   [kernels.pack_codes(p.qweight) for p in coded])
+    if kernels is not None and native_packing_unavailable(dense, coded, model.dtype) is None:
+        if len(dense) == len(sweep):
+            native = functools.partial(_native_packed_products, kernels, dense, [kernels.pack(w) for w in dense])
+        elif len(coded) == len(sweep):
+            native = functools.partial(_quantized_packed_products, kernels,
+                                       [kernels.pack_codes(p.qweight, model.dtype) for p in coded])
     flops = _row_flops(sweep)
     rates: dict[int, float] = {}
     for m in rows:

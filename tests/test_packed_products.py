@@ -5,6 +5,7 @@ within bf16 rounding, and through the model and the engine to the unpacked model
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -89,6 +90,9 @@ NATIVE_F32_PACKING = native_packing_unavailable([torch.zeros(2, 2)])
 # (quantized codes pack wherever dense bf16 weights do: the pair instruction, or AVX2's FMA path on bf16 blocks)
 CODES_PACKING = NATIVE_PACKING or (None if native_kernels() is not None and native_kernels().packed_codes_available
                                    else "no native packed product on codes in this build")
+# (an fp32 model's codes: AVX2's channel form alone)
+CODES_F32_PACKING = (None if native_kernels() is not None and native_kernels().packed_codes_f32_available
+                     else "no native packed product on fp32 rows of codes in this build")
 LAYOUTS = [pytest.param("onednn", marks=pytest.mark.skipif(PACKING is not None,
                                                            reason=f"no oneDNN packing: {PACKING}")),
            pytest.param("native", marks=pytest.mark.skipif(NATIVE_PACKING is not None,
@@ -258,22 +262,41 @@ def test_the_engine_with_packed_products_answers_to_the_solo_runs(layout: str, u
     assert_within_rounding_of_solo_runs(engine, model, prompts, ids)
 
 
-@pytest.mark.skipif(NATIVE_F32_PACKING is not None, reason=f"no fp32 packed product: {NATIVE_F32_PACKING}")
+def fp32_weights() -> list[object]:
+    """The fp32 engine's weights: dense (the fp32 packed product) and int8 / int4 (codes in the channel form)."""
+    return [pytest.param("dense", marks=pytest.mark.skipif(NATIVE_F32_PACKING is not None,
+                                                           reason=f"no fp32 packed product: {NATIVE_F32_PACKING}")),
+            *[pytest.param(w, marks=pytest.mark.skipif(CODES_F32_PACKING is not None, reason=str(CODES_F32_PACKING)))
+              for w in ("int8", "int4")]]
+
+
+@pytest.mark.parametrize("weights", fp32_weights())
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text"])
-def test_an_fp32_engine_on_packed_products_is_exact_to_the_solo_runs(arch: str,
+def test_an_fp32_engine_on_packed_products_is_exact_to_the_solo_runs(arch: str, weights: str,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """An fp32 model's engine with its products packed natively (every product of 2 rows or more: prefill chunks,
-    decode batches, the LM head; Qwen 2's q/k/v biases, Gemma 3's tied head): each request's greedy tokens those of
-    its solo run and its fp32 logits within 1e-5 of the solo run fed the same tokens (whose products are F.linear's
-    and the one-row kernel's: only the order of the fp32 sums differs)."""
+    decode batches, the LM head; Qwen 2's q/k/v biases, Gemma 3's tied head), dense or quantized (int8 / int4 codes
+    in the channel form, fp32 sums unrounded): each request's greedy tokens those of its solo run and its fp32 logits
+    within 1e-5 of the solo run fed the same tokens (whose products are F.linear's or the codes kernel's, and the
+    one-row kernel's: only the order of the fp32 sums differs)."""
     import infer
     from infer.engine import Engine
+    from infer.kernels.native import NativeKernels
     from infer.sampling import SamplingParams
     from reference import build_checkpoint
     from tests.helpers import assert_close, solo_logits
 
-    model = infer.load_model(build_checkpoint(arch), dtype="float32")
+    model = infer.load_model(build_checkpoint(arch), dtype="float32", weights=weights)
     rows = count_packed(monkeypatch)
+    coded = NativeKernels.quantized_gemm_packed
+
+    def counted_codes(self: NativeKernels, packed: Any, x: torch.Tensor, bias: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+        assert x.dtype == torch.float32 and packed.fmt in ("q8c", "q4c")
+        rows.append(x.numel() // x.shape[-1])
+        return coded(self, packed, x, bias)
+
+    monkeypatch.setattr(NativeKernels, "quantized_gemm_packed", counted_codes)
     prompts = [[5, 9, 2, 8, 8, 1, 3, 3, 9], [7, 7, 1, 3], [11], [4, 4, 4, 4, 4, 4, 4], [6, 2]]
     engine = Engine(model, None, num_blocks=32, keep_logits=True, packed_products="native")
     assert model.packed_layout == "native"
@@ -324,13 +347,18 @@ def test_packing_names_why_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_the_native_layout_names_why_it_cannot_take_fp32_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     """fp32 weights pack natively only all on the CPU, and only where the build has the fp32 packed product (a
-    build without AVX2 and FMA says so); mixed with bf16 ones, they are not one model's weights and are refused."""
+    build without AVX2 and FMA says so); mixed with bf16 ones, or not the model's dtype, they are refused; a model of
+    another dtype is refused naming it."""
     import infer.models.transformer as transformer
     from infer.kernels.native import FLAVOURS
 
     fp32, bf16 = torch.zeros(4, 6), torch.zeros(4, 6, dtype=torch.bfloat16)
     assert native_packing_unavailable([fp32, torch.zeros(4, 6, device="meta")]) == "the weights are not on the CPU"
-    assert native_packing_unavailable([fp32, bf16]) == "the weights are not bf16"
+    assert native_packing_unavailable([fp32, bf16]) == "the weights are not float32"
+    assert native_packing_unavailable([bf16, fp32]) == "the weights are not bf16"
+    assert native_packing_unavailable([fp32], dtype=torch.bfloat16) == "the weights are not bf16"
+    assert native_packing_unavailable([bf16], dtype=torch.float16) == "the activations are torch.float16, not bf16 " \
+                                                                     "or float32"
     generic = native_kernels("generic") if "generic" in FLAVOURS else None
     if generic is None:
         pytest.skip("no generic build here")
@@ -430,7 +458,7 @@ def test_products_past_the_packed_rows_take_the_unpacked_form() -> None:
     assert all(p.packed is None and p.packed_upto is None for p in model.packable_products())
 
 
-def test_a_quantized_model_packs_its_codes_or_names_why() -> None:
+def test_a_quantized_model_packs_its_codes_or_names_why(monkeypatch: pytest.MonkeyPatch) -> None:
     """A quantized model's products pack as codes in the native layout (every quantized product, the LM head
     included; their bytes counted), chosen by measuring against the quantized kernels, or forced; oneDNN's layout and
     fp32 activations are refused naming why, leaving the model unpacked."""
@@ -442,11 +470,22 @@ def test_a_quantized_model_packs_its_codes_or_names_why() -> None:
 
     path = build_checkpoint("llama")
     fp32 = infer.load_model(path, dtype="float32", weights="int8")
-    with pytest.raises(ValueError, match="native packed product: the activations are torch.float32, not bf16"):
-        fp32.pack_products(True, layout="native")
-    with pytest.raises(ValueError, match="packed_products='native' needs the native packed product: the activations"):
+    if CODES_F32_PACKING is not None:  # (a build without AVX2's channel form: refused, naming it)
+        with pytest.raises(ValueError, match="native packed product: this build .* fp32 rows of codes"):
+            fp32.pack_products(True, layout="native")
+        with pytest.raises(ValueError, match="packed_products='native' needs the native packed product: this build"):
+            Engine(fp32, None, num_blocks=16, packed_products="native")
+        assert not fp32.packed_products
+    else:  # fp32 rows of codes: the channel form, every quantized product
         Engine(fp32, None, num_blocks=16, packed_products="native")
-    assert not fp32.packed_products
+        assert all(isinstance(p, QuantizedLinear) and p.packed is not None and p.packed.fmt in ("q8c", "q4c")
+                   for p in fp32.packable_products())
+        fp32.pack_products(False)
+        kernels = native_kernels()  # (a build whose codes are laid out for the pair instruction: AVX512-BF16's)
+        monkeypatch.setattr(kernels, "packed_codes_f32_available", False)
+        with pytest.raises(ValueError, match="native packed product: this build .* fp32 rows of codes only in AVX2"):
+            fp32.pack_products(True, layout="native")
+        assert not fp32.packed_products
     model = infer.load_model(path, dtype="bfloat16", weights="int4")
     with pytest.raises(ValueError, match="quantized projections have no oneDNN layout"):
         model.pack_products(True, layout="onednn")

@@ -567,13 +567,14 @@ def bf16_product_case(scheme: str, n: int, runs: int, group: int, m: int, with_b
 
 def assert_within_rounding_of(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                               what: str, magnitudes: torch.Tensor | None = None) -> None:
-    """`got` is `x @ w.T (+ bias)` (`w` float64) within fp32 summation and one bf16 rounding (the summation's error
-    scaled by `magnitudes`, `|w|` unless given)."""
+    """`got` is `x @ w.T (+ bias)` (`w` float64) within fp32 summation and one rounding to x's dtype (bf16; none for
+    fp32) (the summation's error scaled by `magnitudes`, `|w|` unless given)."""
     exact = x.double() @ w.T + (0 if bias is None else bias.double())
     magnitude = x.double().abs() @ (w.abs() if magnitudes is None else magnitudes).T
     magnitude = magnitude + (0 if bias is None else bias.double().abs())
-    bound = (x.shape[1] + 2) * 2.0**-24 * magnitude + 2.0**-8 * exact.abs() + 1e-30
-    assert got.dtype == torch.bfloat16 and got.shape == (x.shape[0], w.shape[0])
+    rounding = 2.0**-8 if x.dtype == torch.bfloat16 else 0.0
+    bound = (x.shape[1] + 2) * 2.0**-24 * magnitude + rounding * exact.abs() + 1e-30
+    assert got.dtype == x.dtype and got.shape == (x.shape[0], w.shape[0])
     assert ((got.double() - exact).abs() <= bound).all(), f"beyond rounding of {what}"
 
 
@@ -737,13 +738,14 @@ def test_q8_codes_in_the_codes_form_are_exact_where_every_sum_is(m: int, group: 
 
 
 def scaled_sums(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """The channel form's numbers. q8 codes: each group's fp32 sum of code times x over its inputs in order (each
-    product exact, a bf16 value times a code of at most 8 bits having at most 16 significant bits, so each step of the
-    sum rounds once, as a fused multiply-add does), times the group's scale, summed over the groups in order (the
-    first group's product the total). q4 codes: each weight scale * code in fp32, multiplied by x over the whole row
-    in order by fused multiply-adds (`fma32`: the products need not be exact in fp32), then, with mins, each group's
-    min times x's fp32 sum over the group (in order) added in group order. Then the bias: each product and sum rounded
-    once in fp32, then the whole rounded to bf16."""
+    """The channel form's numbers, in x's dtype (bf16 or fp32). q8 codes: each group's fp32 sum of code times x over its
+    inputs in order by fused multiply-adds (`fma32`; for bf16 x each product is exact, a bf16 value times a code of at
+    most 8 bits having at most 16 significant bits, so a separate multiply and add give the same sum), times the
+    group's scale, summed over the groups in order (the first group's product the total). q4 codes: each weight
+    scale * code in fp32, multiplied by x over the whole row in order by fused multiply-adds (the products need not be
+    exact in fp32), then, with mins, each group's min times x's fp32 sum over the group (in order) added in group
+    order. Then the bias: each product and sum rounded once in fp32, then the whole rounded to x's dtype (bf16) or
+    kept (fp32)."""
     w = weight.unfactored()
     q, xf = (unpack_q4(w.codes) if w.fmt == "q4" else w.codes).float(), x.float()
     groups = q.shape[1] // w.group
@@ -757,14 +759,14 @@ def scaled_sums(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | N
             for i in range(g * w.group, (g + 1) * w.group):
                 xsum = xsum + xf[:, i, None]
             total = total + w.mins.float()[None, :, g] * xsum  # type: ignore[union-attr]
-        return (total if bias is None else total + bias.float()).bfloat16()
+        return (total if bias is None else total + bias.float()).to(x.dtype)
     for g in range(groups):
         sums = torch.zeros(x.shape[0], q.shape[0])
         for i in range(g * w.group, (g + 1) * w.group):
-            sums = sums + xf[:, i, None] * q[None, :, i]
+            sums = fma32(sums, xf[:, i, None], q[None, :, i])
         scaled = sums * w.scales.float()[None, :, g]
         total = scaled if g == 0 else total + scaled
-    return (total if bias is None else total + bias.float()).bfloat16()
+    return (total if bias is None else total + bias.float()).to(x.dtype)
 
 
 def rounded_once(exact: Fraction) -> float:
@@ -824,30 +826,35 @@ CHANNEL_SCHEMES = ["int8", "int4", "Q8_0", "Q4_K", "Q6_K", "Q4_K-factored", "Q6_
 @given(n=st.integers(1, 80), runs=st.integers(1, 13), m=st.one_of(st.integers(1, 3), st.integers(1, 21)),
        with_bias=st.booleans(), threads=st.integers(1, 3), flavour=st.sampled_from(CHANNEL_CODES or ["native"]),
        seed=st.integers(0, 2**31), scheme=st.sampled_from(CHANNEL_SCHEMES), group=st.sampled_from([32, 64, 128]),
-       balance=st.sampled_from(["1", "2", "0"]), few=st.sampled_from(["1", "0"]))
+       balance=st.sampled_from(["1", "2", "0"]), few=st.sampled_from(["1", "0"]),
+       fp32=st.booleans())
 @settings(max_examples=80, deadline=None)
 # int4 on 7 rows: two tiles of the scaled form's buffer, 4 rows and 3 (the remainder's row)
 @example(scheme="int4", n=20, runs=4, group=32, m=7, with_bias=True, threads=1,
-         flavour=(CHANNEL_CODES or ["native"])[0], seed=1, balance="1", few="1")
+         flavour=(CHANNEL_CODES or ["native"])[0], seed=1, balance="1", few="1", fp32=False)
 # one row over four blocks a tile, the last item three blocks (one part-filled); two rows over two, grouped codes
 @example(scheme="int8", n=100, runs=3, group=32, m=1, with_bias=True, threads=2,
-         flavour=(CHANNEL_CODES or ["native"])[0], seed=2, balance="1", few="1")
+         flavour=(CHANNEL_CODES or ["native"])[0], seed=2, balance="1", few="1", fp32=False)
 @example(scheme="Q8_0", n=40, runs=4, group=32, m=2, with_bias=False, threads=1,
-         flavour=(CHANNEL_CODES or ["native"])[0], seed=3, balance="0", few="1")
+         flavour=(CHANNEL_CODES or ["native"])[0], seed=3, balance="0", few="1", fp32=False)
 @example(scheme="int4", n=40, runs=9, group=32, m=1, with_bias=True, threads=2,
-         flavour=(CHANNEL_CODES or ["native"])[0], seed=4, balance="1", few="1")
+         flavour=(CHANNEL_CODES or ["native"])[0], seed=4, balance="1", few="1", fp32=False)
 def test_codes_in_the_channel_form_give_each_groups_scaled_sums(scheme: str, n: int, runs: int, group: int, m: int,
                                                                 with_bias: bool, threads: int, flavour: str,
-                                                                seed: int, balance: str, few: str) -> None:
+                                                                seed: int, balance: str, few: str, fp32: bool) -> None:
     """`quantized_gemm_packed` on a weight packed in the channel form (no dequantizing; int8 per channel, int4 in
     groups with mins, GGUF's grouped q8 and q4 codes, factored scales) is `scaled_sums`' formula bit for bit (last
     blocks part-filled, threads splitting the blocks unevenly and taking each other's, INFER_BALANCE 1 / 2 / 0, q4's
     one tile of rows scaled in registers and more through the buffer, k past its 256-input stretches, one or two rows
     over several blocks a tile or one, INFER_FEW_ROWS_BLOCKS 1 / 0), and so within fp32 summation and one bf16
-    rounding of the quantized model's unrounded product; the weight and x are left as they were."""
+    rounding of the quantized model's unrounded product; for fp32 rows and bias (an fp32 model's: values of 24
+    significant bits, whose products with the codes round) the same formula in fp32, not rounded; the weight and x
+    are left as they were."""
     kernels = native_kernels(flavour)
     assert kernels is not None
     weight, x, bias = bf16_product_case(scheme, n, runs, group, m, with_bias, seed)
+    if fp32:
+        x, bias = full_fp32(x, seed), None if bias is None else full_fp32(bias, seed + 1)
     packed = pack_codes(weight, channels=True)
     k, fmt = x.shape[1], weight.unfactored().fmt
     assert packed.fmt == fmt + "c"
@@ -861,18 +868,53 @@ def test_codes_in_the_channel_form_give_each_groups_scaled_sums(scheme: str, n: 
     assert torch.equal(x, x_before) and all(torch.equal(a, b) for a, b in zip(weight.tensors(), before, strict=True))
 
 
+def full_fp32(t: torch.Tensor, seed: int) -> torch.Tensor:
+    """`t` widened to fp32 and moved off bf16's values by a small random part: fp32 values of 24 significant bits."""
+    g = torch.Generator().manual_seed(seed)
+    return t.float() * (1 + torch.rand(t.shape, generator=g) * 2.0**-9) + torch.randn(t.shape, generator=g) * 2.0**-12
+
+
 @pytest.mark.skipif(not CHANNEL_CODES, reason="the channel form of codes is AVX2's (and needs a build)")
+@pytest.mark.parametrize("fp32", [False, True])
 @pytest.mark.parametrize(("scheme", "rows", "runs"), [("int8", 70, 96), ("int4", 200, 16)])
-def test_codes_in_the_channel_form_pass_many_rows_in_groups(scheme: str, rows: int, runs: int) -> None:
+def test_codes_in_the_channel_form_pass_many_rows_in_groups(scheme: str, rows: int, runs: int, fp32: bool) -> None:
     """Rows past what one pass keeps in cache go through the blocks in groups (int8: 70 rows of k = 3072, 16 a pass;
     int4's scaled form: 200 rows, 192 a pass, each reading 256 inputs at a time): each row still its scaled sums,
-    bit for bit (int4: x's group sums of the later rows too)."""
+    bit for bit (int4: x's group sums of the later rows too), bf16 rows or fp32 ones."""
     kernels = native_kernels(CHANNEL_CODES[0])
     assert kernels is not None
     weight, x, bias = bf16_product_case(scheme, 37, runs, 32, rows, True, 5)
+    if fp32:
+        x, bias = full_fp32(x, 6), full_fp32(bias, 7)  # type: ignore[arg-type]
     got = kernels.quantized_gemm_packed(pack_codes(weight, channels=True), x, bias)
     assert x.shape[1] == 32 * runs, "not the k asked for"
     assert torch.equal(got, scaled_sums(x, weight, bias)), "rows past the first group parted"
+
+
+@pytest.mark.skipif(not CHANNEL_CODES, reason="the channel form of codes is AVX2's (and needs a build)")
+def test_fp32_rows_of_packed_codes_refuse_what_they_cannot_take() -> None:
+    """fp32 rows take codes in the channel form alone (the pairs form dequantizes into bf16 weights), with an fp32 bias
+    of the outputs' length; each refusal one ValueError naming the fix, the output never half-written. A build
+    without AVX2's channel form refuses to pack codes for fp32 rows, naming the build."""
+    kernels = native_kernels(CHANNEL_CODES[0])
+    assert kernels is not None and kernels.packed_codes_f32_available
+    weight, x, _ = bf16_product_case("int4", 20, 4, 32, 3, False, 1)
+    x = x.float()
+    with pytest.raises(ValueError, match=r"pack_codes\(weight, torch.float32\)"):
+        kernels.quantized_gemm_packed(pack_codes(weight), x)  # (the pairs form)
+    packed = kernels.pack_codes(weight, torch.float32)
+    assert packed.fmt == "q4c"
+    with pytest.raises(ValueError, match="an fp32 bias of 20"):
+        kernels.quantized_gemm_packed(packed, x, torch.zeros(20, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="an fp32 bias of 20"):
+        kernels.quantized_gemm_packed(packed, x, torch.zeros(21))
+    with pytest.raises(ValueError, match="rows of 128 inputs"):
+        kernels.quantized_gemm_packed(packed, x[:, :64])
+    generic = native_kernels("generic") if "generic" in FLAVOURS else None
+    if generic is not None:
+        assert not generic.packed_codes_f32_available
+        with pytest.raises(ValueError, match=r"AVX2 builds only \(this build: generic\)"):
+            generic.pack_codes(weight, torch.float32)
 
 
 @pytest.mark.parametrize("scheme", CHANNEL_SCHEMES)

@@ -122,6 +122,36 @@ def test_the_engine_batches_chunks_and_matches_solo_runs_and_transformers(
                          f"request {i}'s logits against its solo run")
 
 
+def test_the_stored_codes_engine_in_fp32_matches_solo_runs_and_transformers(
+        smollm2: Path, tokenizer: infer.Tokenizer, hf_fp32: Any) -> None:
+    """The file loaded as stored in fp32 (the library's default load: Q4_1 layers, a Q8_0 head), its batched
+    products on the codes packed in the channel form (pinned where the build has it, not measured): every request's
+    greedy tokens transformers' argmax path and its solo run's (one-row products on the codes kernel), its fp32
+    logits within 1e-5 of the solo run fed the same tokens (scale * q + min formed in other orders: fp32 rounding
+    apart)."""
+    from infer.models.transformer import QuantizedLinear
+
+    kernels = native_kernels()
+    if kernels is None or not kernels.packed_codes_f32_available:
+        pytest.skip("no native packed product on fp32 rows of codes in this build")
+    stored = infer.load_model(smollm2)  # (a GGUF file loaded without a dtype: its codes as stored, fp32 activations)
+    assert stored.dtype == torch.float32
+    greedy = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [chat(tokenizer, q) for q in QUESTIONS[1:]]
+    engine = infer.Engine(stored, tokenizer, num_blocks=64, block_size=16, max_num_batched_tokens=64,
+                          packed_products="native", keep_logits=True)
+    products = stored.packable_products()
+    assert all(isinstance(p, QuantizedLinear) and p.packed is not None and p.packed.fmt in ("q8c", "q4c")
+               for p in products), "not every product on packed codes"
+    for i, (prompt, result) in enumerate(zip(prompts, engine.generate(prompts, greedy), strict=True)):
+        assert result.token_ids == infer.generate(stored, tokenizer, prompt, greedy).token_ids, i
+        assert result.token_ids == hf_fp32.argmax_after_each(prompt, result.token_ids), i
+        solo_rows = solo_logits(stored, prompt, result.token_ids)
+        assert result.logits is not None
+        assert_close(result.logits, solo_rows, 1e-5 * max(1.0, solo_rows.abs().max().item()),
+                     f"request {i}'s logits against its solo run")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # bf16: ours and transformers' eager path both round to bfloat16, in different places (fused ops, the order
 # of sums), so their greedy paths may part. They must agree at the start, and may part only where the fp32

@@ -2970,6 +2970,35 @@ void infer_pack_bf16(const uint16_t *w, uint16_t *p, int64_t n, int64_t k, int t
  * sums, only the loop differs). AVX2's tiles keep one loop: gcc splits it there itself. */
 static int prefetch_loops(void) { return switched_on("INFER_PREFETCH_LOOPS"); }
 
+/* Where a product's sums go: rows of n outputs, fp32 (`f32`: each sum plus the bias) or bf16 (the same, rounded
+ * once), the bias (or NULL) in the same dtype. AVX2's codes in the channel form write either: a bf16 model's rows
+ * (infer_qgemm_packed), or an fp32 model's (infer_qgemm_packed_f32). */
+typedef struct {
+    void *y;
+    const void *bias;
+    int64_t n;
+    int f32;
+} sums_out;
+
+/* `o` from its row j on. */
+static inline sums_out rows_from(sums_out o, int64_t j) {
+    o.y = (char *)o.y + j * o.n * (o.f32 ? 4 : 2);
+    return o;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* 8 sums of columns c .. c + 7 (+ bias) into y's row, masked past n. */
+static inline void store_sums_f32(__m256 v, const float *bias, float *row, int64_t c, int64_t n) {
+    if (c + 8 <= n) {
+        _mm256_storeu_ps(row + c, bias ? _mm256_add_ps(v, _mm256_loadu_ps(bias + c)) : v);
+        return;
+    }
+    float sums[8];
+    _mm256_storeu_ps(sums, v);
+    for (int l = 0; l < 8 && c + l < n; l++) row[c + l] = sums[l] + (bias ? bias[c + l] : 0.f);
+}
+#endif
+
 #if defined(HAVE_DOT_BF16)
 #define HAVE_PACKED_BF16 1
 #define PACK_ROWS 8   /* input rows of a tile */
@@ -3087,6 +3116,14 @@ static inline void store_sums_bf16(__m256 v, const uint16_t *bias, uint16_t *row
     for (int l = 0; l < 8 && c + l < n; l++) row[c + l] = f32_to_bf16(sums[l] + (bias ? bf16_to_f32(bias[c + l]) : 0.0f));
 }
 
+/* 8 sums of columns c .. c + 7 into row j of `o`, in its dtype (store_sums_f32 or store_sums_bf16). */
+static inline void store_sums(__m256 v, sums_out o, int64_t j, int64_t c) {
+    if (o.f32)
+        store_sums_f32(v, (const float *)o.bias, (float *)o.y + j * o.n, c, o.n);
+    else
+        store_sums_bf16(v, (const uint16_t *)o.bias, (uint16_t *)o.y + j * o.n, c, o.n);
+}
+
 /* The odd inputs' weights: the high halves of a pair's 32-bit lanes. */
 static const uint32_t odd_halves[8] __attribute__((aligned(32))) = {0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u,
                                                                     0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u};
@@ -3201,8 +3238,8 @@ static inline __attribute__((always_inline)) void packed_tile_bf16(int mr, const
 static inline __attribute__((always_inline)) void channel_tile(int one_group, int mr, int bk, int nb,
                                                                const int8_t *pb, int64_t pairs, const float *x,
                                                                int64_t k, int64_t group, const float *scales,
-                                                               const uint16_t *bias, uint16_t *y, int64_t n, int64_t c,
-                                                               const char *pf, const char *pf_end, int64_t per_iter) {
+                                                               sums_out o, int64_t c, const char *pf,
+                                                               const char *pf_end, int64_t per_iter) {
     /* bk blocks side by side (FEW_ROWS_BLOCKS), nb of them real: a spare one repeats the first, never stored */
     int64_t per_group = one_group ? pairs : group / 2, groups = pairs / per_group, block_bytes = 16 * k;
     __m256 tot[FEW_ROWS_BLOCKS * PACK_ROWS][2];
@@ -3243,8 +3280,8 @@ static inline __attribute__((always_inline)) void channel_tile(int one_group, in
     for (int a = 0; a < nb; a++)
 #pragma GCC unroll 6
         for (int j = 0; j < mr; j++) {
-            store_sums_bf16(tot[a * mr + j][0], bias, y + j * n, c + 16 * a, n);
-            store_sums_bf16(tot[a * mr + j][1], bias, y + j * n, c + 16 * a + 8, n);
+            store_sums(tot[a * mr + j][0], o, j, c + 16 * a);
+            store_sums(tot[a * mr + j][1], o, j, c + 16 * a + 8);
         }
 }
 
@@ -3310,8 +3347,7 @@ static void scale_codes_q4c(const uint8_t *codes, const float *scales, float *ou
  * x, `xsums` [mr][groups], added in group order) where there are mins, then the bias, rounded into y's columns
  * c .. c + 15. */
 static inline __attribute__((always_inline)) void finish_scaled(int mr, __m256 sum[PACK_ROWS][2], int64_t groups,
-                                                                const float *mins, const float *xsums,
-                                                                const uint16_t *bias, uint16_t *y, int64_t n,
+                                                                const float *mins, const float *xsums, sums_out o,
                                                                 int64_t c) {
     if (mins)
         for (int64_t g = 0; g < groups; g++) {
@@ -3325,8 +3361,8 @@ static inline __attribute__((always_inline)) void finish_scaled(int mr, __m256 s
         }
 #pragma GCC unroll 6
     for (int j = 0; j < mr; j++) {
-        store_sums_bf16(sum[j][0], bias, y + j * n, c, n);
-        store_sums_bf16(sum[j][1], bias, y + j * n, c + 8, n);
+        store_sums(sum[j][0], o, j, c);
+        store_sums(sum[j][1], o, j, c + 8);
     }
 }
 
@@ -3337,9 +3373,8 @@ static inline __attribute__((always_inline)) void finish_scaled(int mr, __m256 s
 static inline __attribute__((always_inline)) void scaled_tile_codes(int mr, int bk, int nb, const uint8_t *codes,
                                                                     const float *scales, int64_t group, const float *x,
                                                                     int64_t k, const float *mins, const float *xsums,
-                                                                    const uint16_t *bias, uint16_t *y, int64_t n,
-                                                                    int64_t c, const char *pf, const char *pf_end,
-                                                                    int64_t per_iter) {
+                                                                    sums_out o, int64_t c, const char *pf,
+                                                                    const char *pf_end, int64_t per_iter) {
     int64_t groups = k / group;
     __m256 acc[FEW_ROWS_BLOCKS * PACK_ROWS][2];
     for (int s = 0; s < bk * mr; s++) acc[s][0] = acc[s][1] = _mm256_setzero_ps();
@@ -3369,7 +3404,7 @@ static inline __attribute__((always_inline)) void scaled_tile_codes(int mr, int 
     }
 #pragma GCC unroll 4
     for (int a = 0; a < nb; a++)
-        finish_scaled(mr, acc + a * mr, groups, mins ? mins + a * groups * 16 : NULL, xsums, bias, y, n, c + 16 * a);
+        finish_scaled(mr, acc + a * mr, groups, mins ? mins + a * groups * 16 : NULL, xsums, o, c + 16 * a);
 }
 
 /* `len` scaled inputs `w` (scale_codes_q4c's) against rows x[0 .. mr-1] (x at the first of them, rows k apart): the
@@ -3378,8 +3413,8 @@ static inline __attribute__((always_inline)) void scaled_tile_codes(int mr, int 
 static inline __attribute__((always_inline)) void scaled_tile(int mr, const float *w, int64_t len, const float *x,
                                                               int64_t k, float *sums, int first, int last,
                                                               int64_t groups, const float *mins, const float *xsums,
-                                                              const uint16_t *bias, uint16_t *y, int64_t n, int64_t c,
-                                                              const char *pf, const char *pf_end, int64_t per_iter) {
+                                                              sums_out o, int64_t c, const char *pf,
+                                                              const char *pf_end, int64_t per_iter) {
     __m256 acc[PACK_ROWS][2];
     for (int j = 0; j < mr; j++) {
         acc[j][0] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + 16 * j);
@@ -3399,7 +3434,7 @@ static inline __attribute__((always_inline)) void scaled_tile(int mr, const floa
         }
     }
     if (last) {
-        finish_scaled(mr, acc, groups, mins, xsums, bias, y, n, c);
+        finish_scaled(mr, acc, groups, mins, xsums, o, c);
         return;
     }
 #pragma GCC unroll 6
@@ -3413,15 +3448,14 @@ static inline __attribute__((always_inline)) void scaled_tile(int mr, const floa
  * where there are mins), SCALED_INPUTS inputs at a time: scaled into `w`, then every tile of rows over them, each
  * tile's sums kept in `sums` (16 a row) between stretches; `pf` .. `pf_end` prefetched into L2 meanwhile. */
 static void scaled_block(const uint8_t *codes, const float *scales, const float *mins, int64_t group,
-                         const float *xsums, const float *x, int64_t m, int64_t k, const uint16_t *bias, uint16_t *y,
-                         int64_t n, int64_t b, float *w, float *sums, const char *pf, const char *pf_end,
-                         int64_t per_iter) {
+                         const float *xsums, const float *x, int64_t m, int64_t k, sums_out o, int64_t b, float *w,
+                         float *sums, const char *pf, const char *pf_end, int64_t per_iter) {
     int64_t groups = k / group, tiles = (m + PACK_ROWS - 1) / PACK_ROWS;
     if (tiles == 1) { /* no buffer to share, so none to fill (at 6 rows, filling it cost 0.85x) */
         switch (m) {
 #define CODES_TILE(M)                                                                                          \
     case M:                                                                                                    \
-        scaled_tile_codes(M, 1, 1, codes, scales, group, x, k, mins, xsums, bias, y, n, 16 * b, pf, pf_end, per_iter); \
+        scaled_tile_codes(M, 1, 1, codes, scales, group, x, k, mins, xsums, o, 16 * b, pf, pf_end, per_iter); \
         break;
             CODES_TILE(1) CODES_TILE(2) CODES_TILE(3) CODES_TILE(4) CODES_TILE(5) CODES_TILE(6)
 #undef CODES_TILE
@@ -3441,8 +3475,8 @@ static void scaled_block(const uint8_t *codes, const float *scales, const float 
             switch (mr) {
 #define SCALED_TILE(M)                                                                                             \
     case M:                                                                                                        \
-        scaled_tile(M, w, i1 - i0, x + j * k + i0, k, sums + 16 * j, first, last, groups, mins, xs, bias, y + j * n, \
-                    n, 16 * b, pf, end, per_iter);                                                                 \
+        scaled_tile(M, w, i1 - i0, x + j * k + i0, k, sums + 16 * j, first, last, groups, mins, xs, rows_from(o, j), \
+                    16 * b, pf, end, per_iter);                                                                    \
         break;
                 SCALED_TILE(1) SCALED_TILE(2) SCALED_TILE(3) SCALED_TILE(4) SCALED_TILE(5) SCALED_TILE(6)
 #undef SCALED_TILE
@@ -3465,22 +3499,21 @@ static int few_rows_blocks(int scaled, int64_t m) {
 /* Blocks b .. b + nb - 1 of codes in the channel form (q8, or q4: `scaled`) against m rows of x, as many blocks a
  * tile as few_rows_blocks takes for them. */
 static void few_rows_pass(int scaled, int nb, const uint8_t *codes, const float *scales, const float *mins,
-                          int64_t group, const float *xsums, const float *x, int64_t m, int64_t k, const uint16_t *bias,
-                          uint16_t *y, int64_t n, int64_t b, const char *pf, const char *pf_end, int64_t per_iter) {
+                          int64_t group, const float *xsums, const float *x, int64_t m, int64_t k, sums_out o,
+                          int64_t b, const char *pf, const char *pf_end, int64_t per_iter) {
     const int8_t *q8 = (const int8_t *)codes;
     int64_t c = 16 * b;
     int one = group == k; /* (int8 per channel: one group a row) */
     if (scaled)
-        scaled_tile_codes(1, FEW_ROWS_Q4_ONE, nb, codes, scales, group, x, k, mins, xsums, bias, y, n, c, pf, pf_end,
-                          per_iter);
+        scaled_tile_codes(1, FEW_ROWS_Q4_ONE, nb, codes, scales, group, x, k, mins, xsums, o, c, pf, pf_end, per_iter);
     else if (m == 1 && one)
-        channel_tile(1, 1, FEW_ROWS_Q8_ONE, nb, q8, k / 2, x, k, k, scales, bias, y, n, c, pf, pf_end, per_iter);
+        channel_tile(1, 1, FEW_ROWS_Q8_ONE, nb, q8, k / 2, x, k, k, scales, o, c, pf, pf_end, per_iter);
     else if (m == 1)
-        channel_tile(0, 1, FEW_ROWS_Q8_ONE, nb, q8, k / 2, x, k, group, scales, bias, y, n, c, pf, pf_end, per_iter);
+        channel_tile(0, 1, FEW_ROWS_Q8_ONE, nb, q8, k / 2, x, k, group, scales, o, c, pf, pf_end, per_iter);
     else if (one)
-        channel_tile(1, 2, FEW_ROWS_Q8_TWO, nb, q8, k / 2, x, k, k, scales, bias, y, n, c, pf, pf_end, per_iter);
+        channel_tile(1, 2, FEW_ROWS_Q8_TWO, nb, q8, k / 2, x, k, k, scales, o, c, pf, pf_end, per_iter);
     else
-        channel_tile(0, 2, FEW_ROWS_Q8_TWO, nb, q8, k / 2, x, k, group, scales, bias, y, n, c, pf, pf_end, per_iter);
+        channel_tile(0, 2, FEW_ROWS_Q8_TWO, nb, q8, k / 2, x, k, group, scales, o, c, pf, pf_end, per_iter);
 }
 #endif
 
@@ -3494,30 +3527,31 @@ typedef struct {
 /* A tile of bf16 blocks, or of q8 codes in the channel form where `cb` (AVX2's alone) is given: each form its own
  * inlined tile. */
 static inline __attribute__((always_inline)) void pass_tile(int mr, const void *pb, const channel_block *cb,
-                                                            int64_t pairs, const packed_x *x, int64_t k,
-                                                            const uint16_t *bias, uint16_t *y, int64_t n, int64_t c,
-                                                            int nb, const char *pf, const char *pf_end,
+                                                            int64_t pairs, const packed_x *x, int64_t k, sums_out o,
+                                                            int64_t c, int nb, const char *pf, const char *pf_end,
                                                             int64_t per_iter, int loops) {
 #if defined(HAVE_CHANNEL_CODES)
     if (cb) {
         const int8_t *codes = (const int8_t *)pb;
         if (cb->group == k)
-            channel_tile(1, mr, 1, 1, codes, pairs, x, k, k, cb->scales, bias, y, n, c, pf, pf_end, per_iter);
+            channel_tile(1, mr, 1, 1, codes, pairs, x, k, k, cb->scales, o, c, pf, pf_end, per_iter);
         else
-            channel_tile(0, mr, 1, 1, codes, pairs, x, k, cb->group, cb->scales, bias, y, n, c, pf, pf_end, per_iter);
+            channel_tile(0, mr, 1, 1, codes, pairs, x, k, cb->group, cb->scales, o, c, pf, pf_end, per_iter);
         return;
     }
 #endif
     (void)cb;
-    packed_tile_bf16(mr, (const uint16_t *)pb, pairs, x, k, bias, y, n, c, nb, pf, pf_end, per_iter, loops);
+    /* (bf16 blocks: a bf16 product's rows, never fp32 ones) */
+    packed_tile_bf16(mr, (const uint16_t *)pb, pairs, x, k, (const uint16_t *)o.bias, (uint16_t *)o.y, o.n, c, nb, pf,
+                     pf_end, per_iter, loops);
 }
 
 /* Blocks b, b + 1 (nb of them) packed at `pb` against every tile of x, the bytes `pf` .. `pf_end` prefetched into L2
  * meanwhile, each tile its share. `cb`: `pb` is one block of q8 codes in the channel form (AVX2), `cb` its
  * scales; NULL for bf16 blocks. `loops`: prefetch_loops(). */
 static void packed_pass(const void *pb, const channel_block *cb, int64_t pairs, const packed_x *x, int64_t m,
-                        int64_t k, const uint16_t *bias, uint16_t *y, int64_t n, int64_t b, int nb, const char *pf,
-                        const char *pf_end, int64_t per_iter, int loops) {
+                        int64_t k, sums_out o, int64_t b, int nb, const char *pf, const char *pf_end,
+                        int64_t per_iter, int loops) {
     int64_t tiles = (m + PACK_ROWS - 1) / PACK_ROWS;
     int64_t chunk = ((pf_end - pf + tiles - 1) / tiles + 63) / 64 * 64;
     /* the rows shared evenly over the tiles (16 rows: 6, 5, 5, not 6, 6, 4): no tile short of FMA chains (AVX2's
@@ -3528,7 +3562,7 @@ static void packed_pass(const void *pb, const channel_block *cb, int64_t pairs, 
         switch (mr) { /* each row count its own unrolled tile */
 #define PACKED_TILE(M)                                                                                  \
     case M:                                                                                             \
-        pass_tile(M, pb, cb, pairs, x + j * k, k, bias, y + j * n, n, 16 * b, nb, pf, end, per_iter, loops); \
+        pass_tile(M, pb, cb, pairs, x + j * k, k, rows_from(o, j), 16 * b, nb, pf, end, per_iter, loops); \
         break;
             PACKED_TILE(1) PACKED_TILE(2) PACKED_TILE(3) PACKED_TILE(4)
 #if PACK_ROWS > 4
@@ -3806,8 +3840,9 @@ int infer_gemm_bf16_packed(const uint16_t *p, const uint16_t *x_in, const uint16
                     continue;
                 }
 #endif
-                packed_pass(p + b * pairs * 32, NULL, pairs, x + j0 * k, mc, k, bias, y + j0 * n, n, b, nb, pf,
-                            pf_end, per_iter, loops);
+                sums_out o = {y + j0 * n, bias, n, 0};
+                packed_pass(p + b * pairs * 32, NULL, pairs, x + j0 * k, mc, k, o, b, nb, pf, pf_end, per_iter,
+                            loops);
             }
         }
 #if defined(HAVE_AMX)
@@ -3842,17 +3877,6 @@ void infer_pack_f32(const float *w, float *p, int64_t n, int64_t k, int threads)
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define F32_TILE_ROWS 6
-
-/* 8 sums of columns c .. c + 7 (+ bias) into y's row, masked past n. */
-static inline void store_sums_f32(__m256 v, const float *bias, float *row, int64_t c, int64_t n) {
-    if (c + 8 <= n) {
-        _mm256_storeu_ps(row + c, bias ? _mm256_add_ps(v, _mm256_loadu_ps(bias + c)) : v);
-        return;
-    }
-    float sums[8];
-    _mm256_storeu_ps(sums, v);
-    for (int l = 0; l < 8 && c + l < n; l++) row[c + l] = sums[l] + (bias ? bias[c + l] : 0.f);
-}
 
 /* Rows x[0 .. mr-1] (k apart) against block `pb`, into y's columns c .. c + 15 (+ bias), masked past n. `pf`: the
  * next block, one line of it prefetched into L2 an input (NULL: none). */
@@ -5089,6 +5113,85 @@ static void dequant_block_packed(int fmt, const uint8_t *codes, const float *sca
  * scaled_block (each weight scale * code in fp32, fused multiply-adds over the row, then each group's min times x's
  * group sum), rounded once; the scales (mins) float32 [blocks][groups][16].
  * Returns -2 on a bad shape or without the pair instruction, -1 without memory (nothing written). */
+#if defined(HAVE_PACKED_BF16) && !defined(HAVE_DOT_BF16)
+/* AVX2's packed product on codes (infer_qgemm_packed's, and infer_qgemm_packed_f32's): rows x [m, k] in the dtype of
+ * the sums `o` (bf16 rows widened to fp32 once per call, fp32 ones read as they are), each block dequantized into
+ * bf16 pairs (the pairs form: bf16 rows alone) or multiplied as codes (the channel form). */
+static int codes_product_avx2(int fmt, const uint8_t *codes, const float *scales, const float *mins, const void *x,
+                              sums_out o, int64_t m, int64_t n, int64_t k, int64_t group, int threads) {
+    /* the channel form: q8 codes the tiles read as they are, q4 codes scaled a stretch at a time (scaled_block) */
+    int channels = fmt == Q8C || fmt == Q4C, scaled = fmt == Q4C;
+    if (fmt == Q6 || fmt == Q8C) fmt = Q8;
+    if (fmt == Q4C) fmt = Q4;
+    if (!qshape_ok(fmt, k, group)) return -2;
+    if (o.f32 && !channels) return -2; /* (fp32 rows: the channel form alone; the pairs form rounds weights to bf16) */
+    if (m <= 0 || n <= 0) return 0;
+    const float *xw = o.f32 ? (const float *)x : widened_rows((const uint16_t *)x, m, k, threads);
+    const float *xsums = scaled && mins ? group_sums(xw, m, k, group) : NULL;
+    if (!xw || (scaled && mins && !xsums)) return -1;
+    /* (the scaled form reads x a stretch of SCALED_INPUTS inputs at a time: its rows' stretches in L2) */
+    int64_t pairs = k / 2, groups = k / group, block_bytes = fmt == Q8 ? 16 * k : 8 * k;
+    int64_t rows_at_once = scaled ? rows_in_l2(SCALED_INPUTS) : rows_in_l2(k);
+    /* the blocks shared by the threads (work_range: each its own from the front, then the others' from the back),
+     * a set of ranges for each group of rows, as the bf16 packed product shares them */
+    int64_t blocks = (n + 15) / 16, row_groups = (m + rows_at_once - 1) / rows_at_once;
+    int failed = 0, loops = prefetch_loops(), nr = threads > 1 ? threads : 1, balance = work_balance();
+    /* few rows: blocks side by side, an item of the walk `bk` of them */
+    int bk = channels ? few_rows_blocks(scaled, m) : 1;
+    int64_t items = (blocks + bk - 1) / bk;
+    work_range *ranges = work_ranges(row_groups, nr, items);
+    if (!ranges) return -1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        /* the dequantized block (pairs form), or the scaled stretch and each row's 16 sums (scaled form) */
+        size_t scratch = channels ? (scaled ? (size_t)(16 * SCALED_INPUTS + 16 * rows_at_once) * sizeof(float) : 0)
+                                  : (size_t)(pairs * 32) * sizeof(uint16_t);
+        void *buf = scratch ? malloc(scratch) : NULL;
+        int ready = !scratch || buf; /* (a thread without its buffer takes no blocks; the call fails) */
+        if (!ready) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* the codes prefetched a block ahead of the one dequantizing; in the channel form, whose tiles read them
+         * as they run, a block ahead of that */
+        int64_t ahead = channels ? 2 : 1;
+        for (int64_t j0 = 0; ready && j0 < m; j0 += rows_at_once) {
+            int64_t mc = m - j0 < rows_at_once ? m - j0 : rows_at_once, tiles = (mc + PACK_ROWS - 1) / PACK_ROWS;
+            int64_t per_iter = (bk * block_bytes / 64 + tiles * pairs - 1) / (tiles * pairs);
+            work_walk walk = work_start(ranges + j0 / rows_at_once * nr, nr, items, balance);
+            for (int64_t item; (item = work_next(&walk)) >= 0;) {
+                int64_t b = item * bk;
+                const uint8_t *bc = codes + b * block_bytes;
+                const float *bs = scales + b * groups * 16, *bm = mins ? mins + b * groups * 16 : NULL;
+                int64_t from, to; /* the item `ahead` further along the walk, prefetched into L2 */
+                work_ahead(&walk, item, ahead, bk, blocks, &from, &to);
+                const char *pf = (const char *)(codes + from * block_bytes);
+                const char *pf_end = (const char *)(codes + to * block_bytes);
+                if (bk > 1) {
+                    few_rows_pass(scaled, blocks - b < bk ? (int)(blocks - b) : bk, bc, bs, bm, group,
+                                  xsums ? xsums + j0 * groups : NULL, xw + j0 * k, mc, k, rows_from(o, j0), b, pf,
+                                  pf_end, per_iter);
+                    continue;
+                }
+                if (scaled) {
+                    scaled_block(bc, bs, bm, group, xsums ? xsums + j0 * groups : NULL, xw + j0 * k, mc, k,
+                                 rows_from(o, j0), b, (float *)buf, (float *)buf + 16 * SCALED_INPUTS, pf, pf_end,
+                                 per_iter);
+                    continue;
+                }
+                channel_block cb = {group, bs};
+                if (!channels) dequant_block_packed(fmt, bc, bs, bm, (uint16_t *)buf, pairs, group);
+                packed_pass(channels ? (const void *)bc : buf, channels ? &cb : NULL, pairs, xw + j0 * k, mc, k,
+                            rows_from(o, j0), b, 1, pf, pf_end, per_iter, loops);
+            }
+        }
+        free(buf);
+    }
+    free(ranges);
+    return failed ? -1 : 0;
+}
+#endif
+
 int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const float *mins, const uint16_t *x,
                        const uint16_t *bias, uint16_t *y, int64_t m, int64_t n, int64_t k, int64_t group, int threads) {
 #if defined(HAVE_DOT_BF16)
@@ -5162,7 +5265,8 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
                 continue;
             }
 #endif
-            packed_pass(buf, NULL, pairs, x, m, k, bias, y, n, b, nb, pf, pf_end, per_iter, loops);
+            sums_out o = {y, bias, n, 0};
+            packed_pass(buf, NULL, pairs, x, m, k, o, b, nb, pf, pf_end, per_iter, loops);
         }
 #if defined(HAVE_AMX)
         if (amx) _tile_release();
@@ -5172,75 +5276,24 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
     free(ranges);
     return failed ? -1 : 0;
 #elif defined(HAVE_PACKED_BF16) /* AVX2: a block at a time into the buffer, for each group of rows whose x is in L2 */
-    /* the channel form: q8 codes the tiles read as they are, q4 codes scaled a stretch at a time (scaled_block) */
-    int channels = fmt == Q8C || fmt == Q4C, scaled = fmt == Q4C;
-    if (fmt == Q6 || fmt == Q8C) fmt = Q8;
-    if (fmt == Q4C) fmt = Q4;
-    if (!qshape_ok(fmt, k, group)) return -2;
-    if (m <= 0 || n <= 0) return 0;
-    const float *xw = widened_rows(x, m, k, threads);
-    const float *xsums = scaled && mins ? group_sums(xw, m, k, group) : NULL;
-    if (!xw || (scaled && mins && !xsums)) return -1;
-    /* (the scaled form reads x a stretch of SCALED_INPUTS inputs at a time: its rows' stretches in L2) */
-    int64_t pairs = k / 2, groups = k / group, block_bytes = fmt == Q8 ? 16 * k : 8 * k;
-    int64_t rows_at_once = scaled ? rows_in_l2(SCALED_INPUTS) : rows_in_l2(k);
-    /* the blocks shared by the threads (work_range: each its own from the front, then the others' from the back),
-     * a set of ranges for each group of rows, as the bf16 packed product shares them */
-    int64_t blocks = (n + 15) / 16, row_groups = (m + rows_at_once - 1) / rows_at_once;
-    int failed = 0, loops = prefetch_loops(), nr = threads > 1 ? threads : 1, balance = work_balance();
-    /* few rows: blocks side by side, an item of the walk `bk` of them */
-    int bk = channels ? few_rows_blocks(scaled, m) : 1;
-    int64_t items = (blocks + bk - 1) / bk;
-    work_range *ranges = work_ranges(row_groups, nr, items);
-    if (!ranges) return -1;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        /* the dequantized block (pairs form), or the scaled stretch and each row's 16 sums (scaled form) */
-        size_t scratch = channels ? (scaled ? (size_t)(16 * SCALED_INPUTS + 16 * rows_at_once) * sizeof(float) : 0)
-                                  : (size_t)(pairs * 32) * sizeof(uint16_t);
-        void *buf = scratch ? malloc(scratch) : NULL;
-        int ready = !scratch || buf; /* (a thread without its buffer takes no blocks; the call fails) */
-        if (!ready) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        /* the codes prefetched a block ahead of the one dequantizing; in the channel form, whose tiles read them
-         * as they run, a block ahead of that */
-        int64_t ahead = channels ? 2 : 1;
-        for (int64_t j0 = 0; ready && j0 < m; j0 += rows_at_once) {
-            int64_t mc = m - j0 < rows_at_once ? m - j0 : rows_at_once, tiles = (mc + PACK_ROWS - 1) / PACK_ROWS;
-            int64_t per_iter = (bk * block_bytes / 64 + tiles * pairs - 1) / (tiles * pairs);
-            work_walk walk = work_start(ranges + j0 / rows_at_once * nr, nr, items, balance);
-            for (int64_t item; (item = work_next(&walk)) >= 0;) {
-                int64_t b = item * bk;
-                const uint8_t *bc = codes + b * block_bytes;
-                const float *bs = scales + b * groups * 16, *bm = mins ? mins + b * groups * 16 : NULL;
-                int64_t from, to; /* the item `ahead` further along the walk, prefetched into L2 */
-                work_ahead(&walk, item, ahead, bk, blocks, &from, &to);
-                const char *pf = (const char *)(codes + from * block_bytes);
-                const char *pf_end = (const char *)(codes + to * block_bytes);
-                if (bk > 1) {
-                    few_rows_pass(scaled, blocks - b < bk ? (int)(blocks - b) : bk, bc, bs, bm, group,
-                                  xsums ? xsums + j0 * groups : NULL, xw + j0 * k, mc, k, bias, y + j0 * n, n, b,
-                                  pf, pf_end, per_iter);
-                    continue;
-                }
-                if (scaled) {
-                    scaled_block(bc, bs, bm, group, xsums ? xsums + j0 * groups : NULL, xw + j0 * k, mc, k, bias,
-                                 y + j0 * n, n, b, (float *)buf, (float *)buf + 16 * SCALED_INPUTS, pf, pf_end,
-                                 per_iter);
-                    continue;
-                }
-                channel_block cb = {group, bs};
-                if (!channels) dequant_block_packed(fmt, bc, bs, bm, (uint16_t *)buf, pairs, group);
-                packed_pass(channels ? (const void *)bc : buf, channels ? &cb : NULL, pairs, xw + j0 * k, mc, k, bias,
-                            y + j0 * n, n, b, 1, pf, pf_end, per_iter, loops);
-            }
-        }
-        free(buf);
-    }
-    free(ranges);
-    return failed ? -1 : 0;
+    sums_out o = {y, bias, n, 0};
+    return codes_product_avx2(fmt, codes, scales, mins, x, o, m, n, k, group, threads);
+#else
+    (void)fmt, (void)codes, (void)scales, (void)mins, (void)x, (void)bias, (void)y, (void)m, (void)n, (void)k;
+    (void)group, (void)threads;
+    return -2;
+#endif
+}
+
+/* y [m, n] = x [m, k] W^T (+ bias) with x, bias and y fp32 (an fp32 model's batched products), for codes in the
+ * channel form (Q8C, Q4C): infer_qgemm_packed's sums on AVX2, not rounded to bf16. Returns -2 for the other forms and
+ * on builds without AVX2's channel form (AVX512-BF16 builds lay codes out in the pairs form), -1 without memory. */
+int infer_qgemm_packed_f32(int fmt, const uint8_t *codes, const float *scales, const float *mins, const float *x,
+                           const float *bias, float *y, int64_t m, int64_t n, int64_t k, int64_t group, int threads) {
+#if defined(HAVE_PACKED_BF16) && !defined(HAVE_DOT_BF16)
+    if (fmt != Q8C && fmt != Q4C) return -2;
+    sums_out o = {y, bias, n, 1};
+    return codes_product_avx2(fmt, codes, scales, mins, x, o, m, n, k, group, threads);
 #else
     (void)fmt, (void)codes, (void)scales, (void)mins, (void)x, (void)bias, (void)y, (void)m, (void)n, (void)k;
     (void)group, (void)threads;

@@ -231,6 +231,9 @@ class NativeKernels:
         lib.infer_qgemm_packed.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 6, *[ctypes.c_int64] * 4, ctypes.c_int]
         lib.infer_qgemm_packed.restype = ctypes.c_int
         self._qgemm_packed = lib.infer_qgemm_packed
+        lib.infer_qgemm_packed_f32.argtypes = lib.infer_qgemm_packed.argtypes
+        lib.infer_qgemm_packed_f32.restype = ctypes.c_int
+        self._qgemm_packed_f32 = lib.infer_qgemm_packed_f32
         self._read = lib.infer_read
         lib.infer_set_prefetch.argtypes = [ctypes.c_int]
         lib.infer_set_prefetch.restype = None
@@ -276,6 +279,10 @@ class NativeKernels:
         self.channel_codes_available = lib.infer_qgemm_packed(3, None, None, None, None, None, None, 0, 0, 32, 32,
                                                               1) == 0
         self.channel_codes = self.channel_codes_available and os.environ.get("INFER_PACKED_CHANNEL_CODES") != "0"
+        # fp32 rows (an fp32 model's) against codes in the channel form, fp32 outputs: AVX2's channel form alone
+        # (AVX512-BF16 builds lay codes out in pairs for the pair instruction)
+        self.packed_codes_f32_available = lib.infer_qgemm_packed_f32(3, None, None, None, None, None, None, 0, 0, 32,
+                                                                     32, 1) == 0
 
     def __repr__(self) -> str:
         return f"NativeKernels({self.isa}{'' if self.openmp else ', one thread'}, {self.path.name})"
@@ -448,9 +455,14 @@ class NativeKernels:
         self._check_quantized_product(code, "few-row product", 8 * k, k, group)
         return out.view(*x.shape[:-1], n)
 
-    def pack_codes(self, weight: QuantizedWeight) -> PackedCodes:
-        """`weight`'s codes laid out for `quantized_gemm_packed` in this build's form: the channel form where it
-        takes one (`channel_codes`: AVX2), the pairs form otherwise."""
+    def pack_codes(self, weight: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> PackedCodes:
+        """`weight`'s codes laid out for `quantized_gemm_packed` on rows of `dtype` in this build's form: the channel
+        form where it takes one (`channel_codes`: AVX2; fp32 rows only take that form), the pairs form otherwise."""
+        if dtype == torch.float32:
+            if not self.packed_codes_f32_available:
+                raise ValueError(f"the native packed product takes fp32 rows of codes on AVX2 builds only (this build: "
+                                 f"{self.isa}); pack the codes for bf16 rows or leave them unpacked")
+            return pack_codes(weight, channels=True)
         return pack_codes(weight, channels=self.channel_codes)
 
     def quantized_gemm_packed(self, packed: PackedCodes, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -463,14 +475,38 @@ class NativeKernels:
         form (`channel_codes`, AVX2) without rounding any weight to bf16: q8 each group's fp32 sum in order times
         its scale, summed over the groups in order; q4 each weight's fp32 scale * code times x by fused
         multiply-adds over the row in order, plus each group's min times x's group sum (+ bias), rounded once.
-        Needs `packed_codes_available`."""
+        Needs `packed_codes_available`. fp32 rows (an fp32 model's), codes in the channel form and
+        `packed_codes_f32_available`: the same sums, fp32 outputs (not rounded)."""
         n, k = packed.shape
+        if x.dtype == torch.float32:
+            return self._quantized_gemm_packed_f32(packed, x, bias)
         rows, bias, out = _bf16_operands(x, k, n, bias)
         code = self._qgemm_packed(QFORMATS[packed.fmt], packed.codes.data_ptr(), packed.scales.data_ptr(),
                                   None if packed.mins is None else packed.mins.data_ptr(), rows.data_ptr(),
                                   None if bias is None else bias.data_ptr(), out.data_ptr(), rows.shape[0], n, k,
                                   packed.group, torch.get_num_threads())
         self._check_quantized_product(code, "packed product", 64 * k, k, packed.group)
+        return out.view(*x.shape[:-1], n)
+
+    def _quantized_gemm_packed_f32(self, packed: PackedCodes, x: torch.Tensor, bias: torch.Tensor | None
+                                   ) -> torch.Tensor:
+        """`quantized_gemm_packed` for fp32 rows `x`."""
+        n, k = packed.shape
+        if packed.fmt not in ("q8c", "q4c") or not self.packed_codes_f32_available:
+            raise ValueError(f"fp32 rows take codes packed in the channel form on AVX2 builds (this build: {self.isa}, "
+                             f"codes {packed.fmt}): pack them with pack_codes(weight, torch.float32)")
+        if x.shape[-1] != k or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,))):
+            raise ValueError(f"the packed product takes fp32 rows of {k} inputs and an fp32 bias of {n}, got x of "
+                             f"shape {tuple(x.shape)}" + ("" if bias is None else f" and a {bias.dtype} bias of "
+                                                          f"shape {tuple(bias.shape)}"))
+        rows = x.reshape(-1, k).contiguous()
+        bias = None if bias is None else bias.contiguous()
+        out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+        code = self._qgemm_packed_f32(QFORMATS[packed.fmt], packed.codes.data_ptr(), packed.scales.data_ptr(),
+                                      None if packed.mins is None else packed.mins.data_ptr(), rows.data_ptr(),
+                                      None if bias is None else bias.data_ptr(), out.data_ptr(), rows.shape[0], n, k,
+                                      packed.group, torch.get_num_threads())
+        self._check_quantized_product(code, "fp32 packed product", 64 * k, k, packed.group)
         return out.view(*x.shape[:-1], n)
 
     def _check_quantized_product(self, code: int, what: str, scratch: int, k: int, group: int) -> None:

@@ -154,7 +154,7 @@ class Linear(ProjectionTraits, nn.Linear):
 
 
 def _not_bf16_on_the_cpu(weights: list[torch.Tensor]) -> str | None:
-    """What both packed layouts first need of the weights: some, bf16, on the CPU (None: they are)."""
+    """What oneDNN's packed layout first needs of the weights: some, bf16, on the CPU (None: they are)."""
     if not weights:
         return "no dense projections"
     if any(w.device.type != "cpu" for w in weights):
@@ -181,28 +181,35 @@ def packing_unavailable(weights: list[torch.Tensor], upcast: torch.dtype | None 
     return None
 
 
-def native_packing_unavailable(weights: list[torch.Tensor], coded: list[QuantizedLinear] | None = None
-                               ) -> str | None:
-    """Why the native packed product cannot take these weights and quantized projections (`coded`; None: it can):
-    bf16 CPU weights of even inputs, or fp32 ones (an fp32 model's: `NativeKernels.pack_f32`, AVX2 with FMA), CPU
-    codes whose scales the native kernels take (`NativeKernels.takes`) beside bf16 weights, and a native build with
-    the bf16 pair instruction (AVX512-BF16) or AVX2 with FMA."""
+def native_packing_unavailable(weights: list[torch.Tensor], coded: list[QuantizedLinear] | None = None,
+                               dtype: torch.dtype | None = None) -> str | None:
+    """Why the native packed product cannot take these weights and quantized projections (`coded`) for a model of
+    `dtype` (its activations'; None: the weights', bf16 without any) (None: it can): CPU weights of that dtype, bf16
+    ones of even inputs, CPU codes whose scales the native kernels take (`NativeKernels.takes`), and a native build
+    with the product for them: bf16 rows on the bf16 pair instruction (AVX512-BF16) or AVX2 with FMA; fp32 rows
+    (`NativeKernels.pack_f32`, and codes in the channel form) on AVX2 with FMA."""
     coded = coded or []
-    fp32 = bool(weights) and not coded and all(w.dtype == torch.float32 for w in weights)
-    if fp32 and any(w.device.type != "cpu" for w in weights):
+    dtype = dtype if dtype is not None else weights[0].dtype if weights else torch.bfloat16
+    if not weights and not coded:
+        return "no dense projections"
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"the activations are {dtype}, not bf16 or float32"
+    if any(w.device.type != "cpu" for w in weights) or any(m.codes.device.type != "cpu" for m in coded):
         return "the weights are not on the CPU"
-    if not fp32 and (weights or not coded) and (why := _not_bf16_on_the_cpu(weights)) is not None:
-        return why
-    if any(m.codes.device.type != "cpu" for m in coded):
-        return "the weights are not on the CPU"
+    fp32 = dtype == torch.float32
+    if any(w.dtype != dtype for w in weights):
+        return f"the weights are not {'float32' if fp32 else 'bf16'}"
     if not fp32 and any(w.shape[1] % 2 for w in weights):
         return "a projection has an odd number of inputs"
     kernels = native_kernels()
     if kernels is None:
         return f"no native kernels: {unavailable_reason()}"
-    if fp32:
-        return None if kernels.packed_f32_available else f"this build ({kernels.isa}) has no AVX2 with FMA"
-    if (weights and not kernels.packed_bf16_available) or (coded and not kernels.packed_codes_available):
+    if fp32 and ((weights and not kernels.packed_f32_available) or (coded and not kernels.packed_codes_f32_available)):
+        return (f"this build ({kernels.isa}) has no AVX2 with FMA" if not kernels.packed_f32_available else
+                f"this build ({kernels.isa}) multiplies fp32 rows of codes only in AVX2's channel form (the "
+                "AVX512-BF16 builds' codes are laid out for the bf16 pair instruction)")
+    if not fp32 and ((weights and not kernels.packed_bf16_available)
+                     or (coded and not kernels.packed_codes_available)):
         return f"this build ({kernels.isa}) has neither AVX512-BF16 nor AVX2 with FMA"
     if not all(kernels.takes(m.qweight) for m in coded):
         return "a quantized projection's scales are not float16, float32 or factored over whole runs of 256"
@@ -289,8 +296,10 @@ class QuantizedLinear(ProjectionTraits, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if (self.packed is not None and self.takes_packed(rows) and x.dtype == torch.bfloat16
+        if (self.packed is not None and self.takes_packed(rows)
+                and (x.dtype == torch.bfloat16 or x.dtype == torch.float32 and self.packed.fmt in ("q8c", "q4c"))
                 and self.upcast in (None, torch.float32) and not x.requires_grad and _FEW_ROW_PRODUCTS.get()):
+            # (an fp32 model's rows: its codes packed in the channel form, its fp32 sums unrounded)
             return native_kernels_or_raise().quantized_gemm_packed(self.packed, x, self.bias)
         if self.gemv == "native" and rows <= self.native_rows and not x.requires_grad:
             return native_kernels_or_raise().quantized_gemv(self.qweight, x, self.bias)
@@ -750,12 +759,10 @@ class Transformer(nn.Module):
         if on and layout == "onednn" and (why := "quantized projections have no oneDNN layout" if coded
                                           else packing_unavailable(weights, upcast)) is not None:
             raise ValueError(f"packing the products needs oneDNN's bf16 GEMM: {why}; leave them unpacked")
-        if coded and self.dtype != torch.bfloat16:
-            coded_why: str | None = f"the activations are {self.dtype}, not bf16"
-        elif upcast not in (None, torch.float32):
-            coded_why = f"the products upcast to {upcast} (compute_dtype), and it sums in float32"
+        if upcast not in (None, torch.float32):
+            coded_why: str | None = f"the products upcast to {upcast} (compute_dtype), and it sums in float32"
         else:
-            coded_why = native_packing_unavailable(weights, coded)
+            coded_why = native_packing_unavailable(weights, coded, self.dtype)
         if on and layout == "native" and (why := coded_why) is not None:
             raise ValueError(f"packing the products for the native packed product: {why}; use layout='onednn' or "
                              "leave them unpacked")
@@ -786,7 +793,7 @@ class Transformer(nn.Module):
                 # The codes on the same pages: a 150M Llama's 12 layers of int8 / int4 products at 16 rows ran
                 # 1.05x / 1.01x by medians on a 2-core Zen 4 (level at 64 rows; bf16's packed copies 1.17x at 16)
                 def pack_coded(weight: QuantizedWeight) -> PackedCodes:
-                    packed = kernels.pack_codes(weight)
+                    packed = kernels.pack_codes(weight, self.dtype)
                     return replace(packed, codes=on_huge_pages(packed.codes)) if self.huge_pages else packed
             else:  # (in the dtype the products upcast to, if they do)
                 def pack(weight: torch.Tensor) -> torch.Tensor:
