@@ -24,6 +24,12 @@ pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no native whole batche
 # (a quantized model's packed codes)
 needs_codes = pytest.mark.skipif(native_kernels() is None or not native_kernels().packed_codes_available,
                                  reason="no native packed product on codes in this build")
+# An fp32 model's steps: its products on the fp32 packed product (dense), or its codes in AVX2's channel form.
+F32_WHY = native_packing_unavailable([torch.zeros(2, 2)])
+CODES_F32 = native_kernels() is not None and native_kernels().packed_codes_f32_available  # type: ignore[union-attr]
+DTYPES = ["bfloat16", pytest.param("float32", marks=pytest.mark.skipif(F32_WHY is not None, reason=str(F32_WHY)))]
+CODES_DTYPES = ["bfloat16", pytest.param("float32", marks=pytest.mark.skipif(
+    not CODES_F32, reason="no native packed product on fp32 rows of codes in this build"))]
 
 
 def count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -41,17 +47,17 @@ def count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def serve(arch: str, prompts: list[list[int]], new: int | list[int], native_step: bool, packed: str | bool = "native",
-          weights: str | None = None, decode_gemv: str = "auto", one_row: bool = False, **engine_args: object
-          ) -> list[tuple[list[int], torch.Tensor]]:
-    """Each request's greedy tokens and logits through a bf16 engine on `arch`'s test checkpoint (its weights
-    quantized under `weights`, their packed codes taking one-row products too under `one_row`; `new`: every
-    request's new tokens, or each one's)."""
+          weights: str | None = None, decode_gemv: str = "auto", one_row: bool = False, dtype: str = "bfloat16",
+          **engine_args: object) -> list[tuple[list[int], torch.Tensor]]:
+    """Each request's greedy tokens and logits through an engine of `dtype` (bf16 unless given) on `arch`'s test
+    checkpoint (its weights quantized under `weights`, their packed codes taking one-row products too under
+    `one_row`; `new`: every request's new tokens, or each one's)."""
     import infer
     from infer.engine import Engine
     from infer.sampling import SamplingParams
     from reference import build_checkpoint
 
-    model = infer.load_model(build_checkpoint(arch), dtype="bfloat16", weights=weights, decode_gemv=decode_gemv)
+    model = infer.load_model(build_checkpoint(arch), dtype=dtype, weights=weights, decode_gemv=decode_gemv)
     model.native_step = native_step
     engine = Engine(model, None, num_blocks=64, keep_logits=True, packed_products=packed,  # type: ignore[arg-type]
                     decode_attention="native", **engine_args)  # type: ignore[arg-type]
@@ -70,40 +76,44 @@ def serve(arch: str, prompts: list[list[int]], new: int | list[int], native_step
     return out
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3_text"])
 @settings(max_examples=3, deadline=None)
 @given(lengths=st.lists(st.integers(1, 40), min_size=2, max_size=6), new=st.integers(2, 8),
        seed=st.integers(0, 2**16))
-def test_the_whole_step_is_the_per_op_path_bit_for_bit(arch: str, lengths: list[int], new: int, seed: int) -> None:
+def test_the_whole_step_is_the_per_op_path_bit_for_bit(arch: str, dtype: str, lengths: list[int], new: int,
+                                                       seed: int) -> None:
     """Random batches (prompt chunks attending as rows of the paged kernel's one call, then decode steps; Qwen 2's
-    q/k/v biases, Qwen 3's q/k norms, Gemma 3's norms, post-norms, GELU and sliding layers reading their rings'
-    tables): every request's tokens and logits equal the per-op path's, and the call ran."""
+    q/k/v biases, Qwen 3's q/k norms, Gemma 3's norms, post-norms, GELU, its embedding's scale and sliding layers
+    reading their rings' tables), bf16 models and fp32 ones: every request's tokens and logits equal the per-op
+    path's, and the call ran."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, 300) for _ in range(n)] for n in lengths]
     with pytest.MonkeyPatch.context() as patch:
         rows = count_calls(patch)
-        fast = serve(arch, prompts, new, native_step=True, chunk_attention="native")
+        fast = serve(arch, prompts, new, native_step=True, chunk_attention="native", dtype=dtype)
         assert rows, "no step took the whole-step call"
         assert sum(rows) >= sum(lengths), "the prompt chunks did not run in the whole-step call"
         rows.clear()
-        slow = serve(arch, prompts, new, native_step=False, chunk_attention="native")
+        slow = serve(arch, prompts, new, native_step=False, chunk_attention="native", dtype=dtype)
         assert not rows, "native_step=False still took the whole-step call"
     for (tokens, logits), (want_tokens, want_logits) in zip(fast, slow, strict=True):
         assert tokens == want_tokens and torch.equal(logits, want_logits), "the whole step parted from the per-op path"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3_text"])
-def test_one_row_steps_take_the_whole_step_bit_for_bit(arch: str) -> None:
+def test_one_row_steps_take_the_whole_step_bit_for_bit(arch: str, dtype: str) -> None:
     """Steps of one token (a request alone, or the last one left) take the call too, its products the GEMV the per-op
     path's one-row products are: tokens and logits equal the per-op path's; a quantized model's one-row steps, whose
     products are the codes' own GEMV, keep the per-op path."""
     prompts = [[3, 14, 15, 9, 2, 6], [5, 3, 5]]
     with pytest.MonkeyPatch.context() as patch:
         rows = count_calls(patch)
-        fast = serve(arch, prompts, [9, 3], native_step=True, decode_gemv="native")
+        fast = serve(arch, prompts, [9, 3], native_step=True, decode_gemv="native", dtype=dtype)
         assert rows.count(1) >= 5, f"the one-row steps did not take the whole-step call: {rows}"
         rows.clear()
-        slow = serve(arch, prompts, [9, 3], native_step=False, decode_gemv="native")
+        slow = serve(arch, prompts, [9, 3], native_step=False, decode_gemv="native", dtype=dtype)
         assert not rows
     for (tokens, logits), (want_tokens, want_logits) in zip(fast, slow, strict=True):
         assert tokens == want_tokens and torch.equal(logits, want_logits), "a one-row step parted from the per-op path"
@@ -189,12 +199,13 @@ def count_fills_inside(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return layers
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("quantizer", ["native", "torch"])
 @pytest.mark.parametrize("chunks", ["sdpa", "native"])
 @pytest.mark.parametrize(("arch", "kv"), [("llama", "int8"), ("qwen2", "int4"), ("qwen3", "fp4"),
                                         ("gemma3_text", "int8")])
 def test_a_quantized_pool_in_the_whole_step_is_the_per_op_path_bit_for_bit(arch: str, kv: str, chunks: str,
-                                                                           quantizer: str,
+                                                                           quantizer: str, dtype: str,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A quantized pool's steps in the whole-step call (its rows staged in C, the blocks they fill quantized in the
     call by the native quantizer, or by the pool's torch code called back for every layer (INFER_NATIVE_QUANTIZE=0);
@@ -210,32 +221,36 @@ def test_a_quantized_pool_in_the_whole_step_is_the_per_op_path_bit_for_bit(arch:
     with pytest.MonkeyPatch.context() as patch:
         fills = count_fills_inside(patch)
         rows = count_calls(patch)
-        fast = serve(arch, prompts, 20, native_step=True, kv_cache_dtype=kv, chunk_attention=chunks)
+        fast = serve(arch, prompts, 20, native_step=True, kv_cache_dtype=kv, chunk_attention=chunks, dtype=dtype)
         assert rows, "no step took the whole-step call"
         assert (max(rows) > len(prompts)) == (chunks == "native"), "the prompt chunks ran where they should not"
         assert sorted(set(fills)) == [0, 1], "no block filled inside the call in both layers of the test checkpoint"
         rows.clear()
-        slow = serve(arch, prompts, 20, native_step=False, kv_cache_dtype=kv, chunk_attention=chunks)
+        slow = serve(arch, prompts, 20, native_step=False, kv_cache_dtype=kv, chunk_attention=chunks, dtype=dtype)
         assert not rows
     for (tokens, logits), (want_tokens, want_logits) in zip(fast, slow, strict=True):
         assert tokens == want_tokens and torch.equal(logits, want_logits), "the whole step parted from the per-op path"
 
 
 @needs_codes
+@pytest.mark.parametrize("dtype", CODES_DTYPES)
 @pytest.mark.parametrize(("arch", "weights", "kv"), [("llama", "int8", None), ("qwen2", "int4", None),
                                                      ("qwen3", "int8", "fp4"), ("gemma3_text", "int4", None)])
 def test_quantized_weights_in_the_whole_step_are_the_per_op_path_bit_for_bit(arch: str, weights: str, kv: str | None,
+                                                                             dtype: str,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A quantized model's steps in the whole-step call (its products on the packed codes; Qwen 2's biases, a
-    quantized pool beside them, Gemma 3's rings): every request's tokens and logits equal the per-op path's, prompt
-    chunks and decode steps alike."""
+    quantized pool beside them, Gemma 3's rings), bf16 models and fp32 ones (codes in the channel form, fp32 sums):
+    every request's tokens and logits equal the per-op path's, prompt chunks and decode steps alike."""
     rng = random.Random(weights)
     prompts = [[rng.randrange(1, 300) for _ in range(n)] for n in (13, 3, 27, 8)]
     rows = count_calls(monkeypatch)
-    fast = serve(arch, prompts, 6, native_step=True, weights=weights, chunk_attention="native", kv_cache_dtype=kv)
+    fast = serve(arch, prompts, 6, native_step=True, weights=weights, chunk_attention="native", kv_cache_dtype=kv,
+                 dtype=dtype)
     assert rows and max(rows) > len(prompts), "the prompt chunks and decode steps did not take the whole-step call"
     rows.clear()
-    slow = serve(arch, prompts, 6, native_step=False, weights=weights, chunk_attention="native", kv_cache_dtype=kv)
+    slow = serve(arch, prompts, 6, native_step=False, weights=weights, chunk_attention="native", kv_cache_dtype=kv,
+                 dtype=dtype)
     assert not rows
     for (tokens, logits), (want_tokens, want_logits) in zip(fast, slow, strict=True):
         assert tokens == want_tokens and torch.equal(logits, want_logits), "the whole step parted from the per-op path"

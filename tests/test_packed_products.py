@@ -276,7 +276,8 @@ def test_an_fp32_engine_on_packed_products_is_exact_to_the_solo_runs(arch: str, 
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """An fp32 model's engine with its products packed natively (every product of 2 rows or more: prefill chunks,
     decode batches, the LM head; Qwen 2's q/k/v biases, Gemma 3's tied head), dense or quantized (int8 / int4 codes
-    in the channel form, fp32 sums unrounded): each request's greedy tokens those of its solo run and its fp32 logits
+    in the channel form, fp32 sums unrounded), every step in the whole-step call (prompt chunks and decode batches
+    attending in the native paged kernel): each request's greedy tokens those of its solo run and its fp32 logits
     within 1e-5 of the solo run fed the same tokens (whose products are F.linear's or the codes kernel's, and the
     one-row kernel's: only the order of the fp32 sums differs)."""
     import infer
@@ -297,14 +298,24 @@ def test_an_fp32_engine_on_packed_products_is_exact_to_the_solo_runs(arch: str, 
         return coded(self, packed, x, bias)
 
     monkeypatch.setattr(NativeKernels, "quantized_gemm_packed", counted_codes)
+    whole_step, whole = NativeKernels.batch_step, []
+
+    def counted_step(self: NativeKernels, layers: Any, shape: tuple[int, int, int, int, int], eps: float,
+                     x: torch.Tensor, *args: Any) -> None:
+        whole.append(x.numel() // shape[3])
+        whole_step(self, layers, shape, eps, x, *args)
+
+    monkeypatch.setattr(NativeKernels, "batch_step", counted_step)
     prompts = [[5, 9, 2, 8, 8, 1, 3, 3, 9], [7, 7, 1, 3], [11], [4, 4, 4, 4, 4, 4, 4], [6, 2]]
-    engine = Engine(model, None, num_blocks=32, keep_logits=True, packed_products="native")
+    engine = Engine(model, None, num_blocks=32, keep_logits=True, packed_products="native",
+                    decode_attention="native", chunk_attention="native")
     assert model.packed_layout == "native"
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
     ids = [engine.add_request(p, params) for p in prompts]
     while engine.has_unfinished():
         engine.step()
     assert rows and max(rows) > 1, "no step took the packed products"
+    assert whole and max(whole) > len(prompts), "the prompt chunks and decode steps did not take the whole-step call"
     for prompt, rid in zip(prompts, ids, strict=True):
         result = engine.result(rid)
         assert result.token_ids == infer.generate(model, None, prompt, params).token_ids

@@ -5648,7 +5648,9 @@ int infer_quantize_blocks(int dtype, int scheme, const void *k_stage, const void
  * the native packed product (Transformer.pack_products(layout="native")): norm, q/k/v, RoPE of each row by its
  * own position, the rows' K/V into their slots (fresh blocks zeroed first), paged attention, o, residual, norm,
  * gate/up, SiLU(gate) * up, down, residual; every value as the per-op path computes it (its residual adds are
- * PyTorch's bf16 adds: fp32 sums rounded once). x [rows, hidden] bf16 becomes the last layer's output (`ends`, where
+ * PyTorch's adds: fp32 sums, rounded once to bf16 in a bf16 step). A step's rows are the model's dtype, `dtype`: bf16,
+ * or fp32 (an fp32 model's: its products the fp32 packed product or its codes' fp32 sums in the channel form, its
+ * small ops the same kernels in fp32). x [rows, hidden] becomes the last layer's output (`ends`, where
  * given: x embedded here first, each row's RoPE read at its position, the final norm last; see batch_ends). A quantized
  * pool's layers stage their rows and quantize the blocks the rows fill (infer_quantize_blocks, as the per-op path on
  * a CPU does; or, with the pool's torch quantizer, by calling `quantize_filled(layer)` back, whose non-zero return
@@ -5663,36 +5665,47 @@ typedef struct {
 } batch_tables;
 
 typedef struct {
-    const void *w, *bias; /* bf16 packed by infer_pack_bf16 (fmt -1) or codes packed for infer_qgemm_packed; bias */
+    const void *w, *bias; /* packed by infer_pack_bf16 / infer_pack_f32 (fmt -1, the step's dtype) or codes packed for
+                           * infer_qgemm_packed (fp32 steps: the channel form); bias (the step's dtype) */
     const float *scales, *mins; /* the codes' (mins NULL: none) */
     int64_t fmt, group;         /* -1, Q8, Q4, Q8C or Q4C; the codes' group */
-    const void *rows_w;         /* the bf16 weight row-major, for one-row steps' GEMV (NULL: none) */
+    const void *rows_w;         /* the weight row-major (the step's dtype), for one-row steps' GEMV (NULL: none) */
 } batch_product;
 
 /* The step's code for a product that failed: -2 a product this build cannot run (packed codes without the pair
- * instruction), -3 a shape it cannot take, -1 anything else (its buffer not allocated). */
-static int batch_product_run(const batch_product *p, const uint16_t *x, uint16_t *y, int64_t m, int64_t n, int64_t k,
-                             int threads) {
+ * instruction, or fp32 rows of codes not in the channel form), -3 a shape it cannot take, -1 anything else (its
+ * buffer not allocated). x and y in the step's dtype (bf16 or fp32). */
+static int batch_product_run(int dtype, const batch_product *p, const void *x, void *y, int64_t m, int64_t n,
+                             int64_t k, int threads) {
     if (m == 1 && p->rows_w) /* one row: the GEMV the per-op path's one-row products run, so the same values bit for
                               * bit (the packed product's one-row tile streams as fast, but may round differently) */
-        return infer_gemv(BF16, p->rows_w, x, p->bias, y, n, k, threads) ? -1 : 0;
-    int code = p->fmt < 0
-        ? infer_gemm_bf16_packed((const uint16_t *)p->w, x, (const uint16_t *)p->bias, y, m, n, k, threads)
-        : infer_qgemm_packed((int)p->fmt, (const uint8_t *)p->w, p->scales, p->mins, x, (const uint16_t *)p->bias, y,
-                             m, n, k, p->group, threads);
+        return infer_gemv(dtype, p->rows_w, x, p->bias, y, n, k, threads) ? -1 : 0;
+    int code;
+    if (dtype == F32) /* (an fp32 model's: the fp32 packed product, or its codes' fp32 sums) */
+        code = p->fmt < 0 ? infer_gemm_f32_packed((const float *)p->w, (const float *)x, (const float *)p->bias,
+                                                  (float *)y, m, n, k, threads)
+                          : infer_qgemm_packed_f32((int)p->fmt, (const uint8_t *)p->w, p->scales, p->mins,
+                                                   (const float *)x, (const float *)p->bias, (float *)y, m, n, k,
+                                                   p->group, threads);
+    else
+        code = p->fmt < 0 ? infer_gemm_bf16_packed((const uint16_t *)p->w, (const uint16_t *)x,
+                                                   (const uint16_t *)p->bias, (uint16_t *)y, m, n, k, threads)
+                          : infer_qgemm_packed((int)p->fmt, (const uint8_t *)p->w, p->scales, p->mins,
+                                               (const uint16_t *)x, (const uint16_t *)p->bias, (uint16_t *)y, m, n,
+                                               k, p->group, threads);
     return code == 0 || code == -2 || code == -3 ? code : -1;
 }
 
 /* The step's two ends, done in the call where the caller can (a NULL field: the caller did it): the rows embedded
- * (`embed` [vocab, hidden] bf16 read at each row's id, or a quantized table's row dequantized as infer_qdequant
+ * (`embed` [vocab, hidden] in the step's dtype read at each row's id, or a quantized table's row dequantized as infer_qdequant
  * dequantizes it: `embed_codes`, its scales and mins, format, scales' dtype and group; times `embed_scale` rounded once
- * where it is not 0: Gemma's x * sqrt(hidden) in bf16, as PyTorch multiplies), every layer's RoPE read at each row's
+ * where it is not 0: Gemma's x * sqrt(hidden) in the step's dtype, as PyTorch multiplies), every layer's RoPE read at each row's
  * position (`positions`: the layers' cos/sin are tables of `table_rows` positions, not [rows, d]), and the final norm
  * (`final_norm`) on every row. Each was a few PyTorch ops between steps, run with their code evicted by the step's
  * weights (~0.1 ms each at 16 rows). Ids and positions are checked before anything is written: -5 one out of its
  * table (-3 a quantized table of a shape the dequantizer cannot take). */
 typedef struct {
-    const uint16_t *embed;
+    const void *embed;
     const uint8_t *embed_codes;
     const void *embed_scales, *embed_mins;
     int64_t embed_fmt, embed_sdtype, embed_group;
@@ -5704,21 +5717,23 @@ typedef struct {
     const void *final_norm;
 } batch_ends;
 
-/* Row r of x: the embedding of ids[r] (a table's row, or a quantized one's dequantized), scaled where Gemma scales. */
-static void embed_row(const batch_ends *e, int64_t r, uint16_t *x, int64_t hidden) {
+/* Row r of x: the embedding of ids[r] (a table's row, or a quantized one's dequantized), scaled where Gemma scales;
+ * in the step's dtype (each product rounded to it, as PyTorch multiplies). */
+static void embed_row(int dtype, const batch_ends *e, int64_t r, void *x, int64_t hidden) {
     int64_t id = e->ids[r];
-    uint16_t *xr = x + r * hidden;
+    size_t es = dtype == F32 ? 4 : 2;
+    char *xr = (char *)x + (size_t)(r * hidden) * es;
     if (e->embed) {
-        memcpy(xr, e->embed + id * hidden, (size_t)hidden * sizeof(uint16_t));
+        memcpy(xr, (const char *)e->embed + (size_t)(id * hidden) * es, (size_t)hidden * es);
     } else {
         int fmt = e->embed_fmt == Q6 ? Q8 : (int)e->embed_fmt, sdtype = (int)e->embed_sdtype;
         int64_t groups = hidden / e->embed_group, row_bytes = fmt == Q8 ? hidden : hidden / 2;
         dequant_row(fmt, e->embed_codes + id * row_bytes, scale_row_of(sdtype, e->embed_scales, id, groups, hidden),
-                    scale_row_of(sdtype, e->embed_mins, id, groups, hidden), e->embed_mins != NULL, BF16, xr, hidden,
+                    scale_row_of(sdtype, e->embed_mins, id, groups, hidden), e->embed_mins != NULL, dtype, xr, hidden,
                     e->embed_group);
     }
     if (e->embed_scale != 0.0f)
-        for (int64_t i = 0; i < hidden; i++) xr[i] = f32_to_bf16(bf16_to_f32(xr[i]) * e->embed_scale);
+        for (int64_t i = 0; i < hidden; i++) store_scalar(dtype, xr, i, load_scalar(dtype, xr, i) * e->embed_scale);
 }
 
 typedef struct {
@@ -5759,10 +5774,23 @@ static void add_bf16(const uint16_t *a, const uint16_t *b, uint16_t *out, int64_
     for (; i < n; i++) out[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
 }
 
-int infer_batch_step(const batch_layer *layers, int64_t n_layers, uint16_t *x, int64_t rows, int64_t heads,
+/* The residual add in the step's dtype: add_bf16, or fp32's (each sum rounded once, as PyTorch adds fp32 tensors). */
+static void add_rows(int dtype, void *a, const void *b, int64_t n) {
+    if (dtype == BF16) {
+        add_bf16((const uint16_t *)a, (const uint16_t *)b, (uint16_t *)a, n);
+        return;
+    }
+    float *x = (float *)a;
+    const float *y = (const float *)b;
+    for (int64_t i = 0; i < n; i++) x[i] += y[i];
+}
+
+int infer_batch_step(int dtype, const batch_layer *layers, int64_t n_layers, void *x, int64_t rows, int64_t heads,
                      int64_t kv_heads, int64_t d, int64_t hidden, int64_t inter, float eps, int gemma, int gelu,
                      int64_t bs, int threads, int (*quantize_filled)(int64_t layer), const batch_ends *ends) {
 #if defined(HAVE_PACKED_BF16) /* (AVX2 builds: bf16 products; packed codes need the pair instruction: -2) */
+    if (dtype != BF16 && dtype != F32) return -3;
+    size_t es = dtype == F32 ? 4 : 2;
     int64_t qkv_n = (heads + 2 * kv_heads) * d, wide = qkv_n > 2 * inter ? qkv_n : 2 * inter;
     if (d % 2 || hidden % 2 || inter % 2 || (heads * d) % 2) return -3;
     const int64_t *at = ends ? ends->positions : NULL;
@@ -5776,36 +5804,37 @@ int infer_batch_step(const batch_layer *layers, int64_t n_layers, uint16_t *x, i
             (embeds && (ends->ids[r] < 0 || ends->ids[r] >= ends->vocab)))
             return -5;
     if (embeds)
-        for (int64_t r = 0; r < rows; r++) embed_row(ends, r, x, hidden);
+        for (int64_t r = 0; r < rows; r++) embed_row(dtype, ends, r, x, hidden);
     /* scratch, taken before anything is written: h, the products' outputs, q and k rotated, attention, o, gated (the
      * attention's own buffers are taken in each call: a failure there leaves the step's slots written, which the
      * engine's abort of the step discards) */
     size_t cells = (size_t)rows * (size_t)(hidden + wide + heads * d + kv_heads * d + heads * d + hidden + inter);
-    uint16_t *mem = (uint16_t *)malloc(cells * sizeof(uint16_t));
+    char *mem = (char *)malloc(cells * es);
     int code = mem ? 0 : -1;
-    uint16_t *h = mem, *big = h + rows * hidden, *q = big + rows * wide, *k = q + rows * heads * d;
-    uint16_t *attn = k + rows * kv_heads * d, *o = attn + rows * heads * d, *gated = o + rows * hidden;
+    char *h = mem, *big = h + rows * hidden * es, *q = big + rows * wide * es, *k = q + rows * heads * d * es;
+    char *attn = k + rows * kv_heads * d * es, *o = attn + rows * heads * d * es, *gated = o + rows * hidden * es;
+    const char *qkv_v = big + (heads + kv_heads) * d * es, *up = big + inter * es; /* (v: each row's last part) */
     for (int64_t l = 0; code == 0 && l < n_layers; l++) {
         const batch_layer *L = layers + l;
         const batch_tables *B = L->batch;
-        infer_rms_norm(BF16, x, L->attn_norm, h, rows, hidden, eps, gemma, threads);
-        if ((code = batch_product_run(&L->qkv, h, big, rows, qkv_n, hidden, threads)) != 0) break;
+        infer_rms_norm(dtype, x, L->attn_norm, h, rows, hidden, eps, gemma, threads);
+        if ((code = batch_product_run(dtype, &L->qkv, h, big, rows, qkv_n, hidden, threads)) != 0) break;
         if (L->q_norm) /* each row's heads normed in place, as the per-op path's rows norms do */
             for (int64_t r = 0; r < rows; r++) {
-                uint16_t *row = big + r * qkv_n;
-                infer_rms_norm(BF16, row, L->q_norm, row, heads, d, eps, gemma, 1);
-                infer_rms_norm(BF16, row + heads * d, L->k_norm, row + heads * d, kv_heads, d, eps, gemma, 1);
+                char *row = big + r * qkv_n * es, *keys = row + heads * d * es;
+                infer_rms_norm(dtype, row, L->q_norm, row, heads, d, eps, gemma, 1);
+                infer_rms_norm(dtype, keys, L->k_norm, keys, kv_heads, d, eps, gemma, 1);
             }
-        rope_rows_at(BF16, big, qkv_n, d, L->cos, L->sin, at, q, rows, heads, d, threads);
-        rope_rows_at(BF16, big + heads * d, qkv_n, d, L->cos, L->sin, at, k, rows, kv_heads, d, threads);
+        rope_rows_at(dtype, big, qkv_n, d, L->cos, L->sin, at, q, rows, heads, d, threads);
+        rope_rows_at(dtype, big + heads * d * es, qkv_n, d, L->cos, L->sin, at, k, rows, kv_heads, d, threads);
         /* a quantized pool's rows go to its staging, and the callback quantizes the blocks they fill */
         int quantized = L->k_codes != NULL;
-        infer_write_kv(k, kv_heads * d, d, big + (heads + kv_heads) * d, qkv_n, d,
+        infer_write_kv(k, kv_heads * d, d, qkv_v, qkv_n, d,
                        quantized ? L->k_stage : L->k_blocks, quantized ? L->v_stage : L->v_blocks,
                        quantized ? L->write_rows : B->slot_blocks, B->slot_offsets, rows,
-                       quantized ? L->fresh_rows : B->fresh, B->n_fresh, kv_heads, bs, d, 2);
+                       quantized ? L->fresh_rows : B->fresh, B->n_fresh, kv_heads, bs, d, (int64_t)es);
         if (quantized && L->n_fill > 0) {
-            if (infer_quantize_blocks(BF16, (int)L->scheme, L->k_stage, L->v_stage, L->fill_rows, L->fill_blocks,
+            if (infer_quantize_blocks(dtype, (int)L->scheme, L->k_stage, L->v_stage, L->fill_rows, L->fill_blocks,
                                       L->n_fill, L->k_codes, L->v_codes, (uint16_t *)L->k_scale,
                                       (uint16_t *)L->v_scale, (uint16_t *)L->k_offset, L->rotation, kv_heads, bs, d,
                                       threads)) {
@@ -5816,7 +5845,7 @@ int infer_batch_step(const batch_layer *layers, int64_t n_layers, uint16_t *x, i
             code = -4;
             break;
         }
-        if (qattn_paged(BF16, quantized ? (int)L->scheme : Q_INT8, q, (const uint8_t *)L->k_codes,
+        if (qattn_paged(dtype, quantized ? (int)L->scheme : Q_INT8, q, (const uint8_t *)L->k_codes,
                         (const uint8_t *)L->v_codes, (const uint16_t *)L->k_scale, (const uint16_t *)L->v_scale,
                         (const uint16_t *)L->k_offset, L->rotation, L->k_blocks, L->v_blocks, B->tables, B->lengths,
                         B->starts, attn, rows, heads, kv_heads, d, bs, B->nb, quantized ? L->num_blocks : 0, L->scale,
@@ -5825,22 +5854,22 @@ int infer_batch_step(const batch_layer *layers, int64_t n_layers, uint16_t *x, i
             code = -1;
             break;
         }
-        if ((code = batch_product_run(&L->o, attn, o, rows, hidden, heads * d, threads)) != 0) break;
-        if (L->attn_out) infer_rms_norm(BF16, o, L->attn_out, o, rows, hidden, eps, gemma, threads);
-        add_bf16(x, o, x, rows * hidden);
-        infer_rms_norm(BF16, x, L->mlp_norm, h, rows, hidden, eps, gemma, threads);
-        if ((code = batch_product_run(&L->gate_up, h, big, rows, 2 * inter, hidden, threads)) != 0) break;
-        infer_gated_rows(BF16, big, 2 * inter, big + inter, 2 * inter, gated, rows, inter, gelu, threads);
-        if ((code = batch_product_run(&L->down, gated, o, rows, hidden, inter, threads)) != 0) break;
-        if (L->mlp_out) infer_rms_norm(BF16, o, L->mlp_out, o, rows, hidden, eps, gemma, threads);
-        add_bf16(x, o, x, rows * hidden);
+        if ((code = batch_product_run(dtype, &L->o, attn, o, rows, hidden, heads * d, threads)) != 0) break;
+        if (L->attn_out) infer_rms_norm(dtype, o, L->attn_out, o, rows, hidden, eps, gemma, threads);
+        add_rows(dtype, x, o, rows * hidden);
+        infer_rms_norm(dtype, x, L->mlp_norm, h, rows, hidden, eps, gemma, threads);
+        if ((code = batch_product_run(dtype, &L->gate_up, h, big, rows, 2 * inter, hidden, threads)) != 0) break;
+        infer_gated_rows(dtype, big, 2 * inter, up, 2 * inter, gated, rows, inter, gelu, threads);
+        if ((code = batch_product_run(dtype, &L->down, gated, o, rows, hidden, inter, threads)) != 0) break;
+        if (L->mlp_out) infer_rms_norm(dtype, o, L->mlp_out, o, rows, hidden, eps, gemma, threads);
+        add_rows(dtype, x, o, rows * hidden);
     }
     if (code == 0 && ends && ends->final_norm)
-        infer_rms_norm(BF16, x, ends->final_norm, x, rows, hidden, eps, gemma, threads);
+        infer_rms_norm(dtype, x, ends->final_norm, x, rows, hidden, eps, gemma, threads);
     free(mem);
     return code;
 #else
-    (void)layers, (void)n_layers, (void)x, (void)rows, (void)heads, (void)kv_heads, (void)d, (void)hidden, (void)inter;
+    (void)dtype, (void)layers, (void)n_layers, (void)x, (void)rows, (void)heads, (void)kv_heads, (void)d, (void)hidden, (void)inter;
     (void)eps, (void)gemma, (void)gelu, (void)bs, (void)threads, (void)quantize_filled, (void)ends;
     return -2;
 #endif

@@ -199,11 +199,11 @@ class NativeKernels:
         lib.infer_decode_step.argtypes = step_args
         lib.infer_decode_step.restype = ctypes.c_int
         self._decode_step = lib.infer_decode_step
-        # layers, n_layers, x, rows, heads, kv_heads, d, hidden, inter, eps, gemma, gelu, bs, threads, quantize_filled,
-        # ends
-        batch_args: list[Any] = [ctypes.POINTER(BatchLayer), ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 6,
-                                 ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
-                                 QUANTIZE_FILLED, ctypes.POINTER(BatchEnds)]
+        # dtype, layers, n_layers, x, rows, heads, kv_heads, d, hidden, inter, eps, gemma, gelu, bs, threads,
+        # quantize_filled, ends
+        batch_args: list[Any] = [ctypes.c_int, ctypes.POINTER(BatchLayer), ctypes.c_int64, ctypes.c_void_p,
+                                 *[ctypes.c_int64] * 6, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
+                                 ctypes.c_int, QUANTIZE_FILLED, ctypes.POINTER(BatchEnds)]
         lib.infer_batch_step.argtypes = batch_args
         lib.infer_batch_step.restype = ctypes.c_int
         self._batch_step = lib.infer_batch_step
@@ -814,14 +814,17 @@ class NativeKernels:
                    x: torch.Tensor, block_size: int, quantize_filled: Callable[[int], None] | None = None,
                    gemma: bool = False, gelu: bool = False, ends: BatchEnds | None = None) -> None:
         """Every decoder layer of a batched engine step in one call (cpu_decode.c's infer_batch_step): `x` (contiguous
-        bf16 `[rows, hidden]`) becomes the last layer's output; each layer's pool gets the rows' K/V at the slots of
-        its batch (`BatchLayer.batch`; a quantized pool's layers: their own staging rows) and every row attends over
-        its table there. `shape`: heads, KV heads, head size, hidden size, MLP size; `gemma`, `gelu`: Gemma's norms
-        and activation. `quantize_filled(layer)`: called after a quantized pool's layer staged its rows (an exception
-        there stops the call and is raised). `ends`: the embedding (x then written, not read), the RoPE tables read
-        at the rows' positions and the final norm, in the call (`BatchEnds`)."""
+        `[rows, hidden]`, the model's dtype: bf16 or fp32, as every tensor the layers point at) becomes the last
+        layer's output; each layer's pool gets the rows' K/V at the slots of its batch (`BatchLayer.batch`; a quantized
+        pool's layers: their own staging rows) and every row attends over its table there. `shape`: heads, KV heads,
+        head size, hidden size, MLP size; `gemma`, `gelu`: Gemma's norms and activation. `quantize_filled(layer)`:
+        called after a quantized pool's layer staged its rows (an exception there stops the call and is raised).
+        `ends`: the embedding (x then written, not read), the RoPE tables read at the rows' positions and the final
+        norm, in the call (`BatchEnds`)."""
         heads, kv_heads, d, hidden, inter = shape
         rows = x.numel() // hidden
+        if x.dtype not in (torch.bfloat16, torch.float32) or not x.is_contiguous():
+            raise ValueError(f"the native batched step takes contiguous bf16 or fp32 rows, got {x.dtype}")
         failed: list[BaseException] = []
 
         def call_back(layer: int) -> int:
@@ -833,9 +836,9 @@ class NativeKernels:
             return 0
 
         callback = QUANTIZE_FILLED() if quantize_filled is None else QUANTIZE_FILLED(call_back)  # (): NULL
-        code = self._batch_step(layers, len(layers), x.data_ptr(), rows, heads, kv_heads, d, hidden, inter, eps,
-                                int(gemma), int(gelu), block_size, torch.get_num_threads(), callback,
-                                None if ends is None else ctypes.byref(ends))
+        code = self._batch_step(DTYPE_CODES[x.dtype], layers, len(layers), x.data_ptr(), rows, heads, kv_heads, d,
+                                hidden, inter, eps, int(gemma), int(gelu), block_size, torch.get_num_threads(),
+                                callback, None if ends is None else ctypes.byref(ends))
         if failed:
             raise failed[0]
         if code == -5:
@@ -844,8 +847,9 @@ class NativeKernels:
         if code == -1:
             raise MemoryError("the native batched step could not allocate its scratch buffers")
         if code == -2:
-            raise ValueError(f"the native batched step runs packed codes with AVX512-BF16 only (this build: {self.isa})"
-                             " or was handed a product whose shape it cannot take")
+            raise ValueError(f"the native batched step was handed packed codes this build cannot multiply (this build: "
+                             f"{self.isa}; fp32 rows take codes in AVX2's channel form) or a product whose shape it "
+                             "cannot take")
         if code:
             raise ValueError(f"the native batched step needs a build with AVX512-BF16 or AVX2 (this build: {self.isa})"
                              " and even sizes")

@@ -72,8 +72,8 @@ def batch_step_unavailable(model: BatchModel, kernels: NativeKernels | None) -> 
     config = model.config
     if kernels is None or not kernels.packed_bf16_available:
         return "no native build with AVX512-BF16 or AVX2 with FMA"
-    if model.dtype != torch.bfloat16:
-        return "the activations are not bf16"
+    if model.dtype not in (torch.bfloat16, torch.float32):
+        return "the activations are neither bf16 nor fp32"
     if any(size % 2 for size in (config.head_dim, config.hidden_size, config.intermediate_size)):
         return "odd sizes"
     for layer in model._decoder_layers():
@@ -111,7 +111,7 @@ class NativeBatchStep:
 
     def __init__(self, model: BatchModel, kernels: NativeKernels) -> None:
         config = model.config
-        self.kernels = kernels
+        self.kernels, self.dtype = kernels, model.dtype  # (every tensor it points at in the model's dtype)
         self.keep: list[torch.Tensor] = []  # every tensor a descriptor points into
         # Whether one-row steps can take the call: every product's one-row form is the native GEMV on a bf16 weight
         # or the packed codes (not a quantized one's codes GEMV, nor another kernel), which the call then runs
@@ -141,25 +141,26 @@ class NativeBatchStep:
                       config.intermediate_size)
         self.eps = config.rms_norm_eps
         self.rotation: tuple[torch.Tensor | None, torch.Tensor | None] | None = None  # a pool's, and its fp32 copy
-        # The step's ends (BatchEnds): the final norm, and the embedding where it is a bf16 table or a quantized one
-        # the native dequantizer takes (else its rows come embedded from Python); Gemma's scale rounded to bf16 first,
-        # as the per-op path's.
+        # The step's ends (BatchEnds): the final norm, and the embedding where it is a table of the model's dtype or a
+        # quantized one the native dequantizer takes (else its rows come embedded from Python); Gemma's scale rounded
+        # to the model's dtype first, as the per-op path's.
         self.final_norm = self._address(model.norm.weight)
         self.embed_table = self._embedding_table(model.embed_tokens)
         scale = model.embed_scale
-        self.embed_scale = 0.0 if scale is None else float(torch.tensor(scale, dtype=torch.bfloat16))
+        self.embed_scale = 0.0 if scale is None else float(torch.tensor(scale, dtype=self.dtype))
 
     def _embedding_table(self, embedding: torch.nn.Module) -> BatchEnds | None:
         """The embedding's table as `BatchEnds` reads it (its ids, scale, tables and norm filled in at each step), or
-        None where the call cannot read it: not a bf16 `nn.Embedding` nor a bf16 model's QuantizedEmbedding (its
-        `qweight`) of a format and shape the native dequantizer takes (the groups rule of cpu_decode.c's qshape_ok)."""
+        None where the call cannot read it: not an `nn.Embedding` of the model's dtype nor a QuantizedEmbedding (its
+        `qweight`) of the model's dtype, of a format and shape the native dequantizer takes (the groups rule of
+        cpu_decode.c's qshape_ok)."""
         if type(embedding) is torch.nn.Embedding:
             table = embedding.weight
-            if table.dtype != torch.bfloat16:
+            if table.dtype != self.dtype:
                 return None
             return BatchEnds(embed=self._address(table), vocab=table.shape[0])
         weight = getattr(embedding, "qweight", None)
-        if not isinstance(weight, QuantizedWeight) or getattr(embedding, "dtype", None) != torch.bfloat16:
+        if not isinstance(weight, QuantizedWeight) or getattr(embedding, "dtype", None) != self.dtype:
             return None
         fmt, _, sdtype, _, _, vocab, k, group = weight.kernel_args
         if not codes_shape_taken(fmt, k, group) or sdtype not in SCALE_CODES or (weight.factored and k % 256):
@@ -170,15 +171,15 @@ class NativeBatchStep:
                          embed_sdtype=SCALE_CODES[sdtype], embed_group=group, vocab=vocab)
 
     def _describe_product(self, desc: BatchProduct, product: Any) -> None:
-        """Point `desc` at `product`'s packed copy: a bf16 weight (fmt -1) or a quantized weight's packed codes; and
-        at its row-major bf16 weight where the per-op path's one-row product is the native GEMV on it (then a
+        """Point `desc` at `product`'s packed copy: a weight (fmt -1) or a quantized weight's packed codes; and at its
+        row-major weight where the per-op path's one-row product is the native GEMV on it (then a
         one-row step runs the same GEMV: `one_row`). Packed codes that take one-row products too
         (`Transformer.pack_products`' `one_row`) run them in the call as the per-op path does."""
         packed = product.packed
         desc.bias = None if product.bias is None else self._address(product.bias)
         weight = getattr(product, "weight", None)
         if (getattr(product, "gemv", None) == "native" and isinstance(weight, torch.Tensor)
-                and weight.dtype == torch.bfloat16 and weight.is_contiguous()):
+                and weight.dtype == self.dtype and weight.is_contiguous()):
             desc.rows_w = self._address(weight)
         elif not (isinstance(packed, PackedCodes) and product.takes_packed(1)):
             self.one_row = False
@@ -191,8 +192,8 @@ class NativeBatchStep:
             desc.w, desc.fmt = self._address(packed), -1
 
     def _address(self, t: torch.Tensor) -> int:
-        """The address of `t` (bf16, contiguous: a copy where it is not), kept alive with this step."""
-        t = t.detach().to(torch.bfloat16).contiguous()
+        """The address of `t` (the model's dtype, contiguous: a copy where it is not), kept alive with this step."""
+        t = t.detach().to(self.dtype).contiguous()
         self.keep.append(t)
         return t.data_ptr()
 
@@ -216,10 +217,10 @@ class NativeBatchStep:
         ends.table_rows = next(iter(rope.values()))[0].shape[0]
         if self.embed_table is not None:
             ids = input_ids.reshape(tokens).to(torch.int64).contiguous()  # (alive through the call)
-            out = torch.empty(1, tokens, hidden, dtype=torch.bfloat16)
+            out = torch.empty(1, tokens, hidden, dtype=self.dtype)
             ends.ids, ends.embed_scale = ids.data_ptr(), self.embed_scale
         else:
-            out = embed(input_ids).to(torch.bfloat16).contiguous().clone()
+            out = embed(input_ids).to(self.dtype).contiguous().clone()
         rows = self._describe_pools(pools)  # (a quantized pool's staging rows: alive through the call)
         quantize_filled = None
         if rows is not None and rows[2].plan.quantizes and rows[2].quantizer is None:  # (else quantized in the call)

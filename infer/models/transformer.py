@@ -945,12 +945,13 @@ class Transformer(nn.Module):
             native = native_kernels()
         reference = self.use_reference_attention
         in_kernel = backend.attends_in_kernel and input_ids.shape[1] == 1 and not reference
-        # The engine's steps (held to their solo runs within rounding): bf16 norms and rotations of all rows in one
-        # native call each, where the build does them 16 lanes at a time (PyTorch's RMSNorm is 8 ops, RoPE 5).
+        # The engine's steps (held to their solo runs within rounding): norms and rotations of all rows in one native
+        # call each, where the build does bf16 rows 16 lanes at a time (PyTorch's RMSNorm is 8 ops, RoPE 5); an fp32
+        # model's too (their fp32 loops: it is their one call a step that saves the ops, and it takes the whole step).
         # (an engine step of one token too: its one-row products the GEMV either way, and so it can take the
         # batched whole step, `_native_batch_step_for`)
         rows = None
-        if (native is None and self.native_ops and paged and self.dtype == torch.bfloat16
+        if (native is None and self.native_ops and paged and self.dtype in (torch.bfloat16, torch.float32)
                 and input_ids.device.type == "cpu" and not torch.is_grad_enabled()):
             found = native_kernels()
             rows = found if found is not None and found.rows_vectorized else None
@@ -1005,10 +1006,10 @@ class Transformer(nn.Module):
         for batch, k_blocks, v_blocks in backend.layers:
             if isinstance(k_blocks, QuantizedPoolLayer):  # its staging rows, as its plan put them
                 plan = k_blocks.pool.plan
-                if k_blocks.pool.dtype != torch.bfloat16 or plan.write_slots is None:
+                if k_blocks.pool.dtype != self.dtype or plan.write_slots is None:
                     return None
                 pools.append(k_blocks)
-            elif all(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and t.is_contiguous()
+            elif all(isinstance(t, torch.Tensor) and t.dtype == self.dtype and t.is_contiguous()
                      for t in (k_blocks, v_blocks)):
                 plan = None
                 pools.append((cast(torch.Tensor, k_blocks), cast(torch.Tensor, v_blocks)))
