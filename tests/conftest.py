@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import Phase, settings
 
 # Without a GPU the Triton kernels run under Triton's interpreter on the CPU (set before any kernel module is
 # imported: `triton.jit` reads it at decoration time).
@@ -64,6 +64,10 @@ torch.set_num_threads(1)
 settings.register_profile("dev", deadline=None, max_examples=20)
 settings.register_profile("thorough", deadline=None, max_examples=200)
 settings.register_profile("ci", derandomize=True, deadline=None, database=None, max_examples=20, print_blob=True)
+# tests/mutation_check.py's runs: a planted bug needs a failing example, not the smallest one (shrinking took 3-4 of
+# the 4-5 minutes of each planted bug in the whole-step properties, every example two engines)
+settings.register_profile("mutants", deadline=None, database=None, max_examples=20,
+                          phases=(Phase.explicit, Phase.reuse, Phase.generate))
 settings.load_profile(os.environ.get("INFER_HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 

@@ -2513,7 +2513,8 @@ def run(mutant: Mutant, checkpoints: str, full: bool) -> tuple[bool, float, str]
             # An ambiguous site would plant the bug somewhere other than the name says.
             return False, 0.0, f"mutation site found {text.count(mutant.before)} times in {mutant.path}, not once"
         target.write_text(text.replace(mutant.before, mutant.after, 1))
-        env = {**os.environ, "INFER_CHECKPOINT_DIR": checkpoints, "PYTHONPATH": str(copy)}
+        env = {**os.environ, "INFER_CHECKPOINT_DIR": checkpoints, "PYTHONPATH": str(copy),
+               "INFER_HYPOTHESIS_PROFILE": os.environ.get("INFER_HYPOTHESIS_PROFILE", "mutants")}  # (no shrinking)
         start = time.perf_counter()
         tests = () if full else mutant.tests
         try:

@@ -48,10 +48,11 @@ def count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 def serve(arch: str, prompts: list[list[int]], new: int | list[int], native_step: bool, packed: str | bool = "native",
           weights: str | None = None, decode_gemv: str = "auto", one_row: bool = False, dtype: str = "bfloat16",
-          **engine_args: object) -> list[tuple[list[int], torch.Tensor]]:
+          embed_scale: float | None = None, **engine_args: object) -> list[tuple[list[int], torch.Tensor]]:
     """Each request's greedy tokens and logits through an engine of `dtype` (bf16 unless given) on `arch`'s test
     checkpoint (its weights quantized under `weights`, their packed codes taking one-row products too under
-    `one_row`; `new`: every request's new tokens, or each one's)."""
+    `one_row`; Gemma's embedding scale replaced by `embed_scale` where given; `new`: every request's new tokens, or
+    each one's)."""
     import infer
     from infer.engine import Engine
     from infer.sampling import SamplingParams
@@ -59,6 +60,8 @@ def serve(arch: str, prompts: list[list[int]], new: int | list[int], native_step
 
     model = infer.load_model(build_checkpoint(arch), dtype=dtype, weights=weights, decode_gemv=decode_gemv)
     model.native_step = native_step
+    if embed_scale is not None:
+        model.embed_scale = embed_scale
     engine = Engine(model, None, num_blocks=64, keep_logits=True, packed_products=packed,  # type: ignore[arg-type]
                     decode_attention="native", **engine_args)  # type: ignore[arg-type]
     if one_row:  # (as the engine packs where the choice times the packed codes faster at one row)
@@ -99,6 +102,25 @@ def test_the_whole_step_is_the_per_op_path_bit_for_bit(arch: str, dtype: str, le
         assert not rows, "native_step=False still took the whole-step call"
     for (tokens, logits), (want_tokens, want_logits) in zip(fast, slow, strict=True):
         assert tokens == want_tokens and torch.equal(logits, want_logits), "the whole step parted from the per-op path"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemmas_embedding_scale_is_rounded_as_the_per_op_path_rounds_it(dtype: str) -> None:
+    """Gemma multiplies its embeddings by sqrt(hidden) rounded to the model's dtype: a real model's (hidden 1152:
+    33.94..., no bf16 value, no fp32 one) set in place of the test checkpoint's (hidden 64: 8, exact in any dtype),
+    the whole step's tokens and logits equal the per-op path's, bf16 and fp32 alike."""
+    prompts = [[3, 14, 15, 9, 2, 6], [5, 3, 5, 8]]
+    scale = 1152**0.5
+    assert float(torch.tensor(scale, dtype=torch.bfloat16)) != float(torch.tensor(scale, dtype=torch.float32))
+    with pytest.MonkeyPatch.context() as patch:
+        rows = count_calls(patch)
+        fast = serve("gemma3_text", prompts, 4, native_step=True, chunk_attention="native", dtype=dtype,
+                     embed_scale=scale)
+        assert rows and max(rows) > len(prompts), "the prompt chunks did not take the whole-step call"
+        slow = serve("gemma3_text", prompts, 4, native_step=False, chunk_attention="native", dtype=dtype,
+                     embed_scale=scale)
+    for (tokens, logits), (want_tokens, want_logits) in zip(fast, slow, strict=True):
+        assert tokens == want_tokens and torch.equal(logits, want_logits), "the scaled embedding parted"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

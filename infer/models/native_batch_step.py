@@ -1,29 +1,30 @@
 """Every decoder layer of a batched engine step in one native call.
 
-The per-op path of an engine step makes ~15 Python calls a layer around its kernels (norms, the products, RoPE, the
-K/V writes, the paged attention, the gated activation, the residual adds): at 16 rows of a 150M Llama about 4 ms of a
-20 ms step, as long as the attention and the small ops together. cpu_decode.c's `infer_batch_step` runs the same kernels
-in DecoderLayer's order, so a step's hidden states are the per-op path's bit for bit (tests/test_native_batch_step.py
-holds it to that). This module describes the model to it once (`NativeBatchStep`: each layer's packed products,
-norms and attention traits as ctypes structures holding the tensors' addresses) and fills in each step's pools and
-RoPE tables. The step's ends are done in the call too where it can (`BatchEnds`): the rows embedded from a bf16
-embedding table or a quantized one's rows dequantized (as the native dequantizer does: `QuantizedEmbedding`'s values;
+The per-op path of an engine step makes ~15 Python calls a layer around its kernels (norms, the products, RoPE, the K/V
+writes, the paged attention, the gated activation, the residual adds): at 16 rows of a 150M Llama about 4 ms of a 20 ms
+step, as long as the attention and the small ops together. cpu_decode.c's `infer_batch_step` runs the same kernels in
+DecoderLayer's order, so a step's hidden states are the per-op path's bit for bit (tests/test_native_batch_step.py holds
+it to that). This module describes the model to it once (`NativeBatchStep`: each layer's packed products, norms and
+attention traits as ctypes structures holding the tensors' addresses) and fills in each step's pools and RoPE tables.
+The step's ends are done in the call too where it can (`BatchEnds`): the rows embedded from an embedding table of the
+model's dtype or a quantized one's rows dequantized (as the native dequantizer does: `QuantizedEmbedding`'s values;
 other tables' rows come embedded from Python), each row's RoPE read from tables of every position
 (`Transformer._rope_tables`, built by the per-op path's own `rope_cos_sin`), and the final norm; the LM head stays in
 Python. Each of those ends was a few PyTorch ops between two native calls, run with their code evicted by the step's
 weights: about 0.1 ms each at 16 rows.
 
 Taken only where it applies (`Transformer._native_batch_step_for`): the engine's steps (`StepKernels.rows`), every token
-of the step attending in the native paged kernel in one call (`DecodeGroup.all_rows`) over exact bf16 pools or a
-quantized pool (infer/cache/paged_quantized.py: the rows staged in C, the blocks they fill quantized in C by the pool's
-native quantizer, as its per-op path quantizes them on a CPU, or, with its torch quantizer (INFER_NATIVE_QUANTIZE=0), by
-a call back into `QuantizedPoolLayer.quantize_filled`: either way the codes are the per-op path's bit for bit; then the
-paged kernel over codes and staging), each layer reading its batch (`describe_batch`: the pool's, or Gemma 3's sliding
-layers' rings'; a quantized pool's layers one batch); a bf16 model of pre-norm SiLU layers (Qwen 3's q/k norms included)
+of the step attending in the native paged kernel in one call (`DecodeGroup.all_rows`) over exact pools or a quantized
+pool (infer/cache/paged_quantized.py: the rows staged in C, the blocks they fill quantized in C by the pool's native
+quantizer, as its per-op path quantizes them on a CPU, or, with its torch quantizer (INFER_NATIVE_QUANTIZE=0), by a call
+back into `QuantizedPoolLayer.quantize_filled`: either way the codes are the per-op path's bit for bit; then the paged
+kernel over codes and staging), each layer reading its batch (`describe_batch`: the pool's, or Gemma 3's sliding layers'
+rings'; a quantized pool's layers one batch); a bf16 or fp32 model of pre-norm SiLU layers (Qwen 3's q/k norms included)
 or Gemma 3's (its norms, post-norms and GELU) whose products are packed for the native packed product
-(`Transformer.pack_products(layout="native")`: bf16 weights, or quantized ones' codes, `pack_codes`, which the call
-dequantizes a block at a time as the per-op path's `QuantizedLinear` does). Anything else runs the per-op path, which
-stays the check (`Transformer.native_step = False` turns both whole-step calls off).
+(`Transformer.pack_products(layout="native")`: the model's weights, or quantized ones' codes, `pack_codes`, which the
+call multiplies as the per-op path's `QuantizedLinear` does: an fp32 model's in AVX2's channel form, fp32 sums).
+Anything else runs the per-op path, which stays the check (`Transformer.native_step = False` turns both whole-step calls
+off).
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ class NativeBatchStep:
         config = model.config
         self.kernels, self.dtype = kernels, model.dtype  # (every tensor it points at in the model's dtype)
         self.keep: list[torch.Tensor] = []  # every tensor a descriptor points into
-        # Whether one-row steps can take the call: every product's one-row form is the native GEMV on a bf16 weight
+        # Whether one-row steps can take the call: every product's one-row form is the native GEMV on its weight
         # or the packed codes (not a quantized one's codes GEMV, nor another kernel), which the call then runs
         # (`_describe_product`).
         self.one_row = True

@@ -263,7 +263,8 @@ class QuantizedLinear(ProjectionTraits, nn.Module):
     `few_row_products()` (the batched engine's steps) bf16 inputs of up to `tile_rows` rows take the native tile
     kernel (each tile of 4 weight rows dequantized to bf16 in cache: the GEMM's numbers, the weight never written
     out whole), or, packed for the engine (`Transformer.pack_products(layout="native")`: `packed`, the codes in the
-    native packed product's layout), every bf16 input of 2 rows or more (of one row too where packed with
+    native packed product's layout), every bf16 input of 2 rows or more (an fp32 model's fp32 ones too, its codes in the
+    channel form; of one row too where packed with
     `one_row`: `packed_from` 0) the native packed product on them (each block of 16 weight rows dequantized to bf16
     in cache once per call, or multiplied as codes). "triton" runs the Triton kernel
     (infer/kernels/qgemv.py) on as many rows."""
@@ -990,9 +991,10 @@ class Transformer(nn.Module):
         """The batched whole-step native call for this forward (token ids -> final-normed hidden states), or None for
         the per-op path: an engine step (`StepKernels.rows`) without reference attention whose every token attends in
         the native paged kernel in one call (`DecodeGroup.all_rows`) in each layer's batch (the pool's; Gemma 3's
-        sliding layers' rings have their own), over exact bf16 blocks or a quantized pool with bf16 staging, on a
-        model `batch_step_unavailable` takes; a step of one token (`tokens`) where every one-row product is the
-        native GEMV on a bf16 weight, which the call then runs (`NativeBatchStep.one_row`)."""
+        sliding layers' rings have their own), over exact blocks or a quantized pool whose staging is the model's dtype
+        (bf16 or fp32), on a model `batch_step_unavailable` takes; a step of one token (`tokens`) where every one-row
+        product is the native GEMV on a weight of the model's dtype, which the call then runs
+        (`NativeBatchStep.one_row`)."""
         if (not self.native_step or self.tensor_parallel is not None or kernels.rows is None or kernels.reference
                 or not isinstance(backend, PagedBackend)):
             return None
