@@ -151,6 +151,11 @@ class PackedCodes:
     shape: tuple[int, int]  # the dense weight's (n, k)
 
     @property
+    def channel_form(self) -> bool:
+        """Whether the codes lie in the channel form (AVX2's: multiplied as they are; fp32 rows take only this)."""
+        return self.fmt in ("q8c", "q4c")
+
+    @property
     def nbytes(self) -> int:
         """Bytes of codes, scales and mins."""
         return sum(t.nbytes for t in (self.codes, self.scales, self.mins) if t is not None)

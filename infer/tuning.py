@@ -565,7 +565,7 @@ def _choose_quantized_packing(model: Transformer, coded: list[QuantizedLinear], 
     one_row = on and one_row
     timed.append(timed_one)
     megabytes = sum(m.qweight.nbytes for m in sweep) / 2**20
-    form = "channel" if packed[0].fmt in ("q8c", "q4c") else "pairs"  # (AVX2's: codes multiplied as they are)
+    form = "channel" if packed[0].channel_form else "pairs"  # (AVX2's codes multiplied as they are)
     reason = (f"native packed codes ({form} form) / the quantized kernels over {len(sweep)} quantized weights "
               f"({megabytes:.0f} MiB), {', '.join(timed)} (medians, alternately); packed copies up to "
               f"{copy / 2**20:.0f} MiB")

@@ -492,7 +492,7 @@ class NativeKernels:
                                    ) -> torch.Tensor:
         """`quantized_gemm_packed` for fp32 rows `x`."""
         n, k = packed.shape
-        if packed.fmt not in ("q8c", "q4c") or not self.packed_codes_f32_available:
+        if not packed.channel_form or not self.packed_codes_f32_available:
             raise ValueError(f"fp32 rows take codes packed in the channel form on AVX2 builds (this build: {self.isa}, "
                              f"codes {packed.fmt}): pack them with pack_codes(weight, torch.float32)")
         if x.shape[-1] != k or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,))):

@@ -298,7 +298,7 @@ class QuantizedLinear(ProjectionTraits, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if (self.packed is not None and self.takes_packed(rows)
-                and (x.dtype == torch.bfloat16 or x.dtype == torch.float32 and self.packed.fmt in ("q8c", "q4c"))
+                and (x.dtype == torch.bfloat16 or x.dtype == torch.float32 and self.packed.channel_form)
                 and self.upcast in (None, torch.float32) and not x.requires_grad and _FEW_ROW_PRODUCTS.get()):
             # (an fp32 model's rows: its codes packed in the channel form, its fp32 sums unrounded)
             return native_kernels_or_raise().quantized_gemm_packed(self.packed, x, self.bias)
@@ -948,7 +948,7 @@ class Transformer(nn.Module):
         in_kernel = backend.attends_in_kernel and input_ids.shape[1] == 1 and not reference
         # The engine's steps (held to their solo runs within rounding): norms and rotations of all rows in one native
         # call each, where the build does bf16 rows 16 lanes at a time (PyTorch's RMSNorm is 8 ops, RoPE 5); an fp32
-        # model's too (their fp32 loops: it is their one call a step that saves the ops, and it takes the whole step).
+        # model's too (scalar fp32 loops, but one call each, and the kernels its whole-step call runs).
         # (an engine step of one token too: its one-row products the GEMV either way, and so it can take the
         # batched whole step, `_native_batch_step_for`)
         rows = None
