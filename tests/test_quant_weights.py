@@ -737,35 +737,41 @@ def test_q8_codes_in_the_codes_form_are_exact_where_every_sum_is(m: int, group: 
     assert torch.equal(got, exact.float().bfloat16()), "not the exact product rounded once"
 
 
-def scaled_sums(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+# Rows of x up to which q4 codes in the channel form sum as q8 codes do (cpu_decode.c's Q4_SUMS_ROWS: three tiles)
+Q4_GROUP_SUMS_ROWS = 18
+
+
+def scaled_sums(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
+                group_sums: bool = True) -> torch.Tensor:
     """The channel form's numbers, in x's dtype (bf16 or fp32). q8 codes: each group's fp32 sum of code times x over its
     inputs in order by fused multiply-adds (`fma32`; for bf16 x each product is exact, a bf16 value times a code of at
     most 8 bits having at most 16 significant bits, so a separate multiply and add give the same sum), times the
-    group's scale, summed over the groups in order (the first group's product the total). q4 codes: each weight
+    group's scale, summed over the groups in order (the first group's product the total); q4 codes of up to
+    Q4_GROUP_SUMS_ROWS rows of x the same. q4 codes of more rows (or every count, `group_sums` False): each weight
     scale * code in fp32, multiplied by x over the whole row in order by fused multiply-adds (the products need not be
-    exact in fp32), then, with mins, each group's min times x's fp32 sum over the group (in order) added in group
+    exact in fp32). Then for q4 with mins, each group's min times x's fp32 sum over the group (in order) added in group
     order. Then the bias: each product and sum rounded once in fp32, then the whole rounded to x's dtype (bf16) or
     kept (fp32)."""
     w = weight.unfactored()
     q, xf = (unpack_q4(w.codes) if w.fmt == "q4" else w.codes).float(), x.float()
     groups = q.shape[1] // w.group
     total = torch.zeros(x.shape[0], q.shape[0])
-    if w.fmt == "q4":
+    if w.fmt == "q4" and (x.shape[0] > Q4_GROUP_SUMS_ROWS or not group_sums):
         scaled = q * w.scales.float().repeat_interleave(w.group, dim=1)
         for i in range(q.shape[1]):
             total = fma32(total, xf[:, i, None], scaled[None, :, i])
-        for g in range(groups if w.mins is not None else 0):
-            xsum = torch.zeros(x.shape[0], 1)
+    else:
+        for g in range(groups):
+            sums = torch.zeros(x.shape[0], q.shape[0])
             for i in range(g * w.group, (g + 1) * w.group):
-                xsum = xsum + xf[:, i, None]
-            total = total + w.mins.float()[None, :, g] * xsum  # type: ignore[union-attr]
-        return (total if bias is None else total + bias.float()).to(x.dtype)
-    for g in range(groups):
-        sums = torch.zeros(x.shape[0], q.shape[0])
+                sums = fma32(sums, xf[:, i, None], q[None, :, i])
+            scaled = sums * w.scales.float()[None, :, g]
+            total = scaled if g == 0 else total + scaled
+    for g in range(groups if w.fmt == "q4" and w.mins is not None else 0):
+        xsum = torch.zeros(x.shape[0], 1)
         for i in range(g * w.group, (g + 1) * w.group):
-            sums = fma32(sums, xf[:, i, None], q[None, :, i])
-        scaled = sums * w.scales.float()[None, :, g]
-        total = scaled if g == 0 else total + scaled
+            xsum = xsum + xf[:, i, None]
+        total = total + w.mins.float()[None, :, g] * xsum  # type: ignore[union-attr]
     return (total if bias is None else total + bias.float()).to(x.dtype)
 
 
@@ -827,25 +833,32 @@ CHANNEL_SCHEMES = ["int8", "int4", "Q8_0", "Q4_K", "Q6_K", "Q4_K-factored", "Q6_
        with_bias=st.booleans(), threads=st.integers(1, 3), flavour=st.sampled_from(CHANNEL_CODES or ["native"]),
        seed=st.integers(0, 2**31), scheme=st.sampled_from(CHANNEL_SCHEMES), group=st.sampled_from([32, 64, 128]),
        balance=st.sampled_from(["1", "2", "0"]), few=st.sampled_from(["1", "0"]),
-       fp32=st.booleans())
+       fp32=st.booleans(), sums=st.sampled_from(["1", "0"]))
 @settings(max_examples=80, deadline=None)
-# int4 on 7 rows: two tiles of the scaled form's buffer, 4 rows and 3 (the remainder's row)
+# int4 on 7 rows: two tiles of the scaled form's buffer (the group sums switched off), 4 rows and 3 (the
+# remainder's row); on 19 rows, the first count past the group sums' rows, four tiles of it; on 18, three of sums
 @example(scheme="int4", n=20, runs=4, group=32, m=7, with_bias=True, threads=1,
-         flavour=(CHANNEL_CODES or ["native"])[0], seed=1, balance="1", few="1", fp32=False)
+         flavour=(CHANNEL_CODES or ["native"])[0], seed=1, balance="1", few="1", fp32=False, sums="0")
+@example(scheme="int4", n=40, runs=9, group=32, m=19, with_bias=True, threads=2,
+         flavour=(CHANNEL_CODES or ["native"])[0], seed=5, balance="1", few="1", fp32=True, sums="1")
+@example(scheme="Q4_K", n=40, runs=9, group=32, m=18, with_bias=False, threads=2,
+         flavour=(CHANNEL_CODES or ["native"])[0], seed=6, balance="1", few="1", fp32=True, sums="1")
 # one row over four blocks a tile, the last item three blocks (one part-filled); two rows over two, grouped codes
 @example(scheme="int8", n=100, runs=3, group=32, m=1, with_bias=True, threads=2,
-         flavour=(CHANNEL_CODES or ["native"])[0], seed=2, balance="1", few="1", fp32=False)
+         flavour=(CHANNEL_CODES or ["native"])[0], seed=2, balance="1", few="1", fp32=False, sums="1")
 @example(scheme="Q8_0", n=40, runs=4, group=32, m=2, with_bias=False, threads=1,
-         flavour=(CHANNEL_CODES or ["native"])[0], seed=3, balance="0", few="1", fp32=False)
+         flavour=(CHANNEL_CODES or ["native"])[0], seed=3, balance="0", few="1", fp32=False, sums="1")
 @example(scheme="int4", n=40, runs=9, group=32, m=1, with_bias=True, threads=2,
-         flavour=(CHANNEL_CODES or ["native"])[0], seed=4, balance="1", few="1", fp32=False)
+         flavour=(CHANNEL_CODES or ["native"])[0], seed=4, balance="1", few="1", fp32=False, sums="1")
 def test_codes_in_the_channel_form_give_each_groups_scaled_sums(scheme: str, n: int, runs: int, group: int, m: int,
                                                                 with_bias: bool, threads: int, flavour: str,
-                                                                seed: int, balance: str, few: str, fp32: bool) -> None:
+                                                                seed: int, balance: str, few: str, fp32: bool,
+                                                                sums: str) -> None:
     """`quantized_gemm_packed` on a weight packed in the channel form (no dequantizing; int8 per channel, int4 in
     groups with mins, GGUF's grouped q8 and q4 codes, factored scales) is `scaled_sums`' formula bit for bit (last
     blocks part-filled, threads splitting the blocks unevenly and taking each other's, INFER_BALANCE 1 / 2 / 0, q4's
-    one tile of rows scaled in registers and more through the buffer, k past its 256-input stretches, one or two rows
+    group sums up to three tiles of rows and its scaled form past them or at every count (INFER_Q4_GROUP_SUMS 1 / 0:
+    one tile scaled in registers, more through the buffer, k past its 256-input stretches), one or two rows
     over several blocks a tile or one, INFER_FEW_ROWS_BLOCKS 1 / 0), and so within fp32 summation and one bf16
     rounding of the quantized model's unrounded product; for fp32 rows and bias (an fp32 model's: values of 24
     significant bits, whose products with the codes round) the same formula in fp32, not rounded; the weight and x
@@ -860,9 +873,10 @@ def test_codes_in_the_channel_form_give_each_groups_scaled_sums(scheme: str, n: 
     assert packed.fmt == fmt + "c"
     assert packed.codes.shape == (-(-n // 16), k, 16 if fmt == "q8" else 8)
     before, x_before = [t.clone() for t in weight.tensors()], x.clone()
-    with on_threads(threads), env_set("INFER_BALANCE", balance), env_set("INFER_FEW_ROWS_BLOCKS", few):
+    with (on_threads(threads), env_set("INFER_BALANCE", balance), env_set("INFER_FEW_ROWS_BLOCKS", few),
+          env_set("INFER_Q4_GROUP_SUMS", sums)):
         got = kernels.quantized_gemm_packed(packed, x, bias)
-    assert torch.equal(got, scaled_sums(x, weight, bias)), f"{scheme}: not each group's scaled fp32 sums"
+    assert torch.equal(got, scaled_sums(x, weight, bias, sums == "1")), f"{scheme}: not each group's scaled fp32 sums"
     dense, magnitudes = unrounded_weight(weight)
     assert_within_rounding_of(got, x, dense, bias, f"{scheme}'s unrounded product", magnitudes)
     assert torch.equal(x, x_before) and all(torch.equal(a, b) for a, b in zip(weight.tensors(), before, strict=True))

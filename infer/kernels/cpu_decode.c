@@ -3224,6 +3224,29 @@ static inline __attribute__((always_inline)) void packed_tile_bf16(int mr, const
     }
 }
 
+/* A tile's 16 sums of each row x[0 .. mr-1] finished: the mins' term (each group's min times the row's group sum of
+ * x, `xsums` [mr][groups], added in group order) where there are mins, then the bias, rounded into y's columns
+ * c .. c + 15. */
+static inline __attribute__((always_inline)) void finish_scaled(int mr, __m256 sum[PACK_ROWS][2], int64_t groups,
+                                                                const float *mins, const float *xsums, sums_out o,
+                                                                int64_t c) {
+    if (mins)
+        for (int64_t g = 0; g < groups; g++) {
+            __m256 m0 = _mm256_loadu_ps(mins + 16 * g), m1 = _mm256_loadu_ps(mins + 16 * g + 8);
+#pragma GCC unroll 6
+            for (int j = 0; j < mr; j++) {
+                __m256 xs = _mm256_broadcast_ss(xsums + j * groups + g);
+                sum[j][0] = _mm256_add_ps(sum[j][0], _mm256_mul_ps(m0, xs));
+                sum[j][1] = _mm256_add_ps(sum[j][1], _mm256_mul_ps(m1, xs));
+            }
+        }
+#pragma GCC unroll 6
+    for (int j = 0; j < mr; j++) {
+        store_sums(sum[j][0], o, j, c);
+        store_sums(sum[j][1], o, j, c + 8);
+    }
+}
+
 /* The same tile on q8 codes in the channel form (infer_qgemm_packed's Q8C: pack_codes(channels=True)), the scales
  * after the sums: each block's codes input-major (input i's 16 codes side by side), each widened to fp32 in
  * registers, exact (a byte's sign extension and a conversion, two operations for 8 weights, as a bf16 weight's shift
@@ -3235,13 +3258,14 @@ static inline __attribute__((always_inline)) void packed_tile_bf16(int mr, const
  * at 16 rows of a 150M Llama's products on a 2-core Zen 3 EPYC, 1.0-1.1x the bf16 packed product (0.9-1.0x at 64)
  * and 1.2-1.5x the dequantizing path. Grouped codes keep them on the stack, in L1: a group's end costs a few
  * operations a row against its 16 pairs of multiply-adds. (q4 codes take scaled_tile below.) */
-static inline __attribute__((always_inline)) void channel_tile(int one_group, int mr, int bk, int nb,
-                                                               const int8_t *pb, int64_t pairs, const float *x,
+static inline __attribute__((always_inline)) void channel_tile(int one_group, int q4, int mr, int bk, int nb,
+                                                               const uint8_t *pb, int64_t pairs, const float *x,
                                                                int64_t k, int64_t group, const float *scales,
-                                                               sums_out o, int64_t c, const char *pf,
-                                                               const char *pf_end, int64_t per_iter) {
+                                                               const float *mins, const float *xsums, sums_out o,
+                                                               int64_t c, const char *pf, const char *pf_end,
+                                                               int64_t per_iter) {
     /* bk blocks side by side (FEW_ROWS_BLOCKS), nb of them real: a spare one repeats the first, never stored */
-    int64_t per_group = one_group ? pairs : group / 2, groups = pairs / per_group, block_bytes = 16 * k;
+    int64_t per_group = one_group ? pairs : group / 2, groups = pairs / per_group, block_bytes = (q4 ? 8 : 16) * k;
     __m256 tot[FEW_ROWS_BLOCKS * PACK_ROWS][2];
     for (int64_t g = 0; g < groups; g++) {
         __m256 acc[FEW_ROWS_BLOCKS * PACK_ROWS][2];
@@ -3251,9 +3275,17 @@ static inline __attribute__((always_inline)) void channel_tile(int one_group, in
             for (int e = 0; e < 2; e++)
 #pragma GCC unroll 4
                 for (int a = 0; a < bk; a++) {
-                    const int8_t *w = pb + (a < nb ? a : 0) * block_bytes + q * 32 + 16 * e;
-                    __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
-                    __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + 8))));
+                    __m256 w0, w1;
+                    if (q4) { /* input 2q + e's 16 codes in 8 bytes: rows 0-7 low nibbles, 8-15 high */
+                        const uint8_t *w = pb + (a < nb ? a : 0) * block_bytes + q * 16 + 8 * e;
+                        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)w));
+                        w0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0f)));
+                        w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+                    } else {
+                        const int8_t *w = (const int8_t *)pb + (a < nb ? a : 0) * block_bytes + q * 32 + 16 * e;
+                        w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
+                        w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + 8))));
+                    }
                     /* (each row's x broadcast as its sums take it: 6 rows' broadcasts held across the blocks spilled
                      * the 6-row tile's sums, 0.5x) */
 #pragma GCC unroll 6
@@ -3278,11 +3310,7 @@ static inline __attribute__((always_inline)) void channel_tile(int one_group, in
     }
 #pragma GCC unroll 4
     for (int a = 0; a < nb; a++)
-#pragma GCC unroll 6
-        for (int j = 0; j < mr; j++) {
-            store_sums(tot[a * mr + j][0], o, j, c + 16 * a);
-            store_sums(tot[a * mr + j][1], o, j, c + 16 * a + 8);
-        }
+        finish_scaled(mr, tot + a * mr, groups, mins ? mins + a * groups * 16 : NULL, xsums, o, c + 16 * a);
 }
 
 /* x's sums over each group of `group` inputs, in order in fp32, into this calling thread's buffer ([m][k / group]:
@@ -3297,7 +3325,15 @@ static const float *group_sums(const float *x, int64_t m, int64_t k, int64_t gro
         sums = grown;
         sums_len = m * groups;
     }
-    for (int64_t j = 0; j < m * groups; j++) {
+    /* eight groups' chains side by side (each still summed in order): one chain at a time waits on each add */
+    int64_t j = 0;
+    for (; j + 8 <= m * groups; j += 8) {
+        float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int64_t i = 0; i < group; i++)
+            for (int t = 0; t < 8; t++) s[t] += x[(j + t) * group + i];
+        for (int t = 0; t < 8; t++) sums[j + t] = s[t];
+    }
+    for (; j < m * groups; j++) {
         float s = 0.f;
         for (int64_t i = 0; i < group; i++) s += x[j * group + i];
         sums[j] = s;
@@ -3305,6 +3341,12 @@ static const float *group_sums(const float *x, int64_t m, int64_t k, int64_t gro
     return sums;
 }
 #define HAVE_CHANNEL_CODES 1
+/* q4 codes in the channel form up to this many rows of x (three tiles) take channel_tile's group sums (each code
+ * widened in the tile, each group's sums times its scale at the group's end, then the mins' term); past it the
+ * scaled form below, whose buffer widens and scales a block's codes once for every tile. Alternating in one process
+ * on a 2-core Zen 3 EPYC (2304 x 576 int4 in groups of 32, fp32 rows), the group sums' time against the scaled
+ * form's: 0.85x at 1 row, 0.89x at 2, 0.91-0.98x at 4-12, 0.99x at 18; 1.03x at 24, 1.13x at 32, 1.14x at 64. */
+#define Q4_SUMS_ROWS (3 * PACK_ROWS)
 
 /* q4 codes in the channel form (Q4C: input i's 16 codes in 8 bytes, rows 0-7 in the low nibbles, 8-15 in the high
  * ones), scaled before the sums: each weight's fp32 value scale * code (exact for scales from float16: a 4-bit code
@@ -3340,29 +3382,6 @@ static void scale_codes_q4c(const uint8_t *codes, const float *scales, float *ou
             _mm256_storeu_ps(out + 16 * (i - i0), w[0]);
             _mm256_storeu_ps(out + 16 * (i - i0) + 8, w[1]);
         }
-    }
-}
-
-/* A tile's 16 sums of each row x[0 .. mr-1] finished: the mins' term (each group's min times the row's group sum of
- * x, `xsums` [mr][groups], added in group order) where there are mins, then the bias, rounded into y's columns
- * c .. c + 15. */
-static inline __attribute__((always_inline)) void finish_scaled(int mr, __m256 sum[PACK_ROWS][2], int64_t groups,
-                                                                const float *mins, const float *xsums, sums_out o,
-                                                                int64_t c) {
-    if (mins)
-        for (int64_t g = 0; g < groups; g++) {
-            __m256 m0 = _mm256_loadu_ps(mins + 16 * g), m1 = _mm256_loadu_ps(mins + 16 * g + 8);
-#pragma GCC unroll 6
-            for (int j = 0; j < mr; j++) {
-                __m256 xs = _mm256_broadcast_ss(xsums + j * groups + g);
-                sum[j][0] = _mm256_add_ps(sum[j][0], _mm256_mul_ps(m0, xs));
-                sum[j][1] = _mm256_add_ps(sum[j][1], _mm256_mul_ps(m1, xs));
-            }
-        }
-#pragma GCC unroll 6
-    for (int j = 0; j < mr; j++) {
-        store_sums(sum[j][0], o, j, c);
-        store_sums(sum[j][1], o, j, c + 8);
     }
 }
 
@@ -3498,22 +3517,28 @@ static int few_rows_blocks(int scaled, int64_t m) {
 
 /* Blocks b .. b + nb - 1 of codes in the channel form (q8, or q4: `scaled`) against m rows of x, as many blocks a
  * tile as few_rows_blocks takes for them. */
-static void few_rows_pass(int scaled, int nb, const uint8_t *codes, const float *scales, const float *mins,
+static void few_rows_pass(int q4, int scaled, int nb, const uint8_t *codes, const float *scales, const float *mins,
                           int64_t group, const float *xsums, const float *x, int64_t m, int64_t k, sums_out o,
                           int64_t b, const char *pf, const char *pf_end, int64_t per_iter) {
-    const int8_t *q8 = (const int8_t *)codes;
     int64_t c = 16 * b;
     int one = group == k; /* (int8 per channel: one group a row) */
-    if (scaled)
+    if (q4 && !scaled)
+        channel_tile(0, 1, 1, FEW_ROWS_Q4_ONE, nb, codes, k / 2, x, k, group, scales, mins, xsums, o, c, pf, pf_end,
+                     per_iter);
+    else if (scaled)
         scaled_tile_codes(1, FEW_ROWS_Q4_ONE, nb, codes, scales, group, x, k, mins, xsums, o, c, pf, pf_end, per_iter);
     else if (m == 1 && one)
-        channel_tile(1, 1, FEW_ROWS_Q8_ONE, nb, q8, k / 2, x, k, k, scales, o, c, pf, pf_end, per_iter);
+        channel_tile(1, 0, 1, FEW_ROWS_Q8_ONE, nb, codes, k / 2, x, k, k, scales, NULL, NULL, o, c, pf, pf_end,
+                     per_iter);
     else if (m == 1)
-        channel_tile(0, 1, FEW_ROWS_Q8_ONE, nb, q8, k / 2, x, k, group, scales, o, c, pf, pf_end, per_iter);
+        channel_tile(0, 0, 1, FEW_ROWS_Q8_ONE, nb, codes, k / 2, x, k, group, scales, NULL, NULL, o, c, pf, pf_end,
+                     per_iter);
     else if (one)
-        channel_tile(1, 2, FEW_ROWS_Q8_TWO, nb, q8, k / 2, x, k, k, scales, o, c, pf, pf_end, per_iter);
+        channel_tile(1, 0, 2, FEW_ROWS_Q8_TWO, nb, codes, k / 2, x, k, k, scales, NULL, NULL, o, c, pf, pf_end,
+                     per_iter);
     else
-        channel_tile(0, 2, FEW_ROWS_Q8_TWO, nb, q8, k / 2, x, k, group, scales, o, c, pf, pf_end, per_iter);
+        channel_tile(0, 0, 2, FEW_ROWS_Q8_TWO, nb, codes, k / 2, x, k, group, scales, NULL, NULL, o, c, pf, pf_end,
+                     per_iter);
 }
 #endif
 
@@ -3522,24 +3547,33 @@ static void few_rows_pass(int scaled, int nb, const uint8_t *codes, const float 
 typedef struct {
     int64_t group;
     const float *scales;
+    int q4;                     /* q4 codes (8 bytes an input) */
+    const float *mins, *xsums; /* q4's mins [groups][16] and the rows' group sums [m][groups], or NULL */
 } channel_block;
 
 /* A tile of bf16 blocks, or of q8 codes in the channel form where `cb` (AVX2's alone) is given: each form its own
  * inlined tile. */
 static inline __attribute__((always_inline)) void pass_tile(int mr, const void *pb, const channel_block *cb,
-                                                            int64_t pairs, const packed_x *x, int64_t k, sums_out o,
+                                                            int64_t row, int64_t pairs, const packed_x *x, int64_t k,
+                                                            sums_out o,
                                                             int64_t c, int nb, const char *pf, const char *pf_end,
                                                             int64_t per_iter, int loops) {
 #if defined(HAVE_CHANNEL_CODES)
     if (cb) {
-        const int8_t *codes = (const int8_t *)pb;
-        if (cb->group == k)
-            channel_tile(1, mr, 1, 1, codes, pairs, x, k, k, cb->scales, o, c, pf, pf_end, per_iter);
+        const uint8_t *codes = (const uint8_t *)pb;
+        const float *xs = cb->xsums ? cb->xsums + row * (k / cb->group) : NULL;
+        if (cb->q4)
+            channel_tile(0, 1, mr, 1, 1, codes, pairs, x, k, cb->group, cb->scales, cb->mins, xs, o, c, pf, pf_end,
+                         per_iter);
+        else if (cb->group == k)
+            channel_tile(1, 0, mr, 1, 1, codes, pairs, x, k, k, cb->scales, NULL, NULL, o, c, pf, pf_end, per_iter);
         else
-            channel_tile(0, mr, 1, 1, codes, pairs, x, k, cb->group, cb->scales, o, c, pf, pf_end, per_iter);
+            channel_tile(0, 0, mr, 1, 1, codes, pairs, x, k, cb->group, cb->scales, NULL, NULL, o, c, pf, pf_end,
+                         per_iter);
         return;
     }
 #endif
+    (void)row;
     (void)cb;
     /* (bf16 blocks: a bf16 product's rows, never fp32 ones) */
     packed_tile_bf16(mr, (const uint16_t *)pb, pairs, x, k, (const uint16_t *)o.bias, (uint16_t *)o.y, o.n, c, nb, pf,
@@ -3562,7 +3596,7 @@ static void packed_pass(const void *pb, const channel_block *cb, int64_t pairs, 
         switch (mr) { /* each row count its own unrolled tile */
 #define PACKED_TILE(M)                                                                                  \
     case M:                                                                                             \
-        pass_tile(M, pb, cb, pairs, x + j * k, k, rows_from(o, j), 16 * b, nb, pf, end, per_iter, loops); \
+        pass_tile(M, pb, cb, j, pairs, x + j * k, k, rows_from(o, j), 16 * b, nb, pf, end, per_iter, loops); \
         break;
             PACKED_TILE(1) PACKED_TILE(2) PACKED_TILE(3) PACKED_TILE(4)
 #if PACK_ROWS > 4
@@ -5120,15 +5154,16 @@ static void dequant_block_packed(int fmt, const uint8_t *codes, const float *sca
 static int codes_product_avx2(int fmt, const uint8_t *codes, const float *scales, const float *mins, const void *x,
                               sums_out o, int64_t m, int64_t n, int64_t k, int64_t group, int threads) {
     /* the channel form: q8 codes the tiles read as they are, q4 codes scaled a stretch at a time (scaled_block) */
-    int channels = fmt == Q8C || fmt == Q4C, scaled = fmt == Q4C;
+    int channels = fmt == Q8C || fmt == Q4C, q4 = fmt == Q4C;
+    int scaled = q4 && (m > Q4_SUMS_ROWS || !switched_on("INFER_Q4_GROUP_SUMS"));
     if (fmt == Q6 || fmt == Q8C) fmt = Q8;
     if (fmt == Q4C) fmt = Q4;
     if (!qshape_ok(fmt, k, group)) return -2;
     if (o.f32 && !channels) return -2; /* (fp32 rows: the channel form alone; the pairs form rounds weights to bf16) */
     if (m <= 0 || n <= 0) return 0;
     const float *xw = o.f32 ? (const float *)x : widened_rows((const uint16_t *)x, m, k, threads);
-    const float *xsums = scaled && mins ? group_sums(xw, m, k, group) : NULL;
-    if (!xw || (scaled && mins && !xsums)) return -1;
+    const float *xsums = q4 && mins ? group_sums(xw, m, k, group) : NULL;
+    if (!xw || (q4 && mins && !xsums)) return -1;
     /* (the scaled form reads x a stretch of SCALED_INPUTS inputs at a time: its rows' stretches in L2) */
     int64_t pairs = k / 2, groups = k / group, block_bytes = fmt == Q8 ? 16 * k : 8 * k;
     int64_t rows_at_once = scaled ? rows_in_l2(SCALED_INPUTS) : rows_in_l2(k);
@@ -5137,7 +5172,7 @@ static int codes_product_avx2(int fmt, const uint8_t *codes, const float *scales
     int64_t blocks = (n + 15) / 16, row_groups = (m + rows_at_once - 1) / rows_at_once;
     int failed = 0, loops = prefetch_loops(), nr = threads > 1 ? threads : 1, balance = work_balance();
     /* few rows: blocks side by side, an item of the walk `bk` of them */
-    int bk = channels ? few_rows_blocks(scaled, m) : 1;
+    int bk = channels ? few_rows_blocks(q4, m) : 1;
     int64_t items = (blocks + bk - 1) / bk;
     work_range *ranges = work_ranges(row_groups, nr, items);
     if (!ranges) return -1;
@@ -5168,7 +5203,7 @@ static int codes_product_avx2(int fmt, const uint8_t *codes, const float *scales
                 const char *pf = (const char *)(codes + from * block_bytes);
                 const char *pf_end = (const char *)(codes + to * block_bytes);
                 if (bk > 1) {
-                    few_rows_pass(scaled, blocks - b < bk ? (int)(blocks - b) : bk, bc, bs, bm, group,
+                    few_rows_pass(q4, scaled, blocks - b < bk ? (int)(blocks - b) : bk, bc, bs, bm, group,
                                   xsums ? xsums + j0 * groups : NULL, xw + j0 * k, mc, k, rows_from(o, j0), b, pf,
                                   pf_end, per_iter);
                     continue;
@@ -5179,7 +5214,7 @@ static int codes_product_avx2(int fmt, const uint8_t *codes, const float *scales
                                  per_iter);
                     continue;
                 }
-                channel_block cb = {group, bs};
+                channel_block cb = {group, bs, q4, bm, xsums ? xsums + j0 * groups : NULL};
                 if (!channels) dequant_block_packed(fmt, bc, bs, bm, (uint16_t *)buf, pairs, group);
                 packed_pass(channels ? (const void *)bc : buf, channels ? &cb : NULL, pairs, xw + j0 * k, mc, k,
                             rows_from(o, j0), b, 1, pf, pf_end, per_iter, loops);
