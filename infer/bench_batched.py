@@ -471,7 +471,9 @@ def add_batched_args(p: argparse.ArgumentParser) -> None:
                         "packed once, where measured faster; a second copy of the projections)")
     g.add_argument("--packed-products", default="auto", choices=["auto", "off", "onednn", "native"],
                    help="the packed copies' layout: oneDNN's GEMM past the few-row kernel's rows, or the native "
-                        "packed product for every product of 2+ rows (default: measured; off: --no-packed-products)")
+                        "packed product for every product of 2+ rows (default: measured; off: --no-packed-products, "
+                        "which also keeps a quantized model's codes unpacked at load: the single-request bench's "
+                        "products on the codes kernel)")
     g.add_argument("--no-one-by-one", action="store_true", help="skip the one-by-one run (the slowest)")
     g.add_argument("--no-roofline", action="store_true",
                    help="skip the roofline report (the machine's matmul and read limits, the fraction of them each "

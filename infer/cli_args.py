@@ -86,13 +86,15 @@ def load_with_args(path: Path, args: argparse.Namespace) -> Transformer:
     from infer.tensor_parallel import init_from_env
 
     weights = getattr(args, "weights", "auto")
+    # (--packed-products off: nor the quantized products' codes packed at load for one request)
+    unpacked = getattr(args, "no_packed_products", False) or getattr(args, "packed_products", "auto") == "off"
     # Under `torchrun --nproc-per-node N` each rank loads its shard (infer/tensor_parallel.py).
     shards = init_from_env(args.device)
     model = load_model(path, dtype=args.dtype, device=args.device, compute_dtype=args.compute_dtype,
                        decode_gemv=args.decode_gemv, native_prefetch=args.native_prefetch,
                        huge_pages=not args.no_huge_pages,
                        weights="stored" if weights == "auto" else weights, group_size=getattr(args, "group_size", 32),
-                       tensor_parallel=shards is not None)
+                       tensor_parallel=shards is not None, packed_products=False if unpacked else None)
     model.native_ops = not args.no_native_ops
     model.native_step = not args.no_native_step
     if getattr(args, "no_few_row_products", False):

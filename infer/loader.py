@@ -43,6 +43,7 @@ from infer.tuning import (
     PREFETCH_LEVELS,
     choose_decode_gemv,
     choose_gemm_rows,
+    choose_one_request_packing,
     choose_prefetch,
     choose_prefill_dtype,
     choose_quantized_gemv,
@@ -188,6 +189,7 @@ def load_model(
     weights: str | None = None,
     group_size: int = 32,
     tensor_parallel: bool = False,
+    packed_products: bool | None = None,
 ) -> Transformer:
     """Load the checkpoint in directory `path` (the default model, SmolLM2-135M-Instruct from
     the local store (infer.model_store), when None), in eval mode.
@@ -215,13 +217,18 @@ def load_model(
     quantized safetensors checkpoint (`infer.save_quantized`) as saved; "dense" dequantizes everything to
     `dtype`. None: "stored" for a GGUF file loaded without a `dtype` and for a quantized checkpoint (as llama.cpp
     runs a file), else "dense" (passing `dtype` to a GGUF load dequantizes). Activations, norms and biases are
-    in `dtype` either way.
+    in `dtype` either way. `packed_products`: quantized projections run outside the engine (one request's prompt and
+    decode steps) on a copy of their codes packed for the native packed product (`Transformer.pack_products`);
+    None decides by the build (`infer.tuning.choose_one_request_packing`: AVX2's channel form), False keeps the codes
+    kernel (the copy's memory saved), True packs.
     """
     if path is not None and not isinstance(path, (str, Path)):
         raise TypeError(f"path must be a checkpoint directory (str or Path), got {type(path).__name__}")
     path = default_model_path() if path is None else Path(path)
     if weights not in WEIGHT_FORMS:
         raise ValueError(f"weights must be one of {', '.join(map(repr, WEIGHT_FORMS))}, got {weights!r}")
+    if packed_products not in (None, True, False):
+        raise TypeError(f"packed_products must be None (by the build), True or False, got {packed_products!r}")
     if native_prefetch != "auto" and native_prefetch not in PREFETCH_LEVELS:
         raise ValueError(f"native_prefetch must be 'auto', 'l1' or 'l2', got {native_prefetch!r}")
     explicit_dtype = dtype is not None
@@ -369,7 +376,15 @@ def load_model(
             model.quantized_rows = rows
             if torch_dtype == torch.bfloat16:
                 model.gemm_rows = int(choose_quantized_tile_rows(largest.qweight, rows).value)
+            if shards is None and choose_one_request_packing(model, packed_products).value == "native":
+                model.pack_products(True, layout="native", one_row=True)
+        elif packed_products:
+            raise ValueError("packed_products=True needs the native kernels on the codes (decode_gemv 'native' on a "
+                             f"CPU; this load: {model.decode_gemv!r}); leave it None or False")
     else:
+        if packed_products:
+            raise ValueError("packed_products=True packs quantized projections' codes, and this model has none "
+                             f"(weights={weights!r}); leave it None or False")
         dense_weights = [m.weight for m in model.modules() if isinstance(m, Linear)]
         model.decode_gemv = choose_decode_gemv(dense_weights, decode_gemv).value
         if model.decode_gemv == "native" or native_prefetch != "auto":

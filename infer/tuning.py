@@ -591,6 +591,45 @@ def _packed_one_row_wins(kernels: NativeKernels, sweep: list[QuantizedLinear], p
             f"1 row: {times['native'] * 1e3:.2f} / {times['own'] * 1e3:.2f} ms over {len(sweep)} weights")
 
 
+def choose_one_request_packing(model: Transformer, forced: bool | None = None) -> Choice:
+    """Whether a model with quantized projections runs them outside the engine (one request's prompt and decode steps,
+    `infer.generate`) on its codes packed for the native packed product, one-row products included
+    (`Transformer.pack_products(True, layout="native", one_row=True)`), rather than on the codes kernel (row-major
+    codes, a row at a time) and dequantizing into the GEMM: by the build, without timing. Taken where codes pack in
+    AVX2's channel form: SmolLM2-135M's Q4_1 file on a 2-core Zen 3 EPYC, its 121 products packed against their own
+    kernels, alternately: 1 row 0.68-0.76x the time, 16 rows 0.38x, 64 rows 0.29x, 512 rows 0.79x. AVX512-BF16
+    builds lay codes out in pairs for the bf16 pair instruction, which their codes kernel has too: unpacked there
+    unless asked. Off where the copies would take more than half the memory left. `forced`: True packs (raising
+    where the native packed product cannot take the model), False leaves the products unpacked."""
+    name = "packed codes for one request"
+    products = model.packable_products()
+    coded = [m for m in products if isinstance(m, QuantizedLinear)]
+    weights = [m.weight for m in products if isinstance(m, Linear)]
+    if not coded:
+        return record(Choice(name, "off", "no quantized projections"))
+    why = (native_packing_unavailable(weights, coded, model.dtype) if model.compute_dtype in (None, torch.float32)
+           else f"the products upcast to {model.compute_dtype}, and it sums in float32")
+    if forced is True:
+        if why is not None:
+            raise ValueError(f"packed_products=True needs the native packed product: {why}; leave it None or False")
+        return record(Choice(name, "native", "forced by the caller"))
+    if forced is False:
+        return record(Choice(name, "off", "forced off by the caller"))
+    kernels = native_kernels()
+    if why is None and kernels is not None and not kernels.channel_codes:
+        why = (f"this build ({kernels.isa}) lays codes out in pairs for the bf16 pair instruction, which the codes "
+               "kernel has too")
+    copy = sum(t.nbytes * (1 if t is m.codes else 2) for m in coded for t in m.qweight.tensors()) + sum(
+        w.nbytes for w in weights)
+    if why is None:
+        why = _crowding(copy)
+    if why is not None:
+        return record(Choice(name, "off", why))
+    return record(Choice(name, "native", "codes in AVX2's channel form, one row and many (0.3-0.8x the quantized "
+                                         f"kernels' time on SmolLM2, 2-core Zen 3); packed copies up to "
+                                         f"{copy / 2**20:.0f} MiB"))
+
+
 def _first_within(modules: list[QuantizedLinear], limit: int) -> list[QuantizedLinear]:
     """The first of `modules` up to `limit` bytes of their weights in bf16 (the one that reaches it included)."""
     kept, total = [], 0

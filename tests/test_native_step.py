@@ -14,7 +14,7 @@ import torch
 import infer
 from infer.families import ARCHITECTURES
 from infer.kernels.native import NativeKernels, native_kernels, unavailable_reason
-from infer.models.native_step import NativeStep
+from infer.models.native_step import PACKED_KIND, QUANTIZED_KINDS, NativeStep
 from reference import Oracle, build_checkpoint
 
 needs_build = pytest.mark.skipif(native_kernels() is None, reason=f"no native build here: {unavailable_reason()}")
@@ -63,15 +63,27 @@ def test_native_step_is_the_oracle(arch: str, kind: str, calls: list[int]) -> No
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_quantized_native_step_matches_the_per_op_path(arch: str, weights: str, calls: list[int]) -> None:
+def test_quantized_native_step_matches_the_per_op_path(arch: str, weights: str, packed: bool,
+                                                       calls: list[int]) -> None:
     """Quantized products (fused and separate parts) in the whole step give the per-op path's logits within fp32
-    rounding of attention's other summation order; the per-op path is held to the dequantized model elsewhere."""
-    model = infer.load_model(build_checkpoint(arch), decode_gemv="native", weights=weights)
+    rounding of attention's other summation order, on the codes kernel or on codes packed at load for one request's
+    products (`packed_products`, fp32 rows: AVX2's channel form); the per-op path is held to the dequantized model
+    elsewhere."""
+    kernels = native_kernels()
+    if packed and kernels is not None and not kernels.packed_codes_f32_available:
+        pytest.skip(f"fp32 rows of packed codes are AVX2's channel form (this build: {kernels.isa})")
+    model = infer.load_model(build_checkpoint(arch), decode_gemv="native", weights=weights, packed_products=packed)
+    assert model.packed_products == packed
     ids = prompt(20, seed=4)
     got = decode(model, ids, "sliding", prefill=3)
     assert len(calls) == 17
+    step = model.__dict__["_native_step"]
+    kinds = {p.kind for layer in step.layers for p in (*layer.qkv[:layer.n_qkv], layer.o,
+                                                          *layer.gate_up[:layer.n_gate_up], layer.down)}
+    assert kinds == ({PACKED_KIND} if packed else {QUANTIZED_KINDS["q8" if weights == "int8" else "q4"]})
     model.native_step = False
     want = decode(model, ids, "sliding", prefill=3)
     assert len(calls) == 17, "native_step=False runs the per-op path"

@@ -497,7 +497,7 @@ def test_a_quantized_model_packs_its_codes_or_names_why(monkeypatch: pytest.Monk
         with pytest.raises(ValueError, match="native packed product: this build .* fp32 rows of codes only in AVX2"):
             fp32.pack_products(True, layout="native")
         assert not fp32.packed_products
-    model = infer.load_model(path, dtype="bfloat16", weights="int4")
+    model = infer.load_model(path, dtype="bfloat16", weights="int4", packed_products=False)
     with pytest.raises(ValueError, match="quantized projections have no oneDNN layout"):
         model.pack_products(True, layout="onednn")
     with pytest.raises(ValueError, match="packed_products=True needs oneDNN's bf16 GEMM, which has no layout for"):
@@ -516,6 +516,36 @@ def test_a_quantized_model_packs_its_codes_or_names_why(monkeypatch: pytest.Monk
     assert model.packed_bytes == sum(p.packed.nbytes for p in products)  # type: ignore[union-attr]
     Engine(model, None, num_blocks=16, packed_products=False)
     assert not model.packed_products and model.packed_bytes == 0
+
+
+def test_a_quantized_model_packs_its_codes_at_load_by_the_build_or_as_asked() -> None:
+    """`load_model`'s `packed_products`: None packs a quantized model's products for one request (one-row products
+    included) where codes pack in AVX2's channel form, and names why not elsewhere; True packs them on any build
+    that has the packed product for the model's dtype; False leaves them unpacked; a bad value, or True for a model
+    without quantized projections, is refused naming the argument."""
+    import infer
+    from infer.tuning import CHOICES
+    from reference import build_checkpoint
+
+    path = build_checkpoint("llama")
+    kernels = native_kernels()
+    model = infer.load_model(path, dtype="bfloat16", weights="int4")
+    choice = CHOICES["packed codes for one request"]
+    if CODES_PACKING is None and kernels is not None and kernels.channel_codes:
+        assert choice.value == "native" and "channel form" in choice.reason
+        assert model.packed_products and all(p.takes_packed(1) for p in model.packable_products())
+    else:
+        assert choice.value == "off" and choice.reason and not model.packed_products
+    if CODES_PACKING is None:
+        packed = infer.load_model(path, dtype="bfloat16", weights="int4", packed_products=True)
+        assert packed.packed_layout == "native" and all(p.takes_packed(1) for p in packed.packable_products())
+        assert CHOICES["packed codes for one request"].reason == "forced by the caller"
+    unpacked = infer.load_model(path, dtype="bfloat16", weights="int4", packed_products=False)
+    assert not unpacked.packed_products and CHOICES["packed codes for one request"].value == "off"
+    with pytest.raises(TypeError, match="packed_products must be None"):
+        infer.load_model(path, weights="int4", packed_products="native")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="packed_products=True packs quantized projections' codes, and this model"):
+        infer.load_model(path, dtype="bfloat16", packed_products=True)
 
 
 @pytest.mark.parametrize(("ratios", "want", "upto", "one_row"), [

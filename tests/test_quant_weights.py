@@ -323,14 +323,21 @@ def test_native_quantized_gemv_refuses_a_bad_shape() -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-@pytest.mark.parametrize("form", ["linear", "native", "native, one row"])
+@pytest.mark.parametrize("form", ["linear", "native", "native, one row", "native, packed"])
 def test_quantized_model_is_the_model_with_dequantized_weights(arch: str, scheme: str, form: str) -> None:
     """"linear": the reference dequantization into F.linear; "native": the kernel on the codes up to the measured
-    rows; "native, one row": the kernel for one-token steps only, the native dequantizer into the GEMM beyond."""
+    rows; "native, one row": the kernel for one-token steps only, the native dequantizer into the GEMM beyond;
+    "native, packed": every product, one-token steps' too, on the codes packed at load (`packed_products`)."""
     if form != "linear":
-        kernels_or_skip()
+        kernels = kernels_or_skip()
+        if form == "native, packed" and not kernels.packed_codes_f32_available:
+            pytest.skip(f"fp32 rows of packed codes are AVX2's channel form (this build: {kernels.isa})")
     path = build_checkpoint(arch)
-    model = infer.load_model(path, weights=scheme, decode_gemv=form.split(",")[0])
+    model = infer.load_model(path, weights=scheme, decode_gemv=form.split(",")[0],
+                             packed_products=None if form == "linear" else form == "native, packed")
+    assert model.packed_products == (form == "native, packed")
+    if form == "native, packed":
+        assert all(p.takes_packed(1) for p in model.packable_products()), "one-row products on the packed codes"
     if form == "native, one row":
         model.quantized_rows = 1
     assert model.quantized and all(isinstance(m, QuantizedLinear) for m in

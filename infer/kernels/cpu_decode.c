@@ -3093,12 +3093,14 @@ typedef float packed_x;
  * waiting on the last (4 cycles on a Zen 3), and at one row q8 codes streamed at 14.0 GB/s where bf16 weights
  * stream at 19-22 from DRAM (a 2-core Zen 3 EPYC, 24 products of 6144 x 768 in turn). q8: four blocks at one row
  * (8 chains) 1.27-1.66x, two at two rows 1.32x; q4, whose weights are also scaled in the tile, two blocks at one row
- * 1.08-1.10x. Slower where the sums and the blocks' scales outgrow the 16 registers: q4 at two rows (0.90x), either at
- * three (0.72-0.89x): a block a tile there. Each output is the same sums in the same order as in a tile of one
- * block (bit for bit). INFER_FEW_ROWS_BLOCKS=0: a block a tile (the check). */
-#define FEW_ROWS_Q8_ONE 4 /* blocks a tile: q8 codes at one row, */
-#define FEW_ROWS_Q8_TWO 2 /* q8 at two rows, */
-#define FEW_ROWS_Q4_ONE 2 /* q4 at one row */
+ * 1.08-1.10x; q4 by group sums (Q4_SUMS_ROWS), widened in the tile as q8 is, four blocks at one row 1.05-1.2x
+ * two. Slower where the sums and the blocks' scales outgrow the 16 registers: the scaled q4 at two rows (0.90x),
+ * either at three (0.72-0.89x): a block a tile there. Each output is the same sums in the same order as in a tile of
+ * one block (bit for bit). INFER_FEW_ROWS_BLOCKS=0: a block a tile (the check). */
+#define FEW_ROWS_Q8_ONE 4      /* blocks a tile: q8 codes at one row, */
+#define FEW_ROWS_Q8_TWO 2      /* q8 at two rows, */
+#define FEW_ROWS_Q4_ONE 2      /* q4 at one row by the scaled form, */
+#define FEW_ROWS_Q4_SUMS_ONE 4 /* q4 at one row by group sums */
 #define FEW_ROWS_BLOCKS 4 /* (the most) */
 
 /* 8 sums of columns c .. c + 7 (+ bias) rounded into y's row, masked past n. Whole vectors 8 lanes at a time (the
@@ -3508,22 +3510,22 @@ static void scaled_block(const uint8_t *codes, const float *scales, const float 
 #endif
 
 #if defined(HAVE_CHANNEL_CODES)
-/* Blocks a tile for m rows of codes in the channel form (q4: `scaled`): FEW_ROWS_BLOCKS above; 1 where none is
- * taken (few_rows_pass runs the rest). */
-static int few_rows_blocks(int scaled, int64_t m) {
-    if (m > 2 || (scaled && m == 2) || !switched_on("INFER_FEW_ROWS_BLOCKS")) return 1;
-    return scaled ? FEW_ROWS_Q4_ONE : m == 1 ? FEW_ROWS_Q8_ONE : FEW_ROWS_Q8_TWO;
+/* Blocks a tile for m rows of codes in the channel form (q4: `q4`, by the scaled form: `scaled`): FEW_ROWS_BLOCKS
+ * above; 1 where none is taken (few_rows_pass runs the rest). */
+static int few_rows_blocks(int q4, int scaled, int64_t m) {
+    if (m > 2 || (q4 && m == 2) || !switched_on("INFER_FEW_ROWS_BLOCKS")) return 1;
+    return scaled ? FEW_ROWS_Q4_ONE : q4 ? FEW_ROWS_Q4_SUMS_ONE : m == 1 ? FEW_ROWS_Q8_ONE : FEW_ROWS_Q8_TWO;
 }
 
-/* Blocks b .. b + nb - 1 of codes in the channel form (q8, or q4: `scaled`) against m rows of x, as many blocks a
- * tile as few_rows_blocks takes for them. */
+/* Blocks b .. b + nb - 1 of codes in the channel form (q8, or q4: `q4`, by the scaled form: `scaled`) against m rows
+ * of x, as many blocks a tile as few_rows_blocks takes for them. */
 static void few_rows_pass(int q4, int scaled, int nb, const uint8_t *codes, const float *scales, const float *mins,
                           int64_t group, const float *xsums, const float *x, int64_t m, int64_t k, sums_out o,
                           int64_t b, const char *pf, const char *pf_end, int64_t per_iter) {
     int64_t c = 16 * b;
     int one = group == k; /* (int8 per channel: one group a row) */
     if (q4 && !scaled)
-        channel_tile(0, 1, 1, FEW_ROWS_Q4_ONE, nb, codes, k / 2, x, k, group, scales, mins, xsums, o, c, pf, pf_end,
+        channel_tile(0, 1, 1, FEW_ROWS_Q4_SUMS_ONE, nb, codes, k / 2, x, k, group, scales, mins, xsums, o, c, pf, pf_end,
                      per_iter);
     else if (scaled)
         scaled_tile_codes(1, FEW_ROWS_Q4_ONE, nb, codes, scales, group, x, k, mins, xsums, o, c, pf, pf_end, per_iter);
@@ -5172,7 +5174,7 @@ static int codes_product_avx2(int fmt, const uint8_t *codes, const float *scales
     int64_t blocks = (n + 15) / 16, row_groups = (m + rows_at_once - 1) / rows_at_once;
     int failed = 0, loops = prefetch_loops(), nr = threads > 1 ? threads : 1, balance = work_balance();
     /* few rows: blocks side by side, an item of the walk `bk` of them */
-    int bk = channels ? few_rows_blocks(q4, m) : 1;
+    int bk = channels ? few_rows_blocks(q4, scaled, m) : 1;
     int64_t items = (blocks + bk - 1) / bk;
     work_range *ranges = work_ranges(row_groups, nr, items);
     if (!ranges) return -1;
@@ -5355,10 +5357,12 @@ int infer_packed_code_sums(int fmt, int64_t k) {
  * that path is attention's summation order (SDPA's there). infer/models/native_step.py describes the model. */
 
 typedef struct {
-    int kind;   /* 0: a dense weight of the step's dtype (infer_gemv); 1: q8, 2: q4, 3: Q6_K's q8 codes (infer_qgemv) */
-    int sdtype; /* the scales' (and mins') dtype of quantized codes */
+    int kind;   /* 0: a dense weight of the step's dtype (infer_gemv); 1: q8, 2: q4, 3: Q6_K's q8 codes (infer_qgemv);
+                 * 4: codes packed for infer_qgemm_packed (fp32 steps: its fp32 entry, the channel form) */
+    int sdtype; /* the scales' (and mins') dtype of quantized codes (kind 4: float32) */
     const void *w, *scales, *mins, *bias; /* w: the weight or its codes; bias in the step's dtype, or NULL */
     int64_t n, k, group;
+    int64_t fmt; /* kind 4: the packed codes' Q8, Q4, Q8C or Q4C */
 } step_proj;
 
 typedef struct {
@@ -5383,6 +5387,17 @@ typedef struct {
 
 static int step_product(int dtype, const step_proj *p, const void *x, void *y, int threads) {
     if (p->kind == 0) return infer_gemv(dtype, p->w, x, p->bias, y, p->n, p->k, threads);
+    if (p->kind == 4) { /* (one row of the packed codes' tiles, as the per-op path's product on them) */
+        int code = dtype == F32 ? infer_qgemm_packed_f32((int)p->fmt, (const uint8_t *)p->w, (const float *)p->scales,
+                                                         (const float *)p->mins, (const float *)x,
+                                                         (const float *)p->bias, (float *)y, 1, p->n, p->k, p->group,
+                                                         threads)
+                                : infer_qgemm_packed((int)p->fmt, (const uint8_t *)p->w, (const float *)p->scales,
+                                                     (const float *)p->mins, (const uint16_t *)x,
+                                                     (const uint16_t *)p->bias, (uint16_t *)y, 1, p->n, p->k,
+                                                     p->group, threads);
+        return code == -1 ? -1 : code ? -2 : 0;
+    }
     return infer_qgemv(p->kind == 1 ? Q8 : p->kind == 2 ? Q4 : Q6, (const uint8_t *)p->w, p->sdtype, p->scales, p->mins, dtype, x,
                        p->bias, y, 1, p->n, p->k, p->group, threads);
 }

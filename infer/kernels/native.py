@@ -62,11 +62,12 @@ _reasons: dict[str, str] = {}
 
 
 class StepProj(ctypes.Structure):
-    """cpu_decode.c's step_proj: one product of a native decode step (kind 0 dense, 1 q8, 2 q4, 3 Q6_K's q8)."""
+    """cpu_decode.c's step_proj: one product of a native decode step (kind 0 dense, 1 q8, 2 q4, 3 Q6_K's q8; 4 codes
+    packed by `pack_codes`, their format in `fmt`)."""
 
     _fields_ = [("kind", ctypes.c_int), ("sdtype", ctypes.c_int), ("w", ctypes.c_void_p), ("scales", ctypes.c_void_p),
                 ("mins", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
-                ("group", ctypes.c_int64)]
+                ("group", ctypes.c_int64), ("fmt", ctypes.c_int64)]
 
 
 class StepLayer(ctypes.Structure):

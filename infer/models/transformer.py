@@ -92,8 +92,10 @@ class ProjectionTraits:
         if self.all_rows or (self.gemv == "native" and self.one_row(x)):
             return True
         # Packed for the engine's steps: one product of every row count there (exact for the native few-row
-        # kernel's rows, where each output is its own row's sum; within rounding past them, as the engine is).
-        return self.packed is not None and _FEW_ROW_PRODUCTS.get() and not self.one_row(x)
+        # kernel's rows, where each output is its own row's sum; within rounding past them, as the engine is);
+        # packed codes everywhere (each output its own sum over the codes, as the parts' products compute it).
+        return (self.packed is not None and (_FEW_ROW_PRODUCTS.get() or isinstance(self.packed, PackedCodes))
+                and not self.one_row(x))
 
 
 class Linear(ProjectionTraits, nn.Linear):
@@ -262,12 +264,13 @@ class QuantizedLinear(ProjectionTraits, nn.Module):
     dequantize with the native dequantizer (bit-equal to the reference) into the GEMM, except that inside
     `few_row_products()` (the batched engine's steps) bf16 inputs of up to `tile_rows` rows take the native tile
     kernel (each tile of 4 weight rows dequantized to bf16 in cache: the GEMM's numbers, the weight never written
-    out whole), or, packed for the engine (`Transformer.pack_products(layout="native")`: `packed`, the codes in the
-    native packed product's layout), every bf16 input of 2 rows or more (an fp32 model's fp32 ones too, its codes in the
-    channel form; of one row too where packed with
-    `one_row`: `packed_from` 0) the native packed product on them (each block of 16 weight rows dequantized to bf16
-    in cache once per call, or multiplied as codes). "triton" runs the Triton kernel
-    (infer/kernels/qgemv.py) on as many rows."""
+    out whole). Packed (`Transformer.pack_products(layout="native")`: `packed`, the codes in the native packed
+    product's layout; by the engine, or at load for one request's products: infer.tuning.choose_one_request_packing),
+    every bf16 input of 2 rows or more in the copy's range (an fp32 model's fp32 ones too, its codes in the channel
+    form; of one row too where packed with `one_row`: `packed_from` 0) takes the native packed product on them (each
+    block of 16 weight rows dequantized to bf16 in cache once per call, or multiplied as codes), inside the engine's
+    steps or not: no oracle computes a quantized product's bits, and every form is held to the unrounded product
+    within rounding. "triton" runs the Triton kernel (infer/kernels/qgemv.py) on as many rows."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -299,7 +302,7 @@ class QuantizedLinear(ProjectionTraits, nn.Module):
         rows = x.numel() // self.in_features
         if (self.packed is not None and self.takes_packed(rows)
                 and (x.dtype == torch.bfloat16 or x.dtype == torch.float32 and self.packed.channel_form)
-                and self.upcast in (None, torch.float32) and not x.requires_grad and _FEW_ROW_PRODUCTS.get()):
+                and self.upcast in (None, torch.float32) and not x.requires_grad):
             # (an fp32 model's rows: its codes packed in the channel form, its fp32 sums unrounded)
             return native_kernels_or_raise().quantized_gemm_packed(self.packed, x, self.bias)
         if self.gemv == "native" and rows <= self.native_rows and not x.requires_grad:
@@ -724,7 +727,8 @@ class Transformer(nn.Module):
         rows that costs as much as the product. A second copy of every dense projection (`packed_bytes`), so off by
         default; the engine turns it on where infer.tuning.choose_packed_products measures it faster. oneDNN's: the
         same sums as F.linear's kernel (bit for bit where measured); both held to it within rounding, as the engine's
-        steps are. Outside the engine's steps nothing changes."""
+        steps are. Outside the engine's steps dense products stay F.linear's; packed codes serve every call in their
+        range (`QuantizedLinear`)."""
         return any(m.packed is not None for m in self._linears())
 
     @property
