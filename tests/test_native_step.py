@@ -92,6 +92,23 @@ def test_quantized_native_step_matches_the_per_op_path(arch: str, weights: str, 
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+def test_bf16_native_step_on_packed_codes_follows_the_per_op_path(calls: list[int]) -> None:
+    """A bf16 model's int4 products packed at load for one request (`packed_products=True`: the packed codes' one-row
+    tiles in the whole step, kind 4, as in the per-op path): logits within a few bf16 ulps of the per-op path's."""
+    model = infer.load_model(build_checkpoint("llama"), decode_gemv="native", dtype="bfloat16", weights="int4",
+                             packed_products=True)
+    ids = prompt(16, seed=6)
+    got = decode(model, ids, "contiguous", prefill=4).float()
+    assert len(calls) == 12
+    step = model.__dict__["_native_step"]
+    assert {p.kind for layer in step.layers for p in (*layer.qkv[:layer.n_qkv], layer.o,
+                                                      *layer.gate_up[:layer.n_gate_up], layer.down)} == {PACKED_KIND}
+    model.native_step = False
+    want = decode(model, ids, "contiguous", prefill=4).float()
+    scale = max(1.0, want.abs().max().item())
+    assert (got - want).abs().max().item() <= 0.05 * scale
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_bf16_native_step_follows_the_per_op_path(arch: str, calls: list[int]) -> None:
     """In bf16 only attention's rounding differs: logits within a few bf16 ulps of the logit scale."""

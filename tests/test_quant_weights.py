@@ -857,6 +857,8 @@ CHANNEL_SCHEMES = ["int8", "int4", "Q8_0", "Q4_K", "Q6_K", "Q4_K-factored", "Q6_
          flavour=(CHANNEL_CODES or ["native"])[0], seed=3, balance="0", few="1", fp32=False, sums="1")
 @example(scheme="int4", n=40, runs=9, group=32, m=1, with_bias=True, threads=2,
          flavour=(CHANNEL_CODES or ["native"])[0], seed=4, balance="1", few="1", fp32=False, sums="1")
+@example(scheme="int4", n=40, runs=9, group=32, m=1, with_bias=True, threads=2,
+         flavour=(CHANNEL_CODES or ["native"])[0], seed=4, balance="1", few="1", fp32=False, sums="0")
 def test_codes_in_the_channel_form_give_each_groups_scaled_sums(scheme: str, n: int, runs: int, group: int, m: int,
                                                                 with_bias: bool, threads: int, flavour: str,
                                                                 seed: int, balance: str, few: str, fp32: bool,
