@@ -3360,7 +3360,8 @@ static const float *group_sums(const float *x, int64_t m, int64_t k, int64_t gro
  * bf16 tile's without its shift or mask, and the scaling (a zero extension, a mask or a shift, a conversion and a
  * multiply for 8 weights) runs once per block whatever the rows. The group sums' form (each group's sums times its
  * scale added into totals on the stack, the q8 tile's) ran 0.80-0.96x the bf16 packed product at 16 and 64 rows of
- * int4 in groups of 32 on a 2-core Zen 3 EPYC: the widening in every tile and the groups' ends. */
+ * int4 in groups of 32 on a 2-core Zen 3 EPYC: the widening in every tile and the groups' ends. Since the q8 tile
+ * kept its 12 sums in registers, that form wins up to three tiles (Q4_SUMS_ROWS): this one runs past them. */
 #define SCALED_INPUTS 256
 
 /* One input's 16 q4 codes (8 bytes: rows 0-7 in the low nibbles, 8-15 in the high ones) times their scales s0
@@ -5146,8 +5147,9 @@ static void dequant_block_packed(int fmt, const uint8_t *codes, const float *sca
  * fmt Q8C / Q4C (AVX2 builds): q8 / q4 codes, each block's codes input-major instead (q8: C[b][i][l] = q[16b + l][i];
  * q4: byte C[b][i][l] = q[16b + l][i] | q[16b + 8 + l][i] << 4: pack_codes' channel form), multiplied with no
  * dequantizing to bf16: q8 by channel_tile (each group's fp32 sum times its scale, summed over the groups), q4 by
- * scaled_block (each weight scale * code in fp32, fused multiply-adds over the row, then each group's min times x's
- * group sum), rounded once; the scales (mins) float32 [blocks][groups][16].
+ * channel_tile too up to Q4_SUMS_ROWS rows, past them by scaled_block (each weight scale * code in fp32, fused
+ * multiply-adds over the row), then q4's each group's min times x's group sum, rounded once; the scales (mins)
+ * float32 [blocks][groups][16].
  * Returns -2 on a bad shape or without the pair instruction, -1 without memory (nothing written). */
 #if defined(HAVE_PACKED_BF16) && !defined(HAVE_DOT_BF16)
 /* AVX2's packed product on codes (infer_qgemm_packed's, and infer_qgemm_packed_f32's): rows x [m, k] in the dtype of

@@ -474,8 +474,9 @@ class NativeKernels:
         weight: each code exact as a bf16 operand of the pair instruction, each group's sum times its scale added
         into the total in group order by fused multiply-adds, then the bias, rounded once; codes in the channel
         form (`channel_codes`, AVX2) without rounding any weight to bf16: q8 each group's fp32 sum in order times
-        its scale, summed over the groups in order; q4 each weight's fp32 scale * code times x by fused
-        multiply-adds over the row in order, plus each group's min times x's group sum (+ bias), rounded once.
+        its scale, summed over the groups in order; q4 the same up to 18 rows of x (three tiles), past them each
+        weight's fp32 scale * code times x by fused multiply-adds over the row in order; then q4's each group's min
+        times x's group sum (+ bias), rounded once.
         Needs `packed_codes_available`. fp32 rows (an fp32 model's), codes in the channel form and
         `packed_codes_f32_available`: the same sums, fp32 outputs (not rounded)."""
         n, k = packed.shape
