@@ -229,6 +229,9 @@ def load_model(
         raise ValueError(f"weights must be one of {', '.join(map(repr, WEIGHT_FORMS))}, got {weights!r}")
     if packed_products not in (None, True, False):
         raise TypeError(f"packed_products must be None (by the build), True or False, got {packed_products!r}")
+    if packed_products and tensor_parallel:
+        raise ValueError("packed_products=True packs one process's whole model, not a tensor-parallel shard; leave it "
+                         "None or False")
     if native_prefetch != "auto" and native_prefetch not in PREFETCH_LEVELS:
         raise ValueError(f"native_prefetch must be 'auto', 'l1' or 'l2', got {native_prefetch!r}")
     explicit_dtype = dtype is not None

@@ -521,9 +521,7 @@ def _choose_quantized_packing(model: Transformer, coded: list[QuantizedLinear], 
     why = native_packing_unavailable(weights, coded, model.dtype)
     if forced == "native" and why is not None:
         raise ValueError(f"packed_products='native' needs the native packed product: {why}; leave it None or False")
-    # the packed codes, float32 scales (at most twice the stored ones' bytes), and the dense products' copies
-    copy = sum(t.nbytes * (1 if t is m.codes else 2) for m in coded for t in m.qweight.tensors()) + sum(
-        w.nbytes for w in weights)
+    copy = _packed_copy_bytes(coded, weights)
     if why is None and forced is None:
         why = _crowding(copy)
     if forced is False or why is not None:
@@ -576,6 +574,13 @@ def _choose_quantized_packing(model: Transformer, coded: list[QuantizedLinear], 
     return PackingChoice(Choice(name, "native" if on else "off", reason), 1, upto if on else None, one_row)
 
 
+def _packed_copy_bytes(coded: list[QuantizedLinear], weights: list[torch.Tensor]) -> int:
+    """At most the bytes of a quantized model's packed copies: the codes, float32 scales (at most twice the stored
+    ones' bytes), and the dense products' copies."""
+    return sum(t.nbytes * (1 if t is m.codes else 2) for m in coded for t in m.qweight.tensors()) + sum(
+        w.nbytes for w in weights)
+
+
 def _packed_one_row_wins(kernels: NativeKernels, sweep: list[QuantizedLinear], packed: list[PackedCodes],
                          dtype: torch.dtype) -> tuple[bool, str]:
     """Whether the packed codes run one row of input 3% or more faster than the products' own one-row kernel (the
@@ -619,8 +624,7 @@ def choose_one_request_packing(model: Transformer, forced: bool | None = None) -
     if why is None and kernels is not None and not kernels.channel_codes:
         why = (f"this build ({kernels.isa}) lays codes out in pairs for the bf16 pair instruction, which the codes "
                "kernel has too")
-    copy = sum(t.nbytes * (1 if t is m.codes else 2) for m in coded for t in m.qweight.tensors()) + sum(
-        w.nbytes for w in weights)
+    copy = _packed_copy_bytes(coded, weights)
     if why is None:
         why = _crowding(copy)
     if why is not None:

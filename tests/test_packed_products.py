@@ -546,6 +546,8 @@ def test_a_quantized_model_packs_its_codes_at_load_by_the_build_or_as_asked() ->
         infer.load_model(path, weights="int4", packed_products="native")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="packed_products=True packs quantized projections' codes, and this model"):
         infer.load_model(path, dtype="bfloat16", packed_products=True)
+    with pytest.raises(ValueError, match="packed_products=True packs one process's whole model, not a tensor-par"):
+        infer.load_model(path, weights="int4", packed_products=True, tensor_parallel=True)
 
 
 @pytest.mark.parametrize(("ratios", "want", "upto", "one_row"), [
