@@ -597,13 +597,27 @@ def test_real_fp32_logits_are_transformers(smollm2: Path, our_smollm2: infer.Tra
         [{"role": "system", "content": "You are a careful assistant."},
          {"role": "user", "content": "Explain in two sentences why the sky is blue, and name one other colour."}])
     ids = torch.tensor([prompt])
-    with torch.no_grad():
-        ours = our_smollm2(ids).cpu()
     expected = hf_smollm2.logits(ids)
     scale = expected.abs().max().item()
-    error = (ours - expected).abs().max().item()
-    assert error <= 1e-5 * scale, f"max logit error {error:.3g} at logit scale {scale:.3g}"
-    assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+    # the load's own form, and the other: the codes packed at load for one request's products or the codes kernel
+    kernels = native_kernels()
+    models = [our_smollm2]
+    if kernels is not None and (our_smollm2.packed_products or kernels.packed_codes_f32_available):
+        models.append(infer.load_model(smollm2, packed_products=not our_smollm2.packed_products))
+    n = ids.shape[1]
+    for model in models:
+        form = "packed codes" if model.packed_products else "codes kernel"
+        cache = infer.create_cache("contiguous", model.config, max_seq_len=n)
+        with torch.no_grad():
+            ours = model(ids).cpu()
+            # through a cache: a long prompt chunk, a chunk of 10 rows, then one-token steps (each row count's tiles)
+            model(ids[:, : n - 14], cache)
+            stepped = torch.cat([model(ids[:, n - 14 : n - 4], cache, all_logits=True),
+                                 *(model(ids[:, t : t + 1], cache) for t in range(n - 4, n))], 1).cpu()
+        for got, want, what in ((ours, expected, "whole"), (stepped, expected[:, n - 14 :], "chunked and stepped")):
+            error = (got - want).abs().max().item()
+            assert error <= 1e-5 * scale, f"{form}, {what}: max logit error {error:.3g} at logit scale {scale:.3g}"
+            assert torch.equal(got.argmax(-1), want.argmax(-1)), f"{form}, {what}"
 
 
 @real_model
