@@ -3229,7 +3229,7 @@ static inline __attribute__((always_inline)) void packed_tile_bf16(int mr, const
 /* A tile's 16 sums of each row x[0 .. mr-1] finished: the mins' term (each group's min times the row's group sum of
  * x, `xsums` [mr][groups], added in group order) where there are mins, then the bias, rounded into y's columns
  * c .. c + 15. */
-static inline __attribute__((always_inline)) void finish_scaled(int mr, __m256 sum[PACK_ROWS][2], int64_t groups,
+static inline __attribute__((always_inline)) void finish_sums(int mr, __m256 sum[PACK_ROWS][2], int64_t groups,
                                                                 const float *mins, const float *xsums, sums_out o,
                                                                 int64_t c) {
     if (mins)
@@ -3259,7 +3259,9 @@ static inline __attribute__((always_inline)) void finish_scaled(int mr, __m256 s
  * per output channel) keeps the totals in registers: scale * sum_i q_i x_i, the codes kernel's (infer_qgemv's) sum;
  * at 16 rows of a 150M Llama's products on a 2-core Zen 3 EPYC, 1.0-1.1x the bf16 packed product (0.9-1.0x at 64)
  * and 1.2-1.5x the dequantizing path. Grouped codes keep them on the stack, in L1: a group's end costs a few
- * operations a row against its 16 pairs of multiply-adds. (q4 codes take scaled_tile below.) */
+ * operations a row against its 16 pairs of multiply-adds. q4 codes (`q4`: 8 bytes an input, both nibbles widened
+ * from one zero extension) take the same tile up to Q4_SUMS_ROWS rows, their mins' term added by finish_sums;
+ * past them scaled_tile below. */
 static inline __attribute__((always_inline)) void channel_tile(int one_group, int q4, int mr, int bk, int nb,
                                                                const uint8_t *pb, int64_t pairs, const float *x,
                                                                int64_t k, int64_t group, const float *scales,
@@ -3312,7 +3314,7 @@ static inline __attribute__((always_inline)) void channel_tile(int one_group, in
     }
 #pragma GCC unroll 4
     for (int a = 0; a < nb; a++)
-        finish_scaled(mr, tot + a * mr, groups, mins ? mins + a * groups * 16 : NULL, xsums, o, c + 16 * a);
+        finish_sums(mr, tot + a * mr, groups, mins ? mins + a * groups * 16 : NULL, xsums, o, c + 16 * a);
 }
 
 /* x's sums over each group of `group` inputs, in order in fp32, into this calling thread's buffer ([m][k / group]:
@@ -3426,12 +3428,12 @@ static inline __attribute__((always_inline)) void scaled_tile_codes(int mr, int 
     }
 #pragma GCC unroll 4
     for (int a = 0; a < nb; a++)
-        finish_scaled(mr, acc + a * mr, groups, mins ? mins + a * groups * 16 : NULL, xsums, o, c + 16 * a);
+        finish_sums(mr, acc + a * mr, groups, mins ? mins + a * groups * 16 : NULL, xsums, o, c + 16 * a);
 }
 
 /* `len` scaled inputs `w` (scale_codes_q4c's) against rows x[0 .. mr-1] (x at the first of them, rows k apart): the
  * 16 sums of each row start at zero (`first`) or from `sums` (16 a row), and go back there unless this is the
- * row's `last` stretch, which finishes them (finish_scaled). */
+ * row's `last` stretch, which finishes them (finish_sums). */
 static inline __attribute__((always_inline)) void scaled_tile(int mr, const float *w, int64_t len, const float *x,
                                                               int64_t k, float *sums, int first, int last,
                                                               int64_t groups, const float *mins, const float *xsums,
@@ -3456,7 +3458,7 @@ static inline __attribute__((always_inline)) void scaled_tile(int mr, const floa
         }
     }
     if (last) {
-        finish_scaled(mr, acc, groups, mins, xsums, o, c);
+        finish_sums(mr, acc, groups, mins, xsums, o, c);
         return;
     }
 #pragma GCC unroll 6
@@ -3546,7 +3548,7 @@ static void few_rows_pass(int q4, int scaled, int nb, const uint8_t *codes, cons
 #endif
 
 #if defined(HAVE_PACKED_BF16)
-/* A block of q8 codes in the channel form (AVX2's): their group and the block's scales [groups][16]. */
+/* A block of codes in the channel form (AVX2's): their group and the block's scales [groups][16] (q4: also mins). */
 typedef struct {
     int64_t group;
     const float *scales;
@@ -3554,8 +3556,8 @@ typedef struct {
     const float *mins, *xsums; /* q4's mins [groups][16] and the rows' group sums [m][groups], or NULL */
 } channel_block;
 
-/* A tile of bf16 blocks, or of q8 codes in the channel form where `cb` (AVX2's alone) is given: each form its own
- * inlined tile. */
+/* A tile of bf16 blocks, or of q8 or q4 codes in the channel form where `cb` (AVX2's alone) is given (`row`: the
+ * tile's first row of x, for q4's group sums): each form its own inlined tile. */
 static inline __attribute__((always_inline)) void pass_tile(int mr, const void *pb, const channel_block *cb,
                                                             int64_t row, int64_t pairs, const packed_x *x, int64_t k,
                                                             sums_out o,
@@ -5157,7 +5159,8 @@ static void dequant_block_packed(int fmt, const uint8_t *codes, const float *sca
  * bf16 pairs (the pairs form: bf16 rows alone) or multiplied as codes (the channel form). */
 static int codes_product_avx2(int fmt, const uint8_t *codes, const float *scales, const float *mins, const void *x,
                               sums_out o, int64_t m, int64_t n, int64_t k, int64_t group, int threads) {
-    /* the channel form: q8 codes the tiles read as they are, q4 codes scaled a stretch at a time (scaled_block) */
+    /* the channel form: codes the tiles read as they are, or (q4 past Q4_SUMS_ROWS rows) scaled a stretch at a time
+     * (scaled_block) */
     int channels = fmt == Q8C || fmt == Q4C, q4 = fmt == Q4C;
     int scaled = q4 && (m > Q4_SUMS_ROWS || !switched_on("INFER_Q4_GROUP_SUMS"));
     if (fmt == Q6 || fmt == Q8C) fmt = Q8;

@@ -37,6 +37,15 @@ SCALE_CODES = {torch.float32: 0, torch.float16: 2, torch.int8: 3}  # quantized s
 QFORMATS = {"q8": 0, "q4": 1, "q6": 2, "q8c": 3, "q4c": 4}
 
 
+def point_at_packed_codes(desc: StepProj | BatchProduct, packed: PackedCodes) -> list[torch.Tensor]:
+    """Point a product's descriptor (its `w`, `scales`, `mins`, `fmt` and `group`) at codes packed
+    by `pack_codes`; the tensors it now points into, for the caller to keep alive."""
+    desc.w, desc.scales = packed.codes.data_ptr(), packed.scales.data_ptr()
+    desc.mins = None if packed.mins is None else packed.mins.data_ptr()
+    desc.fmt, desc.group = QFORMATS[packed.fmt], packed.group
+    return [t for t in (packed.codes, packed.scales, packed.mins) if t is not None]
+
+
 def codes_shape_taken(fmt: str, k: int, group: int) -> bool:
     """Whether cpu_decode.c's kernels on codes (its qshape_ok) take a QuantizedWeight's codes of format `fmt` (its
     `kernel_args`' format) at inner size `k` in groups of `group`: whole runs of 32 inputs, groups of whole runs (or,

@@ -47,6 +47,7 @@ from infer.kernels.native import (
     BatchTables,
     NativeKernels,
     codes_shape_taken,
+    point_at_packed_codes,
 )
 from infer.quant_weights import PackedCodes, QuantizedWeight
 from infer.ragged import RaggedBatch
@@ -185,10 +186,7 @@ class NativeBatchStep:
         elif not (isinstance(packed, PackedCodes) and product.takes_packed(1)):
             self.one_row = False
         if isinstance(packed, PackedCodes):
-            self.keep += [t for t in (packed.codes, packed.scales, packed.mins) if t is not None]
-            desc.w, desc.scales = packed.codes.data_ptr(), packed.scales.data_ptr()
-            desc.mins = None if packed.mins is None else packed.mins.data_ptr()
-            desc.fmt, desc.group = QFORMATS[packed.fmt], packed.group
+            self.keep += point_at_packed_codes(desc, packed)
         else:
             desc.w, desc.fmt = self._address(packed), -1
 

@@ -26,7 +26,15 @@ from typing import Any, Protocol, cast
 import torch
 
 from infer.config import ModelConfig
-from infer.kernels.native import QFORMATS, QSCHEMES, SCALE_CODES, NativeKernels, StepLayer, StepProj, codes_shape_taken
+from infer.kernels.native import (
+    QSCHEMES,
+    SCALE_CODES,
+    NativeKernels,
+    StepLayer,
+    StepProj,
+    codes_shape_taken,
+    point_at_packed_codes,
+)
 from infer.quant_weights import PackedCodes
 
 QUANTIZED_KINDS = {"q8": 1, "q4": 2, "q6": 3}  # QuantizedWeight.kernel_args' format -> step_proj.kind (0: dense)
@@ -123,11 +131,8 @@ class NativeStep:
         one-row product runs on them: `Transformer.pack_products`' `one_row`)."""
         packed = getattr(module, "packed", None)
         if isinstance(packed, PackedCodes) and module.takes_packed(1):
-            self.keep += [t for t in (packed.codes, packed.scales, packed.mins) if t is not None]
-            desc.kind, desc.fmt, desc.group = PACKED_KIND, QFORMATS[packed.fmt], packed.group
-            desc.w, desc.scales = packed.codes.data_ptr(), packed.scales.data_ptr()
-            desc.mins = None if packed.mins is None else packed.mins.data_ptr()
-            desc.n, desc.k = packed.shape
+            self.keep += point_at_packed_codes(desc, packed)
+            desc.kind, (desc.n, desc.k) = PACKED_KIND, packed.shape
         elif hasattr(module, "qweight"):
             fmt, codes, sdtype, scales, mins, n, k, group = module.qweight.kernel_args
             self.keep.extend(module.qweight.tensors())
