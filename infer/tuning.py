@@ -600,12 +600,14 @@ def choose_one_request_packing(model: Transformer, forced: bool | None = None) -
     """Whether a model with quantized projections runs them outside the engine (one request's prompt and decode steps,
     `infer.generate`) on its codes packed for the native packed product, one-row products included
     (`Transformer.pack_products(True, layout="native", one_row=True)`), rather than on the codes kernel (row-major
-    codes, a row at a time) and dequantizing into the GEMM: by the build, without timing. Taken where codes pack in
-    AVX2's channel form: SmolLM2-135M's Q4_1 file on a 2-core Zen 3 EPYC, its 121 products packed against their own
-    kernels, alternately: 1 row 0.68-0.76x the time, 16 rows 0.38x, 64 rows 0.29x, 512 rows 0.79x. AVX512-BF16
-    builds lay codes out in pairs for the bf16 pair instruction, which their codes kernel has too: unpacked there
-    unless asked. Off where the copies would take more than half the memory left. `forced`: True packs (raising
-    where the native packed product cannot take the model), False leaves the products unpacked."""
+    codes, a row at a time) and dequantizing into the GEMM: by the build and the model's dtype, without timing. Taken
+    where the model's rows take codes in AVX2's channel form: SmolLM2-135M's Q4_1 file on a 2-core Zen 3 EPYC, its
+    121 products packed against their own kernels, alternately: 1 row 0.68-0.76x the time, 16 rows 0.38x, 64 rows
+    0.29x, 512 rows 0.79x; an fp32 model on an AVX512-BF16 build too, whose fp32 rows take that form (on a 2-core
+    Zen 4 EPYC, SmolLM2's products at one row 0.69x the AVX512 codes kernel's time). A bf16 model there keeps the
+    codes kernel: its codes pack in pairs for the bf16 pair instruction, which the codes kernel has too (the packed
+    pairs 1.2x its time at one row). Off where the copies would take more than half the memory left. `forced`: True
+    packs (raising where the native packed product cannot take the model), False leaves the products unpacked."""
     name = "packed codes for one request"
     products = model.packable_products()
     coded = [m for m in products if isinstance(m, QuantizedLinear)]
@@ -621,7 +623,8 @@ def choose_one_request_packing(model: Transformer, forced: bool | None = None) -
     if forced is False:
         return record(Choice(name, "off", "forced off by the caller"))
     kernels = native_kernels()
-    if why is None and kernels is not None and not kernels.channel_codes:
+    fp32 = model.dtype == torch.float32  # (fp32 rows take the channel form wherever they take packed codes)
+    if why is None and kernels is not None and not fp32 and not kernels.channel_codes:
         why = (f"this build ({kernels.isa}) lays codes out in pairs for the bf16 pair instruction, which the codes "
                "kernel has too")
     copy = _packed_copy_bytes(coded, weights)
@@ -629,9 +632,9 @@ def choose_one_request_packing(model: Transformer, forced: bool | None = None) -
         why = _crowding(copy)
     if why is not None:
         return record(Choice(name, "off", why))
-    return record(Choice(name, "native", "codes in AVX2's channel form, one row and many (0.3-0.8x the quantized "
-                                         f"kernels' time on SmolLM2, 2-core Zen 3); packed copies up to "
-                                         f"{copy / 2**20:.0f} MiB"))
+    return record(Choice(name, "native", f"{'fp32' if fp32 else 'bf16'} rows on codes in AVX2's channel form, one row "
+                                         "and many (0.3-0.8x the quantized kernels' time on SmolLM2, 2-core Zen 3); "
+                                         f"packed copies up to {copy / 2**20:.0f} MiB"))
 
 
 def _first_within(modules: list[QuantizedLinear], limit: int) -> list[QuantizedLinear]:

@@ -700,8 +700,7 @@ MUTANTS = [
     Mutant("quantized packed product (AVX2): the mins left out", NATIVE_C,
            "if (with_mins) w[h] = _mm256_add_ps(w[h], z[(v + h) % 4]);", "(void)z;", ("tests/test_quant_weights.py",)),
     Mutant("quantized packed product (AVX2): every group of rows reading the first group's x", NATIVE_C,
-           "pairs, xw + j0 * k, mc, k,\n                            rows_from(o, j0), b, 1,",
-           "pairs, xw, mc, k,\n                            rows_from(o, j0), b, 1,",
+           "channel_pass(bc, &cb, pairs, xw + j0 * k, mc,", "channel_pass(bc, &cb, pairs, xw, mc,",
            ("tests/test_quant_weights.py",)),
     Mutant("packed codes: the per-op path refusing them where the products upcast to fp32 (CPUs without bf16 units)",
            "infer/models/transformer.py", "and self.upcast in (None, torch.float32) and not x.requires_grad):",
@@ -1215,8 +1214,26 @@ MUTANTS = [
            "choose_one_request_packing(model, packed_products).value == \"off\"",
            ("tests/test_packed_products.py",)),
     Mutant("one-request packing: taken on builds whose codes pack in pairs", "infer/tuning.py",
-           "if why is None and kernels is not None and not kernels.channel_codes:",
-           "if why is None and kernels is not None and kernels.channel_codes:", ("tests/test_packed_products.py",)),
+           "if why is None and kernels is not None and not fp32 and not kernels.channel_codes:",
+           "if why is None and kernels is not None and not fp32 and kernels.channel_codes:",
+           ("tests/test_packed_products.py",)),
+    Mutant("one-request packing: an fp32 model left unpacked where a build's bf16 rows take codes in pairs",
+           "infer/tuning.py", "if why is None and kernels is not None and not fp32 and not kernels.channel_codes:",
+           "if why is None and kernels is not None and not kernels.channel_codes:", ("tests/test_packed_products.py",)),
+    Mutant("channel form's pass: rows shared over the tiles without the remainder", NATIVE_C,
+           "int mr = (int)(m / tiles + (t < m % tiles));\n        const char *end = pf + chunk < pf_end ? "
+           "pf + chunk : pf_end;\n        switch (mr) { /* each row count its own unrolled tile */\n"
+           "#define CHANNEL_TILE",
+           "int mr = (int)(m / tiles);\n        const char *end = pf + chunk < pf_end ? "
+           "pf + chunk : pf_end;\n        switch (mr) { /* each row count its own unrolled tile */\n"
+           "#define CHANNEL_TILE",
+           ("tests/test_quant_weights.py",)),
+    Mutant("channel form's pass: every tile's q4 group sums read from the call's first rows", NATIVE_C,
+           "channel_pass_tile(M, codes, cb, j, pairs,", "channel_pass_tile(M, codes, cb, 0, pairs,",
+           ("tests/test_quant_weights.py",)),
+    Mutant("fp32 rows of codes (AVX512-BF16 hosts): the build's guard refusing fp32 rows, not bf16 ones", NATIVE_C,
+           "    if (!o.f32) return -2;", "    if (o.f32) return -2;",
+           ("tests/test_quant_weights.py",)),
     Mutant("quantized packed product (AVX2), few rows: an item's first block taken as its index", NATIVE_C,
            "            for (int64_t item; (item = work_next(&walk)) >= 0;) {\n                int64_t b = item * bk;",
            "            for (int64_t item; (item = work_next(&walk)) >= 0;) {\n                int64_t b = item;",
@@ -1643,7 +1660,7 @@ MUTANTS = [
            "__m512 bv = (bias) ? bf16x16_widen(_mm256_maskz_loadu_epi16(mask, (bias) + (c))) : _mm512_setzero_ps();",
            ("tests/test_native_kernels.py::test_the_packed_bf16_product_is_the_formula",)),
     Mutant("native packed product: every tile of input rows read from the first", "infer/kernels/cpu_decode.c",
-           "pass_tile(M, pb, cb, j, pairs, x + j * k, k,", "pass_tile(M, pb, cb, j, pairs, x, k,",
+           "packed_tile_bf16(M, pb, pairs, x + j * k, k,", "packed_tile_bf16(M, pb, pairs, x, k,",
            ("tests/test_native_kernels.py::test_the_packed_bf16_product_is_the_formula",)),
     Mutant("native packing: blocks laid out a pair apart instead of a block apart", "infer/kernels/cpu_decode.c",
            "uint32_t *dst = p32 + b * pairs * 16 + l;", "uint32_t *dst = p32 + b * 16 + l;",
@@ -1770,9 +1787,12 @@ MUTANTS = [
            ("tests/test_native_kernels.py",)),
     Mutant("packed product: rows shared over the tiles without the remainder (16 rows as 5, 5, 5)", NATIVE_C,
            "int mr = (int)(m / tiles + (t < m % tiles));\n        const char *end = pf + chunk < pf_end ? "
-           "pf + chunk : pf_end;\n        switch (mr) { /* each",
+           "pf + chunk : pf_end;\n        switch (mr) { /* each row count its own unrolled tile */\n"
+           "#define PACKED_TILE",
            "int mr = (int)(m / tiles);\n        const char *end = pf + chunk < pf_end ? "
-           "pf + chunk : pf_end;\n        switch (mr) { /* each", ("tests/test_native_kernels.py",)),
+           "pf + chunk : pf_end;\n        switch (mr) { /* each row count its own unrolled tile */\n"
+           "#define PACKED_TILE",
+           ("tests/test_native_kernels.py",)),
     Mutant("q8 codes form (AVX512-BF16 hosts): rows shared over the tiles without the remainder", NATIVE_C,
            "int mr = (int)(m / tiles + (t < m % tiles));\n        const char *end = pf + chunk < pf_end ? "
            "pf + chunk : pf_end;\n        switch (mr) {\n#define CODES_TILE",

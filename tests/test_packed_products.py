@@ -494,7 +494,7 @@ def test_a_quantized_model_packs_its_codes_or_names_why(monkeypatch: pytest.Monk
         fp32.pack_products(False)
         kernels = native_kernels()  # (a build whose codes are laid out for the pair instruction: AVX512-BF16's)
         monkeypatch.setattr(kernels, "packed_codes_f32_available", False)
-        with pytest.raises(ValueError, match="native packed product: this build .* fp32 rows of codes only in AVX2"):
+        with pytest.raises(ValueError, match="native packed product: this build .* no product of fp32 rows on codes"):
             fp32.pack_products(True, layout="native")
         assert not fp32.packed_products
     model = infer.load_model(path, dtype="bfloat16", weights="int4", packed_products=False)
@@ -518,10 +518,11 @@ def test_a_quantized_model_packs_its_codes_or_names_why(monkeypatch: pytest.Monk
     assert not model.packed_products and model.packed_bytes == 0
 
 
-def test_a_quantized_model_packs_its_codes_at_load_by_the_build_or_as_asked() -> None:
+def test_a_quantized_model_packs_its_codes_at_load_by_the_build_or_as_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     """`load_model`'s `packed_products`: None packs a quantized model's products for one request (one-row products
-    included) where codes pack in AVX2's channel form, and names why not elsewhere; True packs them on any build
-    that has the packed product for the model's dtype; False leaves them unpacked; a bad value, or True for a model
+    included) where the model's rows take codes in AVX2's channel form (bf16 rows on AVX2 builds, fp32 rows on every
+    build with AVX2 and FMA, AVX512-BF16's included), and names why not elsewhere; True packs them on any build that
+    has the packed product for the model's dtype; False leaves them unpacked; a bad value, or True for a model
     without quantized projections, is refused naming the argument."""
     import infer
     from infer.tuning import CHOICES
@@ -536,6 +537,21 @@ def test_a_quantized_model_packs_its_codes_at_load_by_the_build_or_as_asked() ->
         assert model.packed_products and all(p.takes_packed(1) for p in model.packable_products())
     else:
         assert choice.value == "off" and choice.reason and not model.packed_products
+    fp32 = infer.load_model(path, dtype="float32", weights="int4")
+    choice = CHOICES["packed codes for one request"]
+    if CODES_F32_PACKING is None:  # (fp32 rows: the channel form on every build that has it)
+        assert choice.value == "native" and "fp32 rows on codes in AVX2's channel form" in choice.reason
+        assert fp32.packed_products and all(p.takes_packed(1) and p.packed.fmt in ("q4c", "q8c")  # type: ignore[union-attr]
+                                            for p in fp32.packable_products())
+    else:
+        assert choice.value == "off" and choice.reason and not fp32.packed_products
+    if kernels is not None:  # (a build whose bf16 rows take codes in pairs, AVX512-BF16's: fp32 rows still pack)
+        monkeypatch.setattr(kernels, "channel_codes", False)
+        fp32 = infer.load_model(path, dtype="float32", weights="int4")
+        assert fp32.packed_products == (CODES_F32_PACKING is None)
+        assert not infer.load_model(path, dtype="bfloat16", weights="int4").packed_products
+        assert "lays codes out in pairs" in CHOICES["packed codes for one request"].reason
+        monkeypatch.undo()
     if CODES_PACKING is None:
         packed = infer.load_model(path, dtype="bfloat16", weights="int4", packed_products=True)
         assert packed.packed_layout == "native" and all(p.takes_packed(1) for p in packed.packable_products())

@@ -830,14 +830,16 @@ def unrounded_weight(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tenso
     return (scaled + mins).reshape(n, k), (scaled.abs() + mins.abs()).reshape(n, k)
 
 
-# (AVX2 builds: codes in the channel form, multiplied without dequantizing)
+# (AVX2 builds: codes in the channel form, multiplied without dequantizing; AVX512-BF16 builds for fp32 rows alone)
 CHANNEL_CODES = [f for f in PACKED_CODES if native_kernels(f).channel_codes_available]  # type: ignore[union-attr]
+CHANNEL_F32 = [f for f in PACKED_CODES if native_kernels(f).packed_codes_f32_available]  # type: ignore[union-attr]
+F32_ONLY = [f for f in CHANNEL_F32 if f not in CHANNEL_CODES]
 CHANNEL_SCHEMES = ["int8", "int4", "Q8_0", "Q4_K", "Q6_K", "Q4_K-factored", "Q6_K-factored"]
 
 
-@pytest.mark.skipif(not CHANNEL_CODES, reason="the channel form of codes is AVX2's (and needs a build)")
+@pytest.mark.skipif(not CHANNEL_F32, reason="the channel form of codes is AVX2's (and needs a build)")
 @given(n=st.integers(1, 80), runs=st.integers(1, 13), m=st.one_of(st.integers(1, 3), st.integers(1, 21)),
-       with_bias=st.booleans(), threads=st.integers(1, 3), flavour=st.sampled_from(CHANNEL_CODES or ["native"]),
+       with_bias=st.booleans(), threads=st.integers(1, 3), flavour=st.sampled_from(CHANNEL_F32 or ["native"]),
        seed=st.integers(0, 2**31), scheme=st.sampled_from(CHANNEL_SCHEMES), group=st.sampled_from([32, 64, 128]),
        balance=st.sampled_from(["1", "2", "0"]), few=st.sampled_from(["1", "0"]),
        fp32=st.booleans(), sums=st.sampled_from(["1", "0"]))
@@ -859,6 +861,14 @@ CHANNEL_SCHEMES = ["int8", "int4", "Q8_0", "Q4_K", "Q6_K", "Q4_K-factored", "Q6_
          flavour=(CHANNEL_CODES or ["native"])[0], seed=4, balance="1", few="1", fp32=False, sums="1")
 @example(scheme="int4", n=40, runs=9, group=32, m=1, with_bias=True, threads=2,
          flavour=(CHANNEL_CODES or ["native"])[0], seed=4, balance="1", few="1", fp32=False, sums="0")
+# a build whose bf16 rows take codes in pairs (AVX512-BF16): fp32 rows on the channel form's tiles, one row of q4
+# over four blocks a tile by group sums, 19 rows by the scaled form's buffer, 7 rows of grouped q8 codes
+@example(scheme="int4", n=100, runs=9, group=32, m=1, with_bias=True, threads=2,
+         flavour=(F32_ONLY or CHANNEL_F32 or ["native"])[0], seed=7, balance="1", few="1", fp32=True, sums="1")
+@example(scheme="int4", n=40, runs=9, group=32, m=19, with_bias=False, threads=2,
+         flavour=(F32_ONLY or CHANNEL_F32 or ["native"])[0], seed=8, balance="1", few="1", fp32=True, sums="1")
+@example(scheme="Q8_0", n=40, runs=4, group=32, m=7, with_bias=True, threads=2,
+         flavour=(F32_ONLY or CHANNEL_F32 or ["native"])[0], seed=9, balance="2", few="1", fp32=True, sums="1")
 def test_codes_in_the_channel_form_give_each_groups_scaled_sums(scheme: str, n: int, runs: int, group: int, m: int,
                                                                 with_bias: bool, threads: int, flavour: str,
                                                                 seed: int, balance: str, few: str, fp32: bool,
@@ -871,9 +881,10 @@ def test_codes_in_the_channel_form_give_each_groups_scaled_sums(scheme: str, n: 
     over several blocks a tile or one, INFER_FEW_ROWS_BLOCKS 1 / 0), and so within fp32 summation and one bf16
     rounding of the quantized model's unrounded product; for fp32 rows and bias (an fp32 model's: values of 24
     significant bits, whose products with the codes round) the same formula in fp32, not rounded; the weight and x
-    are left as they were."""
+    are left as they were. Builds whose bf16 rows take codes in pairs (AVX512-BF16) take fp32 rows alone."""
     kernels = native_kernels(flavour)
     assert kernels is not None
+    fp32 = fp32 or not kernels.channel_codes_available
     weight, x, bias = bf16_product_case(scheme, n, runs, group, m, with_bias, seed)
     if fp32:
         x, bias = full_fp32(x, seed), None if bias is None else full_fp32(bias, seed + 1)
@@ -933,10 +944,13 @@ def test_fp32_rows_of_packed_codes_refuse_what_they_cannot_take() -> None:
         kernels.quantized_gemm_packed(packed, x, torch.zeros(21))
     with pytest.raises(ValueError, match="rows of 128 inputs"):
         kernels.quantized_gemm_packed(packed, x[:, :64])
+    for flavour in PACKED_CODES:  # (every build with AVX2 and FMA, AVX512-BF16's included)
+        built = native_kernels(flavour)
+        assert built is not None and built.packed_codes_f32_available == built.packed_f32_available
     generic = native_kernels("generic") if "generic" in FLAVOURS else None
     if generic is not None:
         assert not generic.packed_codes_f32_available
-        with pytest.raises(ValueError, match=r"AVX2 builds only \(this build: generic\)"):
+        with pytest.raises(ValueError, match=r"AVX2 and FMA only \(this build: generic\)"):
             generic.pack_codes(weight, torch.float32)
 
 

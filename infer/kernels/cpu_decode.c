@@ -2997,6 +2997,29 @@ static inline void store_sums_f32(__m256 v, const float *bias, float *row, int64
     _mm256_storeu_ps(sums, v);
     for (int l = 0; l < 8 && c + l < n; l++) row[c + l] = sums[l] + (bias ? bias[c + l] : 0.f);
 }
+
+/* 8 sums of columns c .. c + 7 (+ bias) rounded into y's row, masked past n. Whole vectors 8 lanes at a time (the
+ * same fp32 add and rounding: the scalar loop was 3% of a 16-request decode step on a Zen 3 EPYC). */
+static inline void store_sums_bf16(__m256 v, const uint16_t *bias, uint16_t *row, int64_t c, int64_t n) {
+#if defined(HAVE_AVX2_ROWS)
+    if (c + 8 <= n) {
+        if (bias) v = _mm256_add_ps(v, bf16x8_load(bias + c));
+        _mm_storeu_si128((__m128i *)(row + c), bf16x8_round(v));
+        return;
+    }
+#endif
+    float sums[8];
+    _mm256_storeu_ps(sums, v);
+    for (int l = 0; l < 8 && c + l < n; l++) row[c + l] = f32_to_bf16(sums[l] + (bias ? bf16_to_f32(bias[c + l]) : 0.0f));
+}
+
+/* 8 sums of columns c .. c + 7 into row j of `o`, in its dtype (store_sums_f32 or store_sums_bf16). */
+static inline void store_sums(__m256 v, sums_out o, int64_t j, int64_t c) {
+    if (o.f32)
+        store_sums_f32(v, (const float *)o.bias, (float *)o.y + j * o.n, c, o.n);
+    else
+        store_sums_bf16(v, (const uint16_t *)o.bias, (uint16_t *)o.y + j * o.n, c, o.n);
+}
 #endif
 
 #if defined(HAVE_DOT_BF16)
@@ -3087,44 +3110,6 @@ typedef uint16_t packed_x; /* the tiles read x as it is, bf16 pairs for the pair
 #define PACK_ROWS 6
 #define PACK_BLOCKS 1
 typedef float packed_x;
-
-/* Few rows of codes in the channel form (a mixed workload's last decode steps, one request or two) take several
- * blocks a tile (few_rows_blocks): a tile of one row by one block has two sums, each a chain of fused multiply-adds
- * waiting on the last (4 cycles on a Zen 3), and at one row q8 codes streamed at 14.0 GB/s where bf16 weights
- * stream at 19-22 from DRAM (a 2-core Zen 3 EPYC, 24 products of 6144 x 768 in turn). q8: four blocks at one row
- * (8 chains) 1.27-1.66x, two at two rows 1.32x; q4, whose weights are also scaled in the tile, two blocks at one row
- * 1.08-1.10x; q4 by group sums (Q4_SUMS_ROWS), widened in the tile as q8 is, four blocks at one row 1.05-1.2x
- * two. Slower where the sums and the blocks' scales outgrow the 16 registers: the scaled q4 at two rows (0.90x),
- * either at three (0.72-0.89x): a block a tile there. Each output is the same sums in the same order as in a tile of
- * one block (bit for bit). INFER_FEW_ROWS_BLOCKS=0: a block a tile (the check). */
-#define FEW_ROWS_Q8_ONE 4      /* blocks a tile: q8 codes at one row, */
-#define FEW_ROWS_Q8_TWO 2      /* q8 at two rows, */
-#define FEW_ROWS_Q4_ONE 2      /* q4 at one row by the scaled form, */
-#define FEW_ROWS_Q4_SUMS_ONE 4 /* q4 at one row by group sums */
-#define FEW_ROWS_BLOCKS 4 /* (the most) */
-
-/* 8 sums of columns c .. c + 7 (+ bias) rounded into y's row, masked past n. Whole vectors 8 lanes at a time (the
- * same fp32 add and rounding: the scalar loop was 3% of a 16-request decode step on a Zen 3 EPYC). */
-static inline void store_sums_bf16(__m256 v, const uint16_t *bias, uint16_t *row, int64_t c, int64_t n) {
-#if defined(HAVE_AVX2_ROWS)
-    if (c + 8 <= n) {
-        if (bias) v = _mm256_add_ps(v, bf16x8_load(bias + c));
-        _mm_storeu_si128((__m128i *)(row + c), bf16x8_round(v));
-        return;
-    }
-#endif
-    float sums[8];
-    _mm256_storeu_ps(sums, v);
-    for (int l = 0; l < 8 && c + l < n; l++) row[c + l] = f32_to_bf16(sums[l] + (bias ? bf16_to_f32(bias[c + l]) : 0.0f));
-}
-
-/* 8 sums of columns c .. c + 7 into row j of `o`, in its dtype (store_sums_f32 or store_sums_bf16). */
-static inline void store_sums(__m256 v, sums_out o, int64_t j, int64_t c) {
-    if (o.f32)
-        store_sums_f32(v, (const float *)o.bias, (float *)o.y + j * o.n, c, o.n);
-    else
-        store_sums_bf16(v, (const uint16_t *)o.bias, (uint16_t *)o.y + j * o.n, c, o.n);
-}
 
 /* The odd inputs' weights: the high halves of a pair's 32-bit lanes. */
 static const uint32_t odd_halves[8] __attribute__((aligned(32))) = {0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u,
@@ -3226,10 +3211,33 @@ static inline __attribute__((always_inline)) void packed_tile_bf16(int mr, const
     }
 }
 
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* ---- codes in the channel form (pack_codes(channels=True)): AVX2's tiles, in AVX2 builds for bf16 and fp32 rows,
+ * in AVX512-BF16 builds for fp32 rows (an fp32 model's products; their bf16 rows take codes in the pairs form) ---- */
+#define HAVE_CHANNEL_CODES 1
+#define CHANNEL_ROWS 6 /* input rows of a tile: 12 sums of 8 outputs */
+
+/* Few rows of codes in the channel form (a mixed workload's last decode steps, one request or two) take several
+ * blocks a tile (few_rows_blocks): a tile of one row by one block has two sums, each a chain of fused multiply-adds
+ * waiting on the last (4 cycles on a Zen 3), and at one row q8 codes streamed at 14.0 GB/s where bf16 weights
+ * stream at 19-22 from DRAM (a 2-core Zen 3 EPYC, 24 products of 6144 x 768 in turn). q8: four blocks at one row
+ * (8 chains) 1.27-1.66x, two at two rows 1.32x; q4, whose weights are also scaled in the tile, two blocks at one row
+ * 1.08-1.10x; q4 by group sums (Q4_SUMS_ROWS), widened in the tile as q8 is, four blocks at one row 1.05-1.2x
+ * two. Slower where the sums and the blocks' scales outgrow the 16 registers: the scaled q4 at two rows (0.90x),
+ * either at three (0.72-0.89x): a block a tile there. Each output is the same sums in the same order as in a tile of
+ * one block (bit for bit). INFER_FEW_ROWS_BLOCKS=0: a block a tile (the check). */
+#define FEW_ROWS_Q8_ONE 4      /* blocks a tile: q8 codes at one row, */
+#define FEW_ROWS_Q8_TWO 2      /* q8 at two rows, */
+#define FEW_ROWS_Q4_ONE 2      /* q4 at one row by the scaled form, */
+#define FEW_ROWS_Q4_SUMS_ONE 4 /* q4 at one row by group sums */
+#define FEW_ROWS_BLOCKS 4 /* (the most) */
+
 /* A tile's 16 sums of each row x[0 .. mr-1] finished: the mins' term (each group's min times the row's group sum of
  * x, `xsums` [mr][groups], added in group order) where there are mins, then the bias, rounded into y's columns
  * c .. c + 15. */
-static inline __attribute__((always_inline)) void finish_sums(int mr, __m256 sum[PACK_ROWS][2], int64_t groups,
+static inline __attribute__((always_inline)) void finish_sums(int mr, __m256 sum[CHANNEL_ROWS][2], int64_t groups,
                                                                 const float *mins, const float *xsums, sums_out o,
                                                                 int64_t c) {
     if (mins)
@@ -3270,9 +3278,9 @@ static inline __attribute__((always_inline)) void channel_tile(int one_group, in
                                                                int64_t per_iter) {
     /* bk blocks side by side (FEW_ROWS_BLOCKS), nb of them real: a spare one repeats the first, never stored */
     int64_t per_group = one_group ? pairs : group / 2, groups = pairs / per_group, block_bytes = (q4 ? 8 : 16) * k;
-    __m256 tot[FEW_ROWS_BLOCKS * PACK_ROWS][2];
+    __m256 tot[FEW_ROWS_BLOCKS * CHANNEL_ROWS][2];
     for (int64_t g = 0; g < groups; g++) {
-        __m256 acc[FEW_ROWS_BLOCKS * PACK_ROWS][2];
+        __m256 acc[FEW_ROWS_BLOCKS * CHANNEL_ROWS][2];
         for (int s = 0; s < bk * mr; s++) acc[s][0] = acc[s][1] = _mm256_setzero_ps();
         for (int64_t q = g * per_group; q < (g + 1) * per_group; q++) { /* inputs 2q and 2q + 1: 32 codes */
             for (int64_t t = 0; t < per_iter && pf < pf_end; t++, pf += 64) __builtin_prefetch(pf, 0, 2);
@@ -3344,13 +3352,12 @@ static const float *group_sums(const float *x, int64_t m, int64_t k, int64_t gro
     }
     return sums;
 }
-#define HAVE_CHANNEL_CODES 1
 /* q4 codes in the channel form up to this many rows of x (three tiles) take channel_tile's group sums (each code
  * widened in the tile, each group's sums times its scale at the group's end, then the mins' term); past it the
  * scaled form below, whose buffer widens and scales a block's codes once for every tile. Alternating in one process
  * on a 2-core Zen 3 EPYC (2304 x 576 int4 in groups of 32, fp32 rows), the group sums' time against the scaled
  * form's: 0.85x at 1 row, 0.89x at 2, 0.91-0.98x at 4-12, 0.99x at 18; 1.03x at 24, 1.13x at 32, 1.14x at 64. */
-#define Q4_SUMS_ROWS (3 * PACK_ROWS)
+#define Q4_SUMS_ROWS (3 * CHANNEL_ROWS)
 
 /* q4 codes in the channel form (Q4C: input i's 16 codes in 8 bytes, rows 0-7 in the low nibbles, 8-15 in the high
  * ones), scaled before the sums: each weight's fp32 value scale * code (exact for scales from float16: a 4-bit code
@@ -3400,7 +3407,7 @@ static inline __attribute__((always_inline)) void scaled_tile_codes(int mr, int 
                                                                     sums_out o, int64_t c, const char *pf,
                                                                     const char *pf_end, int64_t per_iter) {
     int64_t groups = k / group;
-    __m256 acc[FEW_ROWS_BLOCKS * PACK_ROWS][2];
+    __m256 acc[FEW_ROWS_BLOCKS * CHANNEL_ROWS][2];
     for (int s = 0; s < bk * mr; s++) acc[s][0] = acc[s][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         __m256 s[FEW_ROWS_BLOCKS][2];
@@ -3439,7 +3446,7 @@ static inline __attribute__((always_inline)) void scaled_tile(int mr, const floa
                                                               int64_t groups, const float *mins, const float *xsums,
                                                               sums_out o, int64_t c, const char *pf,
                                                               const char *pf_end, int64_t per_iter) {
-    __m256 acc[PACK_ROWS][2];
+    __m256 acc[CHANNEL_ROWS][2];
     for (int j = 0; j < mr; j++) {
         acc[j][0] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + 16 * j);
         acc[j][1] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + 16 * j + 8);
@@ -3474,7 +3481,7 @@ static inline __attribute__((always_inline)) void scaled_tile(int mr, const floa
 static void scaled_block(const uint8_t *codes, const float *scales, const float *mins, int64_t group,
                          const float *xsums, const float *x, int64_t m, int64_t k, sums_out o, int64_t b, float *w,
                          float *sums, const char *pf, const char *pf_end, int64_t per_iter) {
-    int64_t groups = k / group, tiles = (m + PACK_ROWS - 1) / PACK_ROWS;
+    int64_t groups = k / group, tiles = (m + CHANNEL_ROWS - 1) / CHANNEL_ROWS;
     if (tiles == 1) { /* no buffer to share, so none to fill (at 6 rows, filling it cost 0.85x) */
         switch (m) {
 #define CODES_TILE(M)                                                                                          \
@@ -3547,8 +3554,8 @@ static void few_rows_pass(int q4, int scaled, int nb, const uint8_t *codes, cons
 }
 #endif
 
-#if defined(HAVE_PACKED_BF16)
-/* A block of codes in the channel form (AVX2's): their group and the block's scales [groups][16] (q4: also mins). */
+#if defined(HAVE_CHANNEL_CODES)
+/* A block of codes in the channel form: their group and the block's scales [groups][16] (q4: also mins). */
 typedef struct {
     int64_t group;
     const float *scales;
@@ -3556,69 +3563,47 @@ typedef struct {
     const float *mins, *xsums; /* q4's mins [groups][16] and the rows' group sums [m][groups], or NULL */
 } channel_block;
 
-/* A tile of bf16 blocks, or of q8 or q4 codes in the channel form where `cb` (AVX2's alone) is given (`row`: the
- * tile's first row of x, for q4's group sums): each form its own inlined tile. */
-static inline __attribute__((always_inline)) void pass_tile(int mr, const void *pb, const channel_block *cb,
-                                                            int64_t row, int64_t pairs, const packed_x *x, int64_t k,
-                                                            sums_out o,
-                                                            int64_t c, int nb, const char *pf, const char *pf_end,
-                                                            int64_t per_iter, int loops) {
-#if defined(HAVE_CHANNEL_CODES)
-    if (cb) {
-        const uint8_t *codes = (const uint8_t *)pb;
-        const float *xs = cb->xsums ? cb->xsums + row * (k / cb->group) : NULL;
-        if (cb->q4)
-            channel_tile(0, 1, mr, 1, 1, codes, pairs, x, k, cb->group, cb->scales, cb->mins, xs, o, c, pf, pf_end,
-                         per_iter);
-        else if (cb->group == k)
-            channel_tile(1, 0, mr, 1, 1, codes, pairs, x, k, k, cb->scales, NULL, NULL, o, c, pf, pf_end, per_iter);
-        else
-            channel_tile(0, 0, mr, 1, 1, codes, pairs, x, k, cb->group, cb->scales, NULL, NULL, o, c, pf, pf_end,
-                         per_iter);
-        return;
-    }
-#endif
-    (void)row;
-    (void)cb;
-    /* (bf16 blocks: a bf16 product's rows, never fp32 ones) */
-    packed_tile_bf16(mr, (const uint16_t *)pb, pairs, x, k, (const uint16_t *)o.bias, (uint16_t *)o.y, o.n, c, nb, pf,
-                     pf_end, per_iter, loops);
+/* A tile of mr rows of x (from row `row` of the call's, for q4's group sums) on one block of codes in the channel
+ * form: the tile for its form, inlined. */
+static inline __attribute__((always_inline)) void channel_pass_tile(int mr, const uint8_t *codes,
+                                                                    const channel_block *cb, int64_t row,
+                                                                    int64_t pairs, const float *x, int64_t k,
+                                                                    sums_out o, int64_t c, const char *pf,
+                                                                    const char *pf_end, int64_t per_iter) {
+    const float *xs = cb->xsums ? cb->xsums + row * (k / cb->group) : NULL;
+    if (cb->q4)
+        channel_tile(0, 1, mr, 1, 1, codes, pairs, x, k, cb->group, cb->scales, cb->mins, xs, o, c, pf, pf_end,
+                     per_iter);
+    else if (cb->group == k)
+        channel_tile(1, 0, mr, 1, 1, codes, pairs, x, k, k, cb->scales, NULL, NULL, o, c, pf, pf_end, per_iter);
+    else
+        channel_tile(0, 0, mr, 1, 1, codes, pairs, x, k, cb->group, cb->scales, NULL, NULL, o, c, pf, pf_end,
+                     per_iter);
 }
 
-/* Blocks b, b + 1 (nb of them) packed at `pb` against every tile of x, the bytes `pf` .. `pf_end` prefetched into L2
- * meanwhile, each tile its share. `cb`: `pb` is one block of q8 codes in the channel form (AVX2), `cb` its
- * scales; NULL for bf16 blocks. `loops`: prefetch_loops(). */
-static void packed_pass(const void *pb, const channel_block *cb, int64_t pairs, const packed_x *x, int64_t m,
-                        int64_t k, sums_out o, int64_t b, int nb, const char *pf, const char *pf_end,
-                        int64_t per_iter, int loops) {
-    int64_t tiles = (m + PACK_ROWS - 1) / PACK_ROWS;
+/* Block b of codes in the channel form (`codes`, `cb` its scales) against every tile of x [m, k], the bytes `pf` ..
+ * `pf_end` prefetched into L2 meanwhile, each tile its share; the rows shared evenly over the tiles (16 rows: 6, 5,
+ * 5, not 6, 6, 4): no tile short of FMA chains. */
+static void channel_pass(const uint8_t *codes, const channel_block *cb, int64_t pairs, const float *x, int64_t m,
+                         int64_t k, sums_out o, int64_t b, const char *pf, const char *pf_end, int64_t per_iter) {
+    int64_t tiles = (m + CHANNEL_ROWS - 1) / CHANNEL_ROWS;
     int64_t chunk = ((pf_end - pf + tiles - 1) / tiles + 63) / 64 * 64;
-    /* the rows shared evenly over the tiles (16 rows: 6, 5, 5, not 6, 6, 4): no tile short of FMA chains (AVX2's
-     * tile above) */
     for (int64_t t = 0, j = 0; t < tiles; t++) {
         int mr = (int)(m / tiles + (t < m % tiles));
         const char *end = pf + chunk < pf_end ? pf + chunk : pf_end;
         switch (mr) { /* each row count its own unrolled tile */
-#define PACKED_TILE(M)                                                                                  \
-    case M:                                                                                             \
-        pass_tile(M, pb, cb, j, pairs, x + j * k, k, rows_from(o, j), 16 * b, nb, pf, end, per_iter, loops); \
+#define CHANNEL_TILE(M)                                                                                         \
+    case M:                                                                                                     \
+        channel_pass_tile(M, codes, cb, j, pairs, x + j * k, k, rows_from(o, j), 16 * b, pf, end, per_iter); \
         break;
-            PACKED_TILE(1) PACKED_TILE(2) PACKED_TILE(3) PACKED_TILE(4)
-#if PACK_ROWS > 4
-            PACKED_TILE(5) PACKED_TILE(6)
-#endif
-#if PACK_ROWS > 6
-            PACKED_TILE(7) PACKED_TILE(8)
-#endif
-#undef PACKED_TILE
+            CHANNEL_TILE(1) CHANNEL_TILE(2) CHANNEL_TILE(3) CHANNEL_TILE(4) CHANNEL_TILE(5) CHANNEL_TILE(6)
+#undef CHANNEL_TILE
         }
         pf = end;
         j += mr;
     }
 }
-#endif
 
-#if defined(HAVE_PACKED_BF16) && !defined(HAVE_DOT_BF16)
 /* x [m, k] bf16 widened to fp32 once per call, into this calling thread's buffer (kept: the steps call the products
  * thousands of times, and a fresh allocation of a 512-row x would map and fault its pages every time); NULL without
  * memory. The OpenMP threads each have their own buffer: they are handed the caller's. */
@@ -3640,8 +3625,40 @@ static const float *widened_rows(const uint16_t *x, int64_t m, int64_t k, int th
 /* Many rows (a prefill chunk) pass the weights in groups whose widened rows stay in L2 (192 KiB), not all at once:
  * 512 rows of k = 768 (1.5 MiB) streamed from L3 once per block ran at 0.7x oneDNN on a Zen 3 EPYC. */
 static int64_t rows_in_l2(int64_t k) {
-    int64_t rows = (192 * 1024 / (4 * k)) / PACK_ROWS * PACK_ROWS;
-    return rows < PACK_ROWS ? PACK_ROWS : rows;
+    int64_t rows = (192 * 1024 / (4 * k)) / CHANNEL_ROWS * CHANNEL_ROWS;
+    return rows < CHANNEL_ROWS ? CHANNEL_ROWS : rows;
+}
+#endif
+
+#if defined(HAVE_PACKED_BF16)
+/* Blocks b, b + 1 (nb of them) of bf16 weights packed at `pb` against every tile of x, the bytes `pf` .. `pf_end`
+ * prefetched into L2 meanwhile, each tile its share (the rows shared evenly, as channel_pass shares them).
+ * `loops`: prefetch_loops(). */
+static void packed_pass(const uint16_t *pb, int64_t pairs, const packed_x *x, int64_t m, int64_t k, sums_out o,
+                        int64_t b, int nb, const char *pf, const char *pf_end, int64_t per_iter, int loops) {
+    int64_t tiles = (m + PACK_ROWS - 1) / PACK_ROWS;
+    int64_t chunk = ((pf_end - pf + tiles - 1) / tiles + 63) / 64 * 64;
+    for (int64_t t = 0, j = 0; t < tiles; t++) {
+        int mr = (int)(m / tiles + (t < m % tiles));
+        const char *end = pf + chunk < pf_end ? pf + chunk : pf_end;
+        switch (mr) { /* each row count its own unrolled tile */
+#define PACKED_TILE(M)                                                                                            \
+    case M:                                                                                                       \
+        packed_tile_bf16(M, pb, pairs, x + j * k, k, (const uint16_t *)o.bias, (uint16_t *)o.y + j * o.n, o.n,  \
+                         16 * b, nb, pf, end, per_iter, loops);                                                   \
+        break;
+            PACKED_TILE(1) PACKED_TILE(2) PACKED_TILE(3) PACKED_TILE(4)
+#if PACK_ROWS > 4
+            PACKED_TILE(5) PACKED_TILE(6)
+#endif
+#if PACK_ROWS > 6
+            PACKED_TILE(7) PACKED_TILE(8)
+#endif
+#undef PACKED_TILE
+        }
+        pf = end;
+        j += mr;
+    }
 }
 #endif
 
@@ -3880,8 +3897,7 @@ int infer_gemm_bf16_packed(const uint16_t *p, const uint16_t *x_in, const uint16
                 }
 #endif
                 sums_out o = {y + j0 * n, bias, n, 0};
-                packed_pass(p + b * pairs * 32, NULL, pairs, x + j0 * k, mc, k, o, b, nb, pf, pf_end, per_iter,
-                            loops);
+                packed_pass(p + b * pairs * 32, pairs, x + j0 * k, mc, k, o, b, nb, pf, pf_end, per_iter, loops);
             }
         }
 #if defined(HAVE_AMX)
@@ -5153,10 +5169,11 @@ static void dequant_block_packed(int fmt, const uint8_t *codes, const float *sca
  * multiply-adds over the row), then q4's each group's min times x's group sum, rounded once; the scales (mins)
  * float32 [blocks][groups][16].
  * Returns -2 on a bad shape or without the pair instruction, -1 without memory (nothing written). */
-#if defined(HAVE_PACKED_BF16) && !defined(HAVE_DOT_BF16)
+#if defined(HAVE_CHANNEL_CODES)
 /* AVX2's packed product on codes (infer_qgemm_packed's, and infer_qgemm_packed_f32's): rows x [m, k] in the dtype of
  * the sums `o` (bf16 rows widened to fp32 once per call, fp32 ones read as they are), each block dequantized into
- * bf16 pairs (the pairs form: bf16 rows alone) or multiplied as codes (the channel form). */
+ * bf16 pairs (the pairs form: bf16 rows alone) or multiplied as codes (the channel form). AVX512-BF16 builds take
+ * fp32 rows of codes in the channel form alone (their bf16 rows take the pairs form on the pair instruction). */
 static int codes_product_avx2(int fmt, const uint8_t *codes, const float *scales, const float *mins, const void *x,
                               sums_out o, int64_t m, int64_t n, int64_t k, int64_t group, int threads) {
     /* the channel form: codes the tiles read as they are, or (q4 past Q4_SUMS_ROWS rows) scaled a stretch at a time
@@ -5167,6 +5184,9 @@ static int codes_product_avx2(int fmt, const uint8_t *codes, const float *scales
     if (fmt == Q4C) fmt = Q4;
     if (!qshape_ok(fmt, k, group)) return -2;
     if (o.f32 && !channels) return -2; /* (fp32 rows: the channel form alone; the pairs form rounds weights to bf16) */
+#if defined(HAVE_DOT_BF16)
+    if (!o.f32) return -2;
+#endif
     if (m <= 0 || n <= 0) return 0;
     const float *xw = o.f32 ? (const float *)x : widened_rows((const uint16_t *)x, m, k, threads);
     const float *xsums = q4 && mins ? group_sums(xw, m, k, group) : NULL;
@@ -5177,7 +5197,7 @@ static int codes_product_avx2(int fmt, const uint8_t *codes, const float *scales
     /* the blocks shared by the threads (work_range: each its own from the front, then the others' from the back),
      * a set of ranges for each group of rows, as the bf16 packed product shares them */
     int64_t blocks = (n + 15) / 16, row_groups = (m + rows_at_once - 1) / rows_at_once;
-    int failed = 0, loops = prefetch_loops(), nr = threads > 1 ? threads : 1, balance = work_balance();
+    int failed = 0, nr = threads > 1 ? threads : 1, balance = work_balance();
     /* few rows: blocks side by side, an item of the walk `bk` of them */
     int bk = channels ? few_rows_blocks(q4, scaled, m) : 1;
     int64_t items = (blocks + bk - 1) / bk;
@@ -5198,7 +5218,8 @@ static int codes_product_avx2(int fmt, const uint8_t *codes, const float *scales
          * as they run, a block ahead of that */
         int64_t ahead = channels ? 2 : 1;
         for (int64_t j0 = 0; ready && j0 < m; j0 += rows_at_once) {
-            int64_t mc = m - j0 < rows_at_once ? m - j0 : rows_at_once, tiles = (mc + PACK_ROWS - 1) / PACK_ROWS;
+            int64_t mc = m - j0 < rows_at_once ? m - j0 : rows_at_once;
+            int64_t tiles = (mc + CHANNEL_ROWS - 1) / CHANNEL_ROWS;
             int64_t per_iter = (bk * block_bytes / 64 + tiles * pairs - 1) / (tiles * pairs);
             work_walk walk = work_start(ranges + j0 / rows_at_once * nr, nr, items, balance);
             for (int64_t item; (item = work_next(&walk)) >= 0;) {
@@ -5221,10 +5242,16 @@ static int codes_product_avx2(int fmt, const uint8_t *codes, const float *scales
                                  per_iter);
                     continue;
                 }
-                channel_block cb = {group, bs, q4, bm, xsums ? xsums + j0 * groups : NULL};
-                if (!channels) dequant_block_packed(fmt, bc, bs, bm, (uint16_t *)buf, pairs, group);
-                packed_pass(channels ? (const void *)bc : buf, channels ? &cb : NULL, pairs, xw + j0 * k, mc, k,
-                            rows_from(o, j0), b, 1, pf, pf_end, per_iter, loops);
+                if (channels) {
+                    channel_block cb = {group, bs, q4, bm, xsums ? xsums + j0 * groups : NULL};
+                    channel_pass(bc, &cb, pairs, xw + j0 * k, mc, k, rows_from(o, j0), b, pf, pf_end, per_iter);
+                    continue;
+                }
+#if !defined(HAVE_DOT_BF16) /* (the pairs form's bf16 tile: AVX2's, on x widened) */
+                dequant_block_packed(fmt, bc, bs, bm, (uint16_t *)buf, pairs, group);
+                packed_pass((const uint16_t *)buf, pairs, xw + j0 * k, mc, k, rows_from(o, j0), b, 1, pf, pf_end,
+                            per_iter, prefetch_loops());
+#endif
             }
         }
         free(buf);
@@ -5308,7 +5335,7 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
             }
 #endif
             sums_out o = {y, bias, n, 0};
-            packed_pass(buf, NULL, pairs, x, m, k, o, b, nb, pf, pf_end, per_iter, loops);
+            packed_pass(buf, pairs, x, m, k, o, b, nb, pf, pf_end, per_iter, loops);
         }
 #if defined(HAVE_AMX)
         if (amx) _tile_release();
@@ -5328,11 +5355,12 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
 }
 
 /* y [m, n] = x [m, k] W^T (+ bias) with x, bias and y fp32 (an fp32 model's batched products), for codes in the
- * channel form (Q8C, Q4C): infer_qgemm_packed's sums on AVX2, not rounded to bf16. Returns -2 for the other forms and
- * on builds without AVX2's channel form (AVX512-BF16 builds lay codes out in the pairs form), -1 without memory. */
+ * channel form (Q8C, Q4C): infer_qgemm_packed's sums on AVX2's tiles, not rounded to bf16 (AVX512-BF16 builds too:
+ * their bf16 rows take codes in the pairs form, their fp32 ones this). Returns -2 for the other forms and on builds
+ * without AVX2 and FMA, -1 without memory. */
 int infer_qgemm_packed_f32(int fmt, const uint8_t *codes, const float *scales, const float *mins, const float *x,
                            const float *bias, float *y, int64_t m, int64_t n, int64_t k, int64_t group, int threads) {
-#if defined(HAVE_PACKED_BF16) && !defined(HAVE_DOT_BF16)
+#if defined(HAVE_CHANNEL_CODES)
     if (fmt != Q8C && fmt != Q4C) return -2;
     sums_out o = {y, bias, n, 1};
     return codes_product_avx2(fmt, codes, scales, mins, x, o, m, n, k, group, threads);

@@ -289,8 +289,8 @@ class NativeKernels:
         self.channel_codes_available = lib.infer_qgemm_packed(3, None, None, None, None, None, None, 0, 0, 32, 32,
                                                               1) == 0
         self.channel_codes = self.channel_codes_available and os.environ.get("INFER_PACKED_CHANNEL_CODES") != "0"
-        # fp32 rows (an fp32 model's) against codes in the channel form, fp32 outputs: AVX2's channel form alone
-        # (AVX512-BF16 builds lay codes out in pairs for the pair instruction)
+        # fp32 rows (an fp32 model's) against codes in the channel form, fp32 outputs: AVX2's tiles, in every build
+        # with AVX2 and FMA (AVX512-BF16 builds' bf16 rows take codes in the pairs form, for the pair instruction)
         self.packed_codes_f32_available = lib.infer_qgemm_packed_f32(3, None, None, None, None, None, None, 0, 0, 32,
                                                                      32, 1) == 0
 
@@ -467,11 +467,12 @@ class NativeKernels:
 
     def pack_codes(self, weight: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> PackedCodes:
         """`weight`'s codes laid out for `quantized_gemm_packed` on rows of `dtype` in this build's form: the channel
-        form where it takes one (`channel_codes`: AVX2; fp32 rows only take that form), the pairs form otherwise."""
+        form where it takes one (`channel_codes`: AVX2; fp32 rows take only that form, in every build with AVX2 and
+        FMA), the pairs form otherwise."""
         if dtype == torch.float32:
             if not self.packed_codes_f32_available:
-                raise ValueError(f"the native packed product takes fp32 rows of codes on AVX2 builds only (this build: "
-                                 f"{self.isa}); pack the codes for bf16 rows or leave them unpacked")
+                raise ValueError(f"the native packed product takes fp32 rows of codes on builds with AVX2 and FMA only "
+                                 f"(this build: {self.isa}); pack the codes for bf16 rows or leave them unpacked")
             return pack_codes(weight, channels=True)
         return pack_codes(weight, channels=self.channel_codes)
 
@@ -504,8 +505,9 @@ class NativeKernels:
         """`quantized_gemm_packed` for fp32 rows `x`."""
         n, k = packed.shape
         if not packed.channel_form or not self.packed_codes_f32_available:
-            raise ValueError(f"fp32 rows take codes packed in the channel form on AVX2 builds (this build: {self.isa}, "
-                             f"codes {packed.fmt}): pack them with pack_codes(weight, torch.float32)")
+            raise ValueError(f"fp32 rows take codes packed in the channel form on builds with AVX2 and FMA "
+                             f"(this build: {self.isa}, codes {packed.fmt}): pack them with "
+                             "pack_codes(weight, torch.float32)")
         if x.shape[-1] != k or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,))):
             raise ValueError(f"the packed product takes fp32 rows of {k} inputs and an fp32 bias of {n}, got x of "
                              f"shape {tuple(x.shape)}" + ("" if bias is None else f" and a {bias.dtype} bias of "

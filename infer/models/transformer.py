@@ -189,7 +189,7 @@ def native_packing_unavailable(weights: list[torch.Tensor], coded: list[Quantize
     `dtype` (its activations'; None: the weights', bf16 without any) (None: it can): CPU weights of that dtype, bf16
     ones of even inputs, CPU codes whose scales the native kernels take (`NativeKernels.takes`), and a native build
     with the product for them: bf16 rows on the bf16 pair instruction (AVX512-BF16) or AVX2 with FMA; fp32 rows
-    (`NativeKernels.pack_f32`, and codes in the channel form) on AVX2 with FMA."""
+    (`NativeKernels.pack_f32`, and codes in the channel form) on AVX2 with FMA (AVX512 builds included)."""
     coded = coded or []
     dtype = dtype if dtype is not None else weights[0].dtype if weights else torch.bfloat16
     if not weights and not coded:
@@ -208,8 +208,7 @@ def native_packing_unavailable(weights: list[torch.Tensor], coded: list[Quantize
         return f"no native kernels: {unavailable_reason()}"
     if fp32 and ((weights and not kernels.packed_f32_available) or (coded and not kernels.packed_codes_f32_available)):
         return (f"this build ({kernels.isa}) has no AVX2 with FMA" if not kernels.packed_f32_available else
-                f"this build ({kernels.isa}) multiplies fp32 rows of codes only in AVX2's channel form (the "
-                "AVX512-BF16 builds' codes are laid out for the bf16 pair instruction)")
+                f"this build ({kernels.isa}) has no product of fp32 rows on codes (AVX2's channel form)")
     if not fp32 and ((weights and not kernels.packed_bf16_available)
                      or (coded and not kernels.packed_codes_available)):
         return f"this build ({kernels.isa}) has neither AVX512-BF16 nor AVX2 with FMA"
