@@ -971,6 +971,8 @@ def test_the_channel_form_holds_the_pairs_forms_codes_and_scales(scheme: str) ->
         assert torch.equal(channel.codes & 0x0F, rows[:, :, :8]) and torch.equal(channel.codes >> 4, rows[:, :, 8:])
     else:
         assert torch.equal(channel.codes, rows)
-    kernels = native_kernels()
-    if kernels is not None:
+    for flavour in PACKED_CODES:  # (every build this host runs: AVX2's lays out the channel form, AVX512-BF16's pairs)
+        kernels = native_kernels(flavour)
+        assert kernels is not None
         assert kernels.pack_codes(weight).fmt == (channel.fmt if kernels.channel_codes else pairs.fmt)
+        assert kernels.pack_codes(weight, torch.float32).fmt == channel.fmt  # (fp32 rows: the channel form alone)
