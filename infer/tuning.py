@@ -604,7 +604,7 @@ def choose_one_request_packing(model: Transformer, forced: bool | None = None) -
     where the model's rows take codes in AVX2's channel form: SmolLM2-135M's Q4_1 file on a 2-core Zen 3 EPYC, its
     121 products packed against their own kernels, alternately: 1 row 0.68-0.76x the time, 16 rows 0.38x, 64 rows
     0.29x, 512 rows 0.79x; an fp32 model on an AVX512-BF16 build too, whose fp32 rows take that form (on a 2-core
-    Zen 4 EPYC, SmolLM2's products at one row 0.69x the AVX512 codes kernel's time). A bf16 model there keeps the
+    Zen 4 EPYC, SmolLM2's products at one row 0.66-0.69x the AVX512 codes kernel's time). A bf16 model there keeps the
     codes kernel: its codes pack in pairs for the bf16 pair instruction, which the codes kernel has too (the packed
     pairs 1.2x its time at one row). Off where the copies would take more than half the memory left. `forced`: True
     packs (raising where the native packed product cannot take the model), False leaves the products unpacked."""

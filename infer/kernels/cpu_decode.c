@@ -5197,7 +5197,8 @@ static int codes_product_avx2(int fmt, const uint8_t *codes, const float *scales
     /* the blocks shared by the threads (work_range: each its own from the front, then the others' from the back),
      * a set of ranges for each group of rows, as the bf16 packed product shares them */
     int64_t blocks = (n + 15) / 16, row_groups = (m + rows_at_once - 1) / rows_at_once;
-    int failed = 0, nr = threads > 1 ? threads : 1, balance = work_balance();
+    int failed = 0, loops = prefetch_loops(), nr = threads > 1 ? threads : 1, balance = work_balance();
+    (void)loops; /* (the pairs form's alone: AVX2 builds') */
     /* few rows: blocks side by side, an item of the walk `bk` of them */
     int bk = channels ? few_rows_blocks(q4, scaled, m) : 1;
     int64_t items = (blocks + bk - 1) / bk;
@@ -5250,7 +5251,7 @@ static int codes_product_avx2(int fmt, const uint8_t *codes, const float *scales
 #if !defined(HAVE_DOT_BF16) /* (the pairs form's bf16 tile: AVX2's, on x widened) */
                 dequant_block_packed(fmt, bc, bs, bm, (uint16_t *)buf, pairs, group);
                 packed_pass((const uint16_t *)buf, pairs, xw + j0 * k, mc, k, rows_from(o, j0), b, 1, pf, pf_end,
-                            per_iter, prefetch_loops());
+                            per_iter, loops);
 #endif
             }
         }
