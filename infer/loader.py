@@ -365,6 +365,10 @@ def load_model(
     model.huge_pages = huge_pages
     _install_quantized(model, quantized, torch_dtype)
     del quantized  # likewise: fusing q/k/v and gate/up below must be able to free the parts it concatenates
+    # A GGUF file's tensors are views of its memory map, whose pages count in the resident set while it is mapped:
+    # unmapped, and the reading's freed temporaries handed back, before the choices' timings and the packed copies
+    gguf.clear()
+    release_freed_memory()
     if config.tie_word_embeddings and isinstance(model.lm_head, Linear):
         model.lm_head.weight = model.embed_tokens.weight
     model.compute_dtype = _resolve_compute_dtype(compute_dtype, torch_dtype, target)
