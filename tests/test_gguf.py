@@ -651,3 +651,25 @@ def test_released_tensor_pages_read_back_the_same(llama_gguf: Path) -> None:
     tensor.release()
     assert np.array_equal(np.asarray(tensor.data), before)
     assert torch.equal(tensor.load(), tensor.load())
+
+
+def test_the_files_tensors_are_let_go_before_the_loads_timings_and_packing(
+        tiny_gguf: Callable[..., tuple[Path, Path]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF file's tensors (views of its memory map, resident while mapped) are gone by the time the load times its
+    choices and packs its codes, so the map's pages do not add to the copies' peak; the stored codes load as ever."""
+    import gc
+
+    import infer.loader as loader
+    from infer.gguf import GGUFTensor
+
+    alive: list[int] = []
+    choose = loader.choose_quantized_gemv
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        gc.collect()
+        alive.append(sum(type(o) is GGUFTensor for o in gc.get_objects()))
+        return choose(*args, **kwargs)
+
+    monkeypatch.setattr(loader, "choose_quantized_gemv", counted)
+    model = infer.load_model(tiny_gguf("llama", "Q8_0", rope_scaling=None)[1], packed_products=False)
+    assert model.quantized and alive == [0]
