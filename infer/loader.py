@@ -219,7 +219,8 @@ def load_model(
     runs a file), else "dense" (passing `dtype` to a GGUF load dequantizes). Activations, norms and biases are
     in `dtype` either way. `packed_products`: quantized projections run outside the engine (one request's prompt and
     decode steps) on a copy of their codes packed for the native packed product (`Transformer.pack_products`);
-    None decides by the build (`infer.tuning.choose_one_request_packing`: AVX2's channel form), False keeps the codes
+    None decides by the build and the dtype (`infer.tuning.choose_one_request_packing`: where the model's rows take
+    AVX2's channel form: bf16 rows on AVX2 builds, fp32 rows on every build with AVX2 and FMA), False keeps the codes
     kernel (the copy's memory saved), True packs.
     """
     if path is not None and not isinstance(path, (str, Path)):
