@@ -254,7 +254,7 @@ def fuse_linears(parts: list[Linear], huge_pages: bool = False) -> Linear:
 
 
 # Bytes of packed codes copied onto huge pages between trims of the C heap (`pack_products`): the copies they were
-# made from stay in the process until trimmed (SmolLM2's load, fp32, packed: the peak resident set 593 -> 518 MiB
+# made from stay in the process until trimmed (SmolLM2's load, fp32, packed: the peak resident set 593 -> 517-530 MiB
 # with the file unmapped first and a trim every 16 MiB of copies, 0.06-0.08 s of the load; after every copy, 0.2 s).
 _TRIM_EVERY = 16 * 2**20
 
@@ -802,17 +802,18 @@ class Transformer(nn.Module):
 
                 # The codes on the same pages: a 150M Llama's 12 layers of int8 / int4 products at 16 rows ran
                 # 1.05x / 1.01x by medians on a 2-core Zen 4 (level at 64 rows; bf16's packed copies 1.17x at 16)
-                copied = [0]  # (codes copied onto huge pages since the C heap was last trimmed)
+                copied = 0  # (codes copied onto huge pages since the C heap was last trimmed)
 
                 def pack_coded(weight: QuantizedWeight) -> PackedCodes:
+                    nonlocal copied
                     packed = kernels.pack_codes(weight, self.dtype)
                     if not self.huge_pages:
                         return packed
                     packed = replace(packed, codes=on_huge_pages(packed.codes))
-                    copied[0] += packed.codes.nbytes
-                    if copied[0] >= _TRIM_EVERY:  # the first copies freed but kept by the heap: handed back
+                    copied += packed.codes.nbytes
+                    if copied >= _TRIM_EVERY:  # the first copies freed but kept by the heap: handed back
                         release_freed_memory()
-                        copied[0] = 0
+                        copied = 0
                     return packed
             else:  # (in the dtype the products upcast to, if they do)
                 def pack(weight: torch.Tensor) -> torch.Tensor:
