@@ -106,3 +106,32 @@ def test_llamacpp_teacher_forced_logits_line_up_with_ours() -> None:
     ours, _ = teacher_forced_logits(infer.load_model(path), "contiguous", ids, 16)
     assert theirs.shape == ours.shape
     assert (theirs.argmax(-1) == ours.argmax(-1)).float().mean() >= 0.9
+
+
+def test_llamacpp_continuous_batching_generates_each_requests_solo_tokens() -> None:
+    """The batched contender drives llama.cpp's sequences as llama-server does: 7 requests over 3 sequences (each
+    freed sequence cleared and taken by the next request), prompts of 1-40 tokens fed 12 tokens a call beside the
+    running requests' last tokens. Every request's greedy tokens equal the engine's solo run's on the same fp32
+    weights (a sequence's positions, its cleared cache or a misread logits row would part them)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from infer.bench_batched import BatchRequest
+    from reference.gguf_convert import cached_gguf
+    from reference.llamacpp_bench import llamacpp_continuous_batching
+
+    path = build_checkpoint("llama")
+    rng = np.random.default_rng(3)
+    work = [BatchRequest([int(t) for t in rng.integers(1, 300, n)], m)
+            for n, m in [(6, 5), (1, 3), (40, 4), (13, 1), (25, 6), (2, 2), (17, 3)]]
+    model = infer.load_model(path)
+    expected = [infer.generate(model, None, r.prompt_ids, SamplingParams(
+        max_new_tokens=r.max_new_tokens, temperature=0.0, ignore_eos=True)).token_ids for r in work]
+    llama_cpp.llama_backend_init()
+    loaded = llama_cpp.llama_model_load_from_file(str(cached_gguf(path, torch.float32)).encode(),
+                                                  llama_cpp.llama_model_default_params())
+    try:
+        run, tokens = llamacpp_continuous_batching(llama_cpp, loaded, work, threads=1, parallel=3, budget=12)
+    finally:
+        llama_cpp.llama_model_free(loaded)
+    assert tokens == expected
+    assert run.new_tokens == sum(r.max_new_tokens for r in work)
+    assert all(0 < first <= last <= run.wall_s for first, last in zip(run.ttft_s, run.latency_s, strict=True))
