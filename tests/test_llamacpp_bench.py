@@ -108,11 +108,13 @@ def test_llamacpp_teacher_forced_logits_line_up_with_ours() -> None:
     assert (theirs.argmax(-1) == ours.argmax(-1)).float().mean() >= 0.9
 
 
-def test_llamacpp_continuous_batching_generates_each_requests_solo_tokens() -> None:
+@pytest.mark.parametrize("unified", [False, True])
+def test_llamacpp_continuous_batching_generates_each_requests_solo_tokens(unified: bool) -> None:
     """The batched contender drives llama.cpp's sequences as llama-server does: 7 requests over 3 sequences (each
     freed sequence cleared and taken by the next request), prompts of 1-40 tokens fed 12 tokens a call beside the
-    running requests' last tokens. Every request's greedy tokens equal the engine's solo run's on the same fp32
-    weights (a sequence's positions, its cleared cache or a misread logits row would part them)."""
+    running requests' last tokens, each sequence its own cache or all of them one. Every request's greedy tokens
+    equal the engine's solo run's on the same fp32 weights (a sequence's positions, its cleared cache or a misread
+    logits row would part them)."""
     llama_cpp = pytest.importorskip("llama_cpp")
     from infer.bench_batched import BatchRequest
     from reference.gguf_convert import cached_gguf
@@ -129,7 +131,8 @@ def test_llamacpp_continuous_batching_generates_each_requests_solo_tokens() -> N
     loaded = llama_cpp.llama_model_load_from_file(str(cached_gguf(path, torch.float32)).encode(),
                                                   llama_cpp.llama_model_default_params())
     try:
-        run, tokens = llamacpp_continuous_batching(llama_cpp, loaded, work, threads=1, parallel=3, budget=12)
+        run, tokens = llamacpp_continuous_batching(llama_cpp, loaded, work, threads=1, parallel=3, budget=12,
+                                                   unified=unified)
     finally:
         llama_cpp.llama_model_free(loaded)
     assert tokens == expected
