@@ -91,7 +91,7 @@ TOKEN_BUDGET = 512
 
 @dataclass
 class _Slot:
-    """One request in a llama.cpp sequence: its next prompt token to feed, the token it last sampled."""
+    """One request in a llama.cpp sequence: how much of its prompt is fed, the tokens it has picked."""
 
     index: int  # the request's place in the workload
     request: BatchRequest
@@ -101,7 +101,7 @@ class _Slot:
 
 def llamacpp_continuous_batching(llama_cpp: Any, model: Any, work: list[BatchRequest], threads: int,
                                  parallel: int = PARALLEL, budget: int = TOKEN_BUDGET, unified: bool = False,
-                                 flash: bool = True) -> tuple[BatchedRun, list[list[int]]]:
+                                 flash: bool = True, name: str = "llama.cpp") -> tuple[BatchedRun, list[list[int]]]:
     """The workload through llama.cpp as llama-server serves it: up to `parallel` requests in sequences, each
     llama_decode call a batch of every running request's last token and then prompt tokens up to `budget` in all
     (a prompt longer than what is left goes on in the next call), a request admitted in arrival order when a
@@ -175,8 +175,7 @@ def llamacpp_continuous_batching(llama_cpp: Any, model: Any, work: list[BatchReq
     tokens: list[list[int]] = [[] for _ in work]
     for slot in done:
         tokens[slot.index] = slot.generated
-    return (BatchedRun(f"llama.cpp[{parallel} sequences]", wall, ttft, latency, sum(r.max_new_tokens for r in work)),
-            tokens)
+    return BatchedRun(name, wall, ttft, latency, sum(r.max_new_tokens for r in work)), tokens
 
 
 def llamacpp_batched_contender(
@@ -200,8 +199,6 @@ def llamacpp_batched_contender(
     name = f"llama.cpp[{label}]"
 
     def run(work: list[BatchRequest]) -> BatchedRun:
-        result, _ = llamacpp_continuous_batching(llama_cpp, model, work, threads)
-        result.name = name
-        return result
+        return llamacpp_continuous_batching(llama_cpp, model, work, threads, name=name)[0]
 
     return name, run
