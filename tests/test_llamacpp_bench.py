@@ -138,3 +138,14 @@ def test_llamacpp_continuous_batching_generates_each_requests_solo_tokens(unifie
     assert tokens == expected
     assert run.new_tokens == sum(r.max_new_tokens for r in work)
     assert all(0 < first <= last <= run.wall_s for first, last in zip(run.ttft_s, run.latency_s, strict=True))
+
+
+def test_the_batched_contender_refuses_a_sampled_workload_before_touching_llama_cpp() -> None:
+    """llama.cpp's batched run picks greedily: a workload that samples gets one clear error naming the setting, raised
+    before any context is made (llama_cpp itself is not needed to see it)."""
+    from infer.bench_batched import BatchRequest, Sampling
+    from reference.llamacpp_bench import llamacpp_continuous_batching
+
+    work = [BatchRequest([1, 2, 3], 4), BatchRequest([4, 5], 2, Sampling(temperature=0.8))]
+    with pytest.raises(ValueError, match="greedy workloads only; drop --temperature"):
+        llamacpp_continuous_batching(None, None, work, threads=1)
