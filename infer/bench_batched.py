@@ -202,8 +202,8 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
                    if getattr(args, name) is not None}  # unset: the Engine's own defaults
     if args.no_decode_graphs:
         engine_args["decode_graphs"] = False
-    if args.mixed_graphs:
-        engine_args["mixed_graphs"] = True
+    if args.mixed_graphs is not None:
+        engine_args["mixed_graphs"] = args.mixed_graphs
     packed = "off" if args.no_packed_products else args.packed_products
     if packed != "auto":
         engine_args["packed_products"] = False if packed == "off" else packed
@@ -463,9 +463,10 @@ def add_batched_args(p: argparse.ArgumentParser) -> None:
                         "kernel, their tokens as its rows where measured faster than SDPA over each chunk)")
     g.add_argument("--no-decode-graphs", action="store_true",
                    help="step the engine eagerly on CUDA (default: pure-decode steps replayed from CUDA graphs)")
-    g.add_argument("--mixed-graphs", action="store_true",
+    g.add_argument("--mixed-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="steps carrying prompt chunks replayed from CUDA graphs too, every token a row of the "
-                        "in-place kernel (Engine(mixed_graphs=True); default off)")
+                        "in-place kernel (Engine(mixed_graphs=...); default: on wherever they can run on CUDA; "
+                        "--no-mixed-graphs runs those steps eagerly)")
     g.add_argument("--no-packed-products", action="store_true",
                    help="keep F.linear for the engine's products past the few-row kernel's rows (default: weights "
                         "packed once, where measured faster; a second copy of the projections)")

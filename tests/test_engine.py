@@ -203,6 +203,10 @@ def test_default_pool_fits_the_machine(llama: tuple) -> None:
         Engine(model, tok, num_blocks=4, cache_memory=10**6)
     with pytest.raises(ValueError, match="holds no KV block"):
         Engine(model, tok, cache_memory=10)
+    # With graphs the spare block is a fixed cost: the error names it, not costs this pool does not have.
+    with pytest.raises(ValueError, match=r"holds no KV block of \d+ bytes beside the decode graphs' spare block "
+                                         r"\(\d+ bytes\); raise it"):
+        Engine(model, tok, cache_memory=block_bytes + 1, decode_graphs=True)
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "matmul"])

@@ -259,7 +259,7 @@ def test_mixed_graphs_is_validated() -> None:
     """`mixed_graphs=True` needs the padded path, prompt tokens as kernel rows and an unquantized pool: each
     missing one is named, and only those."""
     model = infer.load_model(build_checkpoint("llama"))
-    with pytest.raises(TypeError, match="mixed_graphs must be True or False"):
+    with pytest.raises(TypeError, match="mixed_graphs must be True, False or None"):
         Engine(model, None, num_blocks=8, mixed_graphs="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="chunk_attention 'native' or 'triton' \\(chosen: 'sdpa'\\)$") as refused:
         Engine(model, None, num_blocks=8, decode_graphs=True, chunk_attention="sdpa", mixed_graphs=True,
@@ -273,6 +273,9 @@ def test_mixed_graphs_is_validated() -> None:
         Engine(model, None, num_blocks=8, decode_graphs=False, mixed_graphs=True, **rows)
     with pytest.raises(ValueError, match="it needs an unquantized pool \\(kv_cache_dtype='int8'\\)$"):
         Engine(model, None, num_blocks=8, decode_graphs=True, kv_cache_dtype="int8", mixed_graphs=True, **rows)
+    # The default (None) never refuses: off the GPU the padded mixed steps are the check, not the default.
+    assert not Engine(model, None, num_blocks=8, decode_graphs=True, **rows).mixed_graphs
+    assert not Engine(model, None, num_blocks=8, decode_graphs=True, kv_cache_dtype="int8", **rows).mixed_graphs
 
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["decode", "with-prompt-tokens"])

@@ -142,9 +142,12 @@ class BatchStorage:
             # Fixed costs first: the sliding layers' rings, a quantized pool's staging, the graphs' spare block.
             ring_bytes = (ring.memory_bytes if ring is not None else 0) + stage_bytes + spare_blocks * block_bytes
             if ring_bytes and cache_memory is not None and cache_memory - ring_bytes < block_bytes:
-                raise ValueError(f"cache_memory={cache_memory} bytes does not hold the sliding layers' rings and "
-                                 f"the quantized pool's staging ({ring_bytes} bytes) and one KV block of "
-                                 f"{block_bytes}; raise it")
+                fixed = [f"{what} ({size} bytes)" for what, size in (
+                    ("the sliding layers' rings", ring.memory_bytes if ring is not None else 0),
+                    ("the quantized pool's staging", stage_bytes),
+                    ("the decode graphs' spare block", spare_blocks * block_bytes)) if size]
+                raise ValueError(f"cache_memory={cache_memory} bytes holds no KV block of {block_bytes} bytes beside "
+                                 f"{' and '.join(fixed)}; raise it")
             num_blocks = default_num_blocks(block_bytes, block_size, config.max_position_embeddings,
                                             max_num_seqs, device,
                                             None if cache_memory is None else cache_memory - ring_bytes)
