@@ -45,6 +45,9 @@ def add_model_args(p: argparse.ArgumentParser, dtype: str) -> None:
                         "quantized checkpoint's codes, dense dequantizes (auto: stored where the file is quantized)")
     p.add_argument("--group-size", type=int, default=32, choices=[32, 64, 128],
                    help="inputs per scale of --weights int4")
+    p.add_argument("--int8-activations", action="store_true",
+                   help="one request's products on 4-bit codes with their input quantized to int8 per 32 values, as "
+                        "llama.cpp runs its files (lossy; integer multiply-adds: VNNI, AVX2)")
     p.add_argument("--seed", type=int, default=None, help="random seed")
 
 
@@ -94,7 +97,10 @@ def load_with_args(path: Path, args: argparse.Namespace) -> Transformer:
                        decode_gemv=args.decode_gemv, native_prefetch=args.native_prefetch,
                        huge_pages=not args.no_huge_pages,
                        weights="stored" if weights == "auto" else weights, group_size=getattr(args, "group_size", 32),
-                       tensor_parallel=shards is not None, packed_products=False if unpacked else None)
+                       tensor_parallel=shards is not None,
+                       packed_products=False if unpacked else None)
+    if getattr(args, "int8_activations", False):
+        model.quantize_activations()
     model.native_ops = not args.no_native_ops
     model.native_step = not args.no_native_step
     if getattr(args, "no_few_row_products", False):

@@ -125,6 +125,9 @@ class Engine:
         mixed_graphs: bool | None = None,
     ) -> None:
         _check_model(model, tokenizer)
+        if any(getattr(m, "int8_activations", False) for m in model.modules()):
+            raise ValueError("the batched engine's steps are exact, and this model's one-row products quantize their "
+                             "input to int8: call model.quantize_activations(False) first")
         if packed_products is not None and not isinstance(packed_products, bool) and packed_products not in \
                 PACKED_LAYOUTS:
             raise TypeError(f"packed_products must be True, False, None (auto) or a layout "

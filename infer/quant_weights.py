@@ -197,6 +197,42 @@ def pack_codes(weight: QuantizedWeight, channels: bool = False) -> PackedCodes:
     return PackedCodes(fmt, q.contiguous(), per_block(w.scales), mins, w.group, (n, k))
 
 
+def quantize_activation_runs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` `[..., k]` (k whole runs of 32) as llama.cpp quantizes activations for its Q8_0 products: per run,
+    `d = max |x| / 127` in fp32 and codes `round(x / d)` (half to even) in -127..127, 0 where d is 0. Returns the
+    int8 codes `[..., k]` and d `[..., k // 32]`."""
+    runs = x.float().reshape(*x.shape[:-1], -1, CHUNK)
+    d = runs.abs().amax(dim=-1) / 127.0
+    safe = torch.where(d > 0, d, torch.ones_like(d)).unsqueeze(-1)
+    q = torch.where(d.unsqueeze(-1) > 0, torch.round(runs / safe), torch.zeros_like(runs)).clamp_(-127, 127)
+    return q.to(torch.int8).reshape(x.shape), d
+
+
+def int8_activation_product(weight: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None = None
+                            ) -> torch.Tensor:
+    """`x @ W.T (+ bias)` with x quantized to int8 per run of 32 (`quantize_activation_runs`), the formula of the
+    opt-in int8-activation products (`Transformer.quantize_activations`) and their unoptimised path: each run's
+    integer sum of codes times x's codes, times the run's d and its group's scale, plus (q4) each group's min times
+    x's exact sum over the group; summed in float64, rounded once to x's dtype. Groups of whole runs only."""
+    w = weight.unfactored()
+    n, k = w.shape
+    if w.group % CHUNK or k % w.group:
+        raise ValueError(f"int8 activations take groups of whole runs of {CHUNK} (a {w.scheme} weight has groups of "
+                         f"{w.group}): keep this weight's products exact")
+    runs, per = k // CHUNK, w.group // CHUNK
+    xs = x.reshape(-1, k)
+    q, d = quantize_activation_runs(xs)
+    codes = (unpack_q4(w.codes) if w.fmt == "q4" else w.codes).double().reshape(n, runs, CHUNK)
+    isum = torch.einsum("nrc,mrc->mnr", codes, q.double().reshape(-1, runs, CHUNK))  # exact integers
+    scales = w.scales.double().repeat_interleave(per, dim=1)  # [n, runs]
+    out = (isum * d.double().unsqueeze(1) * scales.unsqueeze(0)).sum(-1)
+    if w.mins is not None:
+        out = out + xs.double().reshape(-1, k // w.group, w.group).sum(-1) @ w.mins.double().T
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
 def factor(multipliers: torch.Tensor, supers: torch.Tensor) -> torch.Tensor:
     """Factored scales: per row the int8 `multipliers` `[n, groups]`, then the float16 `supers` `[n, k // 256]` as
     their bytes (int8 `[n, groups + 2 * (k // 256)]`)."""

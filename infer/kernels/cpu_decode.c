@@ -4687,6 +4687,260 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
     return failed ? -1 : 0;
 }
 
+/* ---- int8 activations (opt-in, lossy): one row of x quantized as llama.cpp quantizes it for its Q8_0 products ----
+ * Each run of 32 inputs gets d = max |x| / 127 (fp32) and codes round(x / d) (half to even) in -127..127; the
+ * codes then multiply the weight's codes as integers (AVX512-VNNI's vpdpbusd, 64 a instruction; AVX2's vpmaddubsw;
+ * plain C elsewhere), each run's integer sum times d times the group's scale in fp32. The mins' part (q4) keeps x's
+ * exact group sums. The formula, in fp32 with another order of sums: infer.quant_weights.int8_activation_product. */
+static void quantize_runs(const float *xf, int64_t k, int8_t *q, float *d) {
+    int64_t r = 0;
+#if defined(HAVE_AVX512)
+    /* (the same divisions and rounding, 16 at a time) */
+    for (; r < k / QCHUNK; r++) {
+        __m512 v0 = _mm512_loadu_ps(xf + r * QCHUNK), v1 = _mm512_loadu_ps(xf + r * QCHUNK + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        float dr = amax / 127.f;
+        d[r] = dr;
+        if (!(dr > 0.f)) {
+            memset(q + r * QCHUNK, 0, QCHUNK);
+            continue;
+        }
+        __m512 dv = _mm512_set1_ps(dr), lim = _mm512_set1_ps(127.f);
+        __m512 c0 = _mm512_roundscale_ps(_mm512_div_ps(v0, dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512 c1 = _mm512_roundscale_ps(_mm512_div_ps(v1, dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        c0 = _mm512_max_ps(_mm512_min_ps(c0, lim), _mm512_set1_ps(-127.f));
+        c1 = _mm512_max_ps(_mm512_min_ps(c1, lim), _mm512_set1_ps(-127.f));
+        _mm_storeu_si128((__m128i *)(q + r * QCHUNK), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(c0)));
+        _mm_storeu_si128((__m128i *)(q + r * QCHUNK + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(c1)));
+    }
+#endif
+    for (; r < k / QCHUNK; r++) {
+        const float *v = xf + r * QCHUNK;
+        float amax = 0.f;
+        for (int i = 0; i < QCHUNK; i++) amax = fmaxf(amax, fabsf(v[i]));
+        float dr = amax / 127.f;
+        d[r] = dr;
+        for (int i = 0; i < QCHUNK; i++) {
+            float c = dr > 0.f ? nearbyintf(v[i] / dr) : 0.f;
+            q[r * QCHUNK + i] = (int8_t)(c > 127.f ? 127 : c < -127.f ? -127 : c);
+        }
+    }
+}
+
+/* One row's sum over runs [r0, r1) of codes against the quantized x, each run's integer sum times cw[run] (its d
+ * times its group's scale): the portable form (and every build's odd last run). */
+static float a8_runs_plain(int fmt, const uint8_t *row, const int8_t *qa, const float *cw, int64_t r0, int64_t r1) {
+    float sum = 0.f;
+    for (int64_t r = r0; r < r1; r++) {
+        int32_t isum = 0;
+        for (int i = 0; i < QCHUNK; i++) {
+            int w = fmt == Q8 ? ((const int8_t *)row)[r * QCHUNK + i]
+                              : (row[r * 16 + (i & 15)] >> (i < 16 ? 0 : 4)) & 15;
+            isum += w * qa[r * QCHUNK + i];
+        }
+        sum += (float)isum * cw[r];
+    }
+    return sum;
+}
+
+#if defined(HAVE_AVX512) && defined(__AVX512VNNI__)
+#define A8_PAIRS 1 /* runs two at a time, 64 codes a vpdpbusd */
+/* Pair p's 64 x codes in the order its weight vector holds its codes (q4: both runs' low nibbles, then both runs'
+ * high ones; q8: as stored) and (q8: its codes carry +128) 128 times each lane's four x codes. */
+static void a8_lay_out_pairs(int fmt, const int8_t *qa, int64_t pairs, int8_t *ap, int32_t *corr) {
+    for (int64_t p = 0; p < pairs; p++) {
+        const int8_t *a0 = qa + 2 * p * QCHUNK, *a1 = a0 + QCHUNK;
+        int8_t *o = ap + p * 64;
+        if (fmt == Q4) {
+            memcpy(o, a0, 16), memcpy(o + 16, a1, 16), memcpy(o + 32, a0 + 16, 16), memcpy(o + 48, a1 + 16, 16);
+        } else {
+            memcpy(o, a0, 64);
+        }
+        for (int lane = 0; fmt == Q8 && lane < 16; lane++) {
+            int32_t s = 0;
+            for (int i = 0; i < 4; i++) s += o[lane * 4 + i];
+            corr[p * 16 + lane] = 128 * s;
+        }
+    }
+}
+
+/* Pair p's 16 lanes of integer sums. */
+static inline __attribute__((always_inline)) __m512i a8_pair(int fmt, const uint8_t *row, const int8_t *ap,
+                                                             const int32_t *corr, int64_t p) {
+    __m512i a = _mm512_loadu_si512((const void *)(ap + p * 64));
+    if (fmt == Q4) {
+        __m256i c = _mm256_loadu_si256((const __m256i *)(row + p * 32)), m = _mm256_set1_epi8(15);
+        __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(c, m)),
+                                       _mm256_and_si256(_mm256_srli_epi16(c, 4), m), 1);
+        return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
+    }
+    __m512i w = _mm512_xor_si512(_mm512_loadu_si512((const void *)(row + p * 64)), _mm512_set1_epi8((char)0x80));
+    return _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a),
+                            _mm512_loadu_si512((const void *)(corr + p * 16)));
+}
+
+/* One row's sum over its pairs of runs: `cw`, each run's d times its group's scale; each lane's factor taken from
+ * the pair's two by one permute (q4's lanes: runs 0, 1, 0, 1 by fours; q8's: 0, 1 by eights). Two sums in turn. */
+static inline __attribute__((always_inline)) float a8_row(int fmt, const uint8_t *row, const int8_t *ap,
+                                                          const int32_t *corr, const float *cw, int64_t pairs,
+                                                          __m512 acc1) {
+    const __m512i lanes = fmt == Q4 ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
+                                    : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 acc0 = _mm512_setzero_ps();
+#define A8_FACTORS(p) _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(cw + 2 * (p))))))
+    int64_t p = 0;
+    const int64_t pair_bytes = fmt == Q4 ? 32 : 64;
+    for (; p + 2 <= pairs; p += 2) {
+        /* each cache line PREFETCH_BYTES ahead of its load (past the row's end: the next row's) */
+        prefetch(row + p * pair_bytes + PREFETCH_BYTES);
+        if (fmt == Q8) prefetch(row + p * pair_bytes + 64 + PREFETCH_BYTES);
+        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a8_pair(fmt, row, ap, corr, p)), A8_FACTORS(p), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a8_pair(fmt, row, ap, corr, p + 1)), A8_FACTORS(p + 1), acc1);
+    }
+    if (p < pairs) acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a8_pair(fmt, row, ap, corr, p)), A8_FACTORS(p), acc0);
+#undef A8_FACTORS
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* One run's 8 lanes of integer sums (vpmaddubsw: unsigned codes by signed x; q8: |w| by x signed as w). */
+static inline __attribute__((always_inline)) __m256i a8_run_avx2(int fmt, const uint8_t *row, const int8_t *qa,
+                                                                 int64_t r) {
+    __m256i a = _mm256_loadu_si256((const __m256i *)(qa + r * QCHUNK)), p16;
+    if (fmt == Q4) {
+        __m128i c = _mm_loadu_si128((const __m128i *)(row + r * 16)), m = _mm_set1_epi8(15);
+        __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(c, 4), m), _mm_and_si128(c, m));
+        p16 = _mm256_maddubs_epi16(w, a);
+    } else {
+        __m256i w = _mm256_loadu_si256((const __m256i *)(row + r * QCHUNK));
+        p16 = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(a, w));
+    }
+    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+#endif
+
+/* sum_i a[i] b[i] in fp32 (the mins' part: a row's mins by x's group sums). */
+static inline float a8_dot(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float s = 0.f;
+#if defined(HAVE_AVX512)
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    if (i < n) {
+        __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+#endif
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* y = W x (+ bias) for one row x of `dtype` (fp32 or bf16) with x quantized to int8 per run of 32 (above); W's codes
+ * q8 or q4 in groups of whole runs, scales and mins as infer_qgemv reads them. Per row, each run's d times its
+ * group's scale is formed once (a vector of k / 32), and the mins' part is their dot with x's group sums. Returns 0,
+ * -1 where a buffer could not be allocated, -2 on a shape these products do not take (nothing written). */
+int infer_qgemv_a8(int fmt, const uint8_t *codes, int sdtype, const void *scales, const void *mins, int dtype,
+                   const void *x, const void *bias, void *y, int64_t n, int64_t k, int64_t group, int threads) {
+    if ((fmt != Q8 && fmt != Q4) || k <= 0 || group <= 0 || k % group || group % QCHUNK ||
+        (sdtype == FK && k % 256))
+        return -2;
+    int64_t runs = k / QCHUNK, groups = k / group, per = group / QCHUNK, row_bytes = fmt == Q8 ? k : k / 2;
+    int64_t pairs = 0;
+    size_t bytes = (size_t)(k + runs + groups) * sizeof(float) + (size_t)k;
+#if defined(A8_PAIRS)
+    pairs = runs / 2;
+    bytes += (size_t)pairs * (64 + 16 * sizeof(int32_t));
+#endif
+    char *buf = (char *)malloc(bytes);
+    if (!buf) return -1;
+    float *xf = (float *)buf, *d = xf + k, *xsum = d + runs;
+    int8_t *qa = (int8_t *)(xsum + groups);
+    for (int64_t i = 0; i < k; i++) xf[i] = load_scalar(dtype, x, i);
+    for (int64_t g = 0; g < groups; g++) {
+        float s = 0.f;
+        for (int64_t i = g * group; i < (g + 1) * group; i++) s += xf[i];
+        xsum[g] = s;
+    }
+    quantize_runs(xf, k, qa, d);
+#if defined(A8_PAIRS)
+    int32_t *corr = (int32_t *)(qa + k);
+    int8_t *ap = (int8_t *)(corr + pairs * 16);
+    a8_lay_out_pairs(fmt, qa, pairs, ap, corr);
+#endif
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t r0, r1;
+        thread_rows(n, &r0, &r1);
+        float *wide = (float *)malloc((size_t)(2 * groups + runs) * sizeof(float)); /* scales, mins, cw */
+        if (!wide) {
+            r1 = r0;
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *row = codes + r * row_bytes;
+            scale_row rs = scale_row_of(sdtype, scales, r, groups, k);
+            const float *sw = sdtype == F32 ? (const float *)rs.p
+                              : (const float *)(sdtype == F16 ? widen_scale_row(rs, groups, wide)
+                                                              : expand_scale_row(rs, groups, wide)).p;
+            float *cw = wide + 2 * groups;
+#if defined(A8_PAIRS)
+            if (per == 1 && sdtype == F16) { /* (Q4_0, Q4_1, Q8_0, Q5_0, int4 in 32s) 16 runs' factors a vector */
+                const uint16_t *s16 = (const uint16_t *)scales + r * groups;
+                const uint16_t *m16 = mins ? (const uint16_t *)mins + r * groups : NULL;
+                __m512 macc = _mm512_setzero_ps(); /* the mins' part, summed with the codes' */
+                for (int64_t g = 0; g < runs; g += 16) {
+                    __mmask16 m = runs - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (runs - g)) - 1);
+                    _mm512_mask_storeu_ps(cw + g, m, _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, s16 + g)),
+                                                                   _mm512_maskz_loadu_ps(m, d + g)));
+                    if (mins)
+                        macc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, m16 + g)),
+                                               _mm512_maskz_loadu_ps(m, xsum + g), macc);
+                }
+                float v = a8_row(fmt, row, ap, corr, cw, pairs, macc) + a8_runs_plain(fmt, row, qa, cw, 2 * pairs, runs);
+                store_scalar(dtype, y, r, bias ? v + load_scalar(dtype, bias, r) : v);
+                continue;
+            }
+#endif
+            if (per == 1)
+                for (int64_t rr = 0; rr < runs; rr++) cw[rr] = d[rr] * sw[rr];
+            else
+                for (int64_t g = 0; g < groups; g++)
+                    for (int64_t j = g * per; j < (g + 1) * per; j++) cw[j] = d[j] * sw[g];
+            float v;
+#if defined(A8_PAIRS)
+            v = a8_row(fmt, row, ap, corr, cw, pairs, _mm512_setzero_ps()) + a8_runs_plain(fmt, row, qa, cw, 2 * pairs, runs);
+#elif defined(__AVX2__) && defined(__FMA__)
+            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+            int64_t rr = 0;
+            for (; rr + 2 <= runs; rr += 2) {
+                prefetch(row + rr * (fmt == Q4 ? 16 : 32) + PREFETCH_BYTES);
+                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a8_run_avx2(fmt, row, qa, rr)), _mm256_set1_ps(cw[rr]), acc0);
+                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a8_run_avx2(fmt, row, qa, rr + 1)), _mm256_set1_ps(cw[rr + 1]),
+                                       acc1);
+            }
+            if (rr < runs)
+                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a8_run_avx2(fmt, row, qa, rr)), _mm256_set1_ps(cw[rr]), acc0);
+            v = hsum8(_mm256_add_ps(acc0, acc1));
+#else
+            v = a8_runs_plain(fmt, row, qa, cw, 0, runs);
+#endif
+            if (mins) {
+                scale_row rm = scale_row_of(sdtype, mins, r, groups, k);
+                const float *mw = sdtype == F32 ? (const float *)rm.p
+                                  : (const float *)(sdtype == F16 ? widen_scale_row(rm, groups, wide + groups)
+                                                                  : expand_scale_row(rm, groups, wide + groups)).p;
+                v += a8_dot(mw, xsum, groups);
+            }
+            store_scalar(dtype, y, r, bias ? v + load_scalar(dtype, bias, r) : v);
+        }
+        free(wide);
+    }
+    free(buf);
+    return failed ? -1 : 0;
+}
+
 /* The dense `[n, k]` weight in `dtype`: scale * q (+ min) in fp32 (two roundings, as infer/quant_weights.py's
  * dequantize), rounded once to dtype. For multi-row products through the GEMM. Returns -2 on a bad shape. */
 #if defined(HAVE_AVX512)
@@ -5392,11 +5646,12 @@ int infer_packed_code_sums(int fmt, int64_t k) {
 
 typedef struct {
     int kind;   /* 0: a dense weight of the step's dtype (infer_gemv); 1: q8, 2: q4, 3: Q6_K's q8 codes (infer_qgemv);
-                 * 4: codes packed for infer_qgemm_packed (fp32 steps: its fp32 entry, the channel form) */
+                 * 4: codes packed for infer_qgemm_packed (fp32 steps: its fp32 entry, the channel form);
+                 * 5: q8 or q4 codes (fmt) with x quantized to int8 (infer_qgemv_a8) */
     int sdtype; /* the scales' (and mins') dtype of quantized codes (kind 4: float32) */
     const void *w, *scales, *mins, *bias; /* w: the weight or its codes; bias in the step's dtype, or NULL */
     int64_t n, k, group;
-    int64_t fmt; /* kind 4: the packed codes' Q8, Q4, Q8C or Q4C */
+    int64_t fmt; /* kind 4: the packed codes' Q8, Q4, Q8C or Q4C; kind 5: Q8 or Q4 */
 } step_proj;
 
 typedef struct {
@@ -5421,6 +5676,9 @@ typedef struct {
 
 static int step_product(int dtype, const step_proj *p, const void *x, void *y, int threads) {
     if (p->kind == 0) return infer_gemv(dtype, p->w, x, p->bias, y, p->n, p->k, threads);
+    if (p->kind == 5) /* x quantized to int8 (Transformer.quantize_activations) */
+        return infer_qgemv_a8((int)p->fmt, (const uint8_t *)p->w, p->sdtype, p->scales, p->mins, dtype, x, p->bias, y,
+                              p->n, p->k, p->group, threads);
     if (p->kind == 4) { /* (one row of the packed codes' tiles, as the per-op path's product on them) */
         int code = dtype == F32 ? infer_qgemm_packed_f32((int)p->fmt, (const uint8_t *)p->w, (const float *)p->scales,
                                                          (const float *)p->mins, (const float *)x,

@@ -201,6 +201,11 @@ class NativeKernels:
                                        + [ctypes.c_int] + [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int])
         lib.infer_qdequant.restype = ctypes.c_int
         self._qgemv, self._qdequant = lib.infer_qgemv, lib.infer_qdequant
+        # fmt, codes, scale dtype, scales, mins, dtype, x, bias, y, n, k, group, threads
+        lib.infer_qgemv_a8.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] + [ctypes.c_int] + [ctypes.c_void_p] * 2
+                                       + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int])
+        lib.infer_qgemv_a8.restype = ctypes.c_int
+        self._qgemv_a8 = lib.infer_qgemv_a8
         # dtype, layers, n_layers, heads, kv_heads, d, hidden, inter, eps, gemma, gelu, x, pos, quantized,
         # vquantized, cos, sin, threads
         step_args: list[Any] = [ctypes.c_int, ctypes.POINTER(StepLayer), *[ctypes.c_int64] * 6, ctypes.c_float,
@@ -559,6 +564,28 @@ class NativeKernels:
         if code:
             raise ValueError(f"the native quantized GEMV takes k a multiple of 32 and groups of whole runs of 32 "
                              f"(or, int8 codes, of 16) dividing it (k={k}, group={group})")
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def quantized_gemv_a8(self, weight: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None = None
+                          ) -> torch.Tensor:
+        """`x @ W.T (+ bias)` for one row `x` of `k` inputs with x quantized to int8 per run of 32 (lossy, opt-in:
+        `Transformer.quantize_activations`): the codes multiplied as integers, llama.cpp's Q8_0 activations;
+        `infer.quant_weights.int8_activation_product` is the formula. q8 and q4 codes in groups of whole runs."""
+        fmt, codes, sdtype, scales, mins, n, k, group = weight.kernel_args
+        if x.numel() != k:
+            raise ValueError(f"int8 activations take one row of {k} inputs, got x of shape {tuple(x.shape)}")
+        xs = x if x.is_contiguous() and x.dtype in self.dtypes else x.contiguous().float()
+        if bias is not None and (bias.dtype != xs.dtype or not bias.is_contiguous()):
+            bias = bias.to(xs.dtype).contiguous()
+        out = torch.empty(*x.shape[:-1], n, dtype=xs.dtype)
+        code = self._qgemv_a8(QFORMATS["q8" if fmt == "q6" else fmt], codes, SCALE_CODES[sdtype], scales, mins,
+                              DTYPE_CODES[xs.dtype], xs.data_ptr(), None if bias is None else bias.data_ptr(),
+                              out.data_ptr(), n, k, group, torch.get_num_threads())
+        if code == -1:
+            raise MemoryError(f"int8 activations could not allocate the buffers of a row of {k} inputs")
+        if code:
+            raise ValueError(f"int8 activations take q8 or q4 codes in groups of whole runs of 32 dividing k "
+                             f"(k={k}, group={group}, scheme {weight.scheme})")
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def dequantize(self, weight: QuantizedWeight, dtype: torch.dtype, out: torch.Tensor | None = None

@@ -27,6 +27,7 @@ import torch
 
 from infer.config import ModelConfig
 from infer.kernels.native import (
+    QFORMATS,
     QSCHEMES,
     SCALE_CODES,
     NativeKernels,
@@ -39,6 +40,7 @@ from infer.quant_weights import PackedCodes
 
 QUANTIZED_KINDS = {"q8": 1, "q4": 2, "q6": 3}  # QuantizedWeight.kernel_args' format -> step_proj.kind (0: dense)
 PACKED_KIND = 4  # step_proj.kind of codes packed by NativeKernels.pack_codes
+A8_KIND = 5  # step_proj.kind of codes whose one-row products quantize x to int8 (Transformer.quantize_activations)
 
 
 class RowsCache(Protocol):
@@ -130,7 +132,12 @@ class NativeStep:
         """A Linear (dense `weight`) or a QuantizedLinear (`qweight`, or its packed codes where the per-op path's
         one-row product runs on them: `Transformer.pack_products`' `one_row`)."""
         packed = getattr(module, "packed", None)
-        if isinstance(packed, PackedCodes) and module.takes_packed(1):
+        if getattr(module, "int8_activations", False):
+            fmt, codes, sdtype, scales, mins, n, k, group = module.qweight.kernel_args
+            self.keep.extend(module.qweight.tensors())
+            desc.kind, desc.fmt, desc.sdtype = A8_KIND, QFORMATS["q8" if fmt == "q6" else fmt], SCALE_CODES[sdtype]
+            desc.w, desc.scales, desc.mins, desc.n, desc.k, desc.group = codes, scales, mins, n, k, group
+        elif isinstance(packed, PackedCodes) and module.takes_packed(1):
             self.keep += point_at_packed_codes(desc, packed)
             desc.kind, (desc.n, desc.k) = PACKED_KIND, packed.shape
         elif hasattr(module, "qweight"):
