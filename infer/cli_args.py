@@ -97,8 +97,7 @@ def load_with_args(path: Path, args: argparse.Namespace) -> Transformer:
                        decode_gemv=args.decode_gemv, native_prefetch=args.native_prefetch,
                        huge_pages=not args.no_huge_pages,
                        weights="stored" if weights == "auto" else weights, group_size=getattr(args, "group_size", 32),
-                       tensor_parallel=shards is not None,
-                       packed_products=False if unpacked else None)
+                       tensor_parallel=shards is not None, packed_products=False if unpacked else None)
     if getattr(args, "int8_activations", False):
         model.quantize_activations()
     model.native_ops = not args.no_native_ops

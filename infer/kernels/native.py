@@ -543,6 +543,15 @@ class NativeKernels:
                 and (not weight.factored or weight.shape[1] % 256 == 0)
                 and all(t.is_contiguous() for t in weight.tensors()))
 
+    def _product_operands(self, x: torch.Tensor, bias: torch.Tensor | None, n: int
+                          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """x as the quantized products read it (contiguous, a dtype the kernels take, else fp32), the bias in its
+        dtype, and the output `[..., n]`."""
+        xs = x if x.is_contiguous() and x.dtype in self.dtypes else x.contiguous().float()
+        if bias is not None and (bias.dtype != xs.dtype or not bias.is_contiguous()):
+            bias = bias.to(xs.dtype).contiguous()
+        return xs, bias, torch.empty(*x.shape[:-1], n, dtype=xs.dtype)
+
     def quantized_gemv(self, weight: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None = None
                        ) -> torch.Tensor:
         """`x @ W.T (+ bias)` for the rows of `x` `[..., k]` and the quantized `weight` (infer/quant_weights.py), in
@@ -552,10 +561,7 @@ class NativeKernels:
         fmt, codes, sdtype, scales, mins, n, k, group = weight.kernel_args
         if x.shape[-1] != k:
             raise ValueError(f"the quantized weight takes rows of {k} inputs, got x of shape {tuple(x.shape)}")
-        xs = x if x.is_contiguous() and x.dtype in self.dtypes else x.contiguous().float()
-        if bias is not None and (bias.dtype != xs.dtype or not bias.is_contiguous()):
-            bias = bias.to(xs.dtype).contiguous()
-        out = torch.empty(*x.shape[:-1], n, dtype=xs.dtype)
+        xs, bias, out = self._product_operands(x, bias, n)
         code = self._qgemv(QFORMATS[fmt], codes, SCALE_CODES[sdtype], scales, mins, DTYPE_CODES[xs.dtype],
                            xs.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), xs.numel() // k,
                            n, k, group, torch.get_num_threads())
@@ -574,10 +580,7 @@ class NativeKernels:
         fmt, codes, sdtype, scales, mins, n, k, group = weight.kernel_args
         if x.numel() != k:
             raise ValueError(f"int8 activations take one row of {k} inputs, got x of shape {tuple(x.shape)}")
-        xs = x if x.is_contiguous() and x.dtype in self.dtypes else x.contiguous().float()
-        if bias is not None and (bias.dtype != xs.dtype or not bias.is_contiguous()):
-            bias = bias.to(xs.dtype).contiguous()
-        out = torch.empty(*x.shape[:-1], n, dtype=xs.dtype)
+        xs, bias, out = self._product_operands(x, bias, n)
         code = self._qgemv_a8(QFORMATS["q8" if fmt == "q6" else fmt], codes, SCALE_CODES[sdtype], scales, mins,
                               DTYPE_CODES[xs.dtype], xs.data_ptr(), None if bias is None else bias.data_ptr(),
                               out.data_ptr(), n, k, group, torch.get_num_threads())

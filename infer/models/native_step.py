@@ -135,7 +135,7 @@ class NativeStep:
         if getattr(module, "int8_activations", False):
             fmt, codes, sdtype, scales, mins, n, k, group = module.qweight.kernel_args
             self.keep.extend(module.qweight.tensors())
-            desc.kind, desc.fmt, desc.sdtype = A8_KIND, QFORMATS["q8" if fmt == "q6" else fmt], SCALE_CODES[sdtype]
+            desc.kind, desc.fmt, desc.sdtype = A8_KIND, QFORMATS[fmt], SCALE_CODES[sdtype]  # (q4 codes)
             desc.w, desc.scales, desc.mins, desc.n, desc.k, desc.group = codes, scales, mins, n, k, group
         elif isinstance(packed, PackedCodes) and module.takes_packed(1):
             self.keep += point_at_packed_codes(desc, packed)

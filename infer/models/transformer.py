@@ -35,7 +35,7 @@ from infer.kernels.native import NativeKernels, native_gemv, native_kernels, una
 from infer.memory import empty_on_huge_pages, on_huge_pages, release_freed_memory
 from infer.models.native_batch_step import NativeBatchStep, batch_step_unavailable, describe_batch
 from infer.models.native_step import NativeStep, codes_cache, takes_model
-from infer.quant_weights import CHUNK, PackedCodes, QuantizedWeight, concat_rows, int8_activation_product
+from infer.quant_weights import PackedCodes, QuantizedWeight, concat_rows, int8_activation_product
 from infer.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from infer.tensor_parallel import Shards
 
@@ -760,7 +760,7 @@ class Transformer(nn.Module):
         fused = [layer.self_attn.__dict__["qkv"] for layer in self._decoder_layers()] + [
             layer.mlp.__dict__["gate_up"] for layer in self._decoder_layers()]  # (held outside the module tree)
         takers = [m for m in [*self.modules(), *fused]
-                  if isinstance(m, QuantizedLinear) and m.qweight.fmt == "q4" and m.group % CHUNK == 0]
+                  if isinstance(m, QuantizedLinear) and m.qweight.fmt == "q4"]
         if on and not takers:
             raise ValueError("quantize_activations: this model has no 4-bit projections; load a GGUF file of 4-bit "
                              "blocks with weights='stored' or quantize with weights='int4'")
