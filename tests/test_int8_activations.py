@@ -17,7 +17,7 @@ from infer.models.transformer import QuantizedLinear
 from infer.quality import teacher_forced_logits
 from infer.quant_weights import QuantizedWeight, from_gguf, int8_activation_product, quantize, quantize_activation_runs
 from reference.checkpoints import build_checkpoint
-from tests.helpers import on_threads, weight_of
+from tests.helpers import env_set, on_threads, weight_of
 from tests.test_gguf import random_blocks
 from tests.test_quant_weights import RUNNABLE, kernels_or_skip
 
@@ -72,6 +72,7 @@ def test_the_formula_is_the_dequantized_weight_by_the_quantized_x(scheme: str, n
 
 
 @pytest.mark.parametrize("flavour", RUNNABLE)
+@pytest.mark.parametrize("two_rows", ["1", "0"])  # INFER_A8_TWO_ROWS: fp16 scales' rows two at a time, and its check
 @given(scheme=st.sampled_from(["int8", "int4", "Q8_0", "Q4_0", "Q4_K", "Q4_K-factored", "int8-g32"]),
        n=st.integers(1, 70), runs=st.integers(1, 30), group=st.sampled_from([32, 64, 128]),
        dtype=st.sampled_from(["float32", "bfloat16"]), with_bias=st.booleans(), threads=st.integers(1, 3),
@@ -79,11 +80,11 @@ def test_the_formula_is_the_dequantized_weight_by_the_quantized_x(scheme: str, n
 @example(scheme="Q4_0", n=37, runs=24, group=32, dtype="float32", with_bias=True, threads=2, scale=1.0, seed=0)
 @example(scheme="Q8_0", n=19, runs=7, group=32, dtype="bfloat16", with_bias=False, threads=1, scale=1.0, seed=1)
 @settings(max_examples=30, deadline=None)
-def test_the_native_kernel_is_the_formula(flavour: str, scheme: str, n: int, runs: int, group: int, dtype: str,
-                                          with_bias: bool, threads: int, scale: float, seed: int) -> None:
-    """Every instruction-set path (VNNI pairs of runs, AVX2's runs, plain C; odd run counts; f16 scales a vector at a
-    time, fp32, factored) gives the formula within fp32 sums in another order, then one rounding to x's dtype. One run
-    of x all zeros (d = 0) in every draw."""
+def test_the_native_kernel_is_the_formula(flavour: str, two_rows: str, scheme: str, n: int, runs: int, group: int,
+                                          dtype: str, with_bias: bool, threads: int, scale: float, seed: int) -> None:
+    """Every instruction-set path (VNNI pairs of runs, fp16 scales' rows two at a time or one; AVX2's runs, plain C;
+    odd run and row counts; f16 scales a vector at a time, fp32, factored) gives the formula within fp32 sums in
+    another order, then one rounding to x's dtype. One run of x all zeros (d = 0) in every draw."""
     kernels = kernels_or_skip(flavour)
     group = group if scheme == "int4" else 32
     k = 256 * (1 + runs % 2) if scheme.endswith("-factored") else max(runs * 32 // group, 1) * group
@@ -93,7 +94,7 @@ def test_the_native_kernel_is_the_formula(flavour: str, scheme: str, n: int, run
     x[:32] = 0.0
     x = x.to(getattr(torch, dtype))
     bias = torch.randn(n, generator=g).to(x.dtype) if with_bias else None
-    with on_threads(threads):
+    with on_threads(threads), env_set("INFER_A8_TWO_ROWS", two_rows):
         got = kernels.quantized_gemv_a8(w, x, bias)
     expected = int8_activation_product(w, x.float(), None if bias is None else bias.float()).double()
     plain = w.unfactored()

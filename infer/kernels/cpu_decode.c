@@ -4779,13 +4779,42 @@ static inline __attribute__((always_inline)) __m512i a8_pair(int fmt, const uint
                             _mm512_loadu_si512((const void *)(corr + p * 16)));
 }
 
+/* Which of a pair's two runs each lane of its sums belongs to (q4's lanes: runs 0, 1, 0, 1 by fours; q8's: 0, 1 by
+ * eights): the index of the permute that picks each lane's factor. */
+static inline __m512i a8_lanes(int fmt) {
+    return fmt == Q4 ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
+                     : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+}
+
+/* Rows r and r + 1 (`row` and `row + row_bytes`) over their pairs of runs at once: x's codes loaded once for both,
+ * two sums in flight; each row as a8_row computes it. */
+static inline __attribute__((always_inline)) void a8_rows2(int fmt, const uint8_t *row, int64_t row_bytes,
+                                                           const int8_t *ap, const int32_t *corr, const float *cw0,
+                                                           const float *cw1, int64_t pairs, __m512 acc0, __m512 acc1,
+                                                           float out[2]) {
+    const __m512i lanes = a8_lanes(fmt);
+    const int64_t pair_bytes = fmt == Q4 ? 32 : 64;
+    const uint8_t *row1 = row + row_bytes;
+    for (int64_t p = 0; p < pairs; p++) {
+        if ((p & 1) == 0) {
+            prefetch(row + p * pair_bytes + PREFETCH_BYTES);
+            prefetch(row1 + p * pair_bytes + PREFETCH_BYTES);
+        }
+        __m512 c0 = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(cw0 + 2 * p)))));
+        __m512 c1 = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(cw1 + 2 * p)))));
+        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a8_pair(fmt, row, ap, corr, p)), c0, acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a8_pair(fmt, row1, ap, corr, p)), c1, acc1);
+    }
+    out[0] = _mm512_reduce_add_ps(acc0);
+    out[1] = _mm512_reduce_add_ps(acc1);
+}
+
 /* One row's sum over its pairs of runs: `cw`, each run's d times its group's scale; each lane's factor taken from
  * the pair's two by one permute (q4's lanes: runs 0, 1, 0, 1 by fours; q8's: 0, 1 by eights). Two sums in turn. */
 static inline __attribute__((always_inline)) float a8_row(int fmt, const uint8_t *row, const int8_t *ap,
                                                           const int32_t *corr, const float *cw, int64_t pairs,
                                                           __m512 acc1) {
-    const __m512i lanes = fmt == Q4 ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
-                                    : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i lanes = a8_lanes(fmt);
     __m512 acc0 = _mm512_setzero_ps();
 #define A8_FACTORS(p) _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(cw + 2 * (p))))))
     int64_t p = 0;
@@ -4868,11 +4897,14 @@ int infer_qgemv_a8(int fmt, const uint8_t *codes, int sdtype, const void *scales
     a8_lay_out_pairs(fmt, qa, pairs, ap, corr);
 #endif
     int failed = 0;
+#if defined(A8_PAIRS)
+    int a8_two_rows = switched_on("INFER_A8_TWO_ROWS");
+#endif
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int64_t r0, r1;
         thread_rows(n, &r0, &r1);
-        float *wide = (float *)malloc((size_t)(2 * groups + runs) * sizeof(float)); /* scales, mins, cw */
+        float *wide = (float *)malloc((size_t)(2 * groups + 2 * runs) * sizeof(float)); /* scales, mins, cw (2 rows) */
         if (!wide) {
             r1 = r0;
 #pragma omp atomic write
@@ -4880,29 +4912,39 @@ int infer_qgemv_a8(int fmt, const uint8_t *codes, int sdtype, const void *scales
         }
         for (int64_t r = r0; r < r1; r++) {
             const uint8_t *row = codes + r * row_bytes;
+            float *cw = wide + 2 * groups;
+#if defined(A8_PAIRS)
+            if (per == 1 && sdtype == F16) { /* (Q4_0, Q4_1, Q8_0, Q5_0, int4 in 32s) 16 runs' factors a vector */
+                int two = r + 1 < r1 && a8_two_rows; /* rows two at a time (INFER_A8_TWO_ROWS=0: one) */
+                __m512 macc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}; /* the mins' part, beside the codes' */
+                for (int j = 0; j <= two; j++) {
+                    const uint16_t *s16 = (const uint16_t *)scales + (r + j) * groups;
+                    const uint16_t *m16 = mins ? (const uint16_t *)mins + (r + j) * groups : NULL;
+                    float *cwj = cw + j * runs;
+                    for (int64_t g = 0; g < runs; g += 16) {
+                        __mmask16 m = runs - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (runs - g)) - 1);
+                        _mm512_mask_storeu_ps(cwj + g, m, _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, s16 + g)),
+                                                                        _mm512_maskz_loadu_ps(m, d + g)));
+                        if (mins)
+                            macc[j] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, m16 + g)),
+                                                      _mm512_maskz_loadu_ps(m, xsum + g), macc[j]);
+                    }
+                }
+                float v[2];
+                if (two) a8_rows2(fmt, row, row_bytes, ap, corr, cw, cw + runs, pairs, macc[0], macc[1], v);
+                else v[0] = a8_row(fmt, row, ap, corr, cw, pairs, macc[0]);
+                for (int j = 0; j <= two; j++) {
+                    float vj = v[j] + a8_runs_plain(fmt, row + j * row_bytes, qa, cw + j * runs, 2 * pairs, runs);
+                    store_scalar(dtype, y, r + j, bias ? vj + load_scalar(dtype, bias, r + j) : vj);
+                }
+                r += two;
+                continue;
+            }
+#endif
             scale_row rs = scale_row_of(sdtype, scales, r, groups, k);
             const float *sw = sdtype == F32 ? (const float *)rs.p
                               : (const float *)(sdtype == F16 ? widen_scale_row(rs, groups, wide)
                                                               : expand_scale_row(rs, groups, wide)).p;
-            float *cw = wide + 2 * groups;
-#if defined(A8_PAIRS)
-            if (per == 1 && sdtype == F16) { /* (Q4_0, Q4_1, Q8_0, Q5_0, int4 in 32s) 16 runs' factors a vector */
-                const uint16_t *s16 = (const uint16_t *)scales + r * groups;
-                const uint16_t *m16 = mins ? (const uint16_t *)mins + r * groups : NULL;
-                __m512 macc = _mm512_setzero_ps(); /* the mins' part, summed with the codes' */
-                for (int64_t g = 0; g < runs; g += 16) {
-                    __mmask16 m = runs - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (runs - g)) - 1);
-                    _mm512_mask_storeu_ps(cw + g, m, _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, s16 + g)),
-                                                                   _mm512_maskz_loadu_ps(m, d + g)));
-                    if (mins)
-                        macc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, m16 + g)),
-                                               _mm512_maskz_loadu_ps(m, xsum + g), macc);
-                }
-                float v = a8_row(fmt, row, ap, corr, cw, pairs, macc) + a8_runs_plain(fmt, row, qa, cw, 2 * pairs, runs);
-                store_scalar(dtype, y, r, bias ? v + load_scalar(dtype, bias, r) : v);
-                continue;
-            }
-#endif
             if (per == 1)
                 for (int64_t rr = 0; rr < runs; rr++) cw[rr] = d[rr] * sw[rr];
             else
