@@ -4786,6 +4786,11 @@ static inline __m512i a8_lanes(int fmt) {
                      : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
 }
 
+/* Pair p's 16 lanes' factors: each lane's run's d times its group's scale (`cw`, a row's per run), by one permute. */
+static inline __attribute__((always_inline)) __m512 a8_factors(__m512i lanes, const float *cw, int64_t p) {
+    return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(cw + 2 * p)))));
+}
+
 /* Rows r and r + 1 (`row` and `row + row_bytes`) over their pairs of runs at once: x's codes loaded once for both,
  * two sums in flight; each row as a8_row computes it. */
 static inline __attribute__((always_inline)) void a8_rows2(int fmt, const uint8_t *row, int64_t row_bytes,
@@ -4800,34 +4805,30 @@ static inline __attribute__((always_inline)) void a8_rows2(int fmt, const uint8_
             prefetch(row + p * pair_bytes + PREFETCH_BYTES);
             prefetch(row1 + p * pair_bytes + PREFETCH_BYTES);
         }
-        __m512 c0 = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(cw0 + 2 * p)))));
-        __m512 c1 = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(cw1 + 2 * p)))));
-        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a8_pair(fmt, row, ap, corr, p)), c0, acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a8_pair(fmt, row1, ap, corr, p)), c1, acc1);
+        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a8_pair(fmt, row, ap, corr, p)), a8_factors(lanes, cw0, p), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a8_pair(fmt, row1, ap, corr, p)), a8_factors(lanes, cw1, p), acc1);
     }
     out[0] = _mm512_reduce_add_ps(acc0);
     out[1] = _mm512_reduce_add_ps(acc1);
 }
 
-/* One row's sum over its pairs of runs: `cw`, each run's d times its group's scale; each lane's factor taken from
- * the pair's two by one permute (q4's lanes: runs 0, 1, 0, 1 by fours; q8's: 0, 1 by eights). Two sums in turn. */
+/* One row's sum over its pairs of runs (`cw`: each run's d times its group's scale), two sums in turn; `acc1` starts
+ * the second (the mins' part, or zero). */
 static inline __attribute__((always_inline)) float a8_row(int fmt, const uint8_t *row, const int8_t *ap,
                                                           const int32_t *corr, const float *cw, int64_t pairs,
                                                           __m512 acc1) {
     const __m512i lanes = a8_lanes(fmt);
     __m512 acc0 = _mm512_setzero_ps();
-#define A8_FACTORS(p) _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(cw + 2 * (p))))))
     int64_t p = 0;
     const int64_t pair_bytes = fmt == Q4 ? 32 : 64;
     for (; p + 2 <= pairs; p += 2) {
         /* each cache line PREFETCH_BYTES ahead of its load (past the row's end: the next row's) */
         prefetch(row + p * pair_bytes + PREFETCH_BYTES);
         if (fmt == Q8) prefetch(row + p * pair_bytes + 64 + PREFETCH_BYTES);
-        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a8_pair(fmt, row, ap, corr, p)), A8_FACTORS(p), acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a8_pair(fmt, row, ap, corr, p + 1)), A8_FACTORS(p + 1), acc1);
+        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a8_pair(fmt, row, ap, corr, p)), a8_factors(lanes, cw, p), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a8_pair(fmt, row, ap, corr, p + 1)), a8_factors(lanes, cw, p + 1), acc1);
     }
-    if (p < pairs) acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a8_pair(fmt, row, ap, corr, p)), A8_FACTORS(p), acc0);
-#undef A8_FACTORS
+    if (p < pairs) acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a8_pair(fmt, row, ap, corr, p)), a8_factors(lanes, cw, p), acc0);
     return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
