@@ -137,9 +137,9 @@ class CacheBackend(AttentionBackend):
         if cache is None:
             key_positions = positions
         else:
-            key_positions = cache.key_positions(layer, T)
             if T == 1 and window is None:
                 return None  # one query at the newest position sees every cached key
+            key_positions = cache.key_positions(layer, T)
         offset = 0 if cache is None else cache.offset
         if T > 1 and offset == 0 and (window is None or window >= T) and torch.equal(key_positions, positions):
             # A prefill from position 0 whose keys are its own tokens in order (every kind's today; the check

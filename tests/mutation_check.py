@@ -2365,8 +2365,8 @@ MUTANTS = [
            'mins = read(f"{prefix}.mins") if f"{prefix}.mins" in headers else None',
            "mins = None", ("tests/test_quant_weights.py",)),
     Mutant("quantized embedding looks up the wrong rows", "infer/models/transformer.py",
-           "rows = self.qweight.rows(flat).dequantize(self.dtype)",
-           "rows = self.qweight.rows(flat.flip(0)).dequantize(self.dtype)",
+           "rows = self.qweight.rows(input_ids.reshape(-1))",
+           "rows = self.qweight.rows(input_ids.reshape(-1).flip(0))",
            ("tests/test_quant_weights.py",)),
     # The whole-step native decode call (infer/models/native_step.py, cpu_decode.c's infer_decode_step).
     Mutant("native step: the sliding window one key too narrow", "infer/kernels/cpu_decode.c",
@@ -2558,6 +2558,31 @@ MUTANTS = [
            "infer/models/transformer.py",
            "config.hidden_size,\n" + " " * 41 + "_weight=torch.empty(config.vocab_size, config.hidden_size))",
            "config.hidden_size)", ("tests/test_loader.py",)),
+    # One-row products sharing their blocks of rows among the threads, and a one-token step's Python trimmed.
+    Mutant("one-row GEMV: each block's last row left out of the threads' shares", NATIVE_C,
+           "            for (int64_t r = 16 * item, r1 = r + 16 < n ? r + 16 : n; r < r1; r++) {\n"
+           "                const char *row",
+           "            for (int64_t r = 16 * item, r1 = r + 15 < n ? r + 15 : n; r < r1; r++) {\n"
+           "                const char *row", ("tests/test_native_kernels.py",)),
+    Mutant("int8 activations: each block's last row left out of the threads' shares", NATIVE_C,
+           "        for (int64_t r = 16 * item, r1 = r + 16 < n ? r + 16 : n; r < r1; r++) {\n"
+           "            const uint8_t *row = codes + r * row_bytes;",
+           "        for (int64_t r = 16 * item, r1 = r + 15 < n ? r + 15 : n; r < r1; r++) {\n"
+           "            const uint8_t *row = codes + r * row_bytes;", ("tests/test_native_kernels.py",)),
+    Mutant("quantized GEMV: each block's rows from its second", NATIVE_C,
+           "        int64_t r = 16 * item, r1 = r + 16 < n ? r + 16 : n;",
+           "        int64_t r = 16 * item + 1, r1 = r + 15 < n ? r + 15 : n;",
+           ("tests/test_native_kernels.py", "tests/test_quant_weights.py")),
+    Mutant("quantized embedding: codes the native dequantizer cannot read sent to it", "infer/models/transformer.py",
+           "if (native is not None and self.dtype in native.dtypes and native.takes(rows)",
+           "if (native is not None and self.dtype in native.dtypes", ("tests/test_quant_weights.py",)),
+    Mutant("one-token native step: RoPE rows of the next position", "infer/models/transformer.py",
+           "rope = {lt: (c[p : p + 1], s[p : p + 1]) for lt, (c, s)",
+           "rope = {lt: (c[p + 1 : p + 2], s[p + 1 : p + 2]) for lt, (c, s)",
+           ("tests/test_native_step.py",)),
+    Mutant("input check: a decode step's one token never checked against the vocabulary", "infer/models/transformer.py",
+           "                lo = hi = int(input_ids.item())", "                lo = hi = 0",
+           ("tests/test_models.py", "tests/test_generate.py")),
 ]
 
 

@@ -137,6 +137,21 @@ def test_out_of_vocab_prompt_is_an_error() -> None:
         generate(model, None, [model.config.vocab_size], SamplingParams(max_new_tokens=1))
 
 
+@pytest.mark.parametrize("token", [-1, "vocab"])
+def test_a_decode_steps_one_token_outside_the_vocabulary_is_refused(token: int | str) -> None:
+    """A forward of one token (a decode step's, checked by one read rather than a min and a max) names an id outside
+    the vocabulary, before the cache moves; the next valid step runs."""
+    model = infer.load_model(build_checkpoint("llama"))
+    cache = infer.create_cache("contiguous", model.config, max_seq_len=16)
+    model(torch.tensor([[1, 2, 3]]), cache)
+    bad = model.config.vocab_size if token == "vocab" else int(token)
+    with pytest.raises(ValueError, match=rf"token ids must lie in \[0, {model.config.vocab_size}\), got min {bad}"):
+        model(torch.tensor([[bad]]), cache)
+    assert cache.offset == 3
+    model(torch.tensor([[4]]), cache)
+    assert cache.offset == 4
+
+
 def test_stop_list_is_not_mutated() -> None:
     stops = ["a", "b"]
     params = SamplingParams(stop=stops)  # type: ignore[arg-type]

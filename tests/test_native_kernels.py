@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from infer.families import ARCHITECTURES
 from infer.kernels import native
 from infer.kernels.native import DTYPE_CODES, native_kernels, unavailable_reason
+from infer.quant_weights import int8_activation_product
 from infer.tuning import build_native_kernels, flavours_for_this_cpu
-from tests.helpers import env_set, fma32, on_threads
+from tests.helpers import env_set, fma32, on_threads, weight_of
 
 
 def runnable_flavours() -> list[str]:
@@ -610,6 +611,53 @@ def test_blocks_taken_from_other_threads_are_the_static_splits(m: int, blocks: i
     assert torch.equal(got["2"], got["0"]), "blocks taken from the others' backs parted from the static split"
     assert torch.equal(got["1"], got["0"]), "the default split parted from the static one"
     assert_rows_are_the_formula(got["2"], list(got["0"]), w, x, bias)
+
+
+@needs_build
+@settings(max_examples=40, deadline=None)
+@given(kernel=st.sampled_from(["gemv", "quantized_gemv", "quantized_gemv_a8"]), blocks=st.integers(1, 41),
+       rows=st.integers(1, 4), k=st.sampled_from([64, 96, 256]), scheme=st.sampled_from(["int4", "int8", "Q8_0"]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), threads=st.integers(2, 4),
+       flavour=st.sampled_from(FLAVOURS_HERE or ["native"]), seed=st.integers(0, 2**16))
+def test_one_row_products_share_their_row_blocks_as_the_static_split(kernel: str, blocks: int, rows: int, k: int,
+                                                                     scheme: str, dtype: torch.dtype, threads: int,
+                                                                     flavour: str, seed: int) -> None:
+    """The GEMV kernels (dense weights, quantized codes, codes by int8 activations) share blocks of 16 output rows
+    among the threads as the packed products share theirs: with the others' backs taken first (INFER_BALANCE=2,
+    run first, so a block no thread took would hold no earlier call's values) or once a range is spent (the
+    default), every output is bit for bit the static split's (INFER_BALANCE=0) and each row its formula within
+    rounding (a block no thread took would leave its rows unwritten). 2-4 threads, partial last blocks."""
+    kernels = native_kernels(flavour)
+    assert kernels is not None
+    n = 16 * blocks - seed % 16
+    gen = torch.Generator().manual_seed(seed)
+    bias = torch.randn(n, generator=gen).to(dtype) if seed % 2 else None
+    if kernel == "gemv":
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        x = torch.randn(k, generator=gen).to(dtype)
+        dense = w.double()
+        call = lambda: kernels.gemv(w, x, bias)  # noqa: E731
+    else:
+        weight = weight_of(scheme, n, k, 32, seed)
+        dense = weight.dequantize().double()
+        x = torch.randn(rows if kernel == "quantized_gemv" else 1, k, generator=gen).to(dtype)
+        product = getattr(kernels, kernel)
+        call = lambda: product(weight, x, bias)  # noqa: E731
+    got = {}
+    with on_threads(threads):
+        for balance in ("2", "0", "1"):
+            with env_set("INFER_BALANCE", balance):
+                got[balance] = call()
+    assert torch.equal(got["0"], got["2"]), f"{kernel}: rows taken from the others' backs parted from the static split"
+    assert torch.equal(got["1"], got["2"]), f"{kernel}: the default split parted from the static one"
+    if kernel == "quantized_gemv_a8":  # (x's codes the one approximation: the formula's own)
+        exact = int8_activation_product(weight, x.float().reshape(k), None if bias is None else bias.float()).double()
+    else:
+        exact = x.double() @ dense.T + (0 if bias is None else bias.double())
+    magnitude = x.double().abs() @ dense.abs().T + (0 if bias is None else bias.double().abs())
+    bound = 1e-5 * magnitude + 2 * UNIT_ROUNDOFF[dtype] * exact.abs() + 1e-30
+    excess = (got["2"].double().reshape(exact.shape) - exact).abs() - bound
+    assert excess.max() <= 0, f"{kernel} {scheme} n={n}: output {int(excess.argmax())} is not its row's product"
 
 
 F32_PACKED_FLAVOURS = [f for f in FLAVOURS_HERE if getattr(native_kernels(f), "packed_f32_available", False)]

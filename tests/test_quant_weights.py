@@ -284,6 +284,27 @@ def test_native_dequantize_is_the_reference_bit_for_bit(flavour: str, dtype: tor
         assert torch.equal(kernels.dequantize(weight, dtype), weight.dequantize(dtype)), scheme
 
 
+@pytest.mark.parametrize("flavour", RUNNABLE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_rows_dequantized_natively_are_the_formulas(flavour: str, dtype: torch.dtype) -> None:
+    """A one-token step's quantized embedding (its native small ops given) dequantizes the looked-up rows by the
+    native dequantizer: every stored variant's rows bit for bit the formula's (`native` absent), repeated ids
+    and the first and last rows among them; codes the dequantizer cannot take keep the formula."""
+    kernels = kernels_or_skip(flavour)
+    ids = torch.tensor([[0, 18, 7, 7]])
+    for scheme in ("int8", "int4", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q4_K-factored", "Q6_K-factored"):
+        weight = from_gguf(torch.from_numpy(random_blocks("Q4_0", 19 * 512 // 32, 3)), "Q4_0", (19, 512)) \
+            if scheme == "Q4_0" else weight_of(scheme, 19, 512, 64, 7)
+        table = QuantizedEmbedding(weight, dtype)
+        want = weight.dequantize(dtype)[ids]
+        for rows in (ids[:, :1], ids):
+            assert torch.equal(table(rows, kernels), want[:, : rows.shape[1]]), scheme
+            assert torch.equal(table(rows), want[:, : rows.shape[1]]), scheme
+    plain = weight_of("int4", 5, 64, 32, 1)  # bfloat16 scales, which the native kernels do not read: the formula
+    odd = QuantizedWeight("int4", plain.codes, plain.scales.bfloat16(), plain.mins.bfloat16(), 32)
+    assert torch.equal(QuantizedEmbedding(odd, dtype)(ids[:, :2] % 5, kernels), odd.dequantize(dtype)[[0, 3]][None])
+
+
 @pytest.mark.parametrize("slab_rows", [None, 1, 5, 19])
 def test_multi_row_products_through_the_reused_buffer_are_the_gemm_on_the_dequantized_weight(
         slab_rows: int | None, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -373,8 +373,8 @@ int infer_supports(int dtype) {
 }
 
 /* y[r] = sum_i w[r * k + i] * x[i] (+ bias[r]) for r < n, in fp32, rounded once to `dtype`; w, x, bias and y
- * all of `dtype`, w row-major with rows of k. Rows are split into `threads` contiguous ranges. Returns 0, or
- * -1 where x could not be widened (no memory; nothing written). */
+ * all of `dtype`, w row-major with rows of k. Blocks of 16 rows are shared by the `threads` threads (below).
+ * Returns 0, or -1 without memory (nothing written). */
 int infer_gemv(int dtype, const void *w, const void *x, const void *bias, void *y, int64_t n, int64_t k,
                int threads) {
     int64_t esize = dtype == F32 ? 4 : 2;
@@ -389,22 +389,33 @@ int infer_gemv(int dtype, const void *w, const void *x, const void *bias, void *
         for (int64_t i = 0; i < k; i++) wide[i] = load_scalar(dtype, x, i);
     }
     const float *xf = dtype == F32 ? (const float *)x : wide;
+    /* blocks of 16 rows shared by the threads (work_range, as the packed products': each its own from the front,
+     * then the others' from the back; INFER_BALANCE=0 the static split): a row's value is the same whoever
+     * computes it */
+    int nr = threads > 1 ? threads : 1, balance = work_balance();
+    int64_t items = (n + 15) / 16;
+    work_range *ranges = work_ranges(1, nr, items);
+    if (!ranges) {
+        free(wide);
+        return -1;
+    }
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        int64_t r0, r1;
-        thread_rows(n, &r0, &r1);
-        for (int64_t r = r0; r < r1; r++) {
-            const char *row = (const char *)w + r * k * esize;
-            float v;
+        work_walk walk = work_start(ranges, nr, items, balance);
+        for (int64_t item; (item = work_next(&walk)) >= 0;)
+            for (int64_t r = 16 * item, r1 = r + 16 < n ? r + 16 : n; r < r1; r++) {
+                const char *row = (const char *)w + r * k * esize;
+                float v;
 #if defined(HAVE_DOT_BF16)
-            if (bf16_pairs) v = dot_bf16((const uint16_t *)row, (const uint16_t *)x, k);
-            else
+                if (bf16_pairs) v = dot_bf16((const uint16_t *)row, (const uint16_t *)x, k);
+                else
 #endif
-                v = dot_wide(dtype, row, xf, k);
-            if (bias) v += load_scalar(dtype, bias, r);
-            store_scalar(dtype, y, r, v);
-        }
+                    v = dot_wide(dtype, row, xf, k);
+                if (bias) v += load_scalar(dtype, bias, r);
+                store_scalar(dtype, y, r, v);
+            }
     }
+    free(ranges);
     free(wide);
     return 0;
 }
@@ -4589,22 +4600,32 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
         permute_x_q4((const uint16_t *)x, xp, m, k);
     }
 #endif
+    /* blocks of 16 rows shared by the threads, as infer_qgemv_a8's (INFER_BALANCE=0 the static split) */
+    int nr = threads > 1 ? threads : 1, balance = work_balance();
+    int64_t items = (n + 15) / 16;
+    work_range *ranges = work_ranges(1, nr, items);
+    if (!ranges) {
+        free(xp);
+        free(xf);
+        return -1;
+    }
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        int64_t r0, r1;
-        thread_rows(n, &r0, &r1);
         float *expanded = expand ? (float *)malloc((size_t)(2 * groups) * sizeof(float)) : NULL;
         if (expand && !expanded) { /* no memory: this thread computes nothing (reported below) */
-            r1 = r0;
 #pragma omp atomic write
             failed = 1;
         }
-        int64_t r = r0;
 #if defined(QLANES) && QLANES == 8
         /* one row of x, a scale per run: QROWS rows of codes at once (qrows_dot1_runs), their scales widened first */
         float *wide = m == 1 && group == QCHUNK && several_rows
                           ? (float *)malloc((size_t)(2 * QROWS * groups) * sizeof(float)) /* scales, then mins */
                           : NULL;
+#endif
+        work_walk walk = work_start(ranges, nr, items, balance);
+        for (int64_t item; !(expand && !expanded) && (item = work_next(&walk)) >= 0;) {
+        int64_t r = 16 * item, r1 = r + 16 < n ? r + 16 : n;
+#if defined(QLANES) && QLANES == 8
         for (; wide && r + QROWS <= r1; r += QROWS) {
             const float *sr[QROWS];
             float out[QROWS];
@@ -4636,7 +4657,6 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
                 store_scalar(dtype, y, r + j, v);
             }
         }
-        free(wide);
 #endif
         for (; r < r1; r++) {
             const uint8_t *row = codes + r * row_bytes;
@@ -4680,8 +4700,13 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
                 }
             }
         }
+        }
+#if defined(QLANES) && QLANES == 8
+        free(wide);
+#endif
         free(expanded);
     }
+    free(ranges);
     free(xp);
     free(xf);
     return failed ? -1 : 0;
@@ -4901,17 +4926,25 @@ int infer_qgemv_a8(int fmt, const uint8_t *codes, int sdtype, const void *scales
 #if defined(A8_PAIRS)
     int a8_two_rows = switched_on("INFER_A8_TWO_ROWS");
 #endif
+    /* blocks of 16 rows shared by the threads (work_range: each its own from the front, then the others' from the
+     * back; INFER_BALANCE=0 the static split): a row's value is the same whoever computes it */
+    int nr = threads > 1 ? threads : 1, balance = work_balance();
+    int64_t items = (n + 15) / 16;
+    work_range *ranges = work_ranges(1, nr, items);
+    if (!ranges) {
+        free(buf);
+        return -1;
+    }
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        int64_t r0, r1;
-        thread_rows(n, &r0, &r1);
         float *wide = (float *)malloc((size_t)(2 * groups + 2 * runs) * sizeof(float)); /* scales, mins, cw (2 rows) */
         if (!wide) {
-            r1 = r0;
 #pragma omp atomic write
             failed = 1;
         }
-        for (int64_t r = r0; r < r1; r++) {
+        work_walk walk = work_start(ranges, nr, items, balance);
+        for (int64_t item; wide && (item = work_next(&walk)) >= 0;)
+        for (int64_t r = 16 * item, r1 = r + 16 < n ? r + 16 : n; r < r1; r++) {
             const uint8_t *row = codes + r * row_bytes;
             float *cw = wide + 2 * groups;
 #if defined(A8_PAIRS)
@@ -4980,6 +5013,7 @@ int infer_qgemv_a8(int fmt, const uint8_t *codes, int sdtype, const void *scales
         }
         free(wide);
     }
+    free(ranges);
     free(buf);
     return failed ? -1 : 0;
 }

@@ -345,7 +345,8 @@ class NativeKernels:
         out = torch.empty(n, dtype=weight.dtype)
         if self._gemv(DTYPE_CODES[weight.dtype], weight.data_ptr(), x.data_ptr(),
                       None if bias is None else bias.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads()):
-            raise MemoryError(f"the native GEMV could not allocate {4 * k} bytes to widen x")
+            raise MemoryError(f"the native GEMV could not allocate its buffers ({4 * k} bytes to widen x, its "
+                              f"threads' shares)")
         return out
 
     def gemm_bf16(self, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -566,7 +567,8 @@ class NativeKernels:
                            xs.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), xs.numel() // k,
                            n, k, group, torch.get_num_threads())
         if code == -1:
-            raise MemoryError(f"the native quantized GEMV could not allocate {4 * xs.numel()} bytes to widen x")
+            raise MemoryError(f"the native quantized GEMV could not allocate its buffers ({4 * xs.numel()} bytes "
+                              f"to widen x, its threads' shares)")
         if code:
             raise ValueError(f"the native quantized GEMV takes k a multiple of 32 and groups of whole runs of 32 "
                              f"(or, int8 codes, of 16) dividing it (k={k}, group={group})")
