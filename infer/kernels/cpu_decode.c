@@ -4176,7 +4176,7 @@ static inline scale_row scale_row_from(scale_row s, int64_t g) {
     return s;
 }
 
-static inline float scale_at(scale_row s, int64_t g) {
+static inline __attribute__((always_inline)) float scale_at(scale_row s, int64_t g) {
     if (s.dtype == FK) {
         int64_t i = s.base + g;
         return load_scale(F16, s.super, i >> s.shift) * (float)((const int8_t *)s.p)[i];
@@ -4277,14 +4277,25 @@ static inline __attribute__((always_inline)) float qrow_dot1(int fmt, const uint
     }
     if (group == QCHUNK) { /* a scale per run: each run's sum formed fresh, scaled into the totals by parity */
         int64_t r = 0, runs = k / QCHUNK;
-        for (; r < runs; r++) {
+        for (; r + 2 <= runs; r += 2) { /* (two runs an iteration: the parity a register's, not a branch) */
             const uint8_t *c = codes + r * run_bytes;
             prefetch(c + PREFETCH_BYTES);
+            qvec w1[V];
             qcodes(fmt, c, w);
+            qcodes(fmt, c + run_bytes, w1);
+            qvec a = w[0] * qload(x + r * QCHUNK), b = w1[0] * qload(x + (r + 1) * QCHUNK);
+            for (int v = 1; v < V; v++) {
+                a = qfma(w[v], qload(x + r * QCHUNK + v * QLANES), a);
+                b = qfma(w1[v], qload(x + (r + 1) * QCHUNK + v * QLANES), b);
+            }
+            even = qfma(qset1(scale_at(scales, r)), a, even);
+            odd = qfma(qset1(scale_at(scales, r + 1)), b, odd);
+        }
+        if (r < runs) {
+            qcodes(fmt, codes + r * run_bytes, w);
             qvec a = w[0] * qload(x + r * QCHUNK);
             for (int v = 1; v < V; v++) a = qfma(w[v], qload(x + r * QCHUNK + v * QLANES), a);
-            if (r & 1) odd = qfma(qset1(scale_at(scales, r)), a, odd);
-            else even = qfma(qset1(scale_at(scales, r)), a, even);
+            even = qfma(qset1(scale_at(scales, r)), a, even);
         }
         return qsum(even + odd);
     }
