@@ -902,7 +902,8 @@ def test_codes_in_the_channel_form_give_each_groups_scaled_sums(scheme: str, n: 
     over several blocks a tile or one, INFER_FEW_ROWS_BLOCKS 1 / 0), and so within fp32 summation and one bf16
     rounding of the quantized model's unrounded product; for fp32 rows and bias (an fp32 model's: values of 24
     significant bits, whose products with the codes round) the same formula in fp32, not rounded; the weight and x
-    are left as they were. Builds whose bf16 rows take codes in pairs (AVX512-BF16) take fp32 rows alone."""
+    are left as they were; float16 scales and mins (every one a float16 exactly) kept so, the same values as
+    float32's. Builds whose bf16 rows take codes in pairs (AVX512-BF16) take fp32 rows alone."""
     kernels = native_kernels(flavour)
     assert kernels is not None
     fp32 = fp32 or not kernels.channel_codes_available
@@ -914,9 +915,14 @@ def test_codes_in_the_channel_form_give_each_groups_scaled_sums(scheme: str, n: 
     assert packed.fmt == fmt + "c"
     assert packed.codes.shape == (-(-n // 16), k, 16 if fmt == "q8" else 8)
     before, x_before = [t.clone() for t in weight.tensors()], x.clone()
+    wide = pack_codes(weight, channels=True, half_scales=False)  # (float32 scales and mins: the check)
+    if weight.scales.dtype == torch.float16 and not weight.factored:  # float16 scales and mins kept as they are
+        assert packed.scales.dtype == torch.float16 and (packed.mins is None or packed.mins.dtype == torch.float16)
+        assert packed.nbytes < wide.nbytes
     with (on_threads(threads), env_set("INFER_BALANCE", balance), env_set("INFER_FEW_ROWS_BLOCKS", few),
           env_set("INFER_Q4_GROUP_SUMS", sums)):
         got = kernels.quantized_gemm_packed(packed, x, bias)
+        assert torch.equal(kernels.quantized_gemm_packed(wide, x, bias), got), f"{scheme}: float16 scales changed it"
     assert torch.equal(got, scaled_sums(x, weight, bias, sums == "1")), f"{scheme}: not each group's scaled fp32 sums"
     dense, magnitudes = unrounded_weight(weight)
     assert_within_rounding_of(got, x, dense, bias, f"{scheme}'s unrounded product", magnitudes)

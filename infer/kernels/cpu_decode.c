@@ -4027,6 +4027,10 @@ int infer_gemm_f32_packed(const float *p, const float *x, const float *bias, flo
 /* Q6: q8 codes known to lie in -32..31 (Q6_K's), groups of 16; Q8C / Q4C: q8 / q4 codes in the packed product's
  * channel form */
 enum { Q8 = 0, Q4 = 1, Q6 = 2, Q8C = 3, Q4C = 4 };
+/* Set in the format of codes in the channel form whose scales and mins are float16 (pack_codes keeps them so where
+ * each is a float16 exactly: Q4_0's, Q4_1's, Q8_0's, int4's): widened to float32 a block at a time as a thread takes
+ * it, the same values; a Q4_0 block of 16 rows then streams 20 bytes a run of 32 inputs where float32 took 24. */
+#define HALF_SCALES 8
 #define QCHUNK 32
 
 /* A scale or min (float16 or float32): by the F16C instruction where the CPU has it (once per 32 weights, the
@@ -5516,8 +5520,20 @@ static void dequant_block_packed(int fmt, const uint8_t *codes, const float *sca
  * the sums `o` (bf16 rows widened to fp32 once per call, fp32 ones read as they are), each block dequantized into
  * bf16 pairs (the pairs form: bf16 rows alone) or multiplied as codes (the channel form). AVX512-BF16 builds take
  * fp32 rows of codes in the channel form alone (their bf16 rows take the pairs form on the pair instruction). */
+/* n float16 values at p widened into out (F16C's conversion, or f16_to_f32's: the same values). */
+static void widen_halves(const uint16_t *p, float *out, int64_t n) {
+    int64_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + i))));
+#endif
+    for (; i < n; i++) out[i] = f16_to_f32(p[i]);
+}
+
 static int codes_product_avx2(int fmt, const uint8_t *codes, const float *scales, const float *mins, const void *x,
                               sums_out o, int64_t m, int64_t n, int64_t k, int64_t group, int threads) {
+    int half = fmt & HALF_SCALES; /* (float16 scales and mins, widened a block at a time below) */
+    fmt &= ~HALF_SCALES;
+    if (half && fmt != Q8C && fmt != Q4C) return -2;
     /* the channel form: codes the tiles read as they are, or (q4 past Q4_SUMS_ROWS rows) scaled a stretch at a time
      * (scaled_block) */
     int channels = fmt == Q8C || fmt == Q4C, q4 = fmt == Q4C;
@@ -5552,7 +5568,10 @@ static int codes_product_avx2(int fmt, const uint8_t *codes, const float *scales
         size_t scratch = channels ? (scaled ? (size_t)(16 * SCALED_INPUTS + 16 * rows_at_once) * sizeof(float) : 0)
                                   : (size_t)(pairs * 32) * sizeof(uint16_t);
         void *buf = scratch ? malloc(scratch) : NULL;
-        int ready = !scratch || buf; /* (a thread without its buffer takes no blocks; the call fails) */
+        /* float16 scales (and mins) of an item's blocks, widened */
+        int64_t per_item = (int64_t)bk * groups * 16;
+        float *widened = half ? (float *)malloc((size_t)(2 * per_item) * sizeof(float)) : NULL;
+        int ready = (!scratch || buf) && (!half || widened); /* (a thread without its buffers takes no blocks) */
         if (!ready) {
 #pragma omp atomic write
             failed = 1;
@@ -5569,6 +5588,15 @@ static int codes_product_avx2(int fmt, const uint8_t *codes, const float *scales
                 int64_t b = item * bk;
                 const uint8_t *bc = codes + b * block_bytes;
                 const float *bs = scales + b * groups * 16, *bm = mins ? mins + b * groups * 16 : NULL;
+                if (half) { /* (the item's real blocks: a spare lane repeats block 0) */
+                    int64_t count = (blocks - b < bk ? blocks - b : bk) * groups * 16;
+                    widen_halves((const uint16_t *)scales + b * groups * 16, widened, count);
+                    bs = widened;
+                    if (mins) {
+                        widen_halves((const uint16_t *)mins + b * groups * 16, widened + per_item, count);
+                        bm = widened + per_item;
+                    }
+                }
                 int64_t from, to; /* the item `ahead` further along the walk, prefetched into L2 */
                 work_ahead(&walk, item, ahead, bk, blocks, &from, &to);
                 const char *pf = (const char *)(codes + from * block_bytes);
@@ -5598,6 +5626,7 @@ static int codes_product_avx2(int fmt, const uint8_t *codes, const float *scales
             }
         }
         free(buf);
+        free(widened);
     }
     free(ranges);
     return failed ? -1 : 0;
@@ -5607,7 +5636,7 @@ static int codes_product_avx2(int fmt, const uint8_t *codes, const float *scales
 int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const float *mins, const uint16_t *x,
                        const uint16_t *bias, uint16_t *y, int64_t m, int64_t n, int64_t k, int64_t group, int threads) {
 #if defined(HAVE_DOT_BF16)
-    if (fmt == Q8C || fmt == Q4C) return -2; /* (AVX2's forms) */
+    if (fmt == Q8C || fmt == Q4C || (fmt & HALF_SCALES)) return -2; /* (AVX2's forms) */
     if (fmt == Q6) fmt = Q8;
     if (!qshape_ok(fmt, k, group)) return -2;
     if (m <= 0 || n <= 0) return 0;
@@ -5704,7 +5733,7 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
 int infer_qgemm_packed_f32(int fmt, const uint8_t *codes, const float *scales, const float *mins, const float *x,
                            const float *bias, float *y, int64_t m, int64_t n, int64_t k, int64_t group, int threads) {
 #if defined(HAVE_CHANNEL_CODES)
-    if (fmt != Q8C && fmt != Q4C) return -2;
+    if ((fmt & ~HALF_SCALES) != Q8C && (fmt & ~HALF_SCALES) != Q4C) return -2;
     sums_out o = {y, bias, n, 1};
     return codes_product_avx2(fmt, codes, scales, mins, x, o, m, n, k, group, threads);
 #else

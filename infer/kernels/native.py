@@ -37,12 +37,21 @@ SCALE_CODES = {torch.float32: 0, torch.float16: 2, torch.int8: 3}  # quantized s
 QFORMATS = {"q8": 0, "q4": 1, "q6": 2, "q8c": 3, "q4c": 4}
 
 
+HALF_SCALES = 8  # cpu_decode.c's flag in a packed format: the channel form's scales and mins float16
+
+
+def packed_format(packed: PackedCodes) -> int:
+    """cpu_decode.c's format of codes packed by `pack_codes`: QFORMATS', with HALF_SCALES where the scales are
+    float16."""
+    return QFORMATS[packed.fmt] | (HALF_SCALES if packed.scales.dtype == torch.float16 else 0)
+
+
 def point_at_packed_codes(desc: StepProj | BatchProduct, packed: PackedCodes) -> list[torch.Tensor]:
     """Point a product's descriptor (its `w`, `scales`, `mins`, `fmt` and `group`) at codes packed
     by `pack_codes`; the tensors it now points into, for the caller to keep alive."""
     desc.w, desc.scales = packed.codes.data_ptr(), packed.scales.data_ptr()
     desc.mins = None if packed.mins is None else packed.mins.data_ptr()
-    desc.fmt, desc.group = QFORMATS[packed.fmt], packed.group
+    desc.fmt, desc.group = packed_format(packed), packed.group
     return [t for t in (packed.codes, packed.scales, packed.mins) if t is not None]
 
 
@@ -499,7 +508,7 @@ class NativeKernels:
         if x.dtype == torch.float32:
             return self._quantized_gemm_packed_f32(packed, x, bias)
         rows, bias, out = _bf16_operands(x, k, n, bias)
-        code = self._qgemm_packed(QFORMATS[packed.fmt], packed.codes.data_ptr(), packed.scales.data_ptr(),
+        code = self._qgemm_packed(packed_format(packed), packed.codes.data_ptr(), packed.scales.data_ptr(),
                                   None if packed.mins is None else packed.mins.data_ptr(), rows.data_ptr(),
                                   None if bias is None else bias.data_ptr(), out.data_ptr(), rows.shape[0], n, k,
                                   packed.group, torch.get_num_threads())
@@ -521,7 +530,7 @@ class NativeKernels:
         rows = x.reshape(-1, k).contiguous()
         bias = None if bias is None else bias.contiguous()
         out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-        code = self._qgemm_packed_f32(QFORMATS[packed.fmt], packed.codes.data_ptr(), packed.scales.data_ptr(),
+        code = self._qgemm_packed_f32(packed_format(packed), packed.codes.data_ptr(), packed.scales.data_ptr(),
                                       None if packed.mins is None else packed.mins.data_ptr(), rows.data_ptr(),
                                       None if bias is None else bias.data_ptr(), out.data_ptr(), rows.shape[0], n, k,
                                       packed.group, torch.get_num_threads())
