@@ -2152,8 +2152,8 @@ MUTANTS = [
            "    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);",
            ("tests/test_int8_activations.py",)),
     Mutant("int8 activations: the f16 rows' mins left out (AMX hosts)", NATIVE_C,
-           "                        if (mins)\n                            macc[j] = _mm512_fmadd_ps(",
-           "                        if (0)\n                            macc[j] = _mm512_fmadd_ps(",
+           "                            if (mins)\n                                macc[j] = _mm512_fmadd_ps(",
+           "                            if (0)\n                                macc[j] = _mm512_fmadd_ps(",
            ("tests/test_int8_activations.py",)),
     Mutant("int8 activations: the second of two rows scaled by the first's factors (AMX hosts)", NATIVE_C,
            "if (two) a8_rows2(fmt, row, row_bytes, ap, corr, cw, cw + runs, pairs, macc[0], macc[1], v);",
@@ -2346,8 +2346,9 @@ MUTANTS = [
            "v += bias ? load_scalar(dtype, bias, r) : 0.f;", "v += bias ? load_scalar(dtype, bias, r - r0) : 0.f;",
            ("tests/test_quant_weights.py",)),
     Mutant("quantized product: the mins' term left out", "infer/kernels/cpu_decode.c",
-           "                    if (mins) {\n                        const float *xs",
-           "                    if (0) {\n                        const float *xs", ("tests/test_quant_weights.py",)),
+           "                        if (mins) {\n                            const float *xs",
+           "                        if (0) {\n                            const float *xs",
+           ("tests/test_quant_weights.py",)),
     Mutant("native dequantizer drops the mins", "infer/kernels/cpu_decode.c",
            "if (has_mins) v = v + lo;", "if (0) v = v + lo;", ("tests/test_quant_weights.py",)),
     Mutant("int4 quantizes the LM head to 4 bits too", "infer/loader.py",
@@ -2565,10 +2566,10 @@ MUTANTS = [
            "            for (int64_t r = 16 * item, r1 = r + 15 < n ? r + 15 : n; r < r1; r++) {\n"
            "                const char *row", ("tests/test_native_kernels.py",)),
     Mutant("int8 activations: each block's last row left out of the threads' shares", NATIVE_C,
-           "        for (int64_t r = 16 * item, r1 = r + 16 < n ? r + 16 : n; r < r1; r++) {\n"
-           "            const uint8_t *row = codes + r * row_bytes;",
-           "        for (int64_t r = 16 * item, r1 = r + 15 < n ? r + 15 : n; r < r1; r++) {\n"
-           "            const uint8_t *row = codes + r * row_bytes;", ("tests/test_native_kernels.py",)),
+           "            for (int64_t r = 16 * item, r1 = r + 16 < n ? r + 16 : n; r < r1; r++) {\n"
+           "                const uint8_t *row = codes + r * row_bytes;",
+           "            for (int64_t r = 16 * item, r1 = r + 15 < n ? r + 15 : n; r < r1; r++) {\n"
+           "                const uint8_t *row = codes + r * row_bytes;", ("tests/test_native_kernels.py",)),
     Mutant("quantized GEMV: each block's rows from its second", NATIVE_C,
            "        int64_t r = 16 * item, r1 = r + 16 < n ? r + 16 : n;",
            "        int64_t r = 16 * item + 1, r1 = r + 15 < n ? r + 15 : n;",

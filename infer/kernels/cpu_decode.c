@@ -4639,82 +4639,82 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
 #endif
         work_walk walk = work_start(ranges, nr, items, balance);
         for (int64_t item; !(expand && !expanded) && (item = work_next(&walk)) >= 0;) {
-        int64_t r = 16 * item, r1 = r + 16 < n ? r + 16 : n;
+            int64_t r = 16 * item, r1 = r + 16 < n ? r + 16 : n;
 #if defined(QLANES) && QLANES == 8
-        for (; wide && r + QROWS <= r1; r += QROWS) {
-            const float *sr[QROWS];
-            float out[QROWS];
-            for (int j = 0; j < QROWS; j++) { /* (float16 and factored scales made float32: the values scale_at reads) */
-                scale_row rs = scale_row_of(sdtype, scales, r + j, groups, k);
-                sr[j] = sdtype == F32 ? (const float *)rs.p
-                        : (const float *)(sdtype == F16 ? widen_scale_row(rs, groups, wide + j * groups)
-                                                        : expand_scale_row(rs, groups, wide + j * groups)).p;
-            }
-            if (fmt == Q4) qrows_dot1_runs(Q4, codes + r * row_bytes, row_bytes, sr, k, xf, out);
-            else qrows_dot1_runs(Q8, codes + r * row_bytes, row_bytes, sr, k, xf, out);
-            if (mins) { /* each row's sum over its groups in group_dot's order (a multiply, then an add), the four
-                         * rows' sums in the lanes of one vector: their mins made float32 and laid out group-major */
-                float *mt = wide + QROWS * groups;
-                for (int j = 0; j < QROWS; j++) {
-                    scale_row rm = scale_row_of(sdtype, mins, r + j, groups, k);
-                    for (int64_t g = 0; g < groups; g++) mt[g * QROWS + j] = scale_at(rm, g);
+            for (; wide && r + QROWS <= r1; r += QROWS) {
+                const float *sr[QROWS];
+                float out[QROWS];
+                for (int j = 0; j < QROWS; j++) { /* (float16 and factored scales made float32: the values scale_at reads) */
+                    scale_row rs = scale_row_of(sdtype, scales, r + j, groups, k);
+                    sr[j] = sdtype == F32 ? (const float *)rs.p
+                            : (const float *)(sdtype == F16 ? widen_scale_row(rs, groups, wide + j * groups)
+                                                            : expand_scale_row(rs, groups, wide + j * groups)).p;
                 }
-                __m128 msum = _mm_setzero_ps();
-                for (int64_t g = 0; g < groups; g++)
-                    msum = _mm_add_ps(msum, _mm_mul_ps(_mm_loadu_ps(mt + g * QROWS), _mm_set1_ps(xsum[g])));
-                float ms[QROWS];
-                _mm_storeu_ps(ms, msum);
-                for (int j = 0; j < QROWS; j++) out[j] += ms[j];
-            }
-            for (int j = 0; j < QROWS; j++) {
-                float v = out[j];
-                v += bias ? load_scalar(dtype, bias, r + j) : 0.f;
-                store_scalar(dtype, y, r + j, v);
-            }
-        }
-#endif
-        for (; r < r1; r++) {
-            const uint8_t *row = codes + r * row_bytes;
-            scale_row rs = scale_row_of(sdtype, scales, r, groups, k);
-            scale_row rm = scale_row_of(sdtype, mins, r, groups, k);
-            if (expand && sdtype == F16) {
-                rs = widen_scale_row(rs, groups, expanded);
-            } else if (expand) {
-                rs = expand_scale_row(rs, groups, expanded);
-                if (mins) rm = expand_scale_row(rm, groups, expanded + groups);
-            }
-            for (int64_t j0 = 0; j0 < m; j0 += 4) {
-                float out[4];
-                int mt = m - j0 < 4 ? (int)(m - j0) : 4;
-#if defined(HAVE_DOT_BF16)
-                const uint16_t *xb = (const uint16_t *)x + j0 * k;
-                if (bf16_q6) {
-                    for (int j = 0; j < mt; j++) out[j] = q6row_dot_bf16(row, rs, k, xb + j * k);
-                } else if (bf16_q8) {
-                    q8row_dot_bf16(row, rs, k, group, xb, k, mt, out);
-                } else if (four_runs) {
-                    if (mt == 4) q4row_dot_bf16x4(row, rs, k, group, xp + j0 * k, xb, 4, out);
-                    else for (int j = 0; j < mt; j++)
-                        q4row_dot_bf16x4(row, rs, k, group, xp + (j0 + j) * k, xb + j * k, 1, out + j);
-                } else if (bf16_q4) {
-                    if (mt == 4) q4row_dot_bf16(row, rs, k, group, xb, k, 4, out);
-                    else for (int j = 0; j < mt; j++) q4row_dot_bf16(row, rs, k, group, xb + j * k, k, 1, out + j);
-                } else
-#endif
-                if (mt == 4) qrow_dot(fmt, row, rs, k, group, xf + j0 * k, 4, out);
-                else for (int j = 0; j < mt; j++) out[j] = qrow_dot1(fmt, row, rs, k, group, xf + (j0 + j) * k);
-                for (int j = 0; j < mt; j++) {
-                    float v = out[j];
-                    if (mins) {
-                        const float *xs = xsum + (j0 + j) * groups;
-                        v += group_dot(rm, xs, groups) - (bf16_q4 ? 128.f * group_dot(rs, xs, groups) : 0.f);
+                if (fmt == Q4) qrows_dot1_runs(Q4, codes + r * row_bytes, row_bytes, sr, k, xf, out);
+                else qrows_dot1_runs(Q8, codes + r * row_bytes, row_bytes, sr, k, xf, out);
+                if (mins) { /* each row's sum over its groups in group_dot's order (a multiply, then an add), the four
+                             * rows' sums in the lanes of one vector: their mins made float32 and laid out group-major */
+                    float *mt = wide + QROWS * groups;
+                    for (int j = 0; j < QROWS; j++) {
+                        scale_row rm = scale_row_of(sdtype, mins, r + j, groups, k);
+                        for (int64_t g = 0; g < groups; g++) mt[g * QROWS + j] = scale_at(rm, g);
                     }
-                    if (bf16_q6) v -= 160.f * group_dot(rs, xsum + (j0 + j) * groups, groups);
-                    v += bias ? load_scalar(dtype, bias, r) : 0.f;
-                    store_scalar(dtype, y, (j0 + j) * n + r, v);
+                    __m128 msum = _mm_setzero_ps();
+                    for (int64_t g = 0; g < groups; g++)
+                        msum = _mm_add_ps(msum, _mm_mul_ps(_mm_loadu_ps(mt + g * QROWS), _mm_set1_ps(xsum[g])));
+                    float ms[QROWS];
+                    _mm_storeu_ps(ms, msum);
+                    for (int j = 0; j < QROWS; j++) out[j] += ms[j];
+                }
+                for (int j = 0; j < QROWS; j++) {
+                    float v = out[j];
+                    v += bias ? load_scalar(dtype, bias, r + j) : 0.f;
+                    store_scalar(dtype, y, r + j, v);
                 }
             }
-        }
+#endif
+            for (; r < r1; r++) {
+                const uint8_t *row = codes + r * row_bytes;
+                scale_row rs = scale_row_of(sdtype, scales, r, groups, k);
+                scale_row rm = scale_row_of(sdtype, mins, r, groups, k);
+                if (expand && sdtype == F16) {
+                    rs = widen_scale_row(rs, groups, expanded);
+                } else if (expand) {
+                    rs = expand_scale_row(rs, groups, expanded);
+                    if (mins) rm = expand_scale_row(rm, groups, expanded + groups);
+                }
+                for (int64_t j0 = 0; j0 < m; j0 += 4) {
+                    float out[4];
+                    int mt = m - j0 < 4 ? (int)(m - j0) : 4;
+#if defined(HAVE_DOT_BF16)
+                    const uint16_t *xb = (const uint16_t *)x + j0 * k;
+                    if (bf16_q6) {
+                        for (int j = 0; j < mt; j++) out[j] = q6row_dot_bf16(row, rs, k, xb + j * k);
+                    } else if (bf16_q8) {
+                        q8row_dot_bf16(row, rs, k, group, xb, k, mt, out);
+                    } else if (four_runs) {
+                        if (mt == 4) q4row_dot_bf16x4(row, rs, k, group, xp + j0 * k, xb, 4, out);
+                        else for (int j = 0; j < mt; j++)
+                            q4row_dot_bf16x4(row, rs, k, group, xp + (j0 + j) * k, xb + j * k, 1, out + j);
+                    } else if (bf16_q4) {
+                        if (mt == 4) q4row_dot_bf16(row, rs, k, group, xb, k, 4, out);
+                        else for (int j = 0; j < mt; j++) q4row_dot_bf16(row, rs, k, group, xb + j * k, k, 1, out + j);
+                    } else
+#endif
+                    if (mt == 4) qrow_dot(fmt, row, rs, k, group, xf + j0 * k, 4, out);
+                    else for (int j = 0; j < mt; j++) out[j] = qrow_dot1(fmt, row, rs, k, group, xf + (j0 + j) * k);
+                    for (int j = 0; j < mt; j++) {
+                        float v = out[j];
+                        if (mins) {
+                            const float *xs = xsum + (j0 + j) * groups;
+                            v += group_dot(rm, xs, groups) - (bf16_q4 ? 128.f * group_dot(rs, xs, groups) : 0.f);
+                        }
+                        if (bf16_q6) v -= 160.f * group_dot(rs, xsum + (j0 + j) * groups, groups);
+                        v += bias ? load_scalar(dtype, bias, r) : 0.f;
+                        store_scalar(dtype, y, (j0 + j) * n + r, v);
+                    }
+                }
+            }
         }
 #if defined(QLANES) && QLANES == 8
         free(wide);
@@ -4959,73 +4959,73 @@ int infer_qgemv_a8(int fmt, const uint8_t *codes, int sdtype, const void *scales
         }
         work_walk walk = work_start(ranges, nr, items, balance);
         for (int64_t item; wide && (item = work_next(&walk)) >= 0;)
-        for (int64_t r = 16 * item, r1 = r + 16 < n ? r + 16 : n; r < r1; r++) {
-            const uint8_t *row = codes + r * row_bytes;
-            float *cw = wide + 2 * groups;
+            for (int64_t r = 16 * item, r1 = r + 16 < n ? r + 16 : n; r < r1; r++) {
+                const uint8_t *row = codes + r * row_bytes;
+                float *cw = wide + 2 * groups;
 #if defined(A8_PAIRS)
-            if (per == 1 && sdtype == F16) { /* (Q4_0, Q4_1, Q8_0, Q5_0, int4 in 32s) 16 runs' factors a vector */
-                int two = r + 1 < r1 && a8_two_rows; /* rows two at a time (INFER_A8_TWO_ROWS=0: one) */
-                __m512 macc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}; /* the mins' part, beside the codes' */
-                for (int j = 0; j <= two; j++) {
-                    const uint16_t *s16 = (const uint16_t *)scales + (r + j) * groups;
-                    const uint16_t *m16 = mins ? (const uint16_t *)mins + (r + j) * groups : NULL;
-                    float *cwj = cw + j * runs;
-                    for (int64_t g = 0; g < runs; g += 16) {
-                        __mmask16 m = runs - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (runs - g)) - 1);
-                        _mm512_mask_storeu_ps(cwj + g, m, _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, s16 + g)),
-                                                                        _mm512_maskz_loadu_ps(m, d + g)));
-                        if (mins)
-                            macc[j] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, m16 + g)),
-                                                      _mm512_maskz_loadu_ps(m, xsum + g), macc[j]);
+                if (per == 1 && sdtype == F16) { /* (Q4_0, Q4_1, Q8_0, Q5_0, int4 in 32s) 16 runs' factors a vector */
+                    int two = r + 1 < r1 && a8_two_rows; /* rows two at a time (INFER_A8_TWO_ROWS=0: one) */
+                    __m512 macc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}; /* the mins' part, beside the codes' */
+                    for (int j = 0; j <= two; j++) {
+                        const uint16_t *s16 = (const uint16_t *)scales + (r + j) * groups;
+                        const uint16_t *m16 = mins ? (const uint16_t *)mins + (r + j) * groups : NULL;
+                        float *cwj = cw + j * runs;
+                        for (int64_t g = 0; g < runs; g += 16) {
+                            __mmask16 m = runs - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (runs - g)) - 1);
+                            _mm512_mask_storeu_ps(cwj + g, m, _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, s16 + g)),
+                                                                            _mm512_maskz_loadu_ps(m, d + g)));
+                            if (mins)
+                                macc[j] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, m16 + g)),
+                                                          _mm512_maskz_loadu_ps(m, xsum + g), macc[j]);
+                        }
                     }
+                    float v[2];
+                    if (two) a8_rows2(fmt, row, row_bytes, ap, corr, cw, cw + runs, pairs, macc[0], macc[1], v);
+                    else v[0] = a8_row(fmt, row, ap, corr, cw, pairs, macc[0]);
+                    for (int j = 0; j <= two; j++) {
+                        float vj = v[j] + a8_runs_plain(fmt, row + j * row_bytes, qa, cw + j * runs, 2 * pairs, runs);
+                        store_scalar(dtype, y, r + j, bias ? vj + load_scalar(dtype, bias, r + j) : vj);
+                    }
+                    r += two;
+                    continue;
                 }
-                float v[2];
-                if (two) a8_rows2(fmt, row, row_bytes, ap, corr, cw, cw + runs, pairs, macc[0], macc[1], v);
-                else v[0] = a8_row(fmt, row, ap, corr, cw, pairs, macc[0]);
-                for (int j = 0; j <= two; j++) {
-                    float vj = v[j] + a8_runs_plain(fmt, row + j * row_bytes, qa, cw + j * runs, 2 * pairs, runs);
-                    store_scalar(dtype, y, r + j, bias ? vj + load_scalar(dtype, bias, r + j) : vj);
-                }
-                r += two;
-                continue;
-            }
 #endif
-            scale_row rs = scale_row_of(sdtype, scales, r, groups, k);
-            const float *sw = sdtype == F32 ? (const float *)rs.p
-                              : (const float *)(sdtype == F16 ? widen_scale_row(rs, groups, wide)
-                                                              : expand_scale_row(rs, groups, wide)).p;
-            if (per == 1)
-                for (int64_t rr = 0; rr < runs; rr++) cw[rr] = d[rr] * sw[rr];
-            else
-                for (int64_t g = 0; g < groups; g++)
-                    for (int64_t j = g * per; j < (g + 1) * per; j++) cw[j] = d[j] * sw[g];
-            float v;
+                scale_row rs = scale_row_of(sdtype, scales, r, groups, k);
+                const float *sw = sdtype == F32 ? (const float *)rs.p
+                                  : (const float *)(sdtype == F16 ? widen_scale_row(rs, groups, wide)
+                                                                  : expand_scale_row(rs, groups, wide)).p;
+                if (per == 1)
+                    for (int64_t rr = 0; rr < runs; rr++) cw[rr] = d[rr] * sw[rr];
+                else
+                    for (int64_t g = 0; g < groups; g++)
+                        for (int64_t j = g * per; j < (g + 1) * per; j++) cw[j] = d[j] * sw[g];
+                float v;
 #if defined(A8_PAIRS)
-            v = a8_row(fmt, row, ap, corr, cw, pairs, _mm512_setzero_ps()) + a8_runs_plain(fmt, row, qa, cw, 2 * pairs, runs);
+                v = a8_row(fmt, row, ap, corr, cw, pairs, _mm512_setzero_ps()) + a8_runs_plain(fmt, row, qa, cw, 2 * pairs, runs);
 #elif defined(__AVX2__) && defined(__FMA__)
-            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-            int64_t rr = 0;
-            for (; rr + 2 <= runs; rr += 2) {
-                prefetch(row + rr * (fmt == Q4 ? 16 : 32) + PREFETCH_BYTES);
-                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a8_run_avx2(fmt, row, qa, rr)), _mm256_set1_ps(cw[rr]), acc0);
-                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a8_run_avx2(fmt, row, qa, rr + 1)), _mm256_set1_ps(cw[rr + 1]),
-                                       acc1);
-            }
-            if (rr < runs)
-                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a8_run_avx2(fmt, row, qa, rr)), _mm256_set1_ps(cw[rr]), acc0);
-            v = hsum8(_mm256_add_ps(acc0, acc1));
+                __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+                int64_t rr = 0;
+                for (; rr + 2 <= runs; rr += 2) {
+                    prefetch(row + rr * (fmt == Q4 ? 16 : 32) + PREFETCH_BYTES);
+                    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a8_run_avx2(fmt, row, qa, rr)), _mm256_set1_ps(cw[rr]), acc0);
+                    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a8_run_avx2(fmt, row, qa, rr + 1)), _mm256_set1_ps(cw[rr + 1]),
+                                           acc1);
+                }
+                if (rr < runs)
+                    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a8_run_avx2(fmt, row, qa, rr)), _mm256_set1_ps(cw[rr]), acc0);
+                v = hsum8(_mm256_add_ps(acc0, acc1));
 #else
-            v = a8_runs_plain(fmt, row, qa, cw, 0, runs);
+                v = a8_runs_plain(fmt, row, qa, cw, 0, runs);
 #endif
-            if (mins) {
-                scale_row rm = scale_row_of(sdtype, mins, r, groups, k);
-                const float *mw = sdtype == F32 ? (const float *)rm.p
-                                  : (const float *)(sdtype == F16 ? widen_scale_row(rm, groups, wide + groups)
-                                                                  : expand_scale_row(rm, groups, wide + groups)).p;
-                v += a8_dot(mw, xsum, groups);
+                if (mins) {
+                    scale_row rm = scale_row_of(sdtype, mins, r, groups, k);
+                    const float *mw = sdtype == F32 ? (const float *)rm.p
+                                      : (const float *)(sdtype == F16 ? widen_scale_row(rm, groups, wide + groups)
+                                                                      : expand_scale_row(rm, groups, wide + groups)).p;
+                    v += a8_dot(mw, xsum, groups);
+                }
+                store_scalar(dtype, y, r, bias ? v + load_scalar(dtype, bias, r) : v);
             }
-            store_scalar(dtype, y, r, bias ? v + load_scalar(dtype, bias, r) : v);
-        }
         free(wide);
     }
     free(ranges);
@@ -5516,10 +5516,6 @@ static void dequant_block_packed(int fmt, const uint8_t *codes, const float *sca
  * float32 [blocks][groups][16].
  * Returns -2 on a bad shape or without the pair instruction, -1 without memory (nothing written). */
 #if defined(HAVE_CHANNEL_CODES)
-/* AVX2's packed product on codes (infer_qgemm_packed's, and infer_qgemm_packed_f32's): rows x [m, k] in the dtype of
- * the sums `o` (bf16 rows widened to fp32 once per call, fp32 ones read as they are), each block dequantized into
- * bf16 pairs (the pairs form: bf16 rows alone) or multiplied as codes (the channel form). AVX512-BF16 builds take
- * fp32 rows of codes in the channel form alone (their bf16 rows take the pairs form on the pair instruction). */
 /* n float16 values at p widened into out (F16C's conversion, or f16_to_f32's: the same values). */
 static void widen_halves(const uint16_t *p, float *out, int64_t n) {
     int64_t i = 0;
@@ -5529,6 +5525,10 @@ static void widen_halves(const uint16_t *p, float *out, int64_t n) {
     for (; i < n; i++) out[i] = f16_to_f32(p[i]);
 }
 
+/* AVX2's packed product on codes (infer_qgemm_packed's, and infer_qgemm_packed_f32's): rows x [m, k] in the dtype of
+ * the sums `o` (bf16 rows widened to fp32 once per call, fp32 ones read as they are), each block dequantized into
+ * bf16 pairs (the pairs form: bf16 rows alone) or multiplied as codes (the channel form). AVX512-BF16 builds take
+ * fp32 rows of codes in the channel form alone (their bf16 rows take the pairs form on the pair instruction). */
 static int codes_product_avx2(int fmt, const uint8_t *codes, const float *scales, const float *mins, const void *x,
                               sums_out o, int64_t m, int64_t n, int64_t k, int64_t group, int threads) {
     int half = fmt & HALF_SCALES; /* (float16 scales and mins, widened a block at a time below) */
