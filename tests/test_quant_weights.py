@@ -663,6 +663,39 @@ def test_the_quantized_packed_product_passes_many_rows_in_groups(flavour: str, s
     assert x.shape[1] == 3072 and torch.equal(got, want), f"{scheme}: rows past the first group parted"
 
 
+# (the flavours whose packed product takes q4 codes in the pairs form, dequantized to bf16: AVX512-BF16's)
+PAIRS_FORM = [f for f in PACKED_CODES if not getattr(native_kernels(f), "channel_codes", True)]
+
+
+@pytest.mark.skipif(not PAIRS_FORM, reason="q4 codes dequantized in the tile need AVX512-BF16 (and a build)")
+@given(n=st.integers(1, 60), m=st.integers(1, 9), scheme=st.sampled_from(["int4", "Q4_K", "Q4_K-factored"]),
+       runs=st.integers(1, 13), group=st.sampled_from([32, 64, 128]), with_bias=st.booleans(),
+       threads=st.integers(1, 3), seed=st.integers(0, 2**31), flavour=st.sampled_from(PAIRS_FORM or ["native"]))
+@example(n=17, m=8, scheme="int4", runs=4, group=32, with_bias=True, threads=2, seed=1, flavour="native")
+@example(n=16, m=1, scheme="Q4_K", runs=8, group=32, with_bias=False, threads=1, seed=2, flavour="native")
+@settings(max_examples=30, deadline=None)
+def test_q4_codes_dequantized_in_the_tile_are_the_buffers_bit_for_bit(
+        n: int, m: int, scheme: str, runs: int, group: int, with_bias: bool, threads: int, seed: int,
+        flavour: str) -> None:
+    """Up to a tile's 8 rows, q4 codes (int4's, Q4_K's) are dequantized in the tile, each pair's weights in registers
+    (INFER_Q4_IN_TILES, the default): the product equals, bit for bit, the same product with each pair of blocks
+    dequantized into the buffer first (INFER_Q4_IN_TILES=0) and the bf16 packed product on `dequantize(bf16)`
+    (last pairs of blocks part-filled, groups of 32-128, threads sharing the blocks); 9 rows take the buffer either
+    way."""
+    kernels = native_kernels(flavour)
+    if kernels is None or flavour not in PAIRS_FORM:
+        pytest.skip(f"{flavour}: no pairs form of q4 codes here")
+    weight, x, bias = bf16_product_case(scheme, n, runs, group, m, with_bias, seed)
+    packed = pack_codes(weight)
+    with on_threads(threads):
+        got = kernels.quantized_gemm_packed(packed, x, bias)
+        with env_set("INFER_Q4_IN_TILES", "0"):
+            buffered = kernels.quantized_gemm_packed(packed, x, bias)
+        want = kernels.gemm_bf16_packed(kernels.pack_bf16(weight.dequantize(torch.bfloat16)), x, n, bias)
+    assert torch.equal(buffered, want), f"{scheme}: the buffer's product is not the dequantized weight's"
+    assert torch.equal(got, buffered), f"{scheme}, {m} rows: dequantized in the tile, not the buffer's bits"
+
+
 def q4_weight_with_scale_bits(n: int, k: int, bits: int, seed: int) -> QuantizedWeight:
     """A q4 weight (groups of 32) whose float32 scales, of either sign and spread over 2^-20 .. 2^4, have `bits`
     significant bits (the first one's last kept bit set) and whose mins are any float32."""
