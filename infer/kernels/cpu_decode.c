@@ -5193,6 +5193,24 @@ int infer_qgemm_bf16(int fmt, const uint8_t *codes, int sdtype, const void *scal
  * exact in fp32 and only the sum rounds. With its two nibbles taken from one widened dword (2 widenings for 64
  * codes, not 4), a 16-row block of q4 codes at k = 768 dequantized in 600 ns against 800 on a 2-core Zen 4 EPYC
  * (a multiply, an add and 4 widenings: 15 cycles a 64 codes, where 16 rows' tiles take 32 pair instructions). */
+/* Pairs q and q + 1 of a block's q4 codes (`c` at the block) as bf16 weights w[0], w[1]: scale * q (+ min) with
+ * `s_lo`/`s_hi` (`z_lo`/`z_hi`) the group's scales (mins) of rows 0-7 and 8-15, each twice. */
+static inline __attribute__((always_inline)) void q4_pairs(int with_mins, const uint8_t *c, int64_t q, __m512 s_lo,
+                                                           __m512 s_hi, __m512 z_lo, __m512 z_hi, __m512bh w[2]) {
+    /* bytes 0-15, 16-31 widened once: each a dword holding pair q's code and pair q + 1's */
+    const __m512i low = _mm512_set1_epi32(0x0f);
+    __m512i d0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + 16 * q)));
+    __m512i d1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + 16 * q + 16)));
+    __m512 v[4] = {_mm512_cvtepi32_ps(_mm512_and_si512(d0, low)), _mm512_cvtepi32_ps(_mm512_and_si512(d1, low)),
+                   _mm512_cvtepi32_ps(_mm512_srli_epi32(d0, 4)), _mm512_cvtepi32_ps(_mm512_srli_epi32(d1, 4))};
+    for (int p = 0; p < 2; p++) { /* pair q + p: rows 0-7 then 8-15 */
+        if (with_mins) /* scale * q + min in one rounding: scale * q is exact (see above) */
+            w[p] = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(s_hi, v[2 * p + 1], z_hi), _mm512_fmadd_ps(s_lo, v[2 * p], z_lo));
+        else
+            w[p] = _mm512_cvtne2ps_pbh(_mm512_mul_ps(s_hi, v[2 * p + 1]), _mm512_mul_ps(s_lo, v[2 * p]));
+    }
+}
+
 static void dequant_block_packed(int fmt, const uint8_t *codes, const float *scales, const float *mins, uint16_t *out,
                                  int64_t pairs, int64_t group) {
     const __m512i lo_rows = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
@@ -5203,31 +5221,21 @@ static void dequant_block_packed(int fmt, const uint8_t *codes, const float *sca
         __m512 s_lo = _mm512_permutexvar_ps(lo_rows, s), s_hi = _mm512_permutexvar_ps(hi_rows, s);
         __m512 z_lo = _mm512_permutexvar_ps(lo_rows, z), z_hi = _mm512_permutexvar_ps(hi_rows, z);
         for (int64_t q = g * per_group; q < (g + 1) * per_group; q += 2) { /* two pairs: 64 codes */
-            __m512 w[4];
+            __m512bh w[2];
             if (fmt == Q8) {
-                for (int v = 0; v < 4; v++)
-                    w[v] = _mm512_cvtepi32_ps(
-                        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 32 * q + 16 * v))));
-            } else { /* bytes 0-15, 16-31 widened once: each a dword holding pair q's code and pair q + 1's */
-                const __m512i low = _mm512_set1_epi32(0x0f);
-                __m512i d0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * q)));
-                __m512i d1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * q + 16)));
-                w[0] = _mm512_cvtepi32_ps(_mm512_and_si512(d0, low));
-                w[1] = _mm512_cvtepi32_ps(_mm512_and_si512(d1, low));
-                w[2] = _mm512_cvtepi32_ps(_mm512_srli_epi32(d0, 4));
-                w[3] = _mm512_cvtepi32_ps(_mm512_srli_epi32(d1, 4));
+                __m512 v[4];
+                for (int p = 0; p < 4; p++)
+                    v[p] = _mm512_cvtepi32_ps(
+                        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 32 * q + 16 * p))));
+                for (int p = 0; p < 2; p++) /* pair q + p: rows 0-7 then 8-15 */
+                    w[p] = _mm512_cvtne2ps_pbh(_mm512_mul_ps(s_hi, v[2 * p + 1]), _mm512_mul_ps(s_lo, v[2 * p]));
+            } else if (mins) {
+                q4_pairs(1, codes, q, s_lo, s_hi, z_lo, z_hi, w);
+            } else {
+                q4_pairs(0, codes, q, s_lo, s_hi, z_lo, z_hi, w);
             }
-            for (int v = 0; v < 2; v++) { /* pair q + v: rows 0-7 then 8-15 */
-                __m512 lo, hi;
-                if (mins) { /* scale * q + min in one rounding: scale * q is exact (see above) */
-                    lo = _mm512_fmadd_ps(s_lo, w[2 * v], z_lo);
-                    hi = _mm512_fmadd_ps(s_hi, w[2 * v + 1], z_hi);
-                } else {
-                    lo = _mm512_mul_ps(s_lo, w[2 * v]);
-                    hi = _mm512_mul_ps(s_hi, w[2 * v + 1]);
-                }
-                _mm512_storeu_si512(out + 32 * (q + v), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-            }
+            _mm512_storeu_si512(out + 32 * q, (__m512i)w[0]);
+            _mm512_storeu_si512(out + 32 * (q + 1), (__m512i)w[1]);
         }
     }
 }
@@ -5445,11 +5453,11 @@ static void codes_pass(int tall, const uint8_t *codes, const uint16_t *pb, int64
 }
 
 /* q4 codes (with mins: every q4 kind's) dequantized in the tile, up to one tile's rows (AVX512-BF16 without AMX;
- * INFER_Q4_IN_TILES=0 the buffer above): the tile computes each pair's weights from the codes in registers by
- * dequant_block_packed's operations (the scale, the code and the min in one fused multiply-add, rounded once to
- * bf16) and multiplies them as packed_tile_bf16 multiplies the buffer's: the same weights, the same sums in the same
- * order, the same bits. x comes pair-major (pair_major_tiles): read by row, the tile's row pointers took registers
- * and it ran at 0.9x. At the 40 products of a 150M Llama's decode-step shapes (q4 codes from DRAM) on a 2-core Zen 4
+ * INFER_Q4_IN_TILES=0 the buffer above): the tile computes each pair's weights from the codes in registers by the
+ * buffer's own q4_pairs (the scale, the code and the min in one fused multiply-add, rounded once to bf16) and
+ * multiplies them as packed_tile_bf16 multiplies the buffer's: the same weights, the same sums in the same
+ * order, the same bits. x comes pair-major (pair_major_tiles), as the q8 codes form's: the tile's rows from one
+ * pointer (read by row, a 16-row tile's row pointers spilled). At the 40 products of a 150M Llama's decode-step shapes (q4 codes from DRAM) on a 2-core Zen 4
  * EPYC, alternating: 2 rows 1.2-1.3x, 6 rows 1.13-1.18x, 8 rows 1.10-1.14x, 4 rows level; the engine's decode steps
  * at 8 requests 1.03-1.08x, at 4 1.02-1.10x. Past one tile each tile would dequantize the pair again (two tiles of 8
  * at 16 rows: 0.86x), and a tall tile of 9-16 rows by one block, dequantizing once, ran level with the buffer: the
@@ -5457,20 +5465,6 @@ static void codes_pass(int tall, const uint8_t *codes, const uint16_t *pb, int64
  * leave them idle (few rows, weights streaming from DRAM) do they come free. */
 static int q4_tiles_take(int64_t m, int64_t k) {
     return m <= PACK_ROWS && switched_on("INFER_Q4_IN_TILES") && !infer_amx_takes(k); /* (AMX: the buffer) */
-}
-
-/* Pairs q and q + 1 of a block's q4 codes (`c` at the block) as bf16 weights w[0], w[1]: scale * q (+ min) with
- * `s_lo`/`s_hi` (`z_lo`/`z_hi`) the group's scales (mins) of rows 0-7 and 8-15, each twice (dequant_block_packed's). */
-static inline __attribute__((always_inline)) void q4_pairs(const uint8_t *c, int64_t q, __m512 s_lo,
-                                                           __m512 s_hi, __m512 z_lo, __m512 z_hi, __m512bh w[2]) {
-    const __m512i low = _mm512_set1_epi32(0x0f);
-    __m512i d0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + 16 * q)));
-    __m512i d1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + 16 * q + 16)));
-    __m512 v[4] = {_mm512_cvtepi32_ps(_mm512_and_si512(d0, low)), _mm512_cvtepi32_ps(_mm512_and_si512(d1, low)),
-                   _mm512_cvtepi32_ps(_mm512_srli_epi32(d0, 4)), _mm512_cvtepi32_ps(_mm512_srli_epi32(d1, 4))};
-    for (int p = 0; p < 2; p++) {
-        w[p] = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(s_hi, v[2 * p + 1], z_hi), _mm512_fmadd_ps(s_lo, v[2 * p], z_lo));
-    }
 }
 
 /* A tile of mr rows of x against a pair of blocks of q4 codes (`codes` at the first, nb of them, block_bytes apart;
@@ -5500,7 +5494,7 @@ static inline __attribute__((always_inline)) void q4_tile(int mr, const uint8_t 
             for (int64_t t = 0; t < 2 * per_iter && pf < pf_end; t++, pf += 64) __builtin_prefetch(pf, 0, 2);
             __m512bh w[PACK_BLOCKS][2];
             for (int a = 0; a < PACK_BLOCKS; a++)
-                q4_pairs(codes + (a < nb ? a : 0) * block_bytes, q, s_lo[a], s_hi[a], z_lo[a], z_hi[a], w[a]);
+                q4_pairs(1, codes + (a < nb ? a : 0) * block_bytes, q, s_lo[a], s_hi[a], z_lo[a], z_hi[a], w[a]);
             for (int v = 0; v < 2; v++)
                 for (int j = 0; j < mr; j++) {
                     __m512bh xv = (__m512bh)_mm512_set1_epi32(xt[(q + v) * mr + j]);
@@ -5785,7 +5779,7 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
             }
             if (q4_tiles) { /* (dequantized in the tiles, above) */
                 q4_pass(codes + b * block_bytes, block_bytes, pairs, group, scales + b * groups * 16,
-                        mins ? mins + b * groups * 16 : NULL, xpairs, m, bias, y, n, b, nb, pf, pf_end, per_iter);
+                        mins + b * groups * 16, xpairs, m, bias, y, n, b, nb, pf, pf_end, per_iter);
                 continue;
             }
             for (int a = 0; a < nb; a++)
