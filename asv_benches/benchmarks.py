@@ -1,6 +1,6 @@
 """asv benchmarks: decode-step latency by context x cache kind x architecture (every one in infer.families),
-prefill latency, peak memory of a generation, decode tokens/s, cache bytes and the batched engine greedy and
-sampling.
+prefill latency, peak memory of a generation, decode tokens/s, cache bytes, the batched engine greedy and
+sampling, and the native packed product at a few rows on bf16, int8 and int4 weights.
 
 Models are built in-process from a seeded `ModelConfig` (no checkpoint, no transformers): mid-sized
 so one commit's full run stays under 20 minutes on 2 CPU cores. Every decode sample starts from the
@@ -19,6 +19,7 @@ from infer.bench_batched import Sampling, batched_workload, run_engine
 from infer.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig
 from infer.families import ARCHITECTURES, FAMILIES
 from infer.generation import generate
+from infer.quant_weights import PackedCodes
 from infer.sampling import SamplingParams
 
 KINDS = ["contiguous", "sliding", "paged", "int8", "int4", "fp4"]
@@ -238,3 +239,44 @@ class DecodeForm:
     def time_decode_step(self, arch: str, form: str) -> None:
         with torch.inference_mode():
             self.model(self.token, self.cache)
+
+
+@functools.cache
+def packed_weight(weights: str) -> torch.Tensor | PackedCodes:
+    """A 3072 x 768 weight (the 150M Llama's gate and up shape), packed for the native packed product: bf16, or
+    int8 / int4 codes in this build's form."""
+    from infer.kernels.native import native_kernels
+    from infer.quant_weights import quantize
+
+    kernels = native_kernels()
+    assert kernels is not None
+    w = (torch.randn(3072, 768, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
+    return kernels.pack(w) if weights == "bf16" else kernels.pack_codes(quantize(w, weights))
+
+
+class PackedProducts:
+    """The batched engine's product at a decode step's few rows (as many as requests): the native packed product
+    on a 3072 x 768 weight in bf16, int8 codes and int4 codes (dequantized in the tile up to 8 rows on AVX512-BF16,
+    into a buffer past them). Skipped where the build has no packed product."""
+
+    params = (["bf16", "int8", "int4"], [2, 8, 16])
+    param_names = ["weights", "rows"]
+    number = 20
+    repeat = (5, 20, 10.0)
+    timeout = 120
+
+    def setup(self, weights: str, rows: int) -> None:
+        from infer.kernels.native import native_kernels
+
+        kernels = native_kernels()
+        if kernels is None or not kernels.packed_bf16_available or (
+                weights != "bf16" and not kernels.packed_codes_available):
+            raise NotImplementedError("no native packed product on this machine")
+        self.kernels, self.packed = kernels, packed_weight(weights)
+        self.x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+
+    def time_product(self, weights: str, rows: int) -> None:
+        if isinstance(self.packed, torch.Tensor):
+            self.kernels.gemm_packed(self.packed, self.x, 3072)
+        else:
+            self.kernels.quantized_gemm_packed(self.packed, self.x)
