@@ -5193,6 +5193,13 @@ int infer_qgemm_bf16(int fmt, const uint8_t *codes, int sdtype, const void *scal
  * exact in fp32 and only the sum rounds. With its two nibbles taken from one widened dword (2 widenings for 64
  * codes, not 4), a 16-row block of q4 codes at k = 768 dequantized in 600 ns against 800 on a 2-core Zen 4 EPYC
  * (a multiply, an add and 4 widenings: 15 cycles a 64 codes, where 16 rows' tiles take 32 pair instructions). */
+/* A group's 16 per-row values (scales or mins) as a pair's lanes take them: rows 0-7 (`lo`) and 8-15 (`hi`), each
+ * twice. */
+static inline void rows_twice(__m512 v, __m512 *lo, __m512 *hi) {
+    *lo = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), v);
+    *hi = _mm512_permutexvar_ps(_mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15), v);
+}
+
 /* Pairs q and q + 1 of a block's q4 codes (`c` at the block) as bf16 weights w[0], w[1]: scale * q (+ min) with
  * `s_lo`/`s_hi` (`z_lo`/`z_hi`) the group's scales (mins) of rows 0-7 and 8-15, each twice. */
 static inline __attribute__((always_inline)) void q4_pairs(int with_mins, const uint8_t *c, int64_t q, __m512 s_lo,
@@ -5213,13 +5220,12 @@ static inline __attribute__((always_inline)) void q4_pairs(int with_mins, const 
 
 static void dequant_block_packed(int fmt, const uint8_t *codes, const float *scales, const float *mins, uint16_t *out,
                                  int64_t pairs, int64_t group) {
-    const __m512i lo_rows = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    const __m512i hi_rows = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
     int64_t per_group = group / 2; /* pairs a group (8 or more, even) */
     for (int64_t g = 0; g < pairs / per_group; g++) {
         __m512 s = _mm512_loadu_ps(scales + 16 * g), z = mins ? _mm512_loadu_ps(mins + 16 * g) : _mm512_setzero_ps();
-        __m512 s_lo = _mm512_permutexvar_ps(lo_rows, s), s_hi = _mm512_permutexvar_ps(hi_rows, s);
-        __m512 z_lo = _mm512_permutexvar_ps(lo_rows, z), z_hi = _mm512_permutexvar_ps(hi_rows, z);
+        __m512 s_lo, s_hi, z_lo, z_hi;
+        rows_twice(s, &s_lo, &s_hi);
+        rows_twice(z, &z_lo, &z_hi);
         for (int64_t q = g * per_group; q < (g + 1) * per_group; q += 2) { /* two pairs: 64 codes */
             __m512bh w[2];
             if (fmt == Q8) {
@@ -5457,8 +5463,8 @@ static void codes_pass(int tall, const uint8_t *codes, const uint16_t *pb, int64
  * buffer's own q4_pairs (the scale, the code and the min in one fused multiply-add, rounded once to bf16) and
  * multiplies them as packed_tile_bf16 multiplies the buffer's: the same weights, the same sums in the same
  * order, the same bits. x comes pair-major (pair_major_tiles), as the q8 codes form's: the tile's rows from one
- * pointer (read by row, a 16-row tile's row pointers spilled). At the 40 products of a 150M Llama's decode-step shapes (q4 codes from DRAM) on a 2-core Zen 4
- * EPYC, alternating: 2 rows 1.2-1.3x, 6 rows 1.13-1.18x, 8 rows 1.10-1.14x, 4 rows level; the engine's decode steps
+ * pointer (read by row, a 16-row tile's row pointers spilled). At the 40 products of a 150M Llama's decode-step
+ * shapes (q4 codes from DRAM) on a 2-core Zen 4 EPYC, alternating: 2 rows 1.2-1.3x, 6 rows 1.13-1.18x, 8 rows 1.10-1.14x, 4 rows level; the engine's decode steps
  * at 8 requests 1.03-1.08x, at 4 1.02-1.10x. Past one tile each tile would dequantize the pair again (two tiles of 8
  * at 16 rows: 0.86x), and a tall tile of 9-16 rows by one block, dequantizing once, ran level with the buffer: the
  * dequantizing's conversions and multiply-adds take the pipes the pair instructions need, so only where the tiles
@@ -5476,8 +5482,6 @@ static inline __attribute__((always_inline)) void q4_tile(int mr, const uint8_t 
                                                           const uint16_t *bias, uint16_t *y, int64_t n,
                                                           int64_t c, int nb, const char *pf, const char *pf_end,
                                                           int64_t per_iter) {
-    const __m512i lo_rows = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    const __m512i hi_rows = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
     int64_t per_group = group / 2, groups = pairs / per_group;
     __m512 acc[PACK_BLOCKS][PACK_ROWS];
     for (int a = 0; a < PACK_BLOCKS; a++)
@@ -5486,9 +5490,8 @@ static inline __attribute__((always_inline)) void q4_tile(int mr, const uint8_t 
         __m512 s_lo[PACK_BLOCKS], s_hi[PACK_BLOCKS], z_lo[PACK_BLOCKS], z_hi[PACK_BLOCKS];
         for (int a = 0; a < PACK_BLOCKS; a++) {
             int64_t at = ((a < nb ? a : 0) * groups + g) * 16;
-            __m512 s = _mm512_loadu_ps(scales + at), z = _mm512_loadu_ps(mins + at);
-            s_lo[a] = _mm512_permutexvar_ps(lo_rows, s), s_hi[a] = _mm512_permutexvar_ps(hi_rows, s);
-            z_lo[a] = _mm512_permutexvar_ps(lo_rows, z), z_hi[a] = _mm512_permutexvar_ps(hi_rows, z);
+            rows_twice(_mm512_loadu_ps(scales + at), &s_lo[a], &s_hi[a]);
+            rows_twice(_mm512_loadu_ps(mins + at), &z_lo[a], &z_hi[a]);
         }
         for (int64_t q = g * per_group; q < (g + 1) * per_group; q += 2) {
             for (int64_t t = 0; t < 2 * per_iter && pf < pf_end; t++, pf += 64) __builtin_prefetch(pf, 0, 2);
