@@ -148,9 +148,9 @@ def test_gguf_blocks_kept_as_stored_dequantize_as_llama_cpp(kind: str, rows: int
 # The native kernels, every path this CPU runs, against dequantize-then-matmul.
 
 @pytest.mark.parametrize("flavour", RUNNABLE)
-# INFER_QGEMV_FOUR_RUNS, INFER_QGEMV_Q6_PAIRS, INFER_QGEMV_Q8_PAIRS, INFER_QGEMV_WIDEN_SCALES and INFER_QGEMV_ROWS:
-# the bf16 q4, Q6_K and q8 fast paths, Q8_0's float32 copy of a row's scales and AVX2's rows of codes four at once,
-# and their checks
+# INFER_QGEMV_FOUR_RUNS, INFER_QGEMV_Q6_PAIRS, INFER_QGEMV_Q8_PAIRS, INFER_QGEMV_WIDEN_SCALES, INFER_QGEMV_ROWS and
+# INFER_QGEMV_ROW_PAIRS: the bf16 q4, Q6_K and q8 fast paths, Q8_0's float32 copy of a row's scales, AVX2's rows of
+# codes four at once and AVX512-BF16's q4 rows two at once, and their checks
 @pytest.mark.parametrize("four_runs", ["1", "0"])
 @given(scheme=st.sampled_from(["int8", "int4", "Q8_0", "Q4_K", "Q6_K", "Q4_K-factored", "Q6_K-factored"]),
        n=st.integers(1, 40), runs=st.integers(1, 13),
@@ -167,6 +167,7 @@ def test_native_quantized_gemv_is_dequantize_then_matmul(flavour: str, four_runs
     os.environ["INFER_QGEMV_Q8_PAIRS"] = four_runs
     os.environ["INFER_QGEMV_WIDEN_SCALES"] = four_runs
     os.environ["INFER_QGEMV_ROWS"] = four_runs
+    os.environ["INFER_QGEMV_ROW_PAIRS"] = four_runs
     group = group if scheme == "int4" else 16 if scheme.startswith("Q6_K") else 32
     k = max(runs * 32 // group, 1) * group
     if scheme.endswith("-factored"):  # a k-quant's rows are whole super-blocks of 256
@@ -183,6 +184,7 @@ def test_native_quantized_gemv_is_dequantize_then_matmul(flavour: str, four_runs
     os.environ.pop("INFER_QGEMV_Q8_PAIRS")
     os.environ.pop("INFER_QGEMV_WIDEN_SCALES")
     os.environ.pop("INFER_QGEMV_ROWS")
+    os.environ.pop("INFER_QGEMV_ROW_PAIRS")
     assert_product_within_rounding(got, weight, x, bias, f"{flavour} {scheme}")
 
 
@@ -214,11 +216,41 @@ def test_one_row_products_on_rows_of_codes_four_at_once_are_the_row_by_row_sums(
     assert_product_within_rounding(four_at_once, weight, x, bias, f"{flavour} {scheme}")
 
 
+@pytest.mark.parametrize("flavour", RUNNABLE)
+@given(scheme=st.sampled_from(["int4", "Q4_K"]), group=st.sampled_from([32, 64, 128]), n=st.integers(1, 70),
+       runs=st.integers(4, 30), with_bias=st.booleans(), threads=st.integers(1, 3), seed=st.integers(0, 2**31))
+@example(scheme="int4", group=32, n=37, runs=18, with_bias=True, threads=2, seed=0)  # (k = 576: a last 64 codes)
+@settings(max_examples=30, deadline=None)
+def test_one_row_q4_products_on_rows_of_codes_two_at_once_are_the_row_by_row_sums(
+        flavour: str, scheme: str, group: int, n: int, runs: int, with_bias: bool, threads: int, seed: int) -> None:
+    """One bf16 row of x against q4 codes (int4 in groups of 32-128, Q4_K's 32; k of 128 and more, with a last 64
+    or 32 codes past the whole 128s): AVX512-BF16 takes each thread's rows of codes two at once
+    (`INFER_QGEMV_ROW_PAIRS`, an odd row left one by one), each row's sums in the one-row order, so bit for bit the
+    row-by-row product, and within rounding of dequantize-then-matmul; elsewhere the switch changes nothing."""
+    kernels = kernels_or_skip(flavour)
+    group = group if scheme == "int4" else 32
+    k = max(runs * 32 // group, 1) * group
+    weight = weight_of(scheme, n, k, group, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(1, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    before, x_before = [t.clone() for t in weight.tensors()], x.clone()
+    with on_threads(threads):
+        with env_set("INFER_QGEMV_ROW_PAIRS", "0"):
+            row_by_row = kernels.quantized_gemv(weight, x, bias)
+        with env_set("INFER_QGEMV_ROW_PAIRS", "1"):
+            two_at_once = kernels.quantized_gemv(weight, x, bias)
+    assert torch.equal(two_at_once, row_by_row), f"{scheme} n={n} k={k} group={group}"
+    assert_product_within_rounding(two_at_once, weight, x, bias, f"{flavour} {scheme}")
+    assert torch.equal(x, x_before) and all(torch.equal(a, b) for a, b in zip(weight.tensors(), before, strict=True))
+
+
 @pytest.mark.real_model
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_real_models_products_on_rows_of_codes_four_at_once_are_the_row_by_row_sums(dtype: torch.dtype) -> None:
     """SmolLM2's own Q4_1 and Q8_0 products (every layer's and the head's, as stored in its file) against one row of
-    x: bit for bit the row-by-row product with AVX2's four rows at once (`INFER_QGEMV_ROWS`) on and off."""
+    x: bit for bit the row-by-row product with AVX2's four rows at once (`INFER_QGEMV_ROWS`) and AVX512-BF16's q4
+    rows two at once (`INFER_QGEMV_ROW_PAIRS`; k = 576: a last 64 codes past the whole 128s) on and off."""
     kernels = kernels_or_skip()
     model = infer.load_model(None, dtype=str(dtype).removeprefix("torch."), weights="stored")
     products = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
@@ -226,9 +258,9 @@ def test_the_real_models_products_on_rows_of_codes_four_at_once_are_the_row_by_r
     g = torch.Generator().manual_seed(0)
     for product in products:
         x = torch.randn(1, product.in_features, generator=g).to(dtype)
-        with env_set("INFER_QGEMV_ROWS", "0"):
+        with env_set("INFER_QGEMV_ROWS", "0"), env_set("INFER_QGEMV_ROW_PAIRS", "0"):
             row_by_row = kernels.quantized_gemv(product.qweight, x)
-        with env_set("INFER_QGEMV_ROWS", "1"):
+        with env_set("INFER_QGEMV_ROWS", "1"), env_set("INFER_QGEMV_ROW_PAIRS", "1"):
             assert torch.equal(kernels.quantized_gemv(product.qweight, x), row_by_row), product.qweight.scheme
 
 
