@@ -65,6 +65,13 @@ class QuantizedWeight:
         fmt = "q6" if self.scheme == "Q6_K" else self.fmt
         return fmt, self.codes.data_ptr(), self.scales.dtype, self.scales.data_ptr(), mins, n, k, self.group
 
+    @functools.cached_property
+    def mins_are_eight_scales(self) -> bool:
+        """Whether every min is -8 x its group's scale (GGUF's Q4_0, `d (q - 8)`, as the loader stores it): the
+        one-row kernel then forms the mins instead of reading them. Checked on the values, once."""
+        return (self.scheme == "Q4_0" and self.mins is not None and not self.factored
+                and torch.equal(self.mins, -8 * self.scales))
+
     @property
     def factored(self) -> bool:
         """Whether the scales (and mins) are a k-quant's factored form (int8 multipliers under float16

@@ -16,6 +16,7 @@ from infer.families import ARCHITECTURES
 from infer.kernels.native import NativeKernels, native_kernels, unavailable_reason
 from infer.models.native_step import PACKED_KIND, QUANTIZED_KINDS, NativeStep
 from reference import Oracle, build_checkpoint
+from tests.helpers import env_set
 
 needs_build = pytest.mark.skipif(native_kernels() is None, reason=f"no native build here: {unavailable_reason()}")
 pytestmark = needs_build
@@ -90,6 +91,36 @@ def test_quantized_native_step_matches_the_per_op_path(arch: str, weights: str, 
     scale = max(1.0, want.abs().max().item())
     assert (got - want).abs().max().item() <= 1e-5 * scale
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_q4_0_weights_form_their_mins_in_the_native_step(dtype: str, calls: list[int]) -> None:
+    """q4 weights as a GGUF file's Q4_0 loads (each min -8 x its scale) in the whole-step call: every q4 product's
+    descriptor carries the flag that has the codes kernel form the mins instead of reading them, and the step's
+    logits are bit for bit the same step's reading them (`INFER_QGEMV_FORMED_MINS=0`)."""
+    from infer.kernels.native import MINS_EIGHT_SCALES
+    from infer.models.transformer import QuantizedLinear
+
+    model = infer.load_model(build_checkpoint("llama"), decode_gemv="native", dtype=dtype, weights="int4",
+                             packed_products=False)
+    fused = [m for layer in model.layers for m in (layer.self_attn.__dict__["qkv"], layer.mlp.__dict__["gate_up"])]
+    converted = 0
+    for module in [*model.modules(), *fused]:  # (the fused parts the step runs are no submodules)
+        if isinstance(module, QuantizedLinear) and module.scheme == "int4":
+            module.scheme, module.mins = "Q4_0", -8 * module.scales
+            converted += 1
+    assert converted
+    ids = prompt(12, seed=9)
+    with env_set("INFER_QGEMV_FORMED_MINS", "1"):
+        got = decode(model, ids, "contiguous", prefill=4)
+    assert calls, "the whole-step call did not run"
+    step = model.__dict__["_native_step"]
+    q4 = [p for layer in step.layers for p in (*layer.qkv[:layer.n_qkv], layer.o, *layer.gate_up[:layer.n_gate_up],
+                                               layer.down) if p.kind == QUANTIZED_KINDS["q4"]]
+    assert q4 and {p.fmt for p in q4} == {MINS_EIGHT_SCALES}
+    with env_set("INFER_QGEMV_FORMED_MINS", "0"):
+        want = decode(model, ids, "contiguous", prefill=4)
+    assert torch.equal(got, want)
 
 
 def test_bf16_native_step_on_packed_codes_follows_the_per_op_path(calls: list[int]) -> None:

@@ -245,6 +245,40 @@ def test_one_row_q4_products_on_rows_of_codes_two_at_once_are_the_row_by_row_sum
     assert torch.equal(x, x_before) and all(torch.equal(a, b) for a, b in zip(weight.tensors(), before, strict=True))
 
 
+@pytest.mark.parametrize("flavour", RUNNABLE)
+@given(n=st.integers(1, 40), runs=st.integers(1, 30), m=st.integers(1, 6),
+       dtype=st.sampled_from(["float32", "bfloat16"]), with_bias=st.booleans(), threads=st.integers(1, 3),
+       seed=st.integers(0, 2**31))
+@example(n=37, runs=24, m=1, dtype="bfloat16", with_bias=True, threads=2, seed=0)  # (q4 rows two at once)
+@settings(max_examples=30, deadline=None)
+def test_q4_0_mins_formed_from_the_scales_are_the_stored_mins_bit_for_bit(
+        flavour: str, n: int, runs: int, m: int, dtype: str, with_bias: bool, threads: int, seed: int) -> None:
+    """A Q4_0 file's weight as loaded (codes, float16 d, mins -8 d): the one-row kernel forms each min from its scale
+    instead of reading the mins (`INFER_QGEMV_FORMED_MINS`; -8 d is exact) and gives bit for bit what reading them
+    gives, on every instruction-set path, row count and dtype, within rounding of dequantize-then-matmul. A Q4_0
+    weight whose mins are not -8 d (a stored file cannot make one, a caller can), or the same tensors under another
+    scheme, are read as they are."""
+    kernels = kernels_or_skip(flavour)
+    k = runs * 32
+    weight = from_gguf(torch.from_numpy(random_blocks("Q4_0", n * k // 32, seed).copy()), "Q4_0", (n, k))
+    assert weight.mins_are_eight_scales and weight.mins is not None
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=g).to(getattr(torch, dtype))
+    bias = torch.randn(n, generator=g).to(x.dtype) if with_bias else None
+    with on_threads(threads):
+        with env_set("INFER_QGEMV_FORMED_MINS", "0"):
+            read = kernels.quantized_gemv(weight, x, bias)
+        with env_set("INFER_QGEMV_FORMED_MINS", "1"):
+            formed = kernels.quantized_gemv(weight, x, bias)
+        odd = QuantizedWeight("Q4_0", weight.codes, weight.scales, weight.mins + 1, 32)
+        shifted = kernels.quantized_gemv(odd, x, bias)
+    assert torch.equal(formed, read), f"n={n} k={k} m={m}"
+    assert_product_within_rounding(formed, weight, x, bias, f"{flavour} Q4_0")
+    assert not odd.mins_are_eight_scales
+    assert_product_within_rounding(shifted, odd, x, bias, f"{flavour} Q4_0, mins not -8 d")
+    assert not QuantizedWeight("Q4_1", weight.codes, weight.scales, weight.mins, 32).mins_are_eight_scales
+
+
 @pytest.mark.real_model
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_real_models_products_on_rows_of_codes_four_at_once_are_the_row_by_row_sums(dtype: torch.dtype) -> None:

@@ -4042,6 +4042,9 @@ enum { Q8 = 0, Q4 = 1, Q6 = 2, Q8C = 3, Q4C = 4 };
  * each is a float16 exactly: Q4_0's, Q4_1's, Q8_0's, int4's): widened to float32 a block at a time as a thread takes
  * it, the same values; a Q4_0 block of 16 rows then streams 20 bytes a run of 32 inputs where float32 took 24. */
 #define HALF_SCALES 8
+/* Set in infer_qgemv's format for q4 codes whose every min is -8 x its group's scale (GGUF's Q4_0, `d (q - 8)`):
+ * the kernel forms the mins' share from the scales instead of reading the mins (INFER_QGEMV_FORMED_MINS not 0). */
+#define MINS_EIGHT_SCALES 16
 #define QCHUNK 32
 
 /* A scale or min (float16 or float32): by the F16C instruction where the CPU has it (once per 32 weights, the
@@ -4641,6 +4644,12 @@ static inline float offset_dot(scale_row mins, scale_row scales, float offset, c
 int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, const void *mins, int dtype,
                 const void *x, const void *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t group,
                 int threads) {
+    /* Q4_0's mins, -8 x the scales, formed, not read: a thread streams 18 bytes a run of 32 weights where it read
+     * 20 (codes, scales, mins); -8 x a float16 or float32 scale is exact, so every min is the one stored */
+    int formed = (fmt & MINS_EIGHT_SCALES) && switched_on("INFER_QGEMV_FORMED_MINS");
+    if ((fmt & MINS_EIGHT_SCALES) && ((fmt & ~MINS_EIGHT_SCALES) != Q4 || !mins)) return -2;
+    fmt &= ~MINS_EIGHT_SCALES;
+    if (formed) mins = NULL;
     int narrow = fmt == Q6; /* q8 everywhere but the bf16 path below */
     if (narrow) fmt = Q8;
     if (!qshape_ok(fmt, k, group)) return -2;
@@ -4743,12 +4752,14 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
                 }
                 if (fmt == Q4) qrows_dot1_runs(Q4, codes + r * row_bytes, row_bytes, sr, k, xf, out);
                 else qrows_dot1_runs(Q8, codes + r * row_bytes, row_bytes, sr, k, xf, out);
-                if (mins) { /* each row's sum over its groups in offset_dot's order (a multiply, then an add), the four
-                             * rows' sums in the lanes of one vector: their mins made float32 and laid out group-major */
+                if (mins || formed) { /* each row's sum over its groups in offset_dot's order (a multiply, then an
+                                       * add), the four rows' sums in the lanes of one vector: their mins made float32
+                                       * (or formed) and laid out group-major */
                     float *mt = wide + QROWS * groups;
                     for (int j = 0; j < QROWS; j++) {
                         scale_row rm = scale_row_of(sdtype, mins, r + j, groups, k);
-                        for (int64_t g = 0; g < groups; g++) mt[g * QROWS + j] = scale_at(rm, g);
+                        for (int64_t g = 0; g < groups; g++)
+                            mt[g * QROWS + j] = formed ? -8.f * sr[j][g] : scale_at(rm, g);
                     }
                     __m128 msum = _mm_setzero_ps();
                     for (int64_t g = 0; g < groups; g++)
@@ -4771,8 +4782,8 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
                 float out[2];
                 q4rows2_dot_bf16x4(codes + r * row_bytes, row_bytes, rs, k, group, xp, (const uint16_t *)x, out);
                 for (int t = 0; t < 2; t++) {
-                    float v = out[t] + offset_dot(scale_row_of(sdtype, mins, r + t, groups, k), rs[t], 128.f, xsum,
-                                                  groups);
+                    float v = out[t] + offset_dot(scale_row_of(sdtype, mins, r + t, groups, k), rs[t],
+                                                  formed ? 136.f : 128.f, xsum, groups);
                     v += bias ? load_scalar(dtype, bias, r + t) : 0.f;
                     store_scalar(dtype, y, r + t, v);
                 }
@@ -4810,9 +4821,10 @@ int infer_qgemv(int fmt, const uint8_t *codes, int sdtype, const void *scales, c
                     else for (int j = 0; j < mt; j++) out[j] = qrow_dot1(fmt, row, rs, k, group, xf + (j0 + j) * k);
                     for (int j = 0; j < mt; j++) {
                         float v = out[j];
-                        if (mins || bf16_q4 || bf16_q6) /* the mins' share, less what the pair paths' codes carry */
-                            v += offset_dot(rm, rs, bf16_q4 ? 128.f : bf16_q6 ? 160.f : 0.f, xsum + (j0 + j) * groups,
-                                            groups);
+                        if (mins || formed || bf16_q4 || bf16_q6) /* the mins' share (formed: -8 x the scales'),
+                                                                   * less what the pair paths' codes carry */
+                            v += offset_dot(rm, rs, (bf16_q4 ? 128.f : bf16_q6 ? 160.f : 0.f) + (formed ? 8.f : 0.f),
+                                            xsum + (j0 + j) * groups, groups);
                         v += bias ? load_scalar(dtype, bias, r) : 0.f;
                         store_scalar(dtype, y, (j0 + j) * n + r, v);
                     }
@@ -5951,7 +5963,7 @@ typedef struct {
     int sdtype; /* the scales' (and mins') dtype of quantized codes (kind 4: float32) */
     const void *w, *scales, *mins, *bias; /* w: the weight or its codes; bias in the step's dtype, or NULL */
     int64_t n, k, group;
-    int64_t fmt; /* kind 4: the packed codes' Q8, Q4, Q8C or Q4C; kind 5: Q8 or Q4 */
+    int64_t fmt; /* kind 4: the packed codes' Q8, Q4, Q8C or Q4C; kind 5: Q8 or Q4; kind 2: MINS_EIGHT_SCALES or 0 */
 } step_proj;
 
 typedef struct {
@@ -5990,7 +6002,8 @@ static int step_product(int dtype, const step_proj *p, const void *x, void *y, i
                                                      p->group, threads);
         return code == -1 ? -1 : code ? -2 : 0;
     }
-    return infer_qgemv(p->kind == 1 ? Q8 : p->kind == 2 ? Q4 : Q6, (const uint8_t *)p->w, p->sdtype, p->scales, p->mins, dtype, x,
+    int fmt = p->kind == 1 ? Q8 : p->kind == 2 ? (Q4 | ((int)p->fmt & MINS_EIGHT_SCALES)) : Q6; /* (Q4_0's flag) */
+    return infer_qgemv(fmt, (const uint8_t *)p->w, p->sdtype, p->scales, p->mins, dtype, x,
                        p->bias, y, 1, p->n, p->k, p->group, threads);
 }
 

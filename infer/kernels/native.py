@@ -38,6 +38,7 @@ QFORMATS = {"q8": 0, "q4": 1, "q6": 2, "q8c": 3, "q4c": 4}
 
 
 HALF_SCALES = 8  # cpu_decode.c's flag in a packed format: the channel form's scales and mins float16
+MINS_EIGHT_SCALES = 16  # cpu_decode.c's flag in infer_qgemv's format: q4 mins all -8 x the scales (Q4_0), formed
 
 
 def packed_format(packed: PackedCodes) -> int:
@@ -572,7 +573,8 @@ class NativeKernels:
         if x.shape[-1] != k:
             raise ValueError(f"the quantized weight takes rows of {k} inputs, got x of shape {tuple(x.shape)}")
         xs, bias, out = self._product_operands(x, bias, n)
-        code = self._qgemv(QFORMATS[fmt], codes, SCALE_CODES[sdtype], scales, mins, DTYPE_CODES[xs.dtype],
+        fmt_code = QFORMATS[fmt] | (MINS_EIGHT_SCALES if weight.mins_are_eight_scales else 0)
+        code = self._qgemv(fmt_code, codes, SCALE_CODES[sdtype], scales, mins, DTYPE_CODES[xs.dtype],
                            xs.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), xs.numel() // k,
                            n, k, group, torch.get_num_threads())
         if code == -1:

@@ -27,6 +27,7 @@ import torch
 
 from infer.config import ModelConfig
 from infer.kernels.native import (
+    MINS_EIGHT_SCALES,
     QFORMATS,
     QSCHEMES,
     SCALE_CODES,
@@ -145,6 +146,7 @@ class NativeStep:
             self.keep.extend(module.qweight.tensors())
             desc.kind, desc.sdtype = QUANTIZED_KINDS[fmt], SCALE_CODES[sdtype]
             desc.w, desc.scales, desc.mins, desc.n, desc.k, desc.group = codes, scales, mins, n, k, group
+            desc.fmt = MINS_EIGHT_SCALES if module.qweight.mins_are_eight_scales else 0  # (Q4_0's mins formed)
         else:
             desc.kind, desc.n, desc.k = 0, module.out_features, module.in_features
             desc.w = self._address(module.weight)

@@ -299,7 +299,8 @@ class QuantizedLinear(ProjectionTraits, nn.Module):
     def qweight(self) -> QuantizedWeight:
         """The stored weight (this module's buffers; rebuilt when they are replaced: fusing, moving devices)."""
         cached = self.__dict__.get("_qweight")
-        if cached is None or cached.codes is not self.codes or cached.scales is not self.scales:
+        if (cached is None or cached.codes is not self.codes or cached.scales is not self.scales
+                or cached.mins is not self.mins or cached.scheme != self.scheme):
             cached = QuantizedWeight(self.scheme, self.codes, self.scales, self.mins, self.group)
             self.__dict__["_qweight"] = cached
         return cached
