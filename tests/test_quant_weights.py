@@ -188,6 +188,17 @@ def test_native_quantized_gemv_is_dequantize_then_matmul(flavour: str, four_runs
     assert_product_within_rounding(got, weight, x, bias, f"{flavour} {scheme}")
 
 
+def gemv_off_and_on(kernels: Any, switch: str, weight: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None,
+                    threads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantized_gemv` on `threads` threads with the kernels' `switch` off, then on (read at each call)."""
+    with on_threads(threads):
+        with env_set(switch, "0"):
+            off = kernels.quantized_gemv(weight, x, bias)
+        with env_set(switch, "1"):
+            on = kernels.quantized_gemv(weight, x, bias)
+    return off, on
+
+
 @pytest.mark.parametrize("flavour", RUNNABLE)
 @given(scheme=st.sampled_from(["int4", "Q8_0", "Q4_K", "Q4_K-factored", "int8-g32"]), n=st.integers(1, 70),
        runs=st.integers(1, 30), dtype=st.sampled_from(["float32", "bfloat16"]), with_bias=st.booleans(),
@@ -207,11 +218,7 @@ def test_one_row_products_on_rows_of_codes_four_at_once_are_the_row_by_row_sums(
               else weight_of(scheme, n, k, 32, seed))
     x = torch.randn(1, k, generator=g).to(getattr(torch, dtype))
     bias = torch.randn(n, generator=g).to(x.dtype) if with_bias else None
-    with on_threads(threads):
-        with env_set("INFER_QGEMV_ROWS", "0"):
-            row_by_row = kernels.quantized_gemv(weight, x, bias)
-        with env_set("INFER_QGEMV_ROWS", "1"):
-            four_at_once = kernels.quantized_gemv(weight, x, bias)
+    row_by_row, four_at_once = gemv_off_and_on(kernels, "INFER_QGEMV_ROWS", weight, x, bias, threads)
     assert torch.equal(four_at_once, row_by_row), f"{scheme} n={n} k={k}"
     assert_product_within_rounding(four_at_once, weight, x, bias, f"{flavour} {scheme}")
 
@@ -235,11 +242,7 @@ def test_one_row_q4_products_on_rows_of_codes_two_at_once_are_the_row_by_row_sum
     x = torch.randn(1, k, generator=g).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
     before, x_before = [t.clone() for t in weight.tensors()], x.clone()
-    with on_threads(threads):
-        with env_set("INFER_QGEMV_ROW_PAIRS", "0"):
-            row_by_row = kernels.quantized_gemv(weight, x, bias)
-        with env_set("INFER_QGEMV_ROW_PAIRS", "1"):
-            two_at_once = kernels.quantized_gemv(weight, x, bias)
+    row_by_row, two_at_once = gemv_off_and_on(kernels, "INFER_QGEMV_ROW_PAIRS", weight, x, bias, threads)
     assert torch.equal(two_at_once, row_by_row), f"{scheme} n={n} k={k} group={group}"
     assert_product_within_rounding(two_at_once, weight, x, bias, f"{flavour} {scheme}")
     assert torch.equal(x, x_before) and all(torch.equal(a, b) for a, b in zip(weight.tensors(), before, strict=True))
@@ -265,12 +268,9 @@ def test_q4_0_mins_formed_from_the_scales_are_the_stored_mins_bit_for_bit(
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(m, k, generator=g).to(getattr(torch, dtype))
     bias = torch.randn(n, generator=g).to(x.dtype) if with_bias else None
+    read, formed = gemv_off_and_on(kernels, "INFER_QGEMV_FORMED_MINS", weight, x, bias, threads)
+    odd = QuantizedWeight("Q4_0", weight.codes, weight.scales, weight.mins + 1, 32)
     with on_threads(threads):
-        with env_set("INFER_QGEMV_FORMED_MINS", "0"):
-            read = kernels.quantized_gemv(weight, x, bias)
-        with env_set("INFER_QGEMV_FORMED_MINS", "1"):
-            formed = kernels.quantized_gemv(weight, x, bias)
-        odd = QuantizedWeight("Q4_0", weight.codes, weight.scales, weight.mins + 1, 32)
         shifted = kernels.quantized_gemv(odd, x, bias)
     assert torch.equal(formed, read), f"n={n} k={k} m={m}"
     assert_product_within_rounding(formed, weight, x, bias, f"{flavour} Q4_0")
