@@ -691,7 +691,8 @@ def test_the_quantized_packed_product_is_the_packed_product_on_the_bf16_dequanti
         scheme: str, n: int, flavour: str, balance: str, runs: int, group: int, m: int, with_bias: bool,
         threads: int, seed: int) -> None:
     """`quantized_gemm_packed` on `pack_codes`' layout (each block of 16 weight rows dequantized once to bf16 in cache;
-    q8 codes too with the codes form off, INFER_PACKED_CODE_SUMS=0) is the bf16 packed product on the weight
+    q8 and q4 codes too with their codes forms off, INFER_PACKED_CODE_SUMS=0, INFER_Q4_CODES=0) is the bf16 packed
+    product on the weight
     `dequantize(bf16)` gives, bit for bit (last blocks part-filled, threads splitting the blocks unevenly and taking
     each other's, INFER_BALANCE 1 / 2 / 0; every flavour that has it), and so within fp32 summation and one bf16
     rounding of `x @ dequantize(bf16).T`; the weight and x are left as they were."""
@@ -702,7 +703,7 @@ def test_the_quantized_packed_product_is_the_packed_product_on_the_bf16_dequanti
     fmt = weight.unfactored().fmt  # (q8 codes where they take the codes form: that form off; q4 codes as they run)
     code_sums = fmt in ("q8", "q6") and kernels.code_sums(fmt, x.shape[1])
     with on_threads(threads), env_set("INFER_BALANCE", balance), \
-            env_set("INFER_PACKED_CODE_SUMS", "0" if code_sums else "1"):
+            env_set("INFER_PACKED_CODE_SUMS", "0" if code_sums else "1"), env_set("INFER_Q4_CODES", "0"):
         got = kernels.quantized_gemm_packed(pack_codes(weight), x, bias)
     with on_threads(threads):
         want = kernels.gemm_bf16_packed(kernels.pack_bf16(weight.dequantize(torch.bfloat16)), x, n, bias)
@@ -743,17 +744,17 @@ PAIRS_FORM = [f for f in PACKED_CODES if not getattr(native_kernels(f), "channel
 def test_q4_codes_dequantized_in_the_tile_are_the_buffers_bit_for_bit(
         n: int, m: int, scheme: str, runs: int, group: int, with_bias: bool, threads: int, seed: int,
         flavour: str) -> None:
-    """Up to a tile's 8 rows, q4 codes (int4's, Q4_K's) are dequantized in the tile, each pair's weights in registers
-    (INFER_Q4_IN_TILES, the default): the product equals, bit for bit, the same product with each pair of blocks
-    dequantized into the buffer first (INFER_Q4_IN_TILES=0) and the bf16 packed product on `dequantize(bf16)`
-    (last pairs of blocks part-filled, groups of 32-128, threads sharing the blocks); 9 rows take the buffer either
-    way."""
+    """With the codes form off (INFER_Q4_CODES=0), up to a tile's 8 rows q4 codes (int4's, Q4_K's) are dequantized
+    in the tile, each pair's weights in registers (INFER_Q4_IN_TILES, the default): the product equals, bit for bit,
+    the same product with each pair of blocks dequantized into the buffer first (INFER_Q4_IN_TILES=0) and the bf16
+    packed product on `dequantize(bf16)` (last pairs of blocks part-filled, groups of 32-128, threads sharing the
+    blocks); 9 rows take the buffer either way."""
     kernels = native_kernels(flavour)
     if kernels is None or flavour not in PAIRS_FORM:
         pytest.skip(f"{flavour}: no pairs form of q4 codes here")
     weight, x, bias = bf16_product_case(scheme, n, runs, group, m, with_bias, seed)
     packed = pack_codes(weight)
-    with on_threads(threads):
+    with on_threads(threads), env_set("INFER_Q4_CODES", "0"):
         got = kernels.quantized_gemm_packed(packed, x, bias)
         with env_set("INFER_Q4_IN_TILES", "0"):
             buffered = kernels.quantized_gemm_packed(packed, x, bias)
@@ -782,16 +783,17 @@ def q4_weight_with_scale_bits(n: int, k: int, bits: int, seed: int) -> Quantized
 @settings(max_examples=30, deadline=None)
 def test_q4_scale_times_code_plus_min_rounds_as_dequantize_up_to_20_bit_scales(
         n: int, runs: int, m: int, bits: int, seed: int, flavour: str) -> None:
-    """A q4 block's scale * q + min, formed in the packed product by one fused multiply-add, is `dequantize`'s
-    two roundings for scales of up to 20 significant bits (scale * q then exact, q < 16): the product is the bf16
-    packed product on `dequantize(bf16)`, bit for bit, with any float32 mins; scales of 21 or more bits are
-    refused by `pack_codes`, naming them."""
+    """A q4 block's scale * q + min, formed in the packed product's dequantizing (the codes form off,
+    INFER_Q4_CODES=0) by one fused multiply-add, is `dequantize`'s two roundings for scales of up to 20 significant
+    bits (scale * q then exact, q < 16): the product is the bf16 packed product on `dequantize(bf16)`, bit for bit,
+    with any float32 mins; scales of 21 or more bits are refused by `pack_codes`, naming them."""
     kernels = native_kernels(flavour)
     assert kernels is not None
     k = 32 * runs
     weight = q4_weight_with_scale_bits(n, k, bits, seed)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
-    got = kernels.quantized_gemm_packed(pack_codes(weight), x)
+    with env_set("INFER_Q4_CODES", "0"):
+        got = kernels.quantized_gemm_packed(pack_codes(weight), x)
     want = kernels.gemm_bf16_packed(kernels.pack_bf16(weight.dequantize(torch.bfloat16)), x, n)
     assert torch.equal(got, want), f"{bits}-bit scales: not dequantize's two roundings"
     with pytest.raises(ValueError, match="scales .* at most 20 significant bits"):
@@ -862,6 +864,84 @@ def test_q8_codes_in_the_codes_form_are_exact_where_every_sum_is(m: int, group: 
     dense = codes.double() * scales.double().repeat_interleave(group, dim=1)
     exact = x.double() @ dense.T + bias.double()
     assert torch.equal(got, exact.float().bfloat16()), "not the exact product rounded once"
+
+
+# (AVX512-BF16 builds off AMX tiles: q4 codes of up to 16 rows multiplied as exact bf16 operands, 1 + q / 16)
+Q4_CODES = [f for f in PACKED_CODES if native_kernels(f).q4_code_rows(64)]  # type: ignore[union-attr]
+Q4_SCHEMES = ["int4", "Q4_K", "Q4_K-factored"]
+
+
+@pytest.mark.skipif(not Q4_CODES, reason="the codes form of q4 codes is AVX512-BF16's off AMX (and needs a build)")
+@given(n=st.integers(1, 80), runs=st.integers(1, 13), m=st.integers(1, 21), group=st.sampled_from([32, 64, 128]),
+       with_bias=st.booleans(), threads=st.integers(1, 3), balance=st.sampled_from(["1", "0"]),
+       scheme=st.sampled_from(Q4_SCHEMES), seed=st.integers(0, 2**31), flavour=st.sampled_from(Q4_CODES or ["native"]))
+@example(scheme="int4", n=40, runs=4, m=16, group=32, with_bias=True, threads=2, balance="1", seed=3,
+         flavour=(Q4_CODES or ["native"])[0])
+@settings(max_examples=50, deadline=None)
+def test_q4_codes_in_the_codes_form_are_the_unrounded_product_row_by_row(
+        scheme: str, n: int, runs: int, m: int, group: int, with_bias: bool, threads: int, balance: str, seed: int,
+        flavour: str) -> None:
+    """`quantized_gemm_packed` on q4 codes (int4 in groups of 32-128, Q4_K's fp32 scales and mins, factored ones) at
+    up to `q4_code_rows` rows: no weight rounded to bf16, so every output is within fp32 summation and one bf16
+    rounding of the quantized model's unrounded product (scale * q + min), the summation's error counted on 16 scales
+    per weight (each code's operand is 1 + q / 16, the offset taken out by each group's min less 16 scales times x's
+    group sum); each row bit for bit what it gives alone, whatever the threads and their split (last blocks
+    part-filled); past those rows (17-21) the dequantizing path's product, bit for bit (the form off,
+    INFER_Q4_CODES=0); the weight and x are left as they were."""
+    kernels = native_kernels(flavour)
+    assert kernels is not None
+    weight, x, bias = bf16_product_case(scheme, n, runs, group, m, with_bias, seed)
+    before, x_before = [t.clone() for t in weight.tensors()], x.clone()
+    packed = pack_codes(weight)
+    if m > kernels.q4_code_rows(x.shape[1]):
+        assert kernels.q4_code_rows(x.shape[1]) == 16
+        with on_threads(threads), env_set("INFER_BALANCE", balance):
+            got = kernels.quantized_gemm_packed(packed, x, bias)
+            with env_set("INFER_Q4_CODES", "0"):
+                buffered = kernels.quantized_gemm_packed(packed, x, bias)
+        assert torch.equal(got, buffered), "past 16 rows: not the dequantizing path's product"
+        return
+    with on_threads(threads), env_set("INFER_BALANCE", balance):
+        got = kernels.quantized_gemm_packed(packed, x, bias)
+        alone = [kernels.quantized_gemm_packed(packed, x[j : j + 1], bias)[0] for j in range(m)]
+    with on_threads(1):
+        serial = kernels.quantized_gemm_packed(packed, x, bias)
+    dense, magnitudes = unrounded_weight(weight)
+    w = weight.unfactored()  # (each term of a group's sum is at most (16 + 15) |scale x|, plus the offset's)
+    offsets = 32 * w.scales.double().abs().repeat_interleave(w.group, dim=1)
+    assert_within_rounding_of(got, x, dense, bias, f"{scheme}'s unrounded product", magnitudes + offsets)
+    assert all(torch.equal(got[j], alone[j]) for j in range(m)), "a row depends on the other rows of the call"
+    assert torch.equal(got, serial), "the threads' split moved a value"
+    assert torch.equal(x, x_before) and all(torch.equal(a, b) for a, b in zip(weight.tensors(), before, strict=True))
+
+
+@pytest.mark.skipif(not Q4_CODES, reason="the codes form of q4 codes is AVX512-BF16's off AMX (and needs a build)")
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("group", [32, 128])
+def test_q4_codes_in_the_codes_form_are_exact_where_every_sum_is(m: int, group: int) -> None:
+    """Where no sum can round (small integer inputs, power-of-two scales and quarter mins that differ by group and
+    row, a bias of quarters), the codes form's output is the exact product rounded once to bf16, bit for bit, and with
+    the form off (the tiles' or the buffer's bf16 weights: here exact too) the same: the codes (both nibbles of each
+    byte), the scales, the mins and each row's group sums reach the right outputs."""
+    kernels = native_kernels(Q4_CODES[0])
+    assert kernels is not None
+    g = torch.Generator().manual_seed(m * 1000 + group)
+    n, k = 37, 512
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scales = 2.0 ** -torch.randint(0, 4, (n, k // group), generator=g).float()
+    mins = torch.randint(-32, 33, (n, k // group), generator=g).float() / 4
+    weight = QuantizedWeight("int4", pack_q4(q), scales, mins, group)
+    x = torch.randint(-4, 5, (m, k), generator=g).bfloat16()
+    bias = (torch.randint(-64, 65, (n,), generator=g) / 4).bfloat16()
+    dense = q.double() * scales.double().repeat_interleave(group, dim=1) + mins.double().repeat_interleave(group, 1)
+    want = (x.double() @ dense.T + bias.double()).float().bfloat16()
+    assert m <= kernels.q4_code_rows(k)
+    got = kernels.quantized_gemm_packed(pack_codes(weight), x, bias)
+    with env_set("INFER_Q4_CODES", "0"):
+        assert kernels.q4_code_rows(k) == 0
+        dequantized = kernels.quantized_gemm_packed(pack_codes(weight), x, bias)
+    assert torch.equal(got, want), "the codes form: not the exact product rounded once"
+    assert torch.equal(dequantized, want), "the dequantizing path: not the exact product rounded once"
 
 
 # Rows of x up to which q4 codes in the channel form sum as q8 codes do (cpu_decode.c's Q4_SUMS_ROWS: three tiles)

@@ -327,15 +327,18 @@ def test_quantized_weights_in_the_engine_stay_near_the_fp32_model(weights: str, 
     activations, through the engine on packed codes: in the channel form where the build has it (AVX2: no weight
     rounded to bf16; q8 each group's sum times its scale, q4 each weight's fp32 scale * code by fused multiply-adds,
     plus its group's min times x's group sum), in the codes form where it has that (AVX512-BF16: q8 codes, int8's
-    and the stored Q8_0 table's, exact bf16 operands, each group's sum times its scale; q4 codes dequantized) and,
-    for int8, in the pairs form (each block dequantized to bf16 first; the stored codes' pairs form is the dense
-    bf16 model bit for bit, above, and that model is held to the fp32 one above), each step's log-probabilities
+    and the stored Q8_0 table's, exact bf16 operands, each group's sum times its scale; the stored q4 codes, up to 16
+    rows, each code the exact operand 1 + q / 16, each group's sum times 16 scales plus its min less 16 scales times
+    x's group sum) and in the pairs form (each block dequantized to bf16 first; the stored codes' pairs form is the
+    dense bf16 model bit for bit, above, and that model is held to the fp32 one above), each step's log-probabilities
     against the fp32 model fed the same tokens. The bounds are this
     test's figures on a 2-core AMD EPYC (Zen 3) on 2026-11-29 with a margin (int8 channel, its LM head's codes per
     32 inputs too: mean KL 4.76e-3, top-1 0.981, worst 2.23; int8 pairs: 5.23e-3, 0.975, 2.08; stored channel:
     1.03e-3, 0.969, 0.69, where the dense bf16 model gave 1.24e-3, 0.975, 1.12; with q4's group sums scaled after
-    them, before, 1.23e-3, 0.975, 0.82); int8's channel and codes forms, which round no weight to bf16, are no
-    further from the fp32 model than its pairs form by more than a near-tie's flip. The engine's kernels and token
+    them, before, 1.23e-3, 0.975, 0.82; on a 2-core Zen 4 EPYC (AVX512-BF16) on 2026-12-04, int8 codes 4.10e-3,
+    0.981, 1.97, pairs 5.70e-3, 0.963, 2.46; stored codes, q4 in the codes form too, 1.16e-3, 0.981, 0.92, pairs
+    1.01e-3, 0.963, 0.89); the channel and codes forms, which round no weight to bf16, are no further from the fp32
+    model than the pairs form by more than a near-tie's flip. The engine's kernels and token
     budget are given, not timed (CI's minutes)."""
     from infer.kernels.native import native_kernels
     from infer.models.transformer import QuantizedLinear, native_packing_unavailable
@@ -347,18 +350,20 @@ def test_quantized_weights_in_the_engine_stay_near_the_fp32_model(weights: str, 
     assert kernels is not None
     if not kernels.packed_codes_available:
         pytest.skip("no native packed product on codes in this build")
-    # form: (the channel form, INFER_PACKED_CODE_SUMS)
-    forms = {"channel": (True, "1")} if kernels.channel_codes_available else {}
-    if kernels.code_sums("q8", ours_fp32.embed_tokens.weight.shape[1]):
-        forms["codes"] = (False, "1")
-    if weights == "int8":
-        forms["pairs"] = (False, "0")
+    # form: (the channel form, INFER_PACKED_CODE_SUMS, INFER_Q4_CODES)
+    forms = {"channel": (True, "1", "1")} if kernels.channel_codes_available else {}
+    hidden = ours_fp32.embed_tokens.weight.shape[1]
+    if kernels.code_sums("q8", hidden) or (weights == "stored" and kernels.q4_code_rows(hidden)):
+        forms["codes"] = (False, "1", "1")
+    if weights == "int8" or "codes" in forms:
+        forms["pairs"] = (False, "0", "0")
     if not forms:
         pytest.skip("the stored codes' pairs form is the dense bf16 model (above); no channel or codes form here")
     figures = {}
-    for form, (channels, code_sums) in forms.items():
+    for form, (channels, code_sums, q4_codes) in forms.items():
         monkeypatch.setattr(kernels, "channel_codes", channels)
         monkeypatch.setenv("INFER_PACKED_CODE_SUMS", code_sums)
+        monkeypatch.setenv("INFER_Q4_CODES", q4_codes)
         model = infer.load_model(smollm2, dtype="bfloat16", weights=weights, decode_gemv="linear")
         engine = infer.Engine(model, tokenizer, num_blocks=256, keep_logits=True, packed_products="native",
                               max_num_batched_tokens=512, decode_attention="native", chunk_attention="native")
@@ -413,8 +418,8 @@ def test_quantized_weights_in_the_engine_are_the_dequantized_bf16_model(smollm2:
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The file's codes as stored (Q4_1, its Q8_0 table), bf16 activations, through the engine on packed codes in the
     pairs form (every product of 2 rows or more dequantizes a block of 16 rows to bf16 in cache, in the whole-step
-    call; AVX2's channel form and AVX512-BF16's codes form of q8 codes, INFER_PACKED_CODE_SUMS=0 here, which round no
-    weight to bf16, are held to the fp32 model below): each request's
+    call; AVX2's channel form and AVX512-BF16's codes forms of q8 and q4 codes, INFER_PACKED_CODE_SUMS=0 and
+    INFER_Q4_CODES=0 here, which round no weight to bf16, are held to the fp32 model above): each request's
     tokens and logits are the engine's on the dense bf16 model (the weights dequantized, then rounded once to bf16:
     the numbers the packed codes dequantize to), bit for bit; two chat requests of 16 greedy tokens (every step of
     two rows or more: no one-row product, whose kernels differ)."""
@@ -428,6 +433,7 @@ def test_quantized_weights_in_the_engine_are_the_dequantized_bf16_model(smollm2:
         pytest.skip("no native packed product on codes in this build")
     monkeypatch.setattr(kernels, "channel_codes", False)  # (the channel form, which dequantizes nothing: below)
     monkeypatch.setenv("INFER_PACKED_CODE_SUMS", "0")  # (the codes form of q8 codes, likewise)
+    monkeypatch.setenv("INFER_Q4_CODES", "0")  # (and of q4 codes)
     prompts = [chat(tokenizer, q) for q in QUESTIONS[3:]]
     params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
     stored = infer.load_model(smollm2, dtype="bfloat16", weights="stored", decode_gemv="linear")

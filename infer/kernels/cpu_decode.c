@@ -5629,6 +5629,109 @@ static void q4_pass(const uint8_t *codes, int64_t block_bytes, int64_t pairs, in
     }
 }
 
+/* The codes form of q4 codes, up to Q4_CODE_ROWS rows of x (AVX512-BF16 without AMX; INFER_Q4_CODES=0: the tiles
+ * above up to 8 rows, the buffer past them): no weight rounded to bf16, no fp32 work a weight. A q4 code becomes an
+ * exact bf16 operand by integer operations alone: 1 + q / 16 is 0x3f80 | q << 3 (the code in the mantissa's top 4
+ * bits; the high nibble shifted right by one, the low one left by 3, each masked and set in one ternary-logic
+ * operation), so each group's sums are sum (1 + q / 16) x = X + sum q x / 16, X x's sum over the group, and each
+ * row's total is sum over groups of 16 s (that sum) + (min - 16 s) X: scale * q + min against x, in group order, two
+ * fused multiply-adds a group and row (X per row and group, in fp32, summed once a call before the tiles). The
+ * dequantizing took four conversions, two multiply-adds and a rounding on the multiply pipes for each 32 weights, as
+ * many as 16 rows' pair instructions take a third of; the codes form's two multiply-adds a group of 32 are an eighth,
+ * and its byte widening, shifts and masks run beside the pair instructions. The offset (1 of every 1 + q / 16) keeps
+ * each sum's terms within 16 + 15 of |s| |x| (1 + q / 128, one shift fewer, ran no faster and put 128 there). A tile
+ * is up to 16 rows by one block, each block's codes widened once for all of them (two tiles of 8 rows, or 8 rows by
+ * two blocks, widen each pair twice or broadcast x twice as often: level or slower); its totals stay in L1 between
+ * groups. At the 40 products of a 150M Llama's decode-step shapes (q4 codes in groups of 32 from DRAM) on a 2-core
+ * Zen 4 EPYC, against the tiles or the buffer: 2 rows 1.36x, 4 1.24x, 8 1.23x, 12 1.21x, 16 1.06x; from L2 at 16 rows
+ * on one thread 1.13x (0.85x the bf16 packed product: the multiply-adds and widening left, 12.5% and ~5%); 24 and 48
+ * rows 0.98x and 0.96x (the buffer's dequantizing amortized over the rows), so the codes form stops at 16. The engine's
+ * decode steps of that model in int4 at 4 requests 1.24x, 8 1.12x, 16 1.07x. */
+#define Q4_CODE_ROWS 16
+static int q4_codes_take(int64_t m, int64_t k) {
+    return m <= Q4_CODE_ROWS && switched_on("INFER_Q4_CODES") && !infer_amx_takes(k);
+}
+
+/* A tile of mr rows (`xt`: their pairs, pair-major; `xs`: their group sums, row j's at xs[j * groups]) against one
+ * block of q4 codes (`codes` at it; scales and mins [groups][16]), into y's columns c .. c + 15 (+ bias), masked past
+ * n; `pf` .. `pf_end` prefetched meanwhile, `per_iter` lines a pair. */
+static inline __attribute__((always_inline)) void q4_codes_tile(int mr, const uint8_t *codes, int64_t pairs,
+                                                                int64_t group, const float *scales, const float *mins,
+                                                                const int32_t *xt, const float *xs,
+                                                                const uint16_t *bias, uint16_t *y, int64_t n,
+                                                                int64_t c, const char *pf, const char *pf_end,
+                                                                int64_t per_iter) {
+    int64_t per_group = group / 2, groups = pairs / per_group;
+    __m512 acc[Q4_CODE_ROWS], tot[1][Q4_CODE_ROWS];
+    float held[Q4_CODE_ROWS][16] __attribute__((aligned(64))); /* the totals between groups */
+    const __m512i field = _mm512_set1_epi16(0x78), one = _mm512_set1_epi16(0x3f80);
+    const __m512 sixteen = _mm512_set1_ps(16.0f);
+    for (int64_t g = 0; g < groups; g++) {
+        for (int j = 0; j < mr; j++) acc[j] = _mm512_setzero_ps();
+        for (int64_t q = g * per_group; q < (g + 1) * per_group; q += 2) { /* pairs q and q + 1: one 32-byte run */
+            for (int64_t t = 0; t < 2 * per_iter && pf < pf_end; t++, pf += 64) __builtin_prefetch(pf, 0, 2);
+            __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(codes + 16 * q)));
+            /* (a | b) & c's table is 0xea: the masked field, with 1.0's exponent set */
+            __m512bh w0 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(b, 3), field, one, 0xea);
+            __m512bh w1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 1), field, one, 0xea);
+            for (int j = 0; j < mr; j++)
+                acc[j] = _mm512_dpbf16_ps(acc[j], w0, (__m512bh)_mm512_set1_epi32(xt[q * mr + j]));
+            for (int j = 0; j < mr; j++)
+                acc[j] = _mm512_dpbf16_ps(acc[j], w1, (__m512bh)_mm512_set1_epi32(xt[(q + 1) * mr + j]));
+        }
+        __m512 s = _mm512_loadu_ps(scales + g * 16), z = _mm512_loadu_ps(mins + g * 16);
+        __m512 s16 = _mm512_mul_ps(s, sixteen), offset = _mm512_fnmadd_ps(s, sixteen, z); /* 16 s exact; min - 16 s */
+        for (int j = 0; j < mr; j++) {
+            __m512 t = _mm512_fmadd_ps(offset, _mm512_set1_ps(xs[j * groups + g]), _mm512_mul_ps(acc[j], s16));
+            _mm512_store_ps(held[j], g ? _mm512_add_ps(_mm512_load_ps(held[j]), t) : t);
+        }
+        __asm__ volatile("" ::: "memory"); /* (the totals stay in memory between groups) */
+    }
+    for (int j = 0; j < mr; j++) tot[0][j] = _mm512_load_ps(held[j]);
+    store_tile_bf16(mr, tot, 1, bias, y, n, c);
+}
+
+/* A pair of blocks of q4 codes (nb of them, block_bytes apart; scales and mins [nb][groups][16]) against all m rows
+ * of x in one tile a block; `pf` .. `pf_end` shared out between the blocks. */
+static void q4_codes_pass(const uint8_t *codes, int64_t block_bytes, int64_t pairs, int64_t group, const float *scales,
+                          const float *mins, const int32_t *xt, const float *xs, int64_t m, const uint16_t *bias,
+                          uint16_t *y, int64_t n, int64_t b, int nb, const char *pf, const char *pf_end,
+                          int64_t per_iter) {
+    int64_t groups = 2 * pairs / group;
+    int64_t chunk = ((pf_end - pf + nb - 1) / nb + 63) / 64 * 64;
+    for (int a = 0; a < nb; a++) {
+        const char *end = pf + chunk < pf_end ? pf + chunk : pf_end;
+        const uint8_t *ca = codes + a * block_bytes;
+        const float *sa = scales + a * groups * 16, *za = mins + a * groups * 16;
+        switch (m) {
+#define Q4_CODES_TILE(M)                                                                                          \
+    case M:                                                                                                     \
+        q4_codes_tile(M, ca, pairs, group, sa, za, xt, xs, bias, y, n, 16 * (b + a), pf, end, per_iter);        \
+        break;
+            Q4_CODES_TILE(1) Q4_CODES_TILE(2) Q4_CODES_TILE(3) Q4_CODES_TILE(4)
+            Q4_CODES_TILE(5) Q4_CODES_TILE(6) Q4_CODES_TILE(7) Q4_CODES_TILE(8)
+            Q4_CODES_TILE(9) Q4_CODES_TILE(10) Q4_CODES_TILE(11) Q4_CODES_TILE(12)
+            Q4_CODES_TILE(13) Q4_CODES_TILE(14) Q4_CODES_TILE(15) Q4_CODES_TILE(16)
+#undef Q4_CODES_TILE
+        }
+        pf = end;
+    }
+}
+
+/* Rows j0 .. j1 - 1 of x [m, k]'s sums over each group of `group` inputs into out [m][k / group]: 16 lanes summed
+ * in input order, then the lanes. */
+static void bf16_group_sums(const uint16_t *x, int64_t k, int64_t group, int64_t j0, int64_t j1, float *out) {
+    int64_t groups = k / group;
+    for (int64_t j = j0; j < j1; j++)
+        for (int64_t g = 0; g < groups; g++) {
+            const uint16_t *p = x + j * k + g * group;
+            __m512 v = _mm512_setzero_ps();
+            for (int64_t i = 0; i < group; i += 16)
+                v = _mm512_add_ps(v, bf16x16_widen(_mm256_loadu_si256((const __m256i *)(p + i))));
+            out[j * groups + g] = _mm512_reduce_add_ps(v);
+        }
+}
+
 #elif defined(HAVE_PACKED_BF16)
 /* 16 values an operation computed rounded to bf16 as f32_to_bf16 rounds, a's 8 then b's, one pack for the two:
  * such a NaN is quiet (its top mantissa bit set), so rounding to nearest even keeps it a NaN without bf16x8_round's
@@ -5844,19 +5947,24 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
     int balance = work_balance(), loops = prefetch_loops();
     int code_sums = code_sums_take(fmt, k); /* q8 codes in the codes form (above) */
     int tall = code_sums && codes_tall_takes(m); /* (decided once: x's layout and the tiles must agree) */
-    int q4_tiles = fmt == Q4 && mins && q4_tiles_take(m, k);
-    int32_t *xpairs = code_sums || q4_tiles ? pair_major_buffer(m * pairs) : NULL;
-    if ((code_sums || q4_tiles) && !xpairs) {
+    int q4_codes = fmt == Q4 && mins && q4_codes_take(m, k); /* (with the codes form off, the tiles up to 8 rows) */
+    int q4_tiles = fmt == Q4 && mins && !q4_codes && q4_tiles_take(m, k);
+    /* x pair-major, and for q4's codes form its group sums after it */
+    int32_t *xpairs = code_sums || q4_tiles || q4_codes ? pair_major_buffer(m * pairs + (q4_codes ? m * groups : 0))
+                                                        : NULL;
+    float *xsums = q4_codes && xpairs ? (float *)(xpairs + m * pairs) : NULL;
+    if ((code_sums || q4_tiles || q4_codes) && !xpairs) {
         free(ranges);
         return -1;
     }
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int64_t tiles = (m + PACK_ROWS - 1) / PACK_ROWS;
-        if (code_sums || q4_tiles) { /* x pair-major for the code tiles, each thread a share of its pairs */
+        if (code_sums || q4_tiles || q4_codes) { /* x pair-major for the code tiles, each thread a share of its pairs */
             int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-            int tile_rows = q4_tiles ? PACK_ROWS : tall ? CODE_TALL_ROWS : CODE_ROWS;
+            int tile_rows = q4_tiles ? PACK_ROWS : q4_codes ? Q4_CODE_ROWS : tall ? CODE_TALL_ROWS : CODE_ROWS;
             pair_major_tiles(x, m, k, tile_rows, pairs * tid / nt, pairs * (tid + 1) / nt, xpairs);
+            if (q4_codes) bf16_group_sums(x, k, group, m * tid / nt, m * (tid + 1) / nt, xsums);
 #pragma omp barrier
         }
 #if defined(HAVE_AMX)
@@ -5885,6 +5993,11 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
                 }
                 codes_pass(tall, codes + b * block_bytes, pb, block_bytes, pairs, group, scales + b * groups * 16,
                            xpairs, m, k, bias, y, n, b, nb, pf, pf_end, per_iter);
+                continue;
+            }
+            if (q4_codes) { /* (the codes form, above) */
+                q4_codes_pass(codes + b * block_bytes, block_bytes, pairs, group, scales + b * groups * 16,
+                              mins + b * groups * 16, xpairs, xsums, m, bias, y, n, b, nb, pf, pf_end, per_iter);
                 continue;
             }
             if (q4_tiles) { /* (dequantized in the tiles, above) */
@@ -5945,6 +6058,17 @@ int infer_packed_code_sums(int fmt, int64_t k) {
     return code_sums_take(fmt, k);
 #else
     (void)fmt, (void)k;
+    return 0;
+#endif
+}
+
+/* The most rows of x infer_qgemm_packed multiplies q4 codes (with mins) in the codes form at inner size k:
+ * Q4_CODE_ROWS, or 0 where it never does (INFER_Q4_CODES=0, AMX tiles, builds without the pair instruction). */
+int infer_q4_code_rows(int64_t k) {
+#if defined(HAVE_DOT_BF16)
+    return q4_codes_take(1, k) ? Q4_CODE_ROWS : 0;
+#else
+    (void)k;
     return 0;
 #endif
 }

@@ -266,6 +266,9 @@ class NativeKernels:
         lib.infer_packed_code_sums.argtypes = [ctypes.c_int, ctypes.c_int64]
         lib.infer_packed_code_sums.restype = ctypes.c_int
         self._code_sums = lib.infer_packed_code_sums
+        lib.infer_q4_code_rows.argtypes = [ctypes.c_int64]
+        lib.infer_q4_code_rows.restype = ctypes.c_int
+        self._q4_code_rows = lib.infer_q4_code_rows
         lib.infer_amx_takes.argtypes = [ctypes.c_int64]
         lib.infer_amx_takes.restype = ctypes.c_int
         self._amx_takes = lib.infer_amx_takes
@@ -401,6 +404,13 @@ class NativeKernels:
         in the codes form (q8 codes on AVX512-BF16 off AMX tiles, INFER_PACKED_CODE_SUMS not 0): each code exact as
         a bf16, each group's sum times its scale."""
         return bool(self._code_sums(QFORMATS[fmt], k))
+
+    def q4_code_rows(self, k: int) -> int:
+        """Up to how many rows of x `quantized_gemm_packed` multiplies q4 codes with inner size `k` in the codes
+        form (AVX512-BF16 off AMX tiles, INFER_Q4_CODES not 0: each code the exact bf16 1 + q / 16, each group's sum
+        times 16 scales, plus its min less 16 scales times x's group sum); 0 where it never does (the codes
+        dequantized to bf16 for every row count)."""
+        return int(self._q4_code_rows(k))
 
     def amx_takes(self, k: int) -> bool:
         """Whether packed products of inner size `k` run on AMX tiles (an Intel Xeon's AMX-BF16, granted by the
