@@ -508,7 +508,9 @@ class NativeKernels:
         of blocks dequantized once to bf16 in cache, then `gemm_bf16_packed`'s tiles (its values bit for bit, on the
         weight `dequantize(bf16)` gives); q8 codes where `code_sums` holds (AVX512-BF16) without rounding any
         weight: each code exact as a bf16 operand of the pair instruction, each group's sum times its scale added
-        into the total in group order by fused multiply-adds, then the bias, rounded once; codes in the channel
+        into the total in group order by fused multiply-adds, then the bias, rounded once; q4 codes (with mins) up
+        to `q4_code_rows` rows of x likewise: each code the exact operand 1 + q / 16, each group's sum times 16
+        scales plus its min less 16 scales times x's group sum, in group order, then the bias; codes in the channel
         form (`channel_codes`, AVX2) without rounding any weight to bf16: q8 each group's fp32 sum in order times
         its scale, summed over the groups in order; q4 the same up to 18 rows of x (three tiles), past them each
         weight's fp32 scale * code times x by fused multiply-adds over the row in order; then q4's each group's min
