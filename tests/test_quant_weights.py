@@ -27,6 +27,7 @@ from infer.kernels.native import FLAVOUR_NEEDS, FLAVOURS, native_kernels
 from infer.models.transformer import QuantizedEmbedding, QuantizedLinear
 from infer.quant_weights import (
     STORED_KINDS,
+    PackedCodes,
     QuantizedWeight,
     from_gguf,
     pack_codes,
@@ -827,17 +828,24 @@ def test_q8_codes_in_the_codes_form_are_the_unrounded_product_row_by_row(
     k = x.shape[1]
     assert kernels.code_sums(weight.unfactored().fmt, k)
     before, x_before = [t.clone() for t in weight.tensors()], x.clone()
-    packed = pack_codes(weight)
-    with on_threads(threads), env_set("INFER_BALANCE", balance):
-        got = kernels.quantized_gemm_packed(packed, x, bias)
-        alone = [kernels.quantized_gemm_packed(packed, x[j : j + 1], bias)[0] for j in range(m)]
-    with on_threads(1):
-        serial = kernels.quantized_gemm_packed(packed, x, bias)
+    got = product_row_by_row_and_on_one_thread(kernels, pack_codes(weight), x, bias, threads, balance)
     dense, magnitudes = unrounded_weight(weight)
     assert_within_rounding_of(got, x, dense, bias, f"{scheme}'s unrounded product", magnitudes)
-    assert all(torch.equal(got[j], alone[j]) for j in range(m)), "a row depends on the other rows of the call"
-    assert torch.equal(got, serial), "the threads' split moved a value"
     assert torch.equal(x, x_before) and all(torch.equal(a, b) for a, b in zip(weight.tensors(), before, strict=True))
+
+
+def product_row_by_row_and_on_one_thread(kernels: Any, packed: PackedCodes, x: torch.Tensor,
+                                         bias: torch.Tensor | None, threads: int, balance: str) -> torch.Tensor:
+    """`quantized_gemm_packed` of all of x's rows on `threads` (INFER_BALANCE `balance`), asserted equal, bit for bit,
+    to each row alone and to the product on one thread (no row depends on the others, nor on the threads' split)."""
+    with on_threads(threads), env_set("INFER_BALANCE", balance):
+        got = kernels.quantized_gemm_packed(packed, x, bias)
+        alone = [kernels.quantized_gemm_packed(packed, x[j : j + 1], bias)[0] for j in range(x.shape[0])]
+    with on_threads(1):
+        serial = kernels.quantized_gemm_packed(packed, x, bias)
+    assert all(torch.equal(got[j], alone[j]) for j in range(x.shape[0])), "a row depends on the other rows of the call"
+    assert torch.equal(got, serial), "the threads' split moved a value"
+    return got
 
 
 @pytest.mark.skipif(not CODE_SUMS, reason="the codes form of q8 codes is AVX512-BF16's (and needs a build)")
@@ -901,17 +909,11 @@ def test_q4_codes_in_the_codes_form_are_the_unrounded_product_row_by_row(
                 buffered = kernels.quantized_gemm_packed(packed, x, bias)
         assert torch.equal(got, buffered), "past 16 rows: not the dequantizing path's product"
         return
-    with on_threads(threads), env_set("INFER_BALANCE", balance):
-        got = kernels.quantized_gemm_packed(packed, x, bias)
-        alone = [kernels.quantized_gemm_packed(packed, x[j : j + 1], bias)[0] for j in range(m)]
-    with on_threads(1):
-        serial = kernels.quantized_gemm_packed(packed, x, bias)
+    got = product_row_by_row_and_on_one_thread(kernels, packed, x, bias, threads, balance)
     dense, magnitudes = unrounded_weight(weight)
     w = weight.unfactored()  # (each term of a group's sum is at most (16 + 15) |scale x|, plus the offset's)
     offsets = 32 * w.scales.double().abs().repeat_interleave(w.group, dim=1)
     assert_within_rounding_of(got, x, dense, bias, f"{scheme}'s unrounded product", magnitudes + offsets)
-    assert all(torch.equal(got[j], alone[j]) for j in range(m)), "a row depends on the other rows of the call"
-    assert torch.equal(got, serial), "the threads' split moved a value"
     assert torch.equal(x, x_before) and all(torch.equal(a, b) for a, b in zip(weight.tensors(), before, strict=True))
 
 
