@@ -811,7 +811,7 @@ Q8_SCHEMES = ["int8", "Q8_0", "Q6_K", "Q6_K-factored"]
        threads=st.integers(1, 3), balance=st.sampled_from(["1", "0"]), scheme=st.sampled_from(Q8_SCHEMES),
        seed=st.integers(0, 2**31), flavour=st.sampled_from(CODE_SUMS or ["native"]))
 @example(scheme="Q8_0", n=40, runs=4, m=11, with_bias=True, threads=2, balance="1", seed=3,
-         flavour=(CODE_SUMS or ["native"])[0])  # (9-12 rows: one tall tile a block, against each row's 1-row tile)
+         flavour=(CODE_SUMS or ["native"])[0])  # (9-16 rows: one tall tile a block, against each row's 1-row tile)
 @settings(max_examples=50, deadline=None)
 def test_q8_codes_in_the_codes_form_are_the_unrounded_product_row_by_row(
         scheme: str, n: int, runs: int, m: int, with_bias: bool, threads: int, balance: str, seed: int,
@@ -819,8 +819,8 @@ def test_q8_codes_in_the_codes_form_are_the_unrounded_product_row_by_row(
     """`quantized_gemm_packed` on q8 codes where `code_sums` holds (int8 per channel, GGUF's Q8_0 in groups of 32,
     Q6_K's in 16, factored scales): no weight rounded to bf16, so every output is within fp32 summation and one
     bf16 rounding of the quantized model's unrounded product (scale * q: what the dequantizing path misses by a bf16
-    rounding of each weight); each row bit for bit what it gives alone (up to 16 rows the codes widen in every
-    tile, 9-12 rows in one tall tile a block, past that once into a buffer: all give the same sums), whatever the
+    rounding of each weight); each row bit for bit what it gives alone (up to 8 rows the codes widen in the tile,
+    9-16 rows in one tall tile a block, past that once into a buffer: all give the same sums), whatever the
     threads and their split (last blocks part-filled); the weight and x are left as they were."""
     kernels = native_kernels(flavour)
     assert kernels is not None
@@ -855,7 +855,7 @@ def test_q8_codes_in_the_codes_form_are_exact_where_every_sum_is(m: int, group: 
     """Where no sum can round (small integer inputs, codes of 8 bits, power-of-two scales that differ by group and
     row, a bias of quarters: every partial sum well inside float32's 24 bits), the codes form's output is the exact
     product rounded once to bf16, bit for bit, for codes in one group and in several, rows widened in every tile
-    (of up to 8 rows, or one tall tile of 9-12) and through the buffer: the codes, the scales and the rows each reach
+    (of up to 8 rows, or one tall tile of 9-16) and through the buffer: the codes, the scales and the rows each reach
     the right output."""
     kernels = native_kernels(CODE_SUMS[0])
     assert kernels is not None

@@ -5377,15 +5377,18 @@ static int code_sums_take(int fmt, int64_t k) {
 
 #define CODE_ROWS PACK_ROWS /* (packed_tile_bf16's rows: the prefetch's share a pair is counted over its tiles) */
 #define CODE_TILES_IN_REGISTERS 2
-#define CODE_TALL_ROWS 12
+#define CODE_TALL_ROWS 16
 
-/* Whether m rows take one tall tile of CODE_TALL_ROWS rows by one block (codes_pass_as) instead of tiles of
- * CODE_ROWS rows by PACK_BLOCKS blocks: 9-12 rows, INFER_CODES_TALL not 0. Two tiles of 6 rows or fewer widened
- * each block's codes twice; the tall tile widens them once, its 12 sums and two pairs' codes in 14 registers (and
- * broadcasts each row's x once a block instead of once a pair of blocks). The same operations on each sum in the
- * same order: the same bits. The 12 layers' int8 products of a 150M Llama on a 2-core Zen 4, alternating in one
- * process (the host noisy): 9 rows 1.15x, 10 1.11x, 12 1.04-1.10x; at 13-16 rows (two fuller tiles) level or within
- * the noise either way (16 rows 0.97-1.03x by medians, the LM head's shape 0.95x), so those keep the two tiles. */
+/* Whether m rows take one tall tile of up to CODE_TALL_ROWS rows by one block (codes_pass_as) instead of tiles of
+ * CODE_ROWS rows by PACK_BLOCKS blocks: 9-16 rows, INFER_CODES_TALL not 0. Two tiles widened each block's codes
+ * twice; the tall tile widens them once (and broadcasts each row's x once a block instead of once a pair of blocks).
+ * The same operations on each sum in the same order: the same bits. The 12 layers' int8 products of a 150M Llama on
+ * a 2-core Zen 4, alternating in one process (the host noisy): 9 rows 1.15x, 10 1.11x, 12 1.04-1.10x. At 13-16 rows
+ * it was level at first (16 rows 0.97-1.03x by medians, the LM head's shape 0.95x), so those kept the two tiles; on
+ * 2026-12-04 (the 40 products of those shapes from DRAM, alternating in one process; an int8 LM head per 32 inputs,
+ * 32768 x 768) the tall tile ran 13 rows 1.11x / 1.12x, 14 1.08x / 1.06x, 16 1.06x / 1.07x, and the engine's int8
+ * decode steps at 16 requests 1.05x: 9-16 rows take it (q4's codes form had shown one tile of 16 rows by a block at
+ * least level with 8-row tiles). */
 static int codes_tall_takes(int64_t m) {
     return m > CODE_ROWS && m <= CODE_TALL_ROWS && switched_on("INFER_CODES_TALL");
 }
@@ -5527,6 +5530,7 @@ static inline __attribute__((always_inline)) void codes_pass_as(int one_group, i
                    pf, end, per_iter);                                                                        \
         break;
                 CODES_TALL(9) CODES_TALL(10) CODES_TALL(11) CODES_TALL(12)
+                CODES_TALL(13) CODES_TALL(14) CODES_TALL(15) CODES_TALL(16)
 #undef CODES_TALL
             }
             pf = end;
