@@ -5731,7 +5731,7 @@ static void bf16_group_sums(const uint16_t *x, int64_t k, int64_t group, int64_t
             const uint16_t *p = x + j * k + g * group;
             __m512 v = _mm512_setzero_ps();
             for (int64_t i = 0; i < group; i += 16)
-                v = _mm512_add_ps(v, bf16x16_widen(_mm256_loadu_si256((const __m256i *)(p + i))));
+                v = _mm512_add_ps(v, bf16x16_load(p + i));
             out[j * groups + g] = _mm512_reduce_add_ps(v);
         }
 }
