@@ -946,6 +946,34 @@ def test_q4_codes_in_the_codes_form_are_exact_where_every_sum_is(m: int, group: 
     assert torch.equal(dequantized, want), "the dequantizing path: not the exact product rounded once"
 
 
+@pytest.mark.skipif(not CODE_SUMS, reason="the codes form of q8 codes is AVX512-BF16's (and needs a build)")
+@given(n=st.integers(1, 60), runs=st.integers(1, 12), m=st.integers(1, 40), scheme=st.sampled_from(["int4", "Q8_0"]),
+       group=st.sampled_from([32, 64, 128]), threads=st.integers(1, 3), seed=st.integers(0, 2**31),
+       flavour=st.sampled_from(CODE_SUMS or ["native"]))
+@example(scheme="int4", n=40, runs=8, m=16, group=128, threads=2, seed=5, flavour=(CODE_SUMS or ["native"])[0])
+@settings(max_examples=40, deadline=None)
+def test_x_laid_out_in_registers_and_by_each_thread_gives_the_plain_layouts_bits(
+        scheme: str, n: int, runs: int, m: int, group: int, threads: int, seed: int, flavour: str) -> None:
+    """The codes tiles' x, laid out pair-major by 16 x 16 transposes in registers with q4's group sums added there
+    (INFER_PAIRS_IN_REGISTERS) and, up to 16 rows, by each thread into its own buffer (INFER_PAIRS_EACH_THREAD), gives
+    the plain layout's product bit for bit (a scalar copy a pair and row, the sums a row at a time, one buffer shared
+    after a barrier): q8 codes (tiles of 8 rows, the tall tile, past 16 rows) and q4 codes (the codes form up to 16
+    rows in groups of 32-128, the buffer past), every combination of the two switches, on 1-3 threads."""
+    kernels = native_kernels(flavour)
+    assert kernels is not None
+    weight, x, bias = bf16_product_case(scheme, n, runs, group, m, True, seed)
+    packed = pack_codes(weight)
+    got = {}
+    with on_threads(threads):
+        for registers in ("1", "0"):
+            for each in ("1", "0"):
+                with env_set("INFER_PAIRS_IN_REGISTERS", registers), env_set("INFER_PAIRS_EACH_THREAD", each):
+                    got[registers, each] = kernels.quantized_gemm_packed(packed, x, bias)
+    plain = got["0", "0"]
+    for switches, out in got.items():
+        assert torch.equal(out, plain), f"x laid out with {switches}: not the plain layout's bits"
+
+
 # Rows of x up to which q4 codes in the channel form sum as q8 codes do (cpu_decode.c's Q4_SUMS_ROWS: three tiles)
 Q4_GROUP_SUMS_ROWS = 18
 

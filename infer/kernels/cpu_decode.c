@@ -5428,10 +5428,13 @@ static int32_t *pair_major_buffer(int64_t len) {
     return kept;
 }
 
-/* Pairs q0 .. q1 - 1 of x [m, k]'s rows, in the tiles of at most `rows` that codes_pass splits them into, each tile
- * pair-major: the tile of rows j0 .. j0 + mr - 1 at out + j0 * k / 2, its row j0 + j's pair q at [q * mr + j]. */
-static void pair_major_tiles(const uint16_t *x, int64_t m, int64_t k, int rows, int64_t q0, int64_t q1,
-                             int32_t *out) {
+/* Pairs q0 .. q1 - 1 (multiples of 16) of x [m, k]'s rows, in the tiles of at most `rows` that codes_pass splits
+ * them into, each tile pair-major: the tile of rows j0 .. j0 + mr - 1 at out + j0 * k / 2, its row j0 + j's pair q at
+ * [q * mr + j]. With `sums` (q4's codes form: one tile, m <= 16) also each row's sum over each group of `group`
+ * inputs among them, in fp32: each pair's two inputs added, then the pairs in order; row j's group g at
+ * sums[g * m + j]. Pairs q0 .. q1 - 1 must then be whole groups. */
+static void pair_major_plain(const uint16_t *x, int64_t m, int64_t k, int rows, int64_t q0, int64_t q1,
+                             int32_t *out, int64_t group, float *sums) {
     int64_t tiles = (m + rows - 1) / rows, pairs = k / 2;
     for (int64_t t = 0, j0 = 0; t < tiles; t++) {
         int64_t mr = m / tiles + (t < m % tiles);
@@ -5439,6 +5442,78 @@ static void pair_major_tiles(const uint16_t *x, int64_t m, int64_t k, int rows, 
         const uint16_t *x0 = x + j0 * k;
         for (int64_t q = q0; q < q1; q++)
             for (int64_t j = 0; j < mr; j++) memcpy(o + q * mr + j, x0 + j * k + 2 * q, 4);
+        j0 += mr;
+    }
+    for (int64_t g = 2 * q0 / group; sums && g < 2 * q1 / group; g++)
+        for (int64_t j = 0; j < m; j++) {
+            float s = 0.f;
+            for (int64_t i = g * group; i < (g + 1) * group; i += 2)
+                s += bf16_to_f32(x[j * k + i]) + bf16_to_f32(x[j * k + i + 1]);
+            sums[g * m + j] = s;
+        }
+}
+
+/* 16 vectors of 16 int32 transposed in place: r[i]'s lane j becomes r[j]'s lane i. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* each r[i] now holds, in its 128-bit lane l, rows 4 (i / 4) .. + 3's inputs 4 l + i % 4: gather the lanes */
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+    }
+}
+
+/* pair_major_plain's layout and sums (the same bits), 16 pairs of up to 16 rows a time: each row's 16 pairs one
+ * 64-byte load, transposed in registers, each pair's rows one masked store; the group sums added in the transposed
+ * registers, a lane a row (a scalar copy a pair and row, and a horizontal sum a group and row, had cost a 16-row q4
+ * product of k = 1536 and 64 outputs a fifth of its time). INFER_PAIRS_IN_REGISTERS=0: pair_major_plain. */
+static void pair_major(const uint16_t *x, int64_t m, int64_t k, int rows, int64_t q0, int64_t q1, int32_t *out,
+                       int64_t group, float *sums) {
+    if (!switched_on("INFER_PAIRS_IN_REGISTERS")) {
+        pair_major_plain(x, m, k, rows, q0, q1, out, group, sums);
+        return;
+    }
+    int64_t tiles = (m + rows - 1) / rows, pairs = k / 2, blocks_a_group = sums ? group / 32 : 1;
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    for (int64_t t = 0, j0 = 0; t < tiles; t++) {
+        int mr = (int)(m / tiles + (t < m % tiles));
+        __mmask16 lanes = (__mmask16)((1u << mr) - 1);
+        int32_t *o = out + j0 * pairs;
+        const int32_t *x0 = (const int32_t *)x + j0 * pairs;
+        __m512 s = _mm512_setzero_ps();
+        for (int64_t q = q0, block = 0; q < q1; q += 16, block++) {
+            __m512i r[16];
+            for (int j = 0; j < 16; j++)
+                r[j] = j < mr ? _mm512_loadu_si512((const void *)(x0 + j * pairs + q)) : _mm512_setzero_si512();
+            transpose16(r);
+            for (int i = 0; i < 16; i++) _mm512_mask_storeu_epi32(o + (q + i) * mr, lanes, r[i]);
+            if (!sums) continue;
+            for (int i = 0; i < 16; i++) /* lane j: row j's pair q + i, its two inputs added */
+                s = _mm512_add_ps(s, _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(r[i], 16)),
+                                                   _mm512_castsi512_ps(_mm512_and_si512(r[i], high))));
+            if ((block + 1) % blocks_a_group == 0) {
+                _mm512_mask_storeu_ps(sums + ((2 * q + 32) / group - 1) * m, lanes, s);
+                s = _mm512_setzero_ps();
+            }
+        }
         j0 += mr;
     }
 }
@@ -5656,7 +5731,7 @@ static int q4_codes_take(int64_t m, int64_t k) {
     return m <= Q4_CODE_ROWS && switched_on("INFER_Q4_CODES") && !infer_amx_takes(k);
 }
 
-/* A tile of mr rows (`xt`: their pairs, pair-major; `xs`: their group sums, row j's at xs[j * groups]) against one
+/* A tile of mr rows (`xt`: their pairs, pair-major; `xs`: their group sums, row j's group g at xs[g * mr + j]) against one
  * block of q4 codes (`codes` at it; scales and mins [groups][16]), into y's columns c .. c + 15 (+ bias), masked past
  * n; `pf` .. `pf_end` prefetched meanwhile, `per_iter` lines a pair. */
 static inline __attribute__((always_inline)) void q4_codes_tile(int mr, const uint8_t *codes, int64_t pairs,
@@ -5686,7 +5761,7 @@ static inline __attribute__((always_inline)) void q4_codes_tile(int mr, const ui
         __m512 s = _mm512_loadu_ps(scales + g * 16), z = _mm512_loadu_ps(mins + g * 16);
         __m512 s16 = _mm512_mul_ps(s, sixteen), offset = _mm512_fnmadd_ps(s, sixteen, z); /* 16 s exact; min - 16 s */
         for (int j = 0; j < mr; j++) {
-            __m512 t = _mm512_fmadd_ps(offset, _mm512_set1_ps(xs[j * groups + g]), _mm512_mul_ps(acc[j], s16));
+            __m512 t = _mm512_fmadd_ps(offset, _mm512_set1_ps(xs[g * mr + j]), _mm512_mul_ps(acc[j], s16));
             _mm512_store_ps(held[j], g ? _mm512_add_ps(_mm512_load_ps(held[j]), t) : t);
         }
         __asm__ volatile("" ::: "memory"); /* (the totals stay in memory between groups) */
@@ -5720,20 +5795,6 @@ static void q4_codes_pass(const uint8_t *codes, int64_t block_bytes, int64_t pai
         }
         pf = end;
     }
-}
-
-/* Rows j0 .. j1 - 1 of x [m, k]'s sums over each group of `group` inputs into out [m][k / group]: 16 lanes summed
- * in input order, then the lanes. */
-static void bf16_group_sums(const uint16_t *x, int64_t k, int64_t group, int64_t j0, int64_t j1, float *out) {
-    int64_t groups = k / group;
-    for (int64_t j = j0; j < j1; j++)
-        for (int64_t g = 0; g < groups; g++) {
-            const uint16_t *p = x + j * k + g * group;
-            __m512 v = _mm512_setzero_ps();
-            for (int64_t i = 0; i < group; i += 16)
-                v = _mm512_add_ps(v, bf16x16_load(p + i));
-            out[j * groups + g] = _mm512_reduce_add_ps(v);
-        }
 }
 
 #elif defined(HAVE_PACKED_BF16)
@@ -5929,6 +5990,17 @@ static int codes_product_avx2(int fmt, const uint8_t *codes, const float *scales
 }
 #endif
 
+#if defined(HAVE_DOT_BF16)
+/* Whether each thread lays out all of x pair-major in its own buffer (m <= PAIRS_EACH_ROWS, INFER_PAIRS_EACH_THREAD
+ * not 0) rather than a share of its pairs into one buffer followed by a barrier: the tiles then read x from their own
+ * core's cache and no thread waits for the other's share (a decode step's x is 16 rows: twice a few microseconds'
+ * layout against a barrier and the other core's lines). The same values either way. Engine decode steps of 16
+ * requests, alternating in one process on a 2-core Zen 4: the 150M Llama in int4 1.02x, SmolLM2's Q4_1 1.03x.
+ * Prompt chunks (hundreds of rows) share the layout: their buffers would be megabytes per thread. */
+#define PAIRS_EACH_ROWS 16
+static int pairs_each_thread(int64_t m) { return m <= PAIRS_EACH_ROWS && switched_on("INFER_PAIRS_EACH_THREAD"); }
+#endif
+
 int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const float *mins, const uint16_t *x,
                        const uint16_t *bias, uint16_t *y, int64_t m, int64_t n, int64_t k, int64_t group, int threads) {
 #if defined(HAVE_DOT_BF16)
@@ -5953,24 +6025,36 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
     int tall = code_sums && codes_tall_takes(m); /* (decided once: x's layout and the tiles must agree) */
     int q4_codes = fmt == Q4 && mins && q4_codes_take(m, k); /* (with the codes form off, the tiles up to 8 rows) */
     int q4_tiles = fmt == Q4 && mins && !q4_codes && q4_tiles_take(m, k);
-    /* x pair-major, and for q4's codes form its group sums after it */
-    int32_t *xpairs = code_sums || q4_tiles || q4_codes ? pair_major_buffer(m * pairs + (q4_codes ? m * groups : 0))
-                                                        : NULL;
-    float *xsums = q4_codes && xpairs ? (float *)(xpairs + m * pairs) : NULL;
-    if ((code_sums || q4_tiles || q4_codes) && !xpairs) {
+    /* x pair-major, and for q4's codes form its group sums after it (pairs_each_thread: in each thread's buffer) */
+    int laid = code_sums || q4_tiles || q4_codes, each = laid && pairs_each_thread(m);
+    int64_t laid_len = m * pairs + (q4_codes ? m * groups : 0);
+    int32_t *xpairs = laid && !each ? pair_major_buffer(laid_len) : NULL;
+    if (laid && !each && !xpairs) {
         free(ranges);
         return -1;
     }
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int64_t tiles = (m + PACK_ROWS - 1) / PACK_ROWS;
-        if (code_sums || q4_tiles || q4_codes) { /* x pair-major for the code tiles, each thread a share of its pairs */
+        int32_t *xp = xpairs;
+        if (laid) {
             int tid = omp_get_thread_num(), nt = omp_get_num_threads();
             int tile_rows = q4_tiles ? PACK_ROWS : q4_codes ? Q4_CODE_ROWS : tall ? CODE_TALL_ROWS : CODE_ROWS;
-            pair_major_tiles(x, m, k, tile_rows, pairs * tid / nt, pairs * (tid + 1) / nt, xpairs);
-            if (q4_codes) bf16_group_sums(x, k, group, m * tid / nt, m * (tid + 1) / nt, xsums);
+            if (each) { /* all of x, into this thread's own buffer: no barrier */
+                xp = pair_major_buffer(laid_len);
+                if (xp)
+                    pair_major(x, m, k, tile_rows, 0, pairs, xp, group, q4_codes ? (float *)(xp + m * pairs) : NULL);
+                else
+#pragma omp atomic write
+                    failed = 1;
+            } else { /* a share of its pairs each (whole groups where sums are taken), then all of them wait */
+                int64_t unit = q4_codes ? group / 2 : 16, units = pairs / unit;
+                pair_major(x, m, k, tile_rows, units * tid / nt * unit, units * (tid + 1) / nt * unit, xpairs, group,
+                           q4_codes ? (float *)(xpairs + m * pairs) : NULL);
 #pragma omp barrier
+            }
         }
+        const float *xsums = q4_codes && xp ? (const float *)(xp + m * pairs) : NULL;
 #if defined(HAVE_AMX)
         if (amx) amx_configure();
 #endif
@@ -5982,7 +6066,7 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
         /* the next pair's codes, spread over this pair's iterations (a line per pair of each block's codes) */
         int64_t per_iter = (PACK_BLOCKS * block_bytes / 64 + tiles * pairs - 1) / (tiles * pairs);
         work_walk walk = work_start(ranges, nr, items, balance);
-        for (int64_t item; buf && (item = work_next(&walk)) >= 0;) {
+        for (int64_t item; buf && (!laid || xp) && (item = work_next(&walk)) >= 0;) {
             int64_t b = item * PACK_BLOCKS;
             int nb = blocks - b < PACK_BLOCKS ? (int)(blocks - b) : PACK_BLOCKS;
             int64_t from, to; /* the next pair along the walk */
@@ -5996,17 +6080,17 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
                     pb = buf;
                 }
                 codes_pass(tall, codes + b * block_bytes, pb, block_bytes, pairs, group, scales + b * groups * 16,
-                           xpairs, m, k, bias, y, n, b, nb, pf, pf_end, per_iter);
+                           xp, m, k, bias, y, n, b, nb, pf, pf_end, per_iter);
                 continue;
             }
             if (q4_codes) { /* (the codes form, above) */
                 q4_codes_pass(codes + b * block_bytes, block_bytes, pairs, group, scales + b * groups * 16,
-                              mins + b * groups * 16, xpairs, xsums, m, bias, y, n, b, nb, pf, pf_end, per_iter);
+                              mins + b * groups * 16, xp, xsums, m, bias, y, n, b, nb, pf, pf_end, per_iter);
                 continue;
             }
             if (q4_tiles) { /* (dequantized in the tiles, above) */
                 q4_pass(codes + b * block_bytes, block_bytes, pairs, group, scales + b * groups * 16,
-                        mins + b * groups * 16, xpairs, m, bias, y, n, b, nb, pf, pf_end, per_iter);
+                        mins + b * groups * 16, xp, m, bias, y, n, b, nb, pf, pf_end, per_iter);
                 continue;
             }
             for (int a = 0; a < nb; a++)
