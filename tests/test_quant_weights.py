@@ -951,6 +951,8 @@ def test_q4_codes_in_the_codes_form_are_exact_where_every_sum_is(m: int, group: 
        group=st.sampled_from([32, 64, 128]), threads=st.integers(1, 3), seed=st.integers(0, 2**31),
        flavour=st.sampled_from(CODE_SUMS or ["native"]))
 @example(scheme="int4", n=40, runs=8, m=16, group=128, threads=2, seed=5, flavour=(CODE_SUMS or ["native"])[0])
+@example(scheme="int4", n=20, runs=12, m=5, group=128, threads=2, seed=6,  # (the shared split: 96 of 192 pairs,
+         flavour=(CODE_SUMS or ["native"])[0])                           # not at a group's end)
 @settings(max_examples=40, deadline=None)
 def test_x_laid_out_in_registers_and_by_each_thread_gives_the_plain_layouts_bits(
         scheme: str, n: int, runs: int, m: int, group: int, threads: int, seed: int, flavour: str) -> None:
