@@ -5365,7 +5365,7 @@ static void dequant_block_packed(int fmt, const uint8_t *codes, const float *sca
  * path's, without its multiplies) and every tile reads them there (64 rows: level with the dequantizing path, 0.94x
  * widening in every tile). A tile is 8 rows by 2 blocks, as packed_tile_bf16's; codes in groups (GGUF's Q8_0, Q6_K)
  * keep their totals in L1 (16 more registers would spill the sums), touched once a group. x comes pair-major per
- * tile (pair_major_tiles): read by row, its 8 row pointers took the registers the loop needed, and gcc parked them
+ * tile (pair_major): read by row, its 8 row pointers took the registers the loop needed, and gcc parked them
  * in vector registers, a move a row a pair. q4 codes stay with the dequantizing path: their mins' term (each
  * group's min times x's group sum, fp32 lanes and a broadcast each) took ~10% of a tile, where the dequantizing folds
  * each min into its weights once a block; the form ran 1.03-1.06x at 16 rows, 0.80-0.86x at 64. */
@@ -5648,7 +5648,7 @@ static void codes_pass(int tall, const uint8_t *codes, const uint16_t *pb, int64
  * INFER_Q4_IN_TILES=0 the buffer above): the tile computes each pair's weights from the codes in registers by the
  * buffer's own q4_pairs (the scale, the code and the min in one fused multiply-add, rounded once to bf16) and
  * multiplies them as packed_tile_bf16 multiplies the buffer's: the same weights, the same sums in the same
- * order, the same bits. x comes pair-major (pair_major_tiles), as the q8 codes form's: the tile's rows from one
+ * order, the same bits. x comes pair-major (pair_major), as the q8 codes form's: the tile's rows from one
  * pointer (read by row, a 16-row tile's row pointers spilled). At the 40 products of a 150M Llama's decode-step
  * shapes (q4 codes from DRAM) on a 2-core Zen 4 EPYC, alternating: 2 rows 1.2-1.3x, 6 rows 1.13-1.18x, 8 rows 1.10-1.14x, 4 rows level; the engine's decode steps
  * at 8 requests 1.03-1.08x, at 4 1.02-1.10x. Past one tile each tile would dequantize the pair again (two tiles of 8
