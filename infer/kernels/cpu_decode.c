@@ -5731,9 +5731,9 @@ static int q4_codes_take(int64_t m, int64_t k) {
     return m <= Q4_CODE_ROWS && switched_on("INFER_Q4_CODES") && !infer_amx_takes(k);
 }
 
-/* A tile of mr rows (`xt`: their pairs, pair-major; `xs`: their group sums, row j's group g at xs[g * mr + j]) against one
- * block of q4 codes (`codes` at it; scales and mins [groups][16]), into y's columns c .. c + 15 (+ bias), masked past
- * n; `pf` .. `pf_end` prefetched meanwhile, `per_iter` lines a pair. */
+/* A tile of mr rows (`xt`: their pairs, pair-major; `xs`: their group sums, row j's group g at xs[g * mr + j])
+ * against one block of q4 codes (`codes` at it; scales and mins [groups][16]), into y's columns c .. c + 15 (+ bias),
+ * masked past n; `pf` .. `pf_end` prefetched meanwhile, `per_iter` lines a pair. */
 static inline __attribute__((always_inline)) void q4_codes_tile(int mr, const uint8_t *codes, int64_t pairs,
                                                                 int64_t group, const float *scales, const float *mins,
                                                                 const int32_t *xt, const float *xs,
