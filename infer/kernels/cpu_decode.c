@@ -6036,25 +6036,23 @@ int infer_qgemm_packed(int fmt, const uint8_t *codes, const float *scales, const
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int64_t tiles = (m + PACK_ROWS - 1) / PACK_ROWS;
-        int32_t *xp = xpairs;
+        int32_t *xp = each ? pair_major_buffer(laid_len) : xpairs; /* (each: this thread's own buffer) */
+        float *xsums = q4_codes && xp ? (float *)(xp + m * pairs) : NULL;
         if (laid) {
             int tid = omp_get_thread_num(), nt = omp_get_num_threads();
             int tile_rows = q4_tiles ? PACK_ROWS : q4_codes ? Q4_CODE_ROWS : tall ? CODE_TALL_ROWS : CODE_ROWS;
-            if (each) { /* all of x, into this thread's own buffer: no barrier */
-                xp = pair_major_buffer(laid_len);
-                if (xp)
-                    pair_major(x, m, k, tile_rows, 0, pairs, xp, group, q4_codes ? (float *)(xp + m * pairs) : NULL);
-                else
+            if (!xp) {
 #pragma omp atomic write
-                    failed = 1;
+                failed = 1;
+            } else if (each) { /* all of x, into this thread's own buffer: no barrier */
+                pair_major(x, m, k, tile_rows, 0, pairs, xp, group, xsums);
             } else { /* a share of its pairs each (whole groups where sums are taken), then all of them wait */
                 int64_t unit = q4_codes ? group / 2 : 16, units = pairs / unit;
-                pair_major(x, m, k, tile_rows, units * tid / nt * unit, units * (tid + 1) / nt * unit, xpairs, group,
-                           q4_codes ? (float *)(xpairs + m * pairs) : NULL);
+                pair_major(x, m, k, tile_rows, units * tid / nt * unit, units * (tid + 1) / nt * unit, xp, group,
+                           xsums);
 #pragma omp barrier
             }
         }
-        const float *xsums = q4_codes && xp ? (const float *)(xp + m * pairs) : NULL;
 #if defined(HAVE_AMX)
         if (amx) amx_configure();
 #endif
