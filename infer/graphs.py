@@ -23,7 +23,6 @@ requests' decode rows and an arriving prompt) pads to a row bucket like a decode
 
 from __future__ import annotations
 
-import array
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from infer.cache.contiguous import ContiguousCache
 from infer.cache.paged_quantized import QuantizedPagedPool, QuantizedPoolLayer
 from infer.errors import CacheFullError
 from infer.models import Transformer
-from infer.ragged import IN_PLACE_KERNELS, DecodeGroup, RaggedBatch, SeqChunk, padded_table
+from infer.ragged import IN_PLACE_KERNELS, DecodeGroup, RaggedBatch, SeqChunk, long_tensors, padded_table
 
 
 class GraphedDecoder:
@@ -236,7 +235,7 @@ class BatchedDecodeGraphs:
             shape = self._shape(key)
             if self.capture and shape.graph is None:
                 empty: list[list[SeqChunk]] = [[] for _ in self.spare]
-                shape.inputs.copy_(_long_tensor(self._input_values(key, [], empty)))
+                shape.inputs.copy_(long_tensors(self._input_values(key, [], empty))[0])
                 self._capture(shape)
         return len(batches) * len(widths)
 
@@ -250,7 +249,7 @@ class BatchedDecodeGraphs:
             return None
         shape = self._shape(key)
         values = self._input_values(key, token_ids, chunk_sets)
-        shape.inputs.copy_(_long_tensor(values))
+        shape.inputs.copy_(long_tensors(values)[0])
         if self.capture and shape.graph is None:
             self._capture(shape)
         if shape.graph is not None:
@@ -328,12 +327,6 @@ class BatchedDecodeGraphs:
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         shape.graph, shape.logits = capture_graph(lambda: self._forward(shape), self._mempool)
-
-
-def _long_tensor(values: list[int]) -> torch.Tensor:
-    """`values` as an int64 CPU tensor through an array's buffer: 3x faster than `torch.tensor` on a list (1.5
-    against 4.6 ms for a step's 35k values, 64 sequences at 512-block tables, on a Zen 3), the same values."""
-    return torch.frombuffer(array.array("q", values), dtype=torch.long) if values else torch.zeros(0, dtype=torch.long)
 
 
 def _layout(inputs: torch.Tensor, batch: int, width: int, num_sets: int, table_rows: int

@@ -23,14 +23,13 @@ from infer.graphs import (
     BATCH_BUCKETS,
     MIN_TABLE_WIDTH,
     GraphedDecoder,
-    _long_tensor,
     batch_bucket,
     graphed_decoder,
     table_width,
 )
 from infer.kernels import triton_available
 from infer.kernels.native import native_kernels
-from infer.ragged import SeqChunk
+from infer.ragged import SeqChunk, long_tensors
 from infer.sampling import SamplingParams
 from reference import build_checkpoint
 from tests.helpers import assert_close, random_model, solo_logits, tiny_config
@@ -132,10 +131,15 @@ def test_a_step_pads_to_the_smallest_bucket_that_holds_it(n: int, max_batch: int
     assert bucket <= max(n + 1, int(1.5 * n)) or bucket <= 8, "padding past 8 rows stays under 1.5x"
 
 
-@given(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=300))
-def test_step_inputs_reach_a_tensor_unchanged(values: list[int]) -> None:
-    """The graph step's fast list-to-tensor conversion (through an array's buffer) gives `torch.tensor`'s tensor."""
-    assert torch.equal(_long_tensor(values), torch.tensor(values, dtype=torch.long))
+@given(st.lists(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=300), min_size=1, max_size=6))
+def test_step_inputs_reach_a_tensor_unchanged(lists: list[list[int]]) -> None:
+    """The steps' fast list-to-tensor conversion (several lists through one array's buffer: the graph step's inputs,
+    a ragged batch's fields) gives `torch.tensor`'s tensor for each list, empty ones included."""
+    tensors = long_tensors(*lists)
+    assert len(tensors) == len(lists)
+    for values, tensor in zip(lists, tensors, strict=True):
+        assert tensor.dtype == torch.long and tensor.is_contiguous()
+        assert torch.equal(tensor, torch.tensor(values, dtype=torch.long))
 
 
 @given(blocks=st.integers(1, 5000), max_blocks=st.integers(1, 5000))
