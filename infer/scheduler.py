@@ -61,6 +61,15 @@ class Request:
         """Prompt then output tokens."""
         return self.prompt_ids + self.output_ids
 
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """`token_ids[start:stop]` (0 <= start <= stop), without building the whole list first."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n : stop - n]
+        if stop <= n:
+            return self.prompt_ids[start:stop]
+        return self.prompt_ids[start:] + self.output_ids[: stop - n]
+
 
 @dataclass(frozen=True)
 class ScheduledChunk:
@@ -191,12 +200,15 @@ class Scheduler:
     def computed(self, chunks: Sequence[ScheduledChunk]) -> None:
         """The forward of these chunks ran: their K/V are in the pool. Full blocks are registered for
         prefix sharing."""
+        size = self.blocks.block_size
         for chunk in chunks:
             request = self.requests.get(chunk.request_id)
             if request is None:
                 continue
             request.num_computed = chunk.start + chunk.num_tokens
-            if self.enable_prefix_caching:
+            # Only a chunk that fills a block has one to register: the blocks before its first token's are
+            # registered already (by the chunks before it, or found so at admission).
+            if self.enable_prefix_caching and request.num_computed // size > chunk.start // size:
                 self.blocks.register_full_blocks(request.request_id, request.token_ids[: request.num_computed])
 
     def discard(self, chunks: Sequence[ScheduledChunk]) -> None:

@@ -236,6 +236,45 @@ def test_shared_prompt_prefix_is_computed_once() -> None:
     assert sched.prefix_hit_tokens == 32 and sched.prefix_hit_rate == 32 / (18 + 17 + 18), "hits are summed"
 
 
+@given(prompt=st.lists(st.integers(0, 9), min_size=1, max_size=8), outputs=st.lists(st.integers(0, 9), max_size=8),
+       data=st.data())
+def test_a_requests_token_range_is_the_slice_of_its_tokens(prompt: list[int], outputs: list[int],
+                                                           data: st.DataObject) -> None:
+    """`Request.tokens(start, stop)` (what a step's chunks feed the forward) is `token_ids[start:stop]` wherever the
+    range lies: in the prompt, in the outputs, or across the prompt's end (a recomputed request's chunk)."""
+    request = Request(0, prompt, max_tokens=64, output_ids=list(outputs))
+    total = len(prompt) + len(outputs)
+    start = data.draw(st.integers(0, total), label="start")
+    stop = data.draw(st.integers(start, total), label="stop")
+    assert request.tokens(start, stop) == (prompt + outputs)[start:stop]
+
+
+@given(block_size=st.integers(1, 6), prompt_len=st.integers(1, 14), outputs=st.integers(1, 14),
+       budget=st.integers(1, 9))
+def test_blocks_filled_by_any_chunk_serve_later_prompts(block_size: int, prompt_len: int, outputs: int,
+                                                        budget: int) -> None:
+    """Every block a request's computed tokens fill is registered, whichever chunk filled it (a prompt chunk the
+    budget cut, or a decode step's one token): a later prompt extending the conversation (the prompt, the outputs,
+    one more token) finds all of them once the first has finished, as many as its own length leaves cached."""
+    manager = BlockManager(num_blocks=64, block_size=block_size)
+    sched = Scheduler(manager, max_num_seqs=2, max_num_batched_tokens=budget)
+    first = Request(0, list(range(100, 100 + prompt_len)), max_tokens=64)
+    sched.add(first)
+    while len(first.output_ids) < outputs:
+        plan = sched.schedule()
+        sched.computed(plan.chunks)
+        for c in plan.chunks:
+            if c.sample:
+                sched.append_token(c.request_id, 200 + len(first.output_ids))
+    computed = first.num_computed  # the last output is not computed yet
+    assert computed == prompt_len + outputs - 1
+    later = first.token_ids + [7]
+    sched.finish(0)  # (its blocks stay cached; the budget is the next request's)
+    sched.add(Request(1, later, max_tokens=64))
+    sched.schedule()
+    assert sched.requests[1].num_prefix_hit_tokens == min(computed // block_size * block_size, len(later) - 1)
+
+
 def test_every_copy_on_write_of_a_step_is_returned() -> None:
     """A prompt cached whole recomputes its last token into a private copy of the shared last block; the copy
     must reach the plan even when another request is admitted after it in the same step."""

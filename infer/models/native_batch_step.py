@@ -206,10 +206,12 @@ class NativeBatchStep:
         (`[N]` int64), `pools` each layer's K and V blocks or its layer of a quantized pool, `batches` each layer's
         batch (`describe_batch`; kept alive by the caller through the call)."""
         tokens, hidden = input_ids.shape[1], self.shape[3]
+        # (each layer type's tables and each batch addressed once: the layers share them)
+        tables = {layer_type: (cos.data_ptr(), sin.data_ptr()) for layer_type, (cos, sin) in rope.items()}
+        pointers = {id(batch): ctypes.pointer(batch) for batch in batches}
         for desc, layer_type, batch in zip(self.layers, self.layer_types, batches, strict=True):
-            cos, sin = rope[layer_type]
-            desc.cos, desc.sin = cos.data_ptr(), sin.data_ptr()
-            desc.batch = ctypes.pointer(batch)
+            desc.cos, desc.sin = tables[layer_type]
+            desc.batch = pointers[id(batch)]
         ends = BatchEnds() if self.embed_table is None else self.embed_table
         positions = positions.to(torch.int64).contiguous()  # (alive through the call)
         ends.final_norm, ends.positions = self.final_norm, positions.data_ptr()

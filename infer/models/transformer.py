@@ -1072,16 +1072,18 @@ class Transformer(nn.Module):
                 return None
         pools: list[tuple[torch.Tensor, torch.Tensor] | QuantizedPoolLayer] = []
         plans: dict[int, StepPlan | None] = {}  # id(batch) -> the quantized pool's plan where its layers read it
+        dtype = self.dtype  # (a module attribute read: once, not twice a layer)
         for batch, k_blocks, v_blocks in backend.layers:
             if isinstance(k_blocks, QuantizedPoolLayer):  # its staging rows, as its plan put them
                 plan = k_blocks.pool.plan
-                if k_blocks.pool.dtype != self.dtype or plan.write_slots is None:
+                if k_blocks.pool.dtype != dtype or plan.write_slots is None:
                     return None
                 pools.append(k_blocks)
-            elif all(isinstance(t, torch.Tensor) and t.dtype == self.dtype and t.is_contiguous()
-                     for t in (k_blocks, v_blocks)):
+            elif (isinstance(k_blocks, torch.Tensor) and isinstance(v_blocks, torch.Tensor)
+                  and k_blocks.dtype == dtype == v_blocks.dtype and k_blocks.is_contiguous()
+                  and v_blocks.is_contiguous()):
                 plan = None
-                pools.append((cast(torch.Tensor, k_blocks), cast(torch.Tensor, v_blocks)))
+                pools.append((k_blocks, v_blocks))
             else:
                 return None
             if plans.setdefault(id(batch), plan) is not plan:  # (a batch read by exact and quantized layers)
