@@ -473,3 +473,46 @@ def test_repacking_in_another_layout_drops_the_whole_step(monkeypatch: pytest.Mo
         while engine.has_unfinished():
             engine.step()
         assert bool(rows) == calls, f"packed in {layout}'s layout: whole-step calls {rows}"
+
+
+@pytest.mark.parametrize("kinds", [(None, "int8"), ("int8", "int4")], ids=["exact-int8", "int8-int4"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_engines_sharing_a_model_keep_their_own_pools_when_stepped_in_turn(arch: str, kinds: tuple[str | None, str],
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two engines over different pools (exact, int8 or int4 blocks; Gemma 3's rings beside them) sharing one model,
+    their steps taken in turn: every request's tokens and logits equal, bit for bit, those of its engine run alone (the
+    whole step keeps a pool's fixed addresses between steps, and must not keep them across another engine's step)."""
+    import infer
+    from infer.engine import Engine
+    from infer.sampling import SamplingParams
+    from reference import build_checkpoint
+
+    model = infer.load_model(build_checkpoint(arch), dtype="bfloat16")
+    rng = random.Random(arch)
+    prompts = [[rng.randrange(1, 300) for _ in range(n)] for n in (21, 9, 35)]
+
+    def start(kv: str | None) -> tuple[Engine, list[int]]:
+        engine = Engine(model, None, num_blocks=64, keep_logits=True, packed_products="native",
+                        decode_attention="native", kv_cache_dtype=kv)
+        return engine, [engine.add_request(p, SamplingParams(max_new_tokens=18, temperature=0.0)) for p in prompts]
+
+    def results(engine: Engine, ids: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
+        return [(engine.result(i).token_ids, engine.result(i).logits) for i in ids]
+
+    alone = {}
+    for kv in kinds:
+        engine, ids = start(kv)
+        while engine.has_unfinished():
+            engine.step()
+        alone[kv] = results(engine, ids)
+    rows = count_calls(monkeypatch)
+    started = {kv: start(kv) for kv in kinds}
+    while any(engine.has_unfinished() for engine, _ in started.values()):
+        for engine, _ in started.values():
+            if engine.has_unfinished():
+                engine.step()
+    assert len(rows) >= 2 * 10, "the engines' steps did not take the whole-step call"
+    for kv in kinds:
+        for (tokens, logits), (want_tokens, want_logits) in zip(results(*started[kv]), alone[kv], strict=True):
+            assert logits is not None and want_logits is not None
+            assert tokens == want_tokens and torch.equal(logits, want_logits), f"the {kv} pool's engine parted"

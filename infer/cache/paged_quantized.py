@@ -48,7 +48,7 @@ from infer.cache.paged import BLOCK_BOOKKEEPING_BYTES
 from infer.cache.quantized import DEFAULT_ROTATE_VALUES, SCHEMES
 from infer.config import ModelConfig
 from infer.errors import CacheFullError
-from infer.ragged import DecodeGroup, RaggedBatch, SeqChunk
+from infer.ragged import DecodeGroup, RaggedBatch, SeqChunk, long_tensors
 
 if TYPE_CHECKING:
     from infer.kernels.native import NativeKernels
@@ -246,13 +246,8 @@ class QuantizedPagedPool:
                 plan.sealed.append(block)
             elif fills:
                 plan.fill.append((slot, block))
-        device = self.device
-
-        def ints(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=device)
-
-        plan.fill_slots, plan.fill_blocks = ints([f[0] for f in plan.fill]), ints([f[1] for f in plan.fill])
-        plan.write_slots, plan.fresh_slots = ints(write_slots), ints(fresh)
+        plan.fill_slots, plan.fill_blocks, plan.write_slots, plan.fresh_slots = long_tensors(
+            [f[0] for f in plan.fill], [f[1] for f in plan.fill], write_slots, fresh, device=self.device)
         plan.writes, plan.fresh = write_slots, fresh
         self.plan = plan
         filled = {block for _, block in plan.fill}

@@ -30,6 +30,7 @@ off).
 from __future__ import annotations
 
 import ctypes
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
@@ -143,6 +144,9 @@ class NativeBatchStep:
                       config.intermediate_size)
         self.eps = config.rms_norm_eps
         self.rotation: tuple[torch.Tensor | None, torch.Tensor | None] | None = None  # a pool's, and its fp32 copy
+        # The quantized pool whose fixed addresses the layers hold (_describe_pools): the pool (weakly: an engine's pool
+        # goes with it), each layer's index in it (-1: exact) and the coded layers' indices as a column.
+        self.pool_described: tuple[weakref.ref[QuantizedPagedPool], tuple[int, ...], torch.Tensor] | None = None
         # The step's ends (BatchEnds): the final norm, and the embedding where it is a table of the model's dtype or a
         # quantized one the native dequantizer takes (else its rows come embedded from Python); Gemma's scale rounded
         # to the model's dtype first, as the per-op path's.
@@ -236,38 +240,57 @@ class NativeBatchStep:
         """Point each layer at its K and V blocks, or at its quantized pool layer's codes, scales, staging and this
         step's staging rows (the per-op path's `QuantizedPagedPool.stage_rows` of the plan's write and fresh slots,
         and of its fill slots where the call quantizes the filled blocks itself); returns those rows, the pool and the
-        filled blocks (None: no quantized layer)."""
+        filled blocks (None: no quantized layer). A pool's fixed addresses are set once while steps keep reading the
+        same pool in the same layers (`_describe_pool_layers`; ~100 tensor views a step less)."""
         coded = [p for p in pools if isinstance(p, QuantizedPoolLayer)]
         rows = None
         if coded:
             pool = coded[0].pool
-            plan, index = pool.plan, torch.tensor([p.layer for p in coded])[:, None]
+            plan = pool.plan
             if plan.write_slots is None:
                 raise ValueError("the quantized pool's step was not planned (QuantizedPagedPool.plan_step)")
+            layout = tuple(p.layer if isinstance(p, QuantizedPoolLayer) else -1 for p in pools)
+            kept = self.pool_described
+            if kept is None or kept[0]() is not pool or kept[1] != layout:
+                kept = self._describe_pool_layers(pools, pool, layout)
             # [coded layers, slots]; the filled blocks' rows only where the call quantizes them (native_quantizer)
             fills = plan.fill_slots if plan.quantizes and pool.quantizer is not None else plan.fill_slots[:0]
-            write, fresh, fill = (pool.stage_rows(slots, index).to(torch.int64).contiguous()
-                                  for slots in (plan.write_slots, plan.fresh_slots, fills))
+            slots = (plan.write_slots, plan.fresh_slots, fills)
+            staged = pool.stage_rows(torch.cat(slots), kept[2]).to(torch.int64).contiguous()
+            write, fresh, fill = staged.split([t.numel() for t in slots], dim=1)  # (a layer's row of each: contiguous)
             blocks = plan.fill_blocks[: fills.numel()].to(torch.int64).contiguous()
-            if self.rotation is None or self.rotation[0] is not pool.rotation:
-                self.rotation = (pool.rotation, None if pool.rotation is None else pool.rotation.float().contiguous())
             rows = (write, fresh, pool, fill, blocks)
-        rotation = None if self.rotation is None else self.rotation[1]
+        else:
+            self.pool_described = None  # (another engine's exact pool took the layers: described afresh next time)
         n = 0
         for desc, layer in zip(self.layers, pools, strict=True):
             if not isinstance(layer, QuantizedPoolLayer):
                 k_blocks, v_blocks = layer
                 desc.k_blocks, desc.v_blocks, desc.k_codes = k_blocks.data_ptr(), v_blocks.data_ptr(), None
                 continue
-            pool, i = layer.pool, layer.layer
+            desc.write_rows, desc.fresh_rows = write[n].data_ptr(), fresh[n].data_ptr()
+            desc.fill_rows, desc.fill_blocks, desc.n_fill = fill[n].data_ptr(), blocks.data_ptr(), blocks.numel()
+            n += 1
+        return rows
+
+    def _describe_pool_layers(self, pools: list[tuple[torch.Tensor, torch.Tensor] | QuantizedPoolLayer],
+                              pool: QuantizedPagedPool, layout: tuple[int, ...]
+                              ) -> tuple[weakref.ref[QuantizedPagedPool], tuple[int, ...], torch.Tensor]:
+        """The coded layers' fixed addresses in `pool` (its codes, scales, offsets, rotation, staging and persistent
+        blocks, which it never reallocates), kept as `pool_described`."""
+        if self.rotation is None or self.rotation[0] is not pool.rotation:
+            self.rotation = (pool.rotation, None if pool.rotation is None else pool.rotation.float().contiguous())
+        rotation = self.rotation[1]
+        for desc, i in zip(self.layers, layout, strict=True):
+            if i < 0:
+                continue
             desc.k_codes, desc.v_codes = pool.k_codes[i].data_ptr(), pool.v_codes[i].data_ptr()
             desc.k_scale, desc.v_scale = pool.k_scale[i].data_ptr(), pool.v_scale[i].data_ptr()
             desc.k_offset = pool.k_offset[i].data_ptr() if pool.key_offsets else None
             desc.rotation = None if rotation is None else rotation.data_ptr()
             desc.k_stage, desc.v_stage = pool.k_stage.data_ptr(), pool.v_stage.data_ptr()
             desc.k_blocks, desc.v_blocks = pool.k_persistent[i].data_ptr(), pool.v_persistent[i].data_ptr()
-            desc.write_rows, desc.fresh_rows = write[n].data_ptr(), fresh[n].data_ptr()
-            desc.fill_rows, desc.fill_blocks, desc.n_fill = fill[n].data_ptr(), blocks.data_ptr(), blocks.numel()
             desc.scheme, desc.num_blocks = QSCHEMES[pool.scheme], pool.num_blocks
-            n += 1
-        return rows
+        index = torch.tensor([i for i in layout if i >= 0])[:, None]
+        self.pool_described = (weakref.ref(pool), layout, index)
+        return self.pool_described
