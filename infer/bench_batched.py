@@ -20,7 +20,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -272,7 +272,9 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
         print(f"decode graphs: {pool['graph_steps']:.0f} steps replayed ({pool['graph_prompt_steps']:.0f} of them "
               f"with prompt tokens) from {pool['graph_shapes']:.0f} padded shapes, captured in "
               f"{pool['graph_capture_s']:.1f} s before the clock started")
-    roofline = None if args.no_roofline else report_roofline(model, work, engine_args, medians[0], limits)
+    quantized_runs = list(zip(args.kv_cache_dtype, medians[1 : 1 + len(args.kv_cache_dtype)], strict=True))
+    roofline = None if args.no_roofline else report_roofline(model, work, engine_args, medians[0], limits,
+                                                             quantized_runs)
     print("choices: " + "; ".join(f"{c.name}: {c.value}" for c in CHOICES.values()))
     if args.json:
         report = {"machine": machine_info(), "choices": [asdict(c) for c in CHOICES.values()],
@@ -302,11 +304,13 @@ def native_contender(model: Transformer) -> NativeKernels | None:
 
 
 def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: dict[str, Any], run: BatchedRun,
-                    samples: list[Limits] | None = None) -> dict[str, Any]:
+                    samples: list[Limits] | None = None, quantized: list[tuple[str, BatchedRun]] | None = None
+                    ) -> dict[str, Any]:
     """Print (and return for the JSON) the machine's limits, timed now and in `samples` (before the runs and between
     their trials): their median at each row count (the machine while the runs ran), the engine run's FLOPs and bytes
-    and its fraction of the roofline per phase, the median step's against the best timing too, and where a step's
-    time goes (a further run under timing hooks)."""
+    and its fraction of the roofline per phase, the median step's against the best timing too, each `quantized` pool's
+    run (its kind, its run) against its own roofline (its K/V read at its blocks' bytes), and where a step's time goes
+    (a further run under timing hooks)."""
     config, dtype = model.config, model.dtype
     budget = int(run.stats["token_budget"])  # (the engine's: the caller's or its measured choice)
     dtypes = limit_dtypes(model)
@@ -336,6 +340,12 @@ def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: d
           "rows (fraction_at_shape)")
     print(format_table(table, ["phase", "steps", "seconds", "gflop", "gb", "gflop_s", "gb_s", "roofline_s", "fraction",
                                "fraction_p50", "p50_vs_best", "fraction_at_shape", "step_p50_ms"]))
+    pools = quantized_pool_fractions(shape, limits, quantized or [])
+    if pools:
+        print("each quantized pool against its own roofline (its K/V at its blocks' bytes a K or V element, the exact "
+              f"pool's {shape.kv_elem_bytes:g}; staged blocks counted at the codes' size too: a tighter bound):")
+        print(format_table(pools, ["name", "kv_bytes_per_element", "phase", "steps", "seconds", "gb", "roofline_s",
+                                   "fraction", "fraction_p50", "fraction_at_shape", "step_p50_ms"]))
     profile = ForwardProfile()
     # The hooks synchronise the device around every op, which a CUDA graph capture forbids (and a replayed graph
     # would bypass): the profiled run steps op by op.
@@ -348,8 +358,26 @@ def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: d
     return {"matmul_flops_by_rows": limits.flops_by_rows, "matmul_dtypes": [str(d) for d in dtypes],
             "matmul_native_packed": native is not None, "read_bandwidth": bandwidth,
             "timings": [{"matmul_flops_by_rows": t.flops_by_rows, "read_bandwidth": t.bandwidth} for t in timings],
-            "phases": table,
+            "phases": table, "pools": pools,
             "profile": parts}
+
+
+def quantized_pool_fractions(shape: ModelShape, limits: Limits, runs: list[tuple[str, BatchedRun]]
+                             ) -> list[dict[str, float | str]]:
+    """Each quantized pool's run (its kind, its run) per phase against its own roofline: the same FLOPs and weights,
+    its K/V read at `QuantizedPagedPool.element_bytes` a K or V element."""
+    from infer.cache.paged_quantized import QuantizedPagedPool
+
+    rows: list[dict[str, float | str]] = []
+    for kind, run in runs:
+        element = QuantizedPagedPool.element_bytes(shape.config, kind, int(run.stats["block_size"]))
+        own = replace(shape, kv_elem_bytes=element)
+        rows += [{"name": run.name, "kv_bytes_per_element": element, "phase": p.phase, "steps": p.steps,
+                  "seconds": p.seconds, "gb": p.bytes / 1e9, "roofline_s": p.roofline_s, "fraction": p.fraction,
+                  "fraction_p50": p.fraction_p50, "fraction_at_shape": p.fraction_at_shape,
+                  "step_p50_ms": median_step_ms(run.trace, p.phase) if p.phase != "all" else 0.0}
+                 for p in summarize_phases(run.trace, own, limits)]
+    return rows
 
 
 def mean_length(work: list[BatchRequest]) -> float:

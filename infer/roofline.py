@@ -82,10 +82,10 @@ class ModelShape:
     config: ModelConfig
     layer_weight_bytes: int
     head_weight_bytes: int
-    kv_elem_bytes: int
+    kv_elem_bytes: float  # (a quantized pool's: its codes and their scales, per element)
 
     @classmethod
-    def of(cls, model: nn.Module, kv_elem_bytes: int) -> ModelShape:
+    def of(cls, model: nn.Module, kv_elem_bytes: float) -> ModelShape:
         """The shape of a loaded model (its projections' storage as it is: dense or quantized)."""
         stored = [*model.named_parameters(), *model.named_buffers()]
         layers = sum(t.nbytes for name, t in stored if name.startswith("layers."))

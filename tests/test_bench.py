@@ -126,6 +126,37 @@ def test_the_batched_bench_times_the_limits_before_between_and_after_its_runs(tm
         assert phase["p50_vs_best"] == pytest.approx(phase["fraction_p50"] * 4 / 7, rel=1e-9)
 
 
+def test_each_quantized_pool_is_read_against_its_own_roofline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench --batched --kv-cache-dtype int8,int4` with the roofline: each quantized pool's run per phase against a
+    roofline whose K/V bytes are its blocks' (the pool's layout: a code a K or V element, 1 byte for int8 and half for
+    int4, a bf16 scale per key channel of a block (and for 4-bit codes an offset), a bf16 scale per value row), so it
+    reads fewer bytes than the exact pool over the same steps, and its fraction is its roofline over its own time."""
+    import infer.bench_batched as bench_batched
+    from infer.roofline import Limits
+
+    monkeypatch.setattr(bench_batched, "machine_limits",
+                        lambda model, max_rows: Limits({r: 1e9 * r for r in (1, 16, max_rows)}, 1e9))
+    out = tmp_path / "pool_roofline.json"
+    argv = ["bench", "--batched", "--model", str(build_checkpoint("llama")), "--requests", "3",
+            "--batched-prompt-lens", "3-20", "--batched-new-tokens", "2-5", "--kv-cache-dtype", "int8,int4",
+            "--cache-memory", "4", "--no-one-by-one", "--trials", "1", "--json", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    roofline, config = report["roofline"], json.loads((build_checkpoint("llama") / "config.json").read_text())
+    d = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    bs = int(report["engine_stats"]["block_size"])
+    per_element = {"infer engine[int8]": (2 * bs * d * 1 + (d + bs) * 2) / (2 * bs * d),
+                   "infer engine[int4]": (2 * bs * d // 2 + (2 * d + bs) * 2) / (2 * bs * d)}
+    exact = {row["phase"]: row for row in roofline["phases"]}
+    assert {row["name"] for row in roofline["pools"]} == set(per_element)
+    for row in roofline["pools"]:
+        assert row["kv_bytes_per_element"] == pytest.approx(per_element[row["name"]], rel=1e-12)
+        same = exact[row["phase"]]
+        assert row["steps"] == same["steps"], "the pools in the same memory and limits ran the same steps"
+        assert row["gb"] < same["gb"], "a quantized pool reads fewer K/V bytes than the exact one over the same steps"
+        assert row["fraction"] == pytest.approx(row["roofline_s"] / row["seconds"], rel=1e-9)
+
+
 def test_the_pool_kinds_report_requests_per_gib_and_the_latency_they_served_at() -> None:
     """`pool_row`: the requests of the workload's mean length a pool holds (whole blocks each), per GiB of pool, and
     the median request's time per output token after its first; requests of one token have no such time."""

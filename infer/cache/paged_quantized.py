@@ -165,6 +165,13 @@ class QuantizedPagedPool:
         scales = (key_rows * config.head_dim + block_size) * quant.SCALE_DTYPE.itemsize
         return num_layers * config.num_key_value_heads * (2 * codes + scales)
 
+    @staticmethod
+    def element_bytes(config: ModelConfig, scheme: str, block_size: int) -> float:
+        """Bytes a full block takes per K or V element (`block_bytes` over its elements): what a step reads of the
+        pool per key and value it attends to (the roofline's K/V bytes for this pool)."""
+        elements = 2 * config.num_key_value_heads * block_size * config.head_dim
+        return QuantizedPagedPool.block_bytes(config, scheme, block_size, 1) / elements
+
     @property
     def device(self) -> torch.device:
         """Where the tensors live."""
