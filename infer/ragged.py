@@ -185,7 +185,7 @@ def _decode_group(chunks: Sequence[SeqChunk], rows: Sequence[int], block_size: i
     nb = max(-(-n // block_size) - f for n, f in zip(lengths, firsts, strict=True))
     tables = [padded_table(chunk.block_table[first : -(-n // block_size)], nb)
               for chunk, n, first in zip(chunks, lengths, firsts, strict=True)]
-    rows_t, flat, lens, key_starts = long_tensors(rows, list(itertools.chain.from_iterable(tables)), lengths,
+    rows_t, flat, lens, key_starts = long_tensors(rows, [b for table in tables for b in table], lengths,
                                                   [f * block_size for f in firsts], device=device)
     masks: dict[int | None, torch.Tensor] = {}
     if kernel not in ("triton", "native"):  # the kernels mask by length and window themselves

@@ -209,7 +209,7 @@ class Scheduler:
             # Only a chunk that fills a block has one to register: the blocks before its first token's are
             # registered already (by the chunks before it, or found so at admission).
             if self.enable_prefix_caching and request.num_computed // size > chunk.start // size:
-                self.blocks.register_full_blocks(request.request_id, request.token_ids[: request.num_computed])
+                self.blocks.register_full_blocks(request.request_id, request.tokens(0, request.num_computed))
 
     def discard(self, chunks: Sequence[ScheduledChunk]) -> None:
         """The forward of these chunks did not run (an exception): give back the slots they took."""

@@ -212,7 +212,7 @@ class NativeBatchStep:
         tokens, hidden = input_ids.shape[1], self.shape[3]
         # (each layer type's tables and each batch addressed once: the layers share them)
         tables = {layer_type: (cos.data_ptr(), sin.data_ptr()) for layer_type, (cos, sin) in rope.items()}
-        pointers = {id(batch): ctypes.pointer(batch) for batch in batches}
+        pointers = {key: ctypes.pointer(batch) for key, batch in {id(b): b for b in batches}.items()}
         for desc, layer_type, batch in zip(self.layers, self.layer_types, batches, strict=True):
             desc.cos, desc.sin = tables[layer_type]
             desc.batch = pointers[id(batch)]
