@@ -34,7 +34,9 @@ needs_build = pytest.mark.skipif(native_kernels() is None, reason=f"no native bu
 # head at a time or into several at once.
 TILE_FORMS = [{"INFER_QATTN_AVX2_TILES": "1"},
               {"INFER_QATTN_AVX2_TILES": "0", "INFER_QATTN_VALUE_HEADS": "0"},
-              {"INFER_QATTN_AVX2_TILES": "0", "INFER_QATTN_VALUE_HEADS": "1"}]
+              {"INFER_QATTN_AVX2_TILES": "0", "INFER_QATTN_VALUE_HEADS": "1"},
+              # several heads' value sums over codes through a decoded tile, not widened in registers
+              {"INFER_QATTN_AVX2_TILES": "0", "INFER_QATTN_VALUE_HEADS": "1", "INFER_QATTN_VALUE_REGISTERS": "0"}]
 
 
 @st.composite
@@ -331,6 +333,28 @@ def check_pool_kernel(p: dict[str, Any], kernel: str, fp32_ulp: float, half_ulp:
         ulp = fp32_ulp if p["dtype"] == torch.float32 else half_ulp
         assert_close(out[b].float(), expected, ulp * max(1.0, expected.abs().max().item()) + 1e-6,
                      f"{kernel} {p} seq {b}")
+
+
+@needs_build
+@pytest.mark.parametrize("flavour", FLAVOURS_HERE or ["native"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "fp4"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("groups", [1, 2, 3, 4, 5])
+def test_a_quantized_pool_read_in_place_is_the_formula_for_every_pass_of_heads(flavour: str, scheme: str,
+                                                                               head_dim: int, groups: int) -> None:
+    """The paged kernel over a pool of codes (every older block codes, the newest staged), query heads per KV head
+    1-5: every split of a KV head's value sums into passes (4 heads at once at head size 64, 2 at 128, then the
+    rest), their rows of codes widened in registers as they are summed (the default where several heads go at once)
+    and through a decoded tile (check_pool_kernel's forms: the same bits), blocks of 32 keys (two tiles a block,
+    each with its own rows' scales) and lengths whole tiles and not; against the formula. Every flavour this CPU
+    runs (the pool's kernels are the flavour's)."""
+    p = {"scheme": scheme, "kv_heads": 2, "heads": 2 * groups, "head_dim": head_dim, "block_size": 32,
+         "lengths": [1, 37, 80], "cut": False, "window": None, "softcap": None, "staged": 0.0, "tiles": True,
+         "dtype": torch.float32 if groups % 2 else torch.bfloat16, "seed": head_dim + groups}
+    kernels = native_kernels(flavour)
+    assert kernels is not None
+    with mock.patch.object(native, "native_kernels", lambda *args: kernels):
+        check_pool_kernel(p, "native", 1e-5, 2.0**-8, "cpu")
 
 
 @needs_build

@@ -1847,22 +1847,40 @@ static inline void add_value_row(int coded, int fast, const float *row, const fl
     }
 }
 
+/* One value row's nv vectors `v` into `heads` query heads' sums `a` (registers) with weights sc[(g0 + g) * n + t] *
+ * rs, a zero weight's row skipped. */
+static inline __attribute__((always_inline)) void row_into_heads(const qv16 *v, const float *sc, float rs, qv16 *a,
+                                                                int64_t g0, const int heads, int64_t n, int64_t t,
+                                                                const int64_t nv) {
+    for (int g = 0; g < heads; g++) {
+        float w = sc[(g0 + g) * n + t] * rs;
+        if (w == 0.f) continue;
+        for (int64_t c = 0; c < nv; c++) a[g * nv + c] += w * v[c];
+    }
+}
+
 /* Up to 16 value rows already in `tile` (fp32, [rows][d], decoded in the permuted order where they are codes on
  * the fast path) into every query head's sums at once, weights sc[g * n + t + r] * rs[r]: each head's d sums stay in
  * registers across the rows, where one row at a time (add_value_row) loaded, added and stored them again per row.
- * The same products summed in the same order. Needs d % 16 == 0 and d <= 256. */
-static inline __attribute__((always_inline)) void value_tile_heads(const qv16 *tv, const float *sc, const float *rs,
+ * The same products summed in the same order. Needs d % 16 == 0 and d <= 256. Where `codes` is set, its rows
+ * (`dp` bytes apart) are widened in registers as they are summed instead (widen: the values decode_row would store
+ * in the tile, so the same bits), with no tile written and read back (an int8 or int4 pool's decode attention 7%
+ * faster at 512 keys on a 2-core Zen 4); head sizes 64 and 128. */
+static inline __attribute__((always_inline)) void value_tile_heads(const qv16 *tv, const uint8_t *codes, int scheme,
+                                                                  int64_t dp, const float *sc, const float *rs,
                                                                   qv16 *sums, int64_t g0, const int heads, int64_t n,
                                                                   int64_t t, int64_t rows, const int64_t nv) {
     qv16 a[16];
     for (int g = 0; g < heads; g++)
         for (int64_t c = 0; c < nv; c++) a[g * nv + c] = sums[(g0 + g) * nv + c];
-    for (int64_t r = 0; r < rows; r++)
-        for (int g = 0; g < heads; g++) {
-            float w = sc[(g0 + g) * n + t + r] * rs[r];
-            if (w == 0.f) continue;
-            for (int64_t c = 0; c < nv; c++) a[g * nv + c] += w * tv[r * nv + c];
+    if (codes)
+        for (int64_t r = 0; r < rows; r++) {
+            qv16 v[8];
+            for (int64_t c = 0; c < nv / 2 && c < 4; c++) widen(scheme, codes + r * dp, c, &v[2 * c], &v[2 * c + 1]);
+            row_into_heads(v, sc, rs[r], a, g0, heads, n, t + r, nv);
         }
+    else
+        for (int64_t r = 0; r < rows; r++) row_into_heads(tv + r * nv, sc, rs[r], a, g0, heads, n, t + r, nv);
     for (int g = 0; g < heads; g++)
         for (int64_t c = 0; c < nv; c++) sums[(g0 + g) * nv + c] = a[g * nv + c];
 }
@@ -1904,9 +1922,12 @@ static inline void value_tile_avx2(const float *tile, const float *sc, const flo
 #endif
 
 /* Up to 16 rows of a tile into every query head's sums: by value_tile_avx2 where `avx2` (qattn_avx2_tiles), else
- * value_tile_heads, several heads at once or one (`several`: qattn_value_heads). The same bits every way. */
-static inline void add_value_tile(const float *tile, const float *sc, const float *rs, float *sums, int64_t groups,
-                                  int64_t n, int64_t t, int64_t rows, int64_t d, int several, int avx2) {
+ * value_tile_heads, several heads at once or one (`several`: qattn_value_heads). The same bits every way. `codes`
+ * (NULL: none): the rows as codes of `scheme`, `dp` bytes apart, in place of the tile (several heads at once, head
+ * size 64 or 128, not AVX2's tiles: qattn_paged's value_registers). */
+static inline void add_value_tile(const float *tile, const uint8_t *codes, int scheme, int64_t dp, const float *sc,
+                                  const float *rs, float *sums, int64_t groups, int64_t n, int64_t t, int64_t rows,
+                                  int64_t d, int several, int avx2) {
 #if defined(HAVE_AVX2_ROWS)
     if (avx2) {
         value_tile_avx2(tile, sc, rs, sums, groups, n, t, rows, d);
@@ -1922,18 +1943,18 @@ static inline void add_value_tile(const float *tile, const float *sc, const floa
     if (several && nv == 4)
         for (; g < groups; g += 4) {
             int64_t left = groups - g;
-            if (left >= 4) value_tile_heads(tv, sc, rs, out, g, 4, n, t, rows, 4);
-            else if (left == 3) value_tile_heads(tv, sc, rs, out, g, 3, n, t, rows, 4);
-            else if (left == 2) value_tile_heads(tv, sc, rs, out, g, 2, n, t, rows, 4);
-            else value_tile_heads(tv, sc, rs, out, g, 1, n, t, rows, 4);
+            if (left >= 4) value_tile_heads(tv, codes, scheme, dp, sc, rs, out, g, 4, n, t, rows, 4);
+            else if (left == 3) value_tile_heads(tv, codes, scheme, dp, sc, rs, out, g, 3, n, t, rows, 4);
+            else if (left == 2) value_tile_heads(tv, codes, scheme, dp, sc, rs, out, g, 2, n, t, rows, 4);
+            else value_tile_heads(tv, codes, scheme, dp, sc, rs, out, g, 1, n, t, rows, 4);
         }
     else if (several && nv == 8)
         for (; g < groups; g += 2) {
-            if (groups - g >= 2) value_tile_heads(tv, sc, rs, out, g, 2, n, t, rows, 8);
-            else value_tile_heads(tv, sc, rs, out, g, 1, n, t, rows, 8);
+            if (groups - g >= 2) value_tile_heads(tv, codes, scheme, dp, sc, rs, out, g, 2, n, t, rows, 8);
+            else value_tile_heads(tv, codes, scheme, dp, sc, rs, out, g, 1, n, t, rows, 8);
         }
     else
-        for (; g < groups; g++) value_tile_heads(tv, sc, rs, out, g, 1, n, t, rows, nv);
+        for (; g < groups; g++) value_tile_heads(tv, NULL, scheme, dp, sc, rs, out, g, 1, n, t, rows, nv);
 }
 
 /* acc[0 .. 16 nv) += sum_j x[j] * rot[j * d + 0 .. 16 nv) in order of j (rows j with x[j] = 0 skipped), the sums
@@ -1991,6 +2012,10 @@ static void finish_heads(int dtype, int scheme, int fast, const float *v_rot, co
         store_row(dtype, acc + g * d, (char *)out + (first + g) * d * (dtype == F32 ? 4 : 2), d);
     }
 }
+
+/* INFER_QATTN_VALUE_REGISTERS=0: a tile of value codes decoded into memory, then summed (add_value_tile), where by
+ * default each row is widened in registers as it is summed (value_tile_heads with its codes): the same bits. */
+static int qattn_value_registers(void) { return switched_on("INFER_QATTN_VALUE_REGISTERS"); }
 
 /* INFER_QATTN_TILES=0 scores one key at a time (the plain path, kept as the tiles' check). */
 static int qattn_tiles(void) { return switched_on("INFER_QATTN_TILES"); }
@@ -2129,7 +2154,7 @@ int infer_qattn(int dtype, int scheme, int channel_keys, const void *q, const vo
                         load_row(dtype, vr + ((t + k - ns) % vring) * d * esize, dst, d);
                     }
                 }
-                add_value_tile(tile, sc, rs, coded ? accp : acc, groups, n, t, rt, d, several, avx2);
+                add_value_tile(tile, NULL, scheme, dp, sc, rs, coded ? accp : acc, groups, n, t, rt, d, several, avx2);
                 t += rt;
             }
             for (int64_t t = 0; !(fast && tiles && d <= 256) && t < n; t++) {
@@ -2169,7 +2194,22 @@ typedef struct {
     int64_t nb, bs, num_blocks, stage_bytes, code_bytes, kv_heads, hs, items, end; /* bytes: one head's rows */
     int64_t item, j, phase, off; /* where the prefetches have reached: item, block, keys (0) or values (1), byte */
     const unsigned char *skip;   /* rows another kernel attends (NULL: none), not read */
+    /* a block of codes' own rows beside them: keys' channel scales and offsets [N, Hkv, d], values' row scales
+     * [N, Hkv, bs] (bf16; NULL: none), prefetched with the block's first bytes (INFER_KV_STREAM_SCALES=0: not) */
+    const uint16_t *ks, *ko, *vs;
+    int64_t d;
 } kv_stream;
+
+/* Where the stream prefetches a block of codes' scales (and offsets) too: on unless INFER_KV_STREAM_SCALES=0. */
+static int kv_stream_scales(void) { return switched_on("INFER_KV_STREAM_SCALES"); }
+
+/* hs heads' side rows of `n` bf16 values each from row (id, h0) of `rows`, prefetched (a no-op for NULL). */
+static inline void prefetch_side_rows(const uint16_t *rows, int64_t id, int64_t kv_heads, int64_t h0, int64_t hs,
+                                      int64_t n) {
+    if (!rows) return;
+    const char *p = (const char *)(rows + (id * kv_heads + h0) * n);
+    for (int64_t off = 0; off < 2 * hs * n; off += 64) __builtin_prefetch(p + off, 0, 2);
+}
 
 /* One KV head's bytes of block `id`: what the reader advances the stream by for each head it reads. */
 static inline int64_t kv_stream_bytes(const kv_stream *s, int64_t id) {
@@ -2193,6 +2233,14 @@ static inline void kv_stream_ahead(kv_stream *s, int64_t bytes) {
         const char *p = id >= s->num_blocks
                             ? (s->phase ? s->v : s->k) + ((id - s->num_blocks) * s->kv_heads + h0) * head
                             : (s->phase ? s->vc : s->kc) + (id * s->kv_heads + h0) * head;
+        if (s->off == 0 && id < s->num_blocks) {
+            if (s->phase == 0) {
+                prefetch_side_rows(s->ks, id, s->kv_heads, h0, s->hs, s->d);
+                prefetch_side_rows(s->ko, id, s->kv_heads, h0, s->hs, s->d);
+            } else {
+                prefetch_side_rows(s->vs, id, s->kv_heads, h0, s->hs, s->bs);
+            }
+        }
         for (; s->off < size && bytes > 0; s->off += 64, bytes -= 64) __builtin_prefetch(p + s->off, 0, 2);
         if (s->off >= size) s->off = 0, s->j++;
     }
@@ -2515,7 +2563,7 @@ static int64_t chunk_runs(const int64_t *tables, const int64_t *lengths, const i
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 typedef struct {
-    int dtype, scheme, fast, tiles, split, several, avx2;
+    int dtype, scheme, fast, tiles, split, several, avx2, value_registers;
     const uint8_t *k_codes, *v_codes;
     const uint16_t *k_scale, *v_scale, *k_offset;
     const char *k_stage, *v_stage;
@@ -2607,6 +2655,7 @@ static inline void block_values(const qattn_pool *P, const qattn_scratch *w, int
         for (; r < rows; r += 16) {
             int64_t rt = rows - r < 16 ? rows - r : 16;
             float own[16], *rs = own, *tile = w->tile;
+            const uint8_t *in_place = NULL;
             if (coded && shared) {
                 if (shared->src != codes + r * dp)
                     for (int64_t k = 0; k < 16 && r + k < bs; k++) {
@@ -2615,6 +2664,9 @@ static inline void block_values(const qattn_pool *P, const qattn_scratch *w, int
                     }
                 shared->src = codes + r * dp;
                 tile = shared->tile, rs = shared->rs;
+            } else if (coded && P->value_registers) { /* no tile: the codes widened as they are summed */
+                for (int64_t k = 0; k < rt; k++) rs[k] = bf16_to_f32(vsc[r + k]);
+                in_place = codes + r * dp;
             } else {
                 for (int64_t k = 0; k < rt; k++) {
                     rs[k] = 1.f;
@@ -2626,7 +2678,8 @@ static inline void block_values(const qattn_pool *P, const qattn_scratch *w, int
                     }
                 }
             }
-            add_value_tile(tile, sch, rs, coded ? accph : acch, groups, n, t0 + r, rt, d, P->several, P->avx2);
+            add_value_tile(tile, in_place, P->scheme, dp, sch, rs, coded ? accph : acch, groups, n, t0 + r, rt, d,
+                           P->several, P->avx2);
         }
     for (; r < rows; r++) {
         float rs = 1.f;
@@ -2757,6 +2810,12 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
     int64_t esize = dtype == F32 ? 4 : 2, groups = heads / kv_heads;
     int64_t dp = scheme == Q_INT8 ? d : d / 2, nmax = 1;
     int fast = d % 32 == 0, tiles = qattn_tiles(), several = qattn_value_heads(), avx2 = qattn_avx2_tiles();
+    int side = k_codes && kv_stream_scales();
+    /* value codes widened in registers where the tiles would sum several heads at once (not AVX2's register tiles) */
+    int value_registers = fast && tiles && several && (d == 64 || d == 128) && qattn_value_registers();
+#if defined(HAVE_AVX2_ROWS)
+    value_registers = value_registers && !avx2;
+#endif
     /* bf16 exact rows widened in registers as they are read (bf16_halves), where the plain tiles copy them */
     int split = tiles && dtype == BF16 && (d == 64 || d == 128);
     /* KV heads per work item: a sequence's every head, block by block, where there are sequences enough for the
@@ -2766,8 +2825,8 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
     int64_t hs = batch >= 2 * threads && !scratch && qattn_heads_at_once() ? kv_heads : 1, items = kv_heads / hs;
     for (int64_t b = 0; b < batch; b++)
         if (lengths[b] - starts[b] > nmax) nmax = lengths[b] - starts[b];
-    qattn_pool P = {dtype, scheme, fast, tiles, split, several, avx2, k_codes, v_codes, k_scale, v_scale, k_offset,
-                    (const char *)k_stage, (const char *)v_stage, kv_heads, groups, d, dp, bs, esize, num_blocks,
+    qattn_pool P = {dtype, scheme, fast, tiles, split, several, avx2, value_registers, k_codes, v_codes, k_scale,
+                    v_scale, k_offset, (const char *)k_stage, (const char *)v_stage, kv_heads, groups, d, dp, bs, esize, num_blocks,
                     scale};
     int failed = 0;
     unsigned char *done = NULL; /* rows of prompt chunks taken on AMX tiles, or as runs (qattn_run_all) */
@@ -2824,7 +2883,8 @@ static int qattn_paged(int dtype, int scheme, const void *q, const uint8_t *k_co
         /* the pool's reads as one stream (see kv_stream) */
         kv_stream reads = {tables, lengths, starts, (const char *)k_stage, (const char *)v_stage,
                            (const char *)k_codes, (const char *)v_codes, nb, bs, num_blocks, bs * d * esize, bs * dp,
-                           kv_heads, hs, items, batch * items, -1, 0, 0, 0, done};
+                           kv_heads, hs, items, batch * items, -1, 0, 0, 0, done,
+                           side ? k_scale : NULL, side ? k_offset : NULL, side ? v_scale : NULL, d};
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < batch * items; item++) {
             if (!buf || (done && done[item / items])) continue;
