@@ -15,12 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from unittest import mock
 
 import pytest
 import torch
 from hypothesis import event, given
 from hypothesis import strategies as st
 
+from infer.cache import quant
 from infer.cache.paged_quantized import KV_CACHE_DTYPES, POOL_KEY_OFFSETS
 from infer.cache.quantized import DEFAULT_ROTATE_VALUES, QuantizedCache
 from infer.config import ModelConfig
@@ -51,18 +53,29 @@ def chunks_with(decode_kernel: str) -> str:
 
 
 def quantized_solo_logits(model: Transformer, scheme: str, block_size: int, prompt: list[int], tokens: list[int],
-                          chunks: Sequence[int] | None = None) -> torch.Tensor:
+                          chunks: Sequence[int] | None = None, noise: int | None = None) -> torch.Tensor:
     """Logits predicting each of `tokens` from a solo run over the single-request quantized cache with the pool's
-    layout, fed `prompt + tokens` in `chunks` (default: one token at a time)."""
+    layout, fed `prompt + tokens` in `chunks` (default: one token at a time). `noise` (a seed): the quantizer's
+    inputs, keys and values, carry fp32-level noise (a few units in their last place), as a batch's rounding does."""
     sequence = prompt + tokens[:-1]
     cache = QuantizedCache(model.config, max_seq_len=len(sequence), scheme=scheme, key_scales="channel",
                            residual_block=block_size, sink_tokens=block_size, residual_window=0,
                            key_offsets=POOL_KEY_OFFSETS[scheme], rotate_values=DEFAULT_ROTATE_VALUES[scheme],
                            device=model.embed_tokens.weight.device)
+    quantize_keys = original = quant.quantize_channels
+    if noise is not None:
+        gen = torch.Generator().manual_seed(noise)
+
+        def jitter(x: torch.Tensor) -> torch.Tensor:
+            return x * (1 + 2.0**-21 * torch.randn(x.shape, generator=gen)).to(x.device, x.dtype)
+
+        quantize_values = cache._quantize
+        cache._quantize = lambda x: quantize_values(jitter(x))  # type: ignore[method-assign]
+        quantize_keys = lambda x, *args: original(jitter(x), *args)  # noqa: E731
     sizes = list(chunks) if chunks is not None else [1] * len(sequence)
     sizes += [1] * (len(sequence) - sum(sizes))
     rows, start = [], 0
-    with torch.inference_mode():
+    with torch.inference_mode(), mock.patch.object(quant, "quantize_channels", quantize_keys):
         for n in sizes:
             ids = torch.tensor([sequence[start : start + n]], device=cache.k_data.device)
             out = model(ids, cache)[0, -1]
@@ -88,8 +101,16 @@ def check_against_solo(engine: Engine, model: Transformer, scheme: str, block_si
         # at head_dim 4, and by 6.1% at Gemma's head_dim 6 with a window of 3 (Hypothesis found both; in the
         # second the exact pool's run is its solo run's to 1.1e-6, the int8 one's parts from the step a block is
         # quantized on); a missing scale or a stale block moves it by about all of it.
-        assert_close(result.logits, expected, 1e-5 * max(1.0, expected.abs().max().item()) + 0.10 * lossy,
-                     f"request {i} ({scheme}, block {block_size})")
+        bound = 1e-5 * max(1.0, expected.abs().max().item()) + 0.10 * lossy
+        if (result.logits - expected).abs().max().item() > bound:
+            # A key's channel scale one bf16 step apart moves a whole channel of a block: at blocks of 2 keys
+            # (where int8 codes are all but exact) Hypothesis found it at 42% of what quantizing did, the batch's
+            # keys 2.4e-7 from the solo run's. So past the bound, the solo run's own spread under fp32-level noise
+            # at its quantizer's inputs (16 draws) is allowed too; a bug's error stays far outside it.
+            spread = max((quantized_solo_logits(model, scheme, block_size, prompt, result.token_ids, chunks,
+                                                noise=seed) - expected).abs().max().item() for seed in range(16))
+            bound += 2 * spread
+        assert_close(result.logits, expected, bound, f"request {i} ({scheme}, block {block_size})")
 
 
 def even_head_dim(config: ModelConfig) -> ModelConfig:
