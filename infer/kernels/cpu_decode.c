@@ -1864,7 +1864,7 @@ static inline __attribute__((always_inline)) void row_into_heads(const qv16 *v, 
  * registers across the rows, where one row at a time (add_value_row) loaded, added and stored them again per row.
  * The same products summed in the same order. Needs d % 16 == 0 and d <= 256. Where `codes` is set, its rows
  * (`dp` bytes apart) are widened in registers as they are summed instead (widen: the values decode_row would store
- * in the tile, so the same bits), with no tile written and read back (an int8 or int4 pool's decode attention 7%
+ * in the tile, so the same bits), with no tile written and read back (an int8 or int4 pool's decode attention 8-9%
  * faster at 512 keys on a 2-core Zen 4); head sizes 64 and 128. */
 static inline __attribute__((always_inline)) void value_tile_heads(const qv16 *tv, const uint8_t *codes, int scheme,
                                                                   int64_t dp, const float *sc, const float *rs,
@@ -1876,7 +1876,8 @@ static inline __attribute__((always_inline)) void value_tile_heads(const qv16 *t
     if (codes)
         for (int64_t r = 0; r < rows; r++) {
             qv16 v[8];
-            for (int64_t c = 0; c < nv / 2 && c < 4; c++) widen(scheme, codes + r * dp, c, &v[2 * c], &v[2 * c + 1]);
+            for (int64_t c = 0; c < nv / 2 && c < 4; c++) /* (codes come at nv 4 or 8) */
+                widen(scheme, codes + r * dp, c, &v[2 * c], &v[2 * c + 1]);
             row_into_heads(v, sc, rs[r], a, g0, heads, n, t + r, nv);
         }
     else
