@@ -138,19 +138,25 @@ def token_by_token_workloads(draw: st.DrawFn, config: ModelConfig) -> dict:
             "scheme": draw(st.sampled_from(KV_CACHE_DTYPES))}
 
 
-@given(data=st.data(), config=model_configs(), seed=st.integers(0, 999), graphs=st.booleans())
+@given(data=st.data(), config=model_configs(), seed=st.integers(0, 999), graphs=st.booleans(),
+       torch_quantizer=st.booleans())
 def test_one_token_per_step_equals_the_quantized_cache(data: st.DataObject, config: ModelConfig, seed: int,
-                                                       graphs: bool) -> None:
+                                                       graphs: bool, torch_quantizer: bool) -> None:
     """Prefix sharing, copy-on-write, preemption with recompute and interleaving: each request's logits are its
     token-by-token run over the single-request quantized cache; with `graphs`, the decode steps padded to a graph's
-    static shapes and plan (run eagerly here: replayed on CUDA, tests/test_gpu.py)."""
+    static shapes and plan (run eagerly here: replayed on CUDA, tests/test_gpu.py). The pool's filled blocks
+    quantized natively where the build allows, or (`torch_quantizer`: INFER_NATIVE_QUANTIZE=0) by its torch code,
+    which a GPU runs."""
     config = even_head_dim(config)
     model = random_model(config, seed=seed)
     w = data.draw(token_by_token_workloads(config))
-    engine = Engine(model, None, num_blocks=w["num_blocks"], block_size=w["block_size"],
-                    max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=1, keep_logits=True,
-                    kv_cache_dtype=w["scheme"], bound_sliding_layers=False, decode_attention="sdpa",
-                    decode_graphs=graphs)
+    with mock.patch.dict("os.environ", {"INFER_NATIVE_QUANTIZE": "0" if torch_quantizer else "1"}):
+        engine = Engine(model, None, num_blocks=w["num_blocks"], block_size=w["block_size"],
+                        max_num_seqs=w["max_num_seqs"], max_num_batched_tokens=1, keep_logits=True,
+                        kv_cache_dtype=w["scheme"], bound_sliding_layers=False, decode_attention="sdpa",
+                        decode_graphs=graphs)
+    if torch_quantizer:
+        assert engine.pool.quantizer is None
     params = SamplingParams(max_new_tokens=w["new"], temperature=0.0)
     ids: dict[int, int] = {}
     step = 0
