@@ -13,6 +13,7 @@ hide it (tests/test_quantized_pool.py holds the pool to the exact cache by the b
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import replace
 from unittest import mock
@@ -62,20 +63,21 @@ def quantized_solo_logits(model: Transformer, scheme: str, block_size: int, prom
                            residual_block=block_size, sink_tokens=block_size, residual_window=0,
                            key_offsets=POOL_KEY_OFFSETS[scheme], rotate_values=DEFAULT_ROTATE_VALUES[scheme],
                            device=model.embed_tokens.weight.device)
-    quantize_keys = original = quant.quantize_channels
+    keys_jittered: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
     if noise is not None:
         gen = torch.Generator().manual_seed(noise)
 
         def jitter(x: torch.Tensor) -> torch.Tensor:
             return x * (1 + 2.0**-21 * torch.randn(x.shape, generator=gen)).to(x.device, x.dtype)
 
-        quantize_values = cache._quantize
+        quantize_values, quantize_keys = cache._quantize, quant.quantize_channels
         cache._quantize = lambda x: quantize_values(jitter(x))  # type: ignore[method-assign]
-        quantize_keys = lambda x, *args: original(jitter(x), *args)  # noqa: E731
+        keys_jittered = mock.patch.object(quant, "quantize_channels",
+                                          lambda x, *args: quantize_keys(jitter(x), *args))
     sizes = list(chunks) if chunks is not None else [1] * len(sequence)
     sizes += [1] * (len(sequence) - sum(sizes))
     rows, start = [], 0
-    with torch.inference_mode(), mock.patch.object(quant, "quantize_channels", quantize_keys):
+    with torch.inference_mode(), keys_jittered:
         for n in sizes:
             ids = torch.tensor([sequence[start : start + n]], device=cache.k_data.device)
             out = model(ids, cache)[0, -1]
