@@ -32,6 +32,7 @@ from infer.bench_common import (
     measure_read_bandwidth,
     percentile,
     plugin,
+    pyplot,
     read_buffer_bytes,
     speed_ratio,
 )
@@ -111,12 +112,8 @@ def step_latency_at(c: Contender, positions: list[int]) -> dict[int, float]:
 
 def plot_steps(contenders: list[Contender], prompt_len: int, path: Path) -> bool:
     """PNG of per-step latency against position for each contender; False if matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for c in contenders:
@@ -365,6 +362,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-memory", action="store_true",
                    help="skip measuring each contender's peak memory in its own process (after the timings)")
     p.add_argument("--json", default=None, help="write the full report here")
-    p.add_argument("--plot", default=None, help="write a PNG of per-step latency against position")
+    p.add_argument("--plot", default=None, help="write a PNG of per-step latency against position (with "
+                   "--batched: every step against the roofline)")
     p.set_defaults(seed=0)
     p.set_defaults(run=run_bench)

@@ -39,8 +39,10 @@ from infer.roofline import (
     measure_limits,
     median_step_ms,
     native_product_kernels,
+    plot_roofline,
     profile_forward,
     profile_table,
+    step_points,
     summarize_phases,
     typical_limits,
 )
@@ -274,7 +276,7 @@ def run_batched_bench(args: argparse.Namespace, model: Transformer, path: Path,
               f"{pool['graph_capture_s']:.1f} s before the clock started")
     quantized_runs = list(zip(args.kv_cache_dtype, medians[1 : 1 + len(args.kv_cache_dtype)], strict=True))
     roofline = None if args.no_roofline else report_roofline(model, work, engine_args, medians[0], limits,
-                                                             quantized_runs)
+                                                             quantized_runs, Path(args.plot) if args.plot else None)
     print("choices: " + "; ".join(f"{c.name}: {c.value}" for c in CHOICES.values()))
     if args.json:
         report = {"machine": machine_info(), "choices": [asdict(c) for c in CHOICES.values()],
@@ -304,13 +306,14 @@ def native_contender(model: Transformer) -> NativeKernels | None:
 
 
 def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: dict[str, Any], run: BatchedRun,
-                    samples: list[Limits] | None = None, quantized: list[tuple[str, BatchedRun]] | None = None
-                    ) -> dict[str, Any]:
+                    samples: list[Limits] | None = None, quantized: list[tuple[str, BatchedRun]] | None = None,
+                    plot: Path | None = None) -> dict[str, Any]:
     """Print (and return for the JSON) the machine's limits, timed now and in `samples` (before the runs and between
     their trials): their median at each row count (the machine while the runs ran), the engine run's FLOPs and bytes
     and its fraction of the roofline per phase, the median step's against the best timing too, each `quantized` pool's
     run (its kind, its run) against its own roofline (its K/V read at its blocks' bytes), and where a step's time goes
-    (a further run under timing hooks)."""
+    (a further run under timing hooks); with `plot`, a PNG of every step against the roofline (`plot_roofline`).
+    The JSON holds each run's steps (`StepPoint`)."""
     config, dtype = model.config, model.dtype
     budget = int(run.stats["token_budget"])  # (the engine's: the caller's or its measured choice)
     dtypes = limit_dtypes(model)
@@ -341,6 +344,8 @@ def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: d
     print(format_table(table, ["phase", "steps", "seconds", "gflop", "gb", "gflop_s", "gb_s", "roofline_s", "fraction",
                                "fraction_p50", "p50_vs_best", "fraction_at_shape", "step_p50_ms"]))
     pools = quantized_pool_fractions(shape, limits, quantized or [])
+    steps = {run.name: step_points(run.trace, shape, limits),
+             **{q.name: step_points(q.trace, pool_shape(shape, kind, q), limits) for kind, q in quantized or []}}
     if pools:
         print("each quantized pool against its own roofline (its K/V at its blocks' bytes a K or V element, the exact "
               f"pool's {shape.kv_elem_bytes:g}; staged blocks counted at the codes' size too: a tighter bound):")
@@ -355,29 +360,38 @@ def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: d
     print(f"where a step's time goes (a further run under timing hooks, without decode graphs, "
           f"{profiled.wall_s:.1f} s):")
     print(format_table(parts, ["part", "seconds", "share"]))
+    if plot is not None:
+        print(f"wrote {plot}" if plot_roofline(steps, limits, plot)
+              else "matplotlib is not installed: no plot (pip install matplotlib)")
     return {"matmul_flops_by_rows": limits.flops_by_rows, "matmul_dtypes": [str(d) for d in dtypes],
             "matmul_native_packed": native is not None, "read_bandwidth": bandwidth,
             "timings": [{"matmul_flops_by_rows": t.flops_by_rows, "read_bandwidth": t.bandwidth} for t in timings],
             "phases": table, "pools": pools,
-            "profile": parts}
+            "profile": parts, "steps": {name: [asdict(p) for p in points] for name, points in steps.items()}}
 
 
 def quantized_pool_fractions(shape: ModelShape, limits: Limits, runs: list[tuple[str, BatchedRun]]
                              ) -> list[dict[str, float | str]]:
     """Each quantized pool's run (its kind, its run) per phase against its own roofline: the same FLOPs and weights,
     its K/V read at `QuantizedPagedPool.element_bytes` a K or V element."""
-    from infer.cache.paged_quantized import QuantizedPagedPool
-
     rows: list[dict[str, float | str]] = []
     for kind, run in runs:
-        element = QuantizedPagedPool.element_bytes(shape.config, kind, int(run.stats["block_size"]))
-        own = replace(shape, kv_elem_bytes=element)
-        rows += [{"name": run.name, "kv_bytes_per_element": element, "phase": p.phase, "steps": p.steps,
+        own = pool_shape(shape, kind, run)
+        rows += [{"name": run.name, "kv_bytes_per_element": own.kv_elem_bytes, "phase": p.phase, "steps": p.steps,
                   "seconds": p.seconds, "gb": p.bytes / 1e9, "roofline_s": p.roofline_s, "fraction": p.fraction,
                   "fraction_p50": p.fraction_p50, "fraction_at_shape": p.fraction_at_shape,
                   "step_p50_ms": median_step_ms(run.trace, p.phase) if p.phase != "all" else 0.0}
                  for p in summarize_phases(run.trace, own, limits)]
     return rows
+
+
+def pool_shape(shape: ModelShape, kind: str, run: BatchedRun) -> ModelShape:
+    """The model's shape with its K/V at a `kind` pool's bytes a K or V element (`QuantizedPagedPool.element_bytes`,
+    at the run's block size)."""
+    from infer.cache.paged_quantized import QuantizedPagedPool
+
+    return replace(shape, kv_elem_bytes=QuantizedPagedPool.element_bytes(shape.config, kind,
+                                                                         int(run.stats["block_size"])))
 
 
 def mean_length(work: list[BatchRequest]) -> float:
@@ -409,6 +423,8 @@ def check_batched_args(args: argparse.Namespace) -> None:
     for name in ("requests", "batch_size", "max_num_seqs", "max_num_batched_tokens", "num_blocks", "trials"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.plot and args.no_roofline:
+        raise ValueError("--plot draws the steps against the roofline: drop --no-roofline")
     if args.shared_prefix < 0:
         raise ValueError(f"--shared-prefix must be >= 0, got {args.shared_prefix}")
     if args.cache_memory is not None and args.num_blocks is not None:

@@ -198,3 +198,14 @@ def measure_read_bandwidth(device: torch.device, nbytes: int | None = None,
     return max(rates.values()), rates
 
 
+def pyplot() -> Any | None:
+    """matplotlib's pyplot on its file-only backend (Agg: no display needed), or None where matplotlib is not
+    installed (it is the bench extra's, `pip install infer[bench]`)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt

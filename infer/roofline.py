@@ -19,6 +19,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -271,22 +272,102 @@ class PhaseSummary:
         return self.shape_bound_s / self.seconds if self.seconds else 0.0
 
 
-def summarize_phases(records: list[StepRecord], shape: ModelShape, limits: Limits) -> list[PhaseSummary]:
-    """Per phase (and "all"): steps, seconds, FLOPs, bytes, and the time the limits allow."""
-    rows = {p: PhaseSummary(p) for p in (*PHASES, "all")}
+@dataclass(frozen=True)
+class StepPoint:
+    """One step of a run against the limits: its phase, tokens, wall time, what it had to do, and the time the
+    limits allow (`roofline_s` against the peak matmul rate, `shape_bound_s` against the rate at its own rows)."""
+
+    phase: str
+    tokens: int
+    seconds: float
+    flops: float
+    bytes: float
+    roofline_s: float
+    shape_bound_s: float
+
+    @property
+    def fraction(self) -> float:
+        """The step's roofline time over its own time."""
+        return self.roofline_s / self.seconds
+
+
+def step_points(records: list[StepRecord], shape: ModelShape, limits: Limits) -> list[StepPoint]:
+    """Each step of a run, in order, with its cost and the time the limits allow for it."""
+    points = []
     for record in records:
         cost = step_cost(shape, record.chunks)
         tokens = sum(c.num_tokens for c in record.chunks)
-        bound = roofline_s(cost, limits.peak_flops, limits.bandwidth)
-        for row in (rows[record.phase], rows["all"]):
+        points.append(StepPoint(record.phase, tokens, record.total_s, cost.flops, cost.bytes,
+                                roofline_s(cost, limits.peak_flops, limits.bandwidth),
+                                roofline_s(cost, limits.flops_at(tokens), limits.bandwidth)))
+    return points
+
+
+def summarize_phases(records: list[StepRecord], shape: ModelShape, limits: Limits) -> list[PhaseSummary]:
+    """Per phase (and "all"): steps, seconds, FLOPs, bytes, and the time the limits allow."""
+    rows = {p: PhaseSummary(p) for p in (*PHASES, "all")}
+    for point in step_points(records, shape, limits):
+        for row in (rows[point.phase], rows["all"]):
             row.steps += 1
-            row.seconds += record.total_s
-            row.flops += cost.flops
-            row.bytes += cost.bytes
-            row.roofline_s += bound
-            row.shape_bound_s += roofline_s(cost, limits.flops_at(tokens), limits.bandwidth)
-            row.step_fractions.append(bound / record.total_s)
+            row.seconds += point.seconds
+            row.flops += point.flops
+            row.bytes += point.bytes
+            row.roofline_s += point.roofline_s
+            row.shape_bound_s += point.shape_bound_s
+            row.step_fractions.append(point.fraction)
     return [row for row in rows.values() if row.steps]
+
+
+def plot_roofline(runs: dict[str, list[StepPoint]], limits: Limits, path: Path) -> bool:
+    """PNG of each run's steps against the machine's limits (False if matplotlib is missing): left, the classic
+    roofline (a step's FLOP/s against its FLOPs per byte, under min(peak, bandwidth x intensity), the matmul rate at
+    each timed row count dashed); right, each step's fraction of its roofline through the run, so the phases and the
+    one-off slow steps (a pool's first touch of fresh pages, a preemption's recompute) show where they fall."""
+    from infer.bench_common import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return False
+    colours = {"prefill": "tab:blue", "mixed": "tab:orange", "decode": "tab:green"}
+    markers = "o^sDvP*X"
+    fig, (roof, through) = plt.subplots(1, 2, figsize=(13, 5))
+    intensities = [p.flops / p.bytes for points in runs.values() for p in points if p.bytes]
+    lo, hi = min(intensities, default=1.0) / 2, max(intensities, default=1.0) * 2
+    xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    roof.plot(xs, [min(limits.peak_flops, limits.bandwidth * x) / 1e9 for x in xs], color="black",
+              label=f"roofline: {limits.peak_flops / 1e9:.0f} GFLOP/s, {limits.bandwidth / 1e9:.1f} GB/s")
+    labelled = 0.0
+    for rate, rows in sorted((rate, rows) for rows, rate in limits.flops_by_rows.items()):
+        roof.axhline(rate / 1e9, color="grey", linestyle="--", linewidth=0.7)
+        if rate > 1.1 * labelled:  # rates within 10% of one labelled share its label's place
+            roof.annotate(f"{rows} row{'s' * (rows > 1)}", (lo, rate / 1e9), fontsize=7, color="grey", va="bottom")
+            labelled = rate
+    for (name, points), marker in zip(runs.items(), markers, strict=False):
+        for phase in PHASES:
+            mine = [p for p in points if p.phase == phase and p.bytes]
+            if mine:
+                roof.scatter([p.flops / p.bytes for p in mine], [p.flops / p.seconds / 1e9 for p in mine], s=12,
+                             marker=marker, color=colours[phase], alpha=0.6, label=f"{name}: {phase}")
+        through.scatter(range(len(points)), [p.fraction for p in points], s=8, marker=marker,
+                        c=[colours[p.phase] for p in points], alpha=0.6)
+    roof.set(xscale="log", yscale="log", xlabel="FLOPs per byte read or written", ylabel="GFLOP/s",
+             title="Each step against the roofline")
+    roof.grid(alpha=0.3, which="both")
+    roof.legend(fontsize=7)
+    through.axhline(1.0, color="black", linewidth=0.8)
+    through.set(xlabel="step", ylabel="the step's roofline time / its time",
+                title="Fraction of the roofline, step by step (colour: phase)")
+    through.set_ylim(bottom=0)
+    through.grid(alpha=0.3)
+    keys = [plt.Line2D([], [], linestyle="", marker="o", color=colour, label=phase)
+            for phase, colour in colours.items()]
+    keys += [plt.Line2D([], [], linestyle="", marker=marker, color="black", label=name)
+             for name, marker in zip(runs, markers, strict=False)]
+    through.legend(handles=keys, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 @dataclass

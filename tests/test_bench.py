@@ -126,11 +126,13 @@ def test_the_batched_bench_times_the_limits_before_between_and_after_its_runs(tm
         assert phase["p50_vs_best"] == pytest.approx(phase["fraction_p50"] * 4 / 7, rel=1e-9)
 
 
-def test_each_quantized_pool_is_read_against_its_own_roofline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_quantized_pool_is_read_against_its_own_roofline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
     """`bench --batched --kv-cache-dtype int8,int4` with the roofline: each quantized pool's run per phase against a
     roofline whose K/V bytes are its blocks' (the pool's layout: a code a K or V element, 1 byte for int8 and half for
     int4, a bf16 scale per key channel of a block (and for 4-bit codes an offset), a bf16 scale per value row), so it
-    reads fewer bytes than the exact pool over the same steps, and its fraction is its roofline over its own time."""
+    reads fewer bytes than the exact pool over the same steps, and its fraction is its roofline over its own time.
+    Each run's steps are in the JSON, one by one, adding up to its phases' rows, and `--plot` draws them."""
     import infer.bench_batched as bench_batched
     from infer.roofline import Limits
 
@@ -139,8 +141,11 @@ def test_each_quantized_pool_is_read_against_its_own_roofline(tmp_path: Path, mo
     out = tmp_path / "pool_roofline.json"
     argv = ["bench", "--batched", "--model", str(build_checkpoint("llama")), "--requests", "3",
             "--batched-prompt-lens", "3-20", "--batched-new-tokens", "2-5", "--kv-cache-dtype", "int8,int4",
-            "--cache-memory", "4", "--no-one-by-one", "--trials", "1", "--json", str(out)]
+            "--cache-memory", "4", "--no-one-by-one", "--trials", "1", "--json", str(out), "--plot",
+            str(tmp_path / "roofline.png")]
     assert main(argv) == 0
+    assert f"wrote {tmp_path / 'roofline.png'}" in capsys.readouterr().out
+    assert (tmp_path / "roofline.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     report = json.loads(out.read_text())
     roofline, config = report["roofline"], json.loads((build_checkpoint("llama") / "config.json").read_text())
     d = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
@@ -155,6 +160,17 @@ def test_each_quantized_pool_is_read_against_its_own_roofline(tmp_path: Path, mo
         assert row["steps"] == same["steps"], "the pools in the same memory and limits ran the same steps"
         assert row["gb"] < same["gb"], "a quantized pool reads fewer K/V bytes than the exact one over the same steps"
         assert row["fraction"] == pytest.approx(row["roofline_s"] / row["seconds"], rel=1e-9)
+    phases = {(row.get("name", "infer engine"), row["phase"]): row for row in [*roofline["phases"], *roofline["pools"]]}
+    assert set(roofline["steps"]) == {"infer engine", *per_element}
+    for name, steps in roofline["steps"].items():
+        assert len(steps) == phases[name, "all"]["steps"]
+        for phase in ("prefill", "mixed", "decode", "all"):
+            mine = [s for s in steps if phase in (s["phase"], "all")]
+            if mine:
+                row = phases[name, phase]
+                assert len(mine) == row["steps"] and sum(s["seconds"] for s in mine) == pytest.approx(row["seconds"])
+                assert sum(s["bytes"] for s in mine) / 1e9 == pytest.approx(row["gb"])
+                assert sum(s["roofline_s"] for s in mine) == pytest.approx(row["roofline_s"])
 
 
 def test_the_pool_kinds_report_requests_per_gib_and_the_latency_they_served_at() -> None:

@@ -57,6 +57,7 @@ BAD_ARGS = [
     (["generate", "Hi", "--weights", "int4", "--group-size", "48"], "invalid choice: 48"),
     (["bench", "--prompt-len", "0"], "--prompt-len must be >= 1"),
     (["bench", "--model", "org/model"], "only local checkpoint directories are read"),
+    (["bench", "--batched", "--no-roofline", "--plot", "r.png"], "--plot draws the steps against the roofline"),
     ([], "the following arguments are required"),
 ]
 
