@@ -24,9 +24,12 @@ def test_json_report_names_machine_choices_units_and_raw_trials(tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
     argv = ["bench", "--model", str(build_checkpoint("llama")), "--prompt-len", "6", "--max-new-tokens", "4",
-            "--trials", "2", "--warmup", "0", "--positions", "1", "--no-memory", "--json", str(out)]
+            "--trials", "2", "--warmup", "0", "--positions", "1", "--no-memory", "--json", str(out), "--plot",
+            str(tmp_path / "steps.png")]
     assert main(argv) == 0
     printed = capsys.readouterr().out
+    assert f"wrote {tmp_path / 'steps.png'}" in printed, "--plot: the per-step latency chart"
+    assert (tmp_path / "steps.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     assert "choices (threads" in printed and "prefill matmul dtype" in printed and "decode GEMV form" in printed
     report = json.loads(out.read_text())
     machine = report["machine"]

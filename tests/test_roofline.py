@@ -4,6 +4,8 @@ against what the engine computed, the nearest-rows matmul rate, and the profilin
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given
@@ -18,7 +20,9 @@ from infer.roofline import (
     ForwardProfile,
     Limits,
     ModelShape,
+    StepPoint,
     StepRecord,
+    plot_roofline,
     profile_forward,
     profile_table,
     step_cost,
@@ -243,3 +247,18 @@ def test_an_emulated_dtype_is_timed_no_further_once_it_runs_10x_behind(monkeypat
     assert [m for d, m in timed if d == torch.bfloat16] == [1, 4, 16]
     assert [m for d, m in timed if d == torch.float16] == [1, 4, 16, 24, 64, 256, 512]
     assert limits.flops_by_rows[512] == 512.0 and limits.flops_by_rows[4] == 0.04
+
+
+def test_without_matplotlib_the_plots_say_so_and_write_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    """matplotlib is the bench extra's: without it both plots return False (the CLI prints how to install it) and
+    leave no file behind."""
+    import infer.bench
+    import infer.bench_common
+
+    monkeypatch.setattr(infer.bench_common, "pyplot", lambda: None)
+    monkeypatch.setattr(infer.bench, "pyplot", lambda: None)
+    point = StepPoint("decode", 1, 0.01, 1e9, 1e8, 0.005, 0.005)
+    assert not plot_roofline({"engine": [point]}, Limits({1: 1e11}, 1e10), tmp_path / "roofline.png")
+    assert not infer.bench.plot_steps([], 1, tmp_path / "steps.png")
+    assert not list(tmp_path.iterdir())
