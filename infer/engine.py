@@ -37,6 +37,7 @@ from infer.generation import (
 )
 from infer.graphs import MIXED_GRAPH_ROWS, BatchedDecodeGraphs
 from infer.kernels.native import native_kernels
+from infer.memory import frozen_heap
 from infer.models import Transformer
 from infer.models.transformer import PACKED_LAYOUTS, few_row_products
 from infer.ragged import IN_PLACE_KERNELS, SeqChunk, build_ragged_batch
@@ -375,9 +376,11 @@ class Engine:
             broadcast_step(None, self.shards)
 
     def stream(self) -> Iterator[RequestOutput]:
-        """Step until every request has finished, yielding each step's outputs as they come."""
-        while self.has_unfinished():
-            yield from self.step()
+        """Step until every request has finished, yielding each step's outputs as they come (the collector kept off
+        the objects that existed before: `frozen_heap`)."""
+        with frozen_heap():
+            while self.has_unfinished():
+                yield from self.step()
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[GenerationResult]:

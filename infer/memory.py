@@ -1,12 +1,16 @@
 """How much memory a device has left, and refusing an allocation that would not fit before it is tried
-(a failed multi-GB allocation is slow, and a huge count of small objects can exhaust memory first)."""
+(a failed multi-GB allocation is slow, and a huge count of small objects can exhaust memory first); tensors on
+transparent huge pages; the Python collector kept off the process's old objects while generating."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import gc
 import math
 import mmap
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -148,3 +152,21 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op off CUDA): before reading a timer."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Inside the block Python's cyclic collector skips every object that existed on entry (`gc.freeze`), and takes
+    them back after (`gc.unfreeze`): a full collection inside a step would scan the whole heap, with PyTorch imported
+    165-187 thousand objects, 75-180 ms on a 2-core EPYC (a dozen 16-request decode steps), where a step's own garbage
+    is a few hundred objects. Objects made inside are collected as before; cyclic garbage among the old ones waits for
+    the block's end. A no-op where the heap is frozen already (the caller's freeze, as a server's after start-up,
+    stays theirs) or with INFER_GC_FREEZE=0."""
+    if gc.get_freeze_count() or os.environ.get("INFER_GC_FREEZE") == "0":
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
