@@ -356,13 +356,15 @@ class Engine:
     def follow(self) -> None:
         """On a tensor-parallel rank other than 0: run the forward of every step rank 0's engine broadcasts (its
         copy-on-write copies, block tables and token ids: this rank's pool mirrors rank 0's), until rank 0 calls
-        `close`. This rank's scheduler stays idle; the logits are rank 0's to sample."""
+        `close`. This rank's scheduler stays idle; the logits are rank 0's to sample. On a frozen heap, as
+        `stream`."""
         if self.shards is None or self.shards.rank == 0:
             raise ValueError("Engine.follow runs on tensor-parallel ranks other than 0 (rank 0 schedules)")
-        while (order := broadcast_step(None, self.shards)) is not None:
-            self.pool.copy_blocks(order.copies)
-            with torch.inference_mode():
-                self._forward_ragged(order.token_ids, order.chunk_sets, order.sample)
+        with frozen_heap():  # (a collection here would hold up every rank at the next step's all-reduce)
+            while (order := broadcast_step(None, self.shards)) is not None:
+                self.pool.copy_blocks(order.copies)
+                with torch.inference_mode():
+                    self._forward_ragged(order.token_ids, order.chunk_sets, order.sample)
 
     def _check_leader(self, what: str) -> None:
         if self.shards is not None and self.shards.rank != 0:

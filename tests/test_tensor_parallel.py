@@ -66,6 +66,7 @@ def check_case(case: Case, ranks: list[dict[str, Any]], world: int) -> None:
         assert got["engine_preemptions"] > 0, "the engine test should preempt (pool of 7 blocks of 4)"
         for other in ranks[1:]:
             assert "calls Engine.follow()" in other[case.name]["follower_refused"]
+            assert other[case.name]["follower_frozen"], "a follower's steps on a frozen heap, thawed after"
 
 
 def check_memory(case: Case, ranks: list[dict[str, Any]], world: int, slack: float = 1.1) -> None:

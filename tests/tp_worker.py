@@ -5,6 +5,7 @@ itself."""
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -83,7 +84,16 @@ def run_rank(rank: int, world: int, init_file: str, cases: list[Case], out: str,
                     engine.add_request([1, 2, 3])
                 except ValueError as e:
                     got["follower_refused"] = str(e)
+                frozen: list[int] = []
+
+                def watched(*args: Any, forward: Any = engine._forward_ragged, seen: list[int] = frozen,
+                            **kwargs: Any) -> Any:
+                    seen.append(gc.get_freeze_count())
+                    return forward(*args, **kwargs)
+
+                engine._forward_ragged = watched  # type: ignore[method-assign]
                 engine.follow()
+                got["follower_frozen"] = bool(frozen) and all(frozen) and not gc.get_freeze_count()
         results[case.name] = got
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.barrier()
