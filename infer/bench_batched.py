@@ -42,6 +42,7 @@ from infer.roofline import (
     plot_roofline,
     profile_forward,
     profile_table,
+    slow_steps,
     step_points,
     summarize_phases,
     typical_limits,
@@ -343,6 +344,9 @@ def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: d
           "rows (fraction_at_shape)")
     print(format_table(table, ["phase", "steps", "seconds", "gflop", "gb", "gflop_s", "gb_s", "roofline_s", "fraction",
                                "fraction_p50", "p50_vs_best", "fraction_at_shape", "step_p50_ms"]))
+    slow = slow_steps(run.trace)
+    print(f"one-off slow steps (over {slow.factor:g}x their phase's median step): {slow.count}, {slow.excess_s:.3f} s "
+          f"past that median, {slow.share:.1%} of the steps' time (`--plot` shows where)")
     pools = quantized_pool_fractions(shape, limits, quantized or [])
     steps = {run.name: step_points(run.trace, shape, limits),
              **{q.name: step_points(q.trace, pool_shape(shape, kind, q), limits) for kind, q in quantized or []}}
@@ -367,7 +371,8 @@ def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: d
             "matmul_native_packed": native is not None, "read_bandwidth": bandwidth,
             "timings": [{"matmul_flops_by_rows": t.flops_by_rows, "read_bandwidth": t.bandwidth} for t in timings],
             "phases": table, "pools": pools,
-            "profile": parts, "steps": {name: [asdict(p) for p in points] for name, points in steps.items()}}
+            "profile": parts, "slow_steps": asdict(slow) | {"share": slow.share},
+            "steps": {name: [asdict(p) for p in points] for name, points in steps.items()}}
 
 
 def quantized_pool_fractions(shape: ModelShape, limits: Limits, runs: list[tuple[str, BatchedRun]]

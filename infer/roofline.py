@@ -469,3 +469,27 @@ def median_step_ms(records: list[StepRecord], phase: str) -> float:
     """The median wall time of the phase's steps, in ms (0 when there are none)."""
     times = [r.total_s for r in records if r.phase == phase]
     return statistics.median(times) * 1e3 if times else 0.0
+
+
+@dataclass(frozen=True)
+class SlowSteps:
+    """A run's one-off slow steps: those over `factor` times their phase's median step (a first touch of fresh pool
+    pages, a collection, the host's hiccup), how many, and the time they took beyond that median."""
+
+    factor: float
+    count: int
+    excess_s: float
+    total_s: float
+
+    @property
+    def share(self) -> float:
+        """The excess over the run's step time: what the whole-run fraction loses to them."""
+        return self.excess_s / self.total_s if self.total_s else 0.0
+
+
+def slow_steps(records: list[StepRecord], factor: float = 2.0) -> SlowSteps:
+    """The steps of `records` over `factor` times the median step of their phase, and their time past it."""
+    medians = {p: statistics.median(r.total_s for r in records if r.phase == p)
+               for p in {r.phase for r in records}}
+    slow = [r.total_s - medians[r.phase] for r in records if r.total_s > factor * medians[r.phase]]
+    return SlowSteps(factor, len(slow), sum(slow), sum(r.total_s for r in records))

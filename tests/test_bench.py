@@ -4,6 +4,7 @@ the choices made, units and every contender's raw trials in the JSON."""
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -174,6 +175,12 @@ def test_each_quantized_pool_is_read_against_its_own_roofline(tmp_path: Path, mo
                 assert len(mine) == row["steps"] and sum(s["seconds"] for s in mine) == pytest.approx(row["seconds"])
                 assert sum(s["bytes"] for s in mine) / 1e9 == pytest.approx(row["gb"])
                 assert sum(s["roofline_s"] for s in mine) == pytest.approx(row["roofline_s"])
+    engine_steps = roofline["steps"]["infer engine"]
+    medians = {p: statistics.median(s["seconds"] for s in engine_steps if s["phase"] == p)
+               for p in {s["phase"] for s in engine_steps}}
+    slow = [s["seconds"] - medians[s["phase"]] for s in engine_steps if s["seconds"] > 2 * medians[s["phase"]]]
+    assert roofline["slow_steps"]["count"] == len(slow), "the engine run's steps over twice their phase's median"
+    assert roofline["slow_steps"]["excess_s"] == pytest.approx(sum(slow))
 
 
 def test_the_pool_kinds_report_requests_per_gib_and_the_latency_they_served_at() -> None:

@@ -25,6 +25,7 @@ from infer.roofline import (
     plot_roofline,
     profile_forward,
     profile_table,
+    slow_steps,
     step_cost,
     summarize_phases,
 )
@@ -262,3 +263,13 @@ def test_without_matplotlib_the_plots_say_so_and_write_nothing(tmp_path: Path, m
     assert not plot_roofline({"engine": [point]}, Limits({1: 1e11}, 1e10), tmp_path / "roofline.png")
     assert not infer.bench.plot_steps([], 1, tmp_path / "steps.png")
     assert not list(tmp_path.iterdir())
+
+
+def test_slow_steps_are_those_over_twice_their_phases_median_and_their_time_past_it() -> None:
+    decode = [StepRecord([ChunkShape(9, 1, True, True)], forward_s=t) for t in (0.1, 0.1, 0.1, 0.5, 0.21)]
+    prefill = [StepRecord([ChunkShape(0, 8, False, True)], forward_s=t) for t in (1.0, 0.3)]
+    slow = slow_steps([prefill[0], *decode, prefill[1]])
+    # decode's median 0.1: 0.5 is over 2x (0.4 past it), 0.21 too (0.11); prefill's median 0.65: 1.0 is not
+    assert slow.count == 2 and slow.excess_s == pytest.approx(0.51)
+    assert slow.share == pytest.approx(0.51 / 2.31)
+    assert slow_steps(decode[:3]).count == 0 and slow_steps(decode[:3]).excess_s == 0
