@@ -52,7 +52,7 @@ gpu-check:
 	$(GPU_PY) -m pip install -q --no-deps --no-build-isolation --no-index -e .
 	$(GPU_PY) tests/gpu_check.py $(GPU_CHECK_ARGS)
 
-# The suite measured by bugs: the hand-planted realistic ones (tests/mutation_check.py, ~3 hours: 800 of them), then mutmut's
+# The suite measured by bugs: the hand-planted realistic ones (tests/mutation_check.py, ~3 hours: about 800 of them), then mutmut's
 # mechanical ones over the pure-Python core (tests/mutmut_core.py: two lanes, pytest forked from a server that
 # imported torch once; about an hour from scratch, minutes when rerun: caches in $TMPDIR/infer-mutmut). Not in CI.
 mutation: setup
