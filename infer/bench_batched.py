@@ -33,6 +33,7 @@ from infer.roofline import (
     ForwardProfile,
     Limits,
     ModelShape,
+    StepPoint,
     StepRecord,
     best_limits,
     limit_dtypes,
@@ -45,6 +46,7 @@ from infer.roofline import (
     slow_steps,
     step_points,
     summarize_phases,
+    summarize_points,
     typical_limits,
 )
 from infer.sampling import GREEDY_BELOW, SamplingParams
@@ -323,7 +325,11 @@ def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: d
     limits, best = typical_limits(timings), best_limits(timings)
     bandwidth = limits.bandwidth
     shape = ModelShape.of(model, dtype.itemsize)
-    phases = summarize_phases(run.trace, shape, limits)
+    # every run's steps costed once, each quantized pool's K/V at its own bytes: the phase tables, the JSON, the plot
+    pooled = [(q, pool_shape(shape, kind, q)) for kind, q in quantized or []]
+    steps = {run.name: step_points(run.trace, shape, limits),
+             **{q.name: step_points(q.trace, own, limits) for q, own in pooled}}
+    phases = summarize_points(steps[run.name])
     strict = {p.phase: p.fraction_p50 for p in summarize_phases(run.trace, shape, best)}
     table: list[dict[str, float | str]] = [
         {"phase": p.phase, "steps": p.steps, "seconds": p.seconds, "gflop": p.flops / 1e9, "gb": p.bytes / 1e9,
@@ -347,9 +353,7 @@ def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: d
     slow = slow_steps(run.trace)
     print(f"one-off slow steps (over {slow.factor:g}x their phase's median step): {slow.count}, {slow.excess_s:.3f} s "
           f"past that median, {slow.share:.1%} of the steps' time (`--plot` shows where)")
-    pools = quantized_pool_fractions(shape, limits, quantized or [])
-    steps = {run.name: step_points(run.trace, shape, limits),
-             **{q.name: step_points(q.trace, pool_shape(shape, kind, q), limits) for kind, q in quantized or []}}
+    pools = quantized_pool_fractions([(q, own.kv_elem_bytes, steps[q.name]) for q, own in pooled])
     if pools:
         print("each quantized pool against its own roofline (its K/V at its blocks' bytes a K or V element, the exact "
               f"pool's {shape.kv_elem_bytes:g}; staged blocks counted at the codes' size too: a tighter bound):")
@@ -375,18 +379,16 @@ def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: d
             "steps": {name: [asdict(p) for p in points] for name, points in steps.items()}}
 
 
-def quantized_pool_fractions(shape: ModelShape, limits: Limits, runs: list[tuple[str, BatchedRun]]
-                             ) -> list[dict[str, float | str]]:
-    """Each quantized pool's run (its kind, its run) per phase against its own roofline: the same FLOPs and weights,
-    its K/V read at `QuantizedPagedPool.element_bytes` a K or V element."""
+def quantized_pool_fractions(runs: list[tuple[BatchedRun, float, list[StepPoint]]]) -> list[dict[str, float | str]]:
+    """Each quantized pool's run per phase against its own roofline (its run, its bytes a K or V element, its steps
+    costed at them by `step_points`: the same FLOPs and weights, its K/V at `QuantizedPagedPool.element_bytes`)."""
     rows: list[dict[str, float | str]] = []
-    for kind, run in runs:
-        own = pool_shape(shape, kind, run)
-        rows += [{"name": run.name, "kv_bytes_per_element": own.kv_elem_bytes, "phase": p.phase, "steps": p.steps,
+    for run, element, points in runs:
+        rows += [{"name": run.name, "kv_bytes_per_element": element, "phase": p.phase, "steps": p.steps,
                   "seconds": p.seconds, "gb": p.bytes / 1e9, "roofline_s": p.roofline_s, "fraction": p.fraction,
                   "fraction_p50": p.fraction_p50, "fraction_at_shape": p.fraction_at_shape,
                   "step_p50_ms": median_step_ms(run.trace, p.phase) if p.phase != "all" else 0.0}
-                 for p in summarize_phases(run.trace, own, limits)]
+                 for p in summarize_points(points)]
     return rows
 
 

@@ -305,8 +305,13 @@ def step_points(records: list[StepRecord], shape: ModelShape, limits: Limits) ->
 
 def summarize_phases(records: list[StepRecord], shape: ModelShape, limits: Limits) -> list[PhaseSummary]:
     """Per phase (and "all"): steps, seconds, FLOPs, bytes, and the time the limits allow."""
+    return summarize_points(step_points(records, shape, limits))
+
+
+def summarize_points(points: list[StepPoint]) -> list[PhaseSummary]:
+    """`summarize_phases` of steps already costed (`step_points`)."""
     rows = {p: PhaseSummary(p) for p in (*PHASES, "all")}
-    for point in step_points(records, shape, limits):
+    for point in points:
         for row in (rows[point.phase], rows["all"]):
             row.steps += 1
             row.seconds += point.seconds
