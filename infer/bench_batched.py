@@ -33,6 +33,7 @@ from infer.roofline import (
     ForwardProfile,
     Limits,
     ModelShape,
+    SlowSteps,
     StepPoint,
     StepRecord,
     best_limits,
@@ -352,7 +353,7 @@ def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: d
                                "fraction_p50", "p50_vs_best", "fraction_at_shape", "step_p50_ms"]))
     slow = slow_steps(run.trace)
     print(f"one-off slow steps (over {slow.factor:g}x their phase's median step): {slow.count}, {slow.excess_s:.3f} s "
-          f"past that median, {slow.share:.1%} of the steps' time (`--plot` shows where)")
+          f"past that median, {slow.share:.1%} of the steps' time (`--plot` shows where); {host_taken(slow)}")
     pools = quantized_pool_fractions([(q, own.kv_elem_bytes, steps[q.name]) for q, own in pooled])
     if pools:
         print("each quantized pool against its own roofline (its K/V at its blocks' bytes a K or V element, the exact "
@@ -377,6 +378,16 @@ def report_roofline(model: Transformer, work: list[BatchRequest], engine_args: d
             "phases": table, "pools": pools,
             "profile": parts, "slow_steps": asdict(slow) | {"share": slow.share},
             "steps": {name: [asdict(p) for p in points] for name, points in steps.items()}}
+
+
+def host_taken(slow: SlowSteps) -> str:
+    """What the host took in a run's slow steps and in the whole run, as a clause of the report's line."""
+    def steal(s: float | None) -> str:
+        return "not measured" if s is None else f"{s:.3f} s"
+
+    return (f"in them {slow.faults} page faults (first touches of fresh memory: new pool pages) in {slow.faulting} "
+            f"step(s), the host's steal {steal(slow.steal_s)}; in the whole run {slow.run_faults} page faults, steal "
+            f"{steal(slow.run_steal_s)}")
 
 
 def quantized_pool_fractions(runs: list[tuple[BatchedRun, float, list[StepPoint]]]) -> list[dict[str, float | str]]:

@@ -41,7 +41,7 @@ from infer.memory import frozen_heap
 from infer.models import Transformer
 from infer.models.transformer import PACKED_LAYOUTS, few_row_products
 from infer.ragged import IN_PLACE_KERNELS, SeqChunk, build_ragged_batch
-from infer.roofline import ChunkShape, StepRecord
+from infer.roofline import ChunkShape, StepRecord, host_counters
 from infer.sampling import SamplingParams, draw, process_logits, uniforms
 from infer.scheduler import Request, Scheduler, SchedulerOutput
 from infer.tensor_parallel import Shards, StepOrder, broadcast_step, min_over_ranks
@@ -318,6 +318,7 @@ class Engine:
         """Run one forward for the scheduled requests; return each one's new tokens and text."""
         self._check_leader("step")
         outputs, self._pending = self._pending, []
+        host = host_counters() if self.trace is not None else None  # (page faults and steal: a traced step's)
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
@@ -347,10 +348,12 @@ class Engine:
         rows = logits.unbind(0) if self.keep_logits else (None,) * len(sampling)  # (16 row views: ~30 us a step)
         for i, (live, row) in enumerate(zip(sampling, rows, strict=True)):
             outputs.append(self._record(live, row, done, picked[i]))
-        if self.trace is not None and shapes is not None:
+        if self.trace is not None and shapes is not None and host is not None:
+            ended, after = time.perf_counter(), host_counters()
+            steal = None if host.steal_s is None or after.steal_s is None else round(after.steal_s - host.steal_s, 6)
             self.trace.append(StepRecord(shapes, schedule_s=scheduled - started, build_s=self._build_s,
-                                         forward_s=done - scheduled - self._build_s,
-                                         sample_s=time.perf_counter() - done))
+                                         forward_s=done - scheduled - self._build_s, sample_s=ended - done,
+                                         faults=after.faults - host.faults, steal_s=steal))
         return outputs
 
     def follow(self) -> None:

@@ -14,7 +14,9 @@ timing hooks, in a run of its own.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import os
 import statistics
 import time
 from collections.abc import Iterator
@@ -27,6 +29,11 @@ from torch import nn
 
 from infer.config import ModelConfig
 from infer.memory import synchronize
+
+try:
+    import resource
+except ImportError:  # (not on Windows: no page-fault counts there)
+    resource = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
     from infer.kernels.native import NativeKernels
@@ -54,6 +61,8 @@ class StepRecord:
     build_s: float = 0.0  # block tables and the ragged batch's tensors
     forward_s: float = 0.0  # the model's forward (and CoW copies)
     sample_s: float = 0.0  # sampling and stop checks
+    faults: int = 0  # this process's page faults during the step (`host_counters`)
+    steal_s: float | None = None  # the host's steal from this machine's CPUs during the step; None: not measured
 
     @property
     def phase(self) -> str:
@@ -65,6 +74,49 @@ class StepRecord:
     def total_s(self) -> float:
         """The step's wall time."""
         return self.schedule_s + self.build_s + self.forward_s + self.sample_s
+
+
+@dataclass(frozen=True)
+class HostCounters:
+    """What the host has taken so far, outside the engine's own work: this process's page faults (minor ones: each
+    first touch of fresh memory, a 2 MiB huge page's zeroing among them) and the time the hypervisor ran something
+    else on this machine's CPUs (`steal`, all CPUs summed, seconds; None where the kernel does not report it)."""
+
+    faults: int
+    steal_s: float | None
+
+
+def host_counters() -> HostCounters:
+    """The host's counters now (`HostCounters`): a step's record holds their change over the step. About 10 us (the
+    steal is read from /proc/stat on a descriptor kept open)."""
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else 0
+    fd = _proc_stat()
+    return HostCounters(faults, None if fd is None else steal_seconds(os.pread(fd, 256, 0)))
+
+
+def steal_seconds(stat: bytes) -> float | None:
+    """The steal time of all CPUs, in seconds, from the text of /proc/stat (its first line: `cpu user nice system idle
+    iowait irq softirq steal ...`, in clock ticks); None where the line has no steal column."""
+    fields = stat.split(b"\n", 1)[0].split()
+    if len(fields) < 9 or fields[0] != b"cpu":
+        return None
+    return int(fields[8]) / _clock_ticks()
+
+
+@functools.cache
+def _proc_stat() -> int | None:
+    """A descriptor on /proc/stat, opened once (pread at offset 0 reads it afresh), or None where there is none."""
+    try:
+        fd = os.open("/proc/stat", os.O_RDONLY)
+    except OSError:
+        return None
+    return fd if steal_seconds(os.pread(fd, 256, 0)) is not None else None
+
+
+@functools.cache
+def _clock_ticks() -> int:
+    """The kernel's clock ticks a second (USER_HZ), the unit of /proc/stat."""
+    return os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -284,6 +336,8 @@ class StepPoint:
     bytes: float
     roofline_s: float
     shape_bound_s: float
+    faults: int = 0  # page faults during the step (`StepRecord`)
+    steal_s: float | None = None  # the host's steal during it
 
     @property
     def fraction(self) -> float:
@@ -299,7 +353,8 @@ def step_points(records: list[StepRecord], shape: ModelShape, limits: Limits) ->
         tokens = sum(c.num_tokens for c in record.chunks)
         points.append(StepPoint(record.phase, tokens, record.total_s, cost.flops, cost.bytes,
                                 roofline_s(cost, limits.peak_flops, limits.bandwidth),
-                                roofline_s(cost, limits.flops_at(tokens), limits.bandwidth)))
+                                roofline_s(cost, limits.flops_at(tokens), limits.bandwidth), record.faults,
+                                record.steal_s))
     return points
 
 
@@ -355,19 +410,27 @@ def plot_roofline(runs: dict[str, list[StepPoint]], limits: Limits, path: Path) 
                              marker=marker, color=colours[phase], alpha=0.6, label=f"{name}: {phase}")
         through.scatter(range(len(points)), [p.fraction for p in points], s=8, marker=marker,
                         c=[colours[p.phase] for p in points], alpha=0.6)
+        for steps, ring in (([i for i, p in enumerate(points) if p.faults], "o"),
+                            ([i for i, p in enumerate(points) if p.steal_s], "s")):  # (what the host took)
+            through.scatter(steps, [points[i].fraction for i in steps], s=60, marker=ring, facecolors="none",
+                            edgecolors="red" if ring == "o" else "purple", linewidths=0.8)
     roof.set(xscale="log", yscale="log", xlabel="FLOPs per byte read or written", ylabel="GFLOP/s",
              title="Each step against the roofline")
     roof.grid(alpha=0.3, which="both")
     roof.legend(fontsize=7)
     through.axhline(1.0, color="black", linewidth=0.8)
     through.set(xlabel="step", ylabel="the step's roofline time / its time",
-                title="Fraction of the roofline, step by step (colour: phase)")
+                title="Fraction of the roofline, step by step (colour: phase; rings: what the host took)")
     through.set_ylim(bottom=0)
     through.grid(alpha=0.3)
     keys = [plt.Line2D([], [], linestyle="", marker="o", color=colour, label=phase)
             for phase, colour in colours.items()]
     keys += [plt.Line2D([], [], linestyle="", marker=marker, color="black", label=name)
              for name, marker in zip(runs, markers, strict=False)]
+    keys += [plt.Line2D([], [], linestyle="", marker="o", markerfacecolor="none", color="red",
+                        label="page faults (fresh memory)"),
+             plt.Line2D([], [], linestyle="", marker="s", markerfacecolor="none", color="purple",
+                        label="the host's steal")]
     through.legend(handles=keys, fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -479,12 +542,18 @@ def median_step_ms(records: list[StepRecord], phase: str) -> float:
 @dataclass(frozen=True)
 class SlowSteps:
     """A run's one-off slow steps: those over `factor` times their phase's median step (a first touch of fresh pool
-    pages, a collection, the host's hiccup), how many, and the time they took beyond that median."""
+    pages, a collection, the host's hiccup), how many, and the time they took beyond that median; what the host took
+    in them (page faults, in how many of them, and steal) and in the whole run (None: steal not measured)."""
 
     factor: float
     count: int
     excess_s: float
     total_s: float
+    faults: int = 0
+    faulting: int = 0
+    steal_s: float | None = None
+    run_faults: int = 0
+    run_steal_s: float | None = None
 
     @property
     def share(self) -> float:
@@ -493,8 +562,17 @@ class SlowSteps:
 
 
 def slow_steps(records: list[StepRecord], factor: float = 2.0) -> SlowSteps:
-    """The steps of `records` over `factor` times the median step of their phase, and their time past it."""
+    """The steps of `records` over `factor` times the median step of their phase, their time past it, and the page
+    faults and steal in them and in the run."""
     medians = {p: statistics.median(r.total_s for r in records if r.phase == p)
                for p in {r.phase for r in records}}
-    slow = [r.total_s - medians[r.phase] for r in records if r.total_s > factor * medians[r.phase]]
-    return SlowSteps(factor, len(slow), sum(slow), sum(r.total_s for r in records))
+    slow = [r for r in records if r.total_s > factor * medians[r.phase]]
+    return SlowSteps(factor, len(slow), sum(r.total_s - medians[r.phase] for r in slow),
+                     sum(r.total_s for r in records), sum(r.faults for r in slow), sum(r.faults > 0 for r in slow),
+                     _steal(slow), sum(r.faults for r in records), _steal(records))
+
+
+def _steal(records: list[StepRecord]) -> float | None:
+    """The steal over `records`, None where any went unmeasured."""
+    steals = [r.steal_s for r in records]
+    return None if None in steals else sum(s for s in steals if s is not None)

@@ -4,6 +4,7 @@ against what the engine computed, the nearest-rows matmul rate, and the profilin
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -26,11 +27,17 @@ from infer.roofline import (
     profile_forward,
     profile_table,
     slow_steps,
+    steal_seconds,
     step_cost,
     summarize_phases,
 )
 from infer.sampling import SamplingParams
 from tests.helpers import random_model, tiny_config
+
+try:
+    import resource
+except ImportError:  # (not on Windows)
+    resource = None  # type: ignore[assignment]
 
 GEMMA = random_model(tiny_config("gemma3_text", num_layers=4, sliding_window=5), seed=1)
 
@@ -120,6 +127,33 @@ def test_the_engine_trace_records_every_step_it_computed() -> None:
     assert trace[0].phase == "prefill" and trace[-1].phase == "decode"
     assert all(c.num_tokens == 1 for r in trace for c in r.chunks if c.decode)
     assert all(r.total_s > 0 and min(r.schedule_s, r.build_s, r.forward_s, r.sample_s) >= 0 for r in trace)
+
+
+@pytest.mark.skipif(resource is None or not Path("/proc/stat").exists(),
+                    reason="page faults and steal as Linux counts them (getrusage, /proc/stat)")
+def test_a_traced_step_records_the_page_faults_and_steal_taken_in_it() -> None:
+    """A fresh engine's pool (a lazy map: 32 MiB a layer's K here) takes its first writes, the first step's K/V rows,
+    as page faults in that step; each step's faults are its own (together no more than the process took over the
+    run, which also holds the requests' own allocations); steal is measured and never negative."""
+    model = random_model(tiny_config("llama", num_layers=2), seed=2)
+    engine = Engine(model, None, num_blocks=16384, block_size=16, enable_prefix_caching=False)
+    engine.trace = []
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    engine.generate([[1, 2, 3, 4, 5], [6, 7, 8]], SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
+    taken = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    trace = engine.trace
+    assert trace[0].faults > 0, "the pool's first writes fault in its pages"
+    assert 0 <= sum(r.faults for r in trace) <= taken, "each step's own faults, not a running count"
+    assert all(r.steal_s is not None and r.steal_s >= 0 for r in trace)
+
+
+def test_steal_is_the_cpu_lines_eighth_count_in_clock_ticks() -> None:
+    """/proc/stat's first line: `cpu user nice system idle iowait irq softirq steal guest guest_nice` in ticks."""
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    assert steal_seconds(b"cpu  10 20 30 40 50 60 70 250 90 100\ncpu0 1 2 3 4 5 6 7 8 9 10\n") == pytest.approx(
+        250 / hz)
+    assert steal_seconds(b"cpu  10 20 30 40 50 60 70\n") is None, "no steal column (kernels before 2.6.11)"
+    assert steal_seconds(b"intr 1 2 3 4 5 6 7 8 9\n") is None, "not the CPUs' line"
 
 
 def test_profiling_splits_the_forward_and_leaves_nothing_behind() -> None:
@@ -273,3 +307,14 @@ def test_slow_steps_are_those_over_twice_their_phases_median_and_their_time_past
     assert slow.count == 2 and slow.excess_s == pytest.approx(0.51)
     assert slow.share == pytest.approx(0.51 / 2.31)
     assert slow_steps(decode[:3]).count == 0 and slow_steps(decode[:3]).excess_s == 0
+
+
+def test_slow_steps_count_the_page_faults_and_steal_in_them_and_in_the_run() -> None:
+    drawn = [(0.1, 1, 0.0), (0.1, 0, 0.01), (0.1, 2, 0.0), (0.5, 24, 0.0), (0.3, 0, 0.2), (0.1, 0, 0.0)]
+    decode = [StepRecord([ChunkShape(9, 1, True, True)], forward_s=t, faults=f, steal_s=s) for t, f, s in drawn]
+    slow = slow_steps(decode)  # the median 0.1: the steps of 0.5 (24 faults) and 0.3 (0.2 s stolen) are slow
+    assert (slow.count, slow.faults, slow.faulting) == (2, 24, 1)
+    assert slow.steal_s == pytest.approx(0.2)
+    assert slow.run_faults == 27 and slow.run_steal_s == pytest.approx(0.21)
+    unmeasured = [*decode[:4], StepRecord([ChunkShape(9, 1, True, True)], forward_s=0.1)]  # (steal None: not read)
+    assert slow_steps(unmeasured).steal_s == 0.0 and slow_steps(unmeasured).run_steal_s is None
