@@ -385,9 +385,9 @@ def host_taken(slow: SlowSteps) -> str:
     def steal(s: float | None) -> str:
         return "not measured" if s is None else f"{s:.3f} s"
 
-    return (f"in them {slow.faults} page faults (first touches of fresh memory: new pool pages) in {slow.faulting} "
-            f"step(s), the host's steal {steal(slow.steal_s)}; in the whole run {slow.run_faults} page faults, steal "
-            f"{steal(slow.run_steal_s)}")
+    return (f"in them {slow.faults} page faults ({slow.faulting} of them with more than the run's usual: first "
+            f"touches of fresh memory, a pool's new pages), the host's steal {steal(slow.steal_s)} (its CPUs' time "
+            f"given to other guests); in the whole run {slow.run_faults} page faults, steal {steal(slow.run_steal_s)}")
 
 
 def quantized_pool_fractions(runs: list[tuple[BatchedRun, float, list[StepPoint]]]) -> list[dict[str, float | str]]:

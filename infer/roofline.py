@@ -410,7 +410,8 @@ def plot_roofline(runs: dict[str, list[StepPoint]], limits: Limits, path: Path) 
                              marker=marker, color=colours[phase], alpha=0.6, label=f"{name}: {phase}")
         through.scatter(range(len(points)), [p.fraction for p in points], s=8, marker=marker,
                         c=[colours[p.phase] for p in points], alpha=0.6)
-        for steps, ring in (([i for i, p in enumerate(points) if p.faults], "o"),
+        many = many_faults([p.faults for p in points])
+        for steps, ring in (([i for i, p in enumerate(points) if p.faults > many], "o"),
                             ([i for i, p in enumerate(points) if p.steal_s], "s")):  # (what the host took)
             through.scatter(steps, [points[i].fraction for i in steps], s=60, marker=ring, facecolors="none",
                             edgecolors="red" if ring == "o" else "purple", linewidths=0.8)
@@ -420,7 +421,7 @@ def plot_roofline(runs: dict[str, list[StepPoint]], limits: Limits, path: Path) 
     roof.legend(fontsize=7)
     through.axhline(1.0, color="black", linewidth=0.8)
     through.set(xlabel="step", ylabel="the step's roofline time / its time",
-                title="Fraction of the roofline, step by step (colour: phase; rings: what the host took)")
+                title="Fraction of the roofline, step by step (colour: phase)")
     through.set_ylim(bottom=0)
     through.grid(alpha=0.3)
     keys = [plt.Line2D([], [], linestyle="", marker="o", color=colour, label=phase)
@@ -428,7 +429,7 @@ def plot_roofline(runs: dict[str, list[StepPoint]], limits: Limits, path: Path) 
     keys += [plt.Line2D([], [], linestyle="", marker=marker, color="black", label=name)
              for name, marker in zip(runs, markers, strict=False)]
     keys += [plt.Line2D([], [], linestyle="", marker="o", markerfacecolor="none", color="red",
-                        label="page faults (fresh memory)"),
+                        label="more page faults than usual (fresh memory)"),
              plt.Line2D([], [], linestyle="", marker="s", markerfacecolor="none", color="purple",
                         label="the host's steal")]
     through.legend(handles=keys, fontsize=7)
@@ -550,7 +551,7 @@ class SlowSteps:
     excess_s: float
     total_s: float
     faults: int = 0
-    faulting: int = 0
+    faulting: int = 0  # the slow steps with more than the run's usual faults (`many_faults`)
     steal_s: float | None = None
     run_faults: int = 0
     run_steal_s: float | None = None
@@ -567,9 +568,16 @@ def slow_steps(records: list[StepRecord], factor: float = 2.0) -> SlowSteps:
     medians = {p: statistics.median(r.total_s for r in records if r.phase == p)
                for p in {r.phase for r in records}}
     slow = [r for r in records if r.total_s > factor * medians[r.phase]]
+    many = many_faults([r.faults for r in records])
     return SlowSteps(factor, len(slow), sum(r.total_s - medians[r.phase] for r in slow),
-                     sum(r.total_s for r in records), sum(r.faults for r in slow), sum(r.faults > 0 for r in slow),
+                     sum(r.total_s for r in records), sum(r.faults for r in slow), sum(r.faults > many for r in slow),
                      _steal(slow), sum(r.faults for r in records), _steal(records))
+
+
+def many_faults(faults: list[int]) -> float:
+    """The page faults past which a step of a run took more than its usual few (its own allocations'): over twice
+    the run's median step's, plus 2 (a pool's fresh pages: one fault for each 2 MiB huge page, each pool tensor's)."""
+    return 2 * statistics.median(faults) + 2 if faults else 0.0
 
 
 def _steal(records: list[StepRecord]) -> float | None:

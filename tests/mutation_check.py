@@ -2031,6 +2031,8 @@ MUTANTS = [
            "faults=after.faults - host.faults", "faults=after.faults", (ROOFLINE_TESTS,)),
     Mutant("roofline: the host's steal read from /proc/stat's softirq column", "infer/roofline.py",
            "return int(fields[8]) / _clock_ticks()", "return int(fields[7]) / _clock_ticks()", (ROOFLINE_TESTS,)),
+    Mutant("roofline: every slow step with a page fault counted as past the run's usual", "infer/roofline.py",
+           "sum(r.faults > many for r in slow)", "sum(r.faults > 0 for r in slow)", (ROOFLINE_TESTS,)),
     Mutant("roofline: the slow steps' page faults counted over every step of the run", "infer/roofline.py",
            "sum(r.faults for r in slow), sum(r.faults > 0", "sum(r.faults for r in records), sum(r.faults > 0",
            (ROOFLINE_TESTS, "tests/test_bench.py")),

@@ -182,8 +182,9 @@ def test_each_quantized_pool_is_read_against_its_own_roofline(tmp_path: Path, mo
     assert roofline["slow_steps"]["count"] == len(slow), "the engine run's steps over twice their phase's median"
     assert roofline["slow_steps"]["excess_s"] == pytest.approx(sum(slow))
     faulted = [s["faults"] for s in engine_steps if s["seconds"] > 2 * medians[s["phase"]]]
+    usual = 2 * statistics.median(s["faults"] for s in engine_steps) + 2
     assert roofline["slow_steps"]["faults"] == sum(faulted) and roofline["slow_steps"]["faulting"] == sum(
-        f > 0 for f in faulted), "the page faults the host took in the slow steps, from each step's own count"
+        f > usual for f in faulted), "the page faults the host took in the slow steps, from each step's own count"
     assert roofline["slow_steps"]["run_faults"] == sum(s["faults"] for s in engine_steps)
 
 
