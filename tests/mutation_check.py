@@ -2034,7 +2034,7 @@ MUTANTS = [
     Mutant("roofline: every slow step with a page fault counted as past the run's usual", "infer/roofline.py",
            "sum(r.faults > many for r in slow)", "sum(r.faults > 0 for r in slow)", (ROOFLINE_TESTS,)),
     Mutant("roofline: the slow steps' page faults counted over every step of the run", "infer/roofline.py",
-           "sum(r.faults for r in slow), sum(r.faults > 0", "sum(r.faults for r in records), sum(r.faults > 0",
+           "sum(r.faults for r in slow), sum(r.faults > many", "sum(r.faults for r in records), sum(r.faults > many",
            (ROOFLINE_TESTS, "tests/test_bench.py")),
     Mutant("roofline: --plot draws the chart but never writes it", "infer/roofline.py",
            "    fig.savefig(path, dpi=110)\n    plt.close(fig)\n    return True", "    plt.close(fig)\n    return True",
