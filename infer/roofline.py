@@ -7,8 +7,8 @@ packed product's, whichever is faster; the read bandwidth as the single-request 
 the projections' (2 x rows x weights, the LM head only for the rows that sample) and attention's (QK^T and PV over
 the keys each query sees); its bytes are every weight read once, each sequence's K/V read once per layer and the
 new K/V written. `engine_trace` records each step of an engine run (phase, chunks, time split into scheduling, batch
-building, forward, sampling); `profile_forward` splits the forward into projections, attention and the rest by
-timing hooks, in a run of its own.
+building, forward, sampling) and what the host took over it (`host_counters`: page faults, steal);
+`profile_forward` splits the forward into projections, attention and the rest by timing hooks, in a run of its own.
 """
 
 from __future__ import annotations
