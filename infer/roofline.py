@@ -115,8 +115,8 @@ def _proc_stat() -> int | None:
 
 @functools.cache
 def _clock_ticks() -> int:
-    """The kernel's clock ticks a second (USER_HZ), the unit of /proc/stat."""
-    return os.sysconf("SC_CLK_TCK")
+    """The kernel's clock ticks a second (USER_HZ), the unit of /proc/stat (100 where it cannot be asked)."""
+    return os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 @dataclass(frozen=True)
