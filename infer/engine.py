@@ -349,11 +349,11 @@ class Engine:
         for i, (live, row) in enumerate(zip(sampling, rows, strict=True)):
             outputs.append(self._record(live, row, done, picked[i]))
         if self.trace is not None and shapes is not None and host is not None:
-            ended, after = time.perf_counter(), host_counters()
-            steal = None if host.steal_s is None or after.steal_s is None else round(after.steal_s - host.steal_s, 6)
+            ended = time.perf_counter()
+            faults, steal = host_counters().since(host)
             self.trace.append(StepRecord(shapes, schedule_s=scheduled - started, build_s=self._build_s,
                                          forward_s=done - scheduled - self._build_s, sample_s=ended - done,
-                                         faults=after.faults - host.faults, steal_s=steal))
+                                         faults=faults, steal_s=steal))
         return outputs
 
     def follow(self) -> None:

@@ -85,6 +85,12 @@ class HostCounters:
     faults: int
     steal_s: float | None
 
+    def since(self, before: HostCounters) -> tuple[int, float | None]:
+        """The faults and steal taken between `before` and these counters (steal None where either went
+        unmeasured; rounded to the microsecond, as the ticks' difference is)."""
+        steal = None if self.steal_s is None or before.steal_s is None else round(self.steal_s - before.steal_s, 6)
+        return self.faults - before.faults, steal
+
 
 def host_counters() -> HostCounters:
     """The host's counters now (`HostCounters`): a step's record holds their change over the step. About 10 us (the
