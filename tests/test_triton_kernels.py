@@ -138,11 +138,14 @@ def test_one_split_written_directly_is_its_combine(dtype: torch.dtype) -> None:
 
 
 @given(st.one_of(st.integers(1, 9), st.integers(10, 300)), st.sampled_from([40, 64, 128, 256]),
-       st.sampled_from([torch.float32, torch.bfloat16]), st.integers(0, 2**31 - 1))
+       st.sampled_from([torch.float32, torch.bfloat16]), st.integers(0, 2**31 - 1), st.booleans())
+@example(splits=40, head_dim=64, dtype=torch.float32, seed=0, late_top=True)
 def test_the_one_launch_combine_is_the_pytorch_combine(splits: int, head_dim: int, dtype: torch.dtype,
-                                                        seed: int) -> None:
+                                                        seed: int, late_top: bool) -> None:
     """Flash-decoding's combine in one Triton launch equals the PyTorch form, splits that saw no key (max -inf,
-    sums 0) included, and hundreds of splits (a long context on one KV head), which it takes in chunks."""
+    sums 0) included, and hundreds of splits (a long context on one KV head), which it takes in chunks of 16:
+    `late_top` puts the top score in the last split, 100 over every other (a late key far above the rest), so a
+    maximum taken over fewer than all the chunks overflows exp."""
     from infer.kernels.paged_attention import combine_splits, combine_splits_triton
 
     gen = torch.Generator().manual_seed(seed)
@@ -150,6 +153,9 @@ def test_the_one_launch_combine_is_the_pytorch_combine(splits: int, head_dim: in
     m = torch.randn(B, H, splits, generator=gen) * 40  # maxima far apart: exp overflows unless shifted by the top
     empty = torch.rand(B, H, splits, generator=gen) < 0.3
     empty[..., 0] = False  # every row saw at least one key (lengths >= 1)
+    if late_top:
+        empty[..., -1] = False
+        m[..., -1] = m.amax(-1) + 100.0
     m[empty] = float("-inf")
     l_sum = torch.where(empty, 0.0, torch.rand(B, H, splits, generator=gen) + 0.5)
     acc = torch.where(empty[..., None], 0.0, torch.randn(B, H, splits, head_dim, generator=gen))
