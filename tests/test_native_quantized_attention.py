@@ -338,7 +338,7 @@ def check_pool_kernel(p: dict[str, Any], kernel: str, fp32_ulp: float, half_ulp:
 @needs_build
 @pytest.mark.parametrize("flavour", FLAVOURS_HERE or ["native"])
 @pytest.mark.parametrize("scheme", ["int8", "int4", "fp4"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
 @pytest.mark.parametrize("groups", [1, 2, 3, 4, 5])
 def test_a_quantized_pool_read_in_place_is_the_formula_for_every_pass_of_heads(flavour: str, scheme: str,
                                                                                head_dim: int, groups: int) -> None:
@@ -346,8 +346,9 @@ def test_a_quantized_pool_read_in_place_is_the_formula_for_every_pass_of_heads(f
     1-5: every split of a KV head's value sums into passes (4 heads at once at head size 64, 2 at 128, then the
     rest), their rows of codes widened in registers as they are summed (the default where several heads go at once)
     and through a decoded tile (check_pool_kernel's forms: the same bits), blocks of 32 keys (two tiles a block,
-    each with its own rows' scales) and lengths whole tiles and not; against the formula. Every flavour this CPU
-    runs (the pool's kernels are the flavour's)."""
+    each with its own rows' scales) and lengths whole tiles and not; head size 96 ends in 32 lanes past the 64-lane
+    passes (AVX2's tiles' last pass); against the formula. Every flavour this CPU runs (the pool's kernels are the
+    flavour's)."""
     p = {"scheme": scheme, "kv_heads": 2, "heads": 2 * groups, "head_dim": head_dim, "block_size": 32,
          "lengths": [1, 37, 80], "cut": False, "window": None, "softcap": None, "staged": 0.0, "tiles": True,
          "dtype": torch.float32 if groups % 2 else torch.bfloat16, "seed": head_dim + groups}
